@@ -1,0 +1,3 @@
+from llmctl.cli import main
+
+main()

@@ -1,0 +1,38 @@
+"""Shared test fixtures: where the repo and the shared real data are."""
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+def shared_file(rel):
+    """Path to a file under ../shared/data, or skip the test saying exactly what is missing."""
+    p = SHARED_DATA / rel
+    if not p.is_file():
+        pytest.skip(f"real data {p} is absent (see ../shared/data/README.md)")
+    return p
+
+
+@pytest.fixture
+def shakespeare_path():
+    return shared_file("tinyshakespeare/input.txt")
+
+
+@pytest.fixture
+def hellaswag_jsonl():
+    return shared_file("hellaswag/hellaswag_val.jsonl")
+
+
+@pytest.fixture
+def tinystories_path():
+    return shared_file("tinystories/tinystories_sample.txt")
+
+
+@pytest.fixture(autouse=True)
+def _no_network(monkeypatch):
+    """Tests never reach the internet: tiktoken/datasets must work from local files."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
