@@ -1,0 +1,60 @@
+"""The interface between the training loop and a communication backend.
+
+A backend owns process-group membership (rank, world_size) and three collectives over flat
+float32 NumPy buffers. `SingleProcessComm` is the world of one; shm (one host), ring (TCP across
+hosts) and mpi backends implement the same methods.
+"""
+import numpy as np
+
+
+class Comm:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+
+    def all_reduce_mean(self, buf: np.ndarray) -> None:
+        """Replace buf (1-D, contiguous float32) on every rank with the element-wise mean over ranks."""
+        raise NotImplementedError
+
+    def all_reduce_sum_scalar(self, x: float) -> float:
+        """Sum of one float over ranks (losses, correct counts)."""
+        raise NotImplementedError
+
+    def barrier(self) -> None:
+        raise NotImplementedError
+
+    def broadcast(self, buf: np.ndarray, root: int = 0) -> None:
+        """Copy root's buf into buf on every rank."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    @property
+    def is_master(self) -> bool:
+        return self.rank == 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+class SingleProcessComm(Comm):
+    """The world of one process: every collective is the identity."""
+
+    def all_reduce_mean(self, buf):
+        pass
+
+    def all_reduce_sum_scalar(self, x):
+        return float(x)
+
+    def barrier(self):
+        pass
+
+    def broadcast(self, buf, root=0):
+        if root != 0:
+            raise ValueError(f"root {root} does not exist in a world of size 1")
