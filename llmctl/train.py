@@ -1,0 +1,622 @@
+"""`llmctl train`: llm.c's training loop (train_gpt2.cu) on the CPU, with llm.c's files.
+
+What it is: `TrainConfig` (one field per llm.c flag, llm.c's defaults) and `train(cfg, comm,
+display)`, which runs the loop of train_gpt2.cu in its order, for step = start..N inclusive:
+val loss -> sample -> checkpoint -> (stop at the last step) -> micro-steps of forward/backward with
+gradient accumulation -> all-reduce of the flat gradient buffer -> lr schedule, grad-norm clip,
+AdamW -> log `s:%d trl:%.4f lr:%.6f norm:%.2f`. Checkpoints are llm.c's `model_%08d.bin` (rank 0),
+`state_%08d_%05d.bin` (every rank) and an empty `DONE_%08d` written last; `-y 1` resumes from the
+newest DONE and continues bit for bit (fixed thread count). Also writes `metrics.jsonl`.
+What it is not: the model math (llmctl/model.py), the data pipeline (llmctl/loader.py), the
+process launcher (llmctl/dist), HellaSwag (llmctl/evaluate.py) or the rendering
+(llmctl/display.py). Differences from llm.c are listed in docs/training.md.
+Reference: ../shared/docs/llmc-reference.md §6 (loop, flags), §1.3/§1.5 (files), §2 (loader).
+"""
+import contextlib
+import json
+import math
+import os
+import re
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from llmctl.dist.base import SingleProcessComm
+from llmctl.display import Display
+from llmctl.errors import ConfigError, DataError, FormatError, LlmctlError
+from llmctl.loader import DataLoader
+from llmctl.schedulers import SCHEDULERS, LRScheduler
+from llmctl.threads import resolve_threads
+
+
+class TrainInterrupted(LlmctlError):
+    """Ctrl-C: the current step finished, a checkpoint was written if -o was set."""
+
+    exit_code = 130
+
+    def __init__(self, message, summary=None):
+        super().__init__(message)
+        self.summary = summary or {}
+
+
+class TrainingDiverged(LlmctlError):
+    """The loss (or gradient norm) became NaN/Inf; no update was applied."""
+
+
+@dataclass
+class TrainConfig:
+    """Every `llmctl train` setting; field comments give llm.c's flag. Defaults are llm.c's CU."""
+
+    train_data: str = "dev/data/tinyshakespeare/tiny_shakespeare_train.bin"  # -i
+    val_data: str = "dev/data/tinyshakespeare/tiny_shakespeare_val.bin"  # -j
+    init: str = "gpt2_124M_bf16.bin"  # -e: checkpoint path or descriptor (d6, d12, gpt3:c768)
+    output_dir: Optional[str] = None  # -o
+    checkpoint_every: int = 0  # -n
+    checkpoints_keep: int = 0  # -nk (0 = keep all)
+    major_checkpoint_every: int = 0  # -nm (never deleted)
+    resume: int = 0  # -y
+    batch_size: int = 4  # -b (per process, micro batch)
+    seq_len: int = 1024  # -t
+    total_batch_size: int = -1  # -d in tokens (-1 = B*T*P, no accumulation)
+    max_steps: int = -1  # -x (-1 = one epoch)
+    lr_scheduler: str = "cosine"  # -k
+    learning_rate: float = 3e-4  # -l
+    warmup_iters: int = 0  # -u
+    final_lr_frac: float = 1.0  # -q
+    weight_decay: float = 0.0  # -c
+    beta1: float = 0.9  # hard-coded in llm.c
+    beta2: float = 0.95  # hard-coded in llm.c
+    eps: float = 1e-8  # hard-coded in llm.c
+    grad_clip: float = 1.0  # hard-coded in llm.c; 0 disables
+    val_loss_every: int = 20  # -v (0 = never)
+    val_max_steps: int = 20  # -m (-1 = whole val split)
+    sample_every: int = 20  # -s (0 = never)
+    gen_tokens: int = 64  # -g
+    overfit_single_batch: int = 0  # -a
+    seed: int = 42  # shuffle RNG of rank r = seed + r (llm.c: 42)
+    threads: Optional[int] = None  # kernel threads (default: OMP_NUM_THREADS or all cores)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def _atomic_write_bytes(path, data):
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
+                       f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def find_max_step(output_dir):
+    """The largest N with a DONE_%08d file in output_dir, or -1 (llm.c find_max_step)."""
+    best = -1
+    if not output_dir or not os.path.isdir(output_dir):
+        return best
+    for name in os.listdir(output_dir):
+        m = re.fullmatch(r"DONE_(\d{8})", name)
+        if m:
+            best = max(best, int(m.group(1)))
+    return best
+
+
+def checkpoint_paths(output_dir, step, rank=0):
+    return (os.path.join(output_dir, f"model_{step:08d}.bin"),
+            os.path.join(output_dir, f"state_{step:08d}_{rank:05d}.bin"),
+            os.path.join(output_dir, f"DONE_{step:08d}"))
+
+
+_PEAK_CACHE = {}
+
+
+def measure_peak_flops(n_threads):
+    """fp32 GEMM FLOP/s of this machine: best of 3 NumPy 1024^3 sgemm at n_threads (~0.1 s)."""
+    if n_threads in _PEAK_CACHE:
+        return _PEAK_CACHE[n_threads]
+    from threadpoolctl import threadpool_limits
+
+    rs = np.random.default_rng(0)
+    a = rs.standard_normal((1024, 1024), dtype=np.float32)
+    b = rs.standard_normal((1024, 1024), dtype=np.float32)
+    with threadpool_limits(limits=n_threads, user_api="blas"):
+        a @ b
+        best = math.inf
+        for _ in range(3):
+            t0 = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t0)
+    _PEAK_CACHE[n_threads] = 2.0 * 1024 ** 3 / best
+    return _PEAK_CACHE[n_threads]
+
+
+def flops_per_token(num_parameters, L, C, T):
+    """llm.c gpt2_estimate_mfu: 6N for the matmuls + 6*L*C*T for attention (fwd + bwd)."""
+    return 6 * num_parameters + 6 * L * C * T
+
+
+class _SigintGuard:
+    """First Ctrl-C asks the loop to stop after the current step; a second one stops at once."""
+
+    def __init__(self):
+        self.requested = False
+        self._prev = None
+        self._installed = False
+
+    def _handler(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._prev = signal.signal(signal.SIGINT, self._handler)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc):
+        if self._installed:
+            signal.signal(signal.SIGINT, self._prev)
+        return False
+
+
+def _validate(cfg, P):
+    def positive(name, flag, v):
+        if v <= 0:
+            raise ConfigError(f"{name} ({flag}) must be positive, got {v}")
+
+    positive("micro batch size", "-b", cfg.batch_size)
+    positive("sequence length", "-t", cfg.seq_len)
+    if cfg.lr_scheduler not in SCHEDULERS:
+        raise ConfigError(f"unknown learning-rate schedule -k {cfg.lr_scheduler!r}",
+                          hint=f"use one of: {', '.join(SCHEDULERS)}")
+    if cfg.warmup_iters < 0:
+        raise ConfigError(f"warmup iterations (-u) must be >= 0, got {cfg.warmup_iters}")
+    if cfg.max_steps < -1:
+        raise ConfigError(f"max steps (-x) must be -1 (one epoch) or >= 0, got {cfg.max_steps}")
+    if cfg.val_max_steps < -1 or cfg.val_max_steps == 0 and cfg.val_loss_every > 0:
+        raise ConfigError(f"val max steps (-m) must be -1 (whole split) or >= 1, got "
+                          f"{cfg.val_max_steps}", hint="use -v 0 to skip validation")
+    if cfg.grad_clip < 0:
+        raise ConfigError(f"--grad-clip must be >= 0 (0 disables), got {cfg.grad_clip}")
+    if cfg.resume not in (0, 1):
+        raise ConfigError(f"-y must be 0 or 1, got {cfg.resume}")
+    if cfg.overfit_single_batch not in (0, 1):
+        raise ConfigError(f"-a must be 0 or 1, got {cfg.overfit_single_batch}")
+    if cfg.resume == 1 and not cfg.output_dir:
+        raise ConfigError("-y 1 resumes from the checkpoints in -o, but no -o was given")
+    if cfg.gen_tokens < 1 and cfg.sample_every > 0:
+        raise ConfigError(f"gen tokens (-g) must be >= 1, got {cfg.gen_tokens}")
+    for name, flag, v in (("checkpoint every", "-n", cfg.checkpoint_every),
+                          ("checkpoints keep", "-nk", cfg.checkpoints_keep),
+                          ("major checkpoint every", "-nm", cfg.major_checkpoint_every),
+                          ("val loss every", "-v", cfg.val_loss_every),
+                          ("sample every", "-s", cfg.sample_every)):
+        if v < 0:
+            raise ConfigError(f"{name} ({flag}) must be >= 0, got {v}")
+    tokens_per_fwdbwd = cfg.batch_size * cfg.seq_len * P
+    total = tokens_per_fwdbwd if cfg.total_batch_size == -1 else cfg.total_batch_size
+    if total <= 0 or total % tokens_per_fwdbwd:
+        raise ConfigError(
+            f"total batch size -d {total} is not a positive multiple of B*T*P = "
+            f"{cfg.batch_size}*{cfg.seq_len}*{P} = {tokens_per_fwdbwd}",
+            hint=f"use -d {tokens_per_fwdbwd * max(1, round(total / tokens_per_fwdbwd))} or -1")
+    return total, total // tokens_per_fwdbwd
+
+
+def _prepare_output_dir(path, rank=0):
+    """Create -o and prove it is writable before anything is trained; no file is left behind."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise LlmctlError(f"cannot create output directory {path}: {e.strerror or e}",
+                          hint="choose a writable -o") from None
+    if not os.path.isdir(path):
+        raise LlmctlError(f"output path {path} exists and is not a directory",
+                          hint="choose another -o")
+    probe = os.path.join(path, f".llmctl-write-test-{os.getpid()}-{rank}")
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"x")
+        os.unlink(probe)
+    except OSError as e:
+        raise LlmctlError(f"output directory {path} is not writable: {e.strerror or e}",
+                          hint="choose a writable -o") from None
+
+
+def _peek_model_config(spec):
+    """The GPT2Config that `-e spec` will build, from a checkpoint header or a descriptor."""
+    from llmctl.formats import read_checkpoint_header
+    from llmctl.model import GPT2Config
+
+    s = str(spec)
+    if os.path.exists(s):
+        h = read_checkpoint_header(s)
+        return GPT2Config(h.max_seq_len, h.vocab_size, h.padded_vocab_size, h.num_layers,
+                          h.num_heads, h.channels)
+    if s.endswith(".bin") or os.sep in s:
+        raise FormatError(f"{s}: checkpoint file not found",
+                          hint="pass an llm.c checkpoint .bin, or a descriptor such as -e d6 or "
+                               "-e d12 for llm.c's random init")
+    return GPT2Config.from_descriptor(s)
+
+
+def _build_model(spec, n_threads):
+    from llmctl.model import GPT2
+
+    return GPT2.from_init(spec, n_threads=n_threads)
+
+
+# ---------------------------------------------------------------------------------------------
+# the trainer
+
+
+class Trainer:
+    """One training run. `run()` is the loop; the pieces are methods so tools can time them."""
+
+    def __init__(self, cfg, comm=None, display=None):
+        self.cfg = cfg
+        self.comm = comm if comm is not None else SingleProcessComm()
+        self.display = display if display is not None else Display()
+        self.rank, self.P = self.comm.rank, self.comm.world_size
+        self.is_master = self.rank == 0
+        self.n_threads = resolve_threads(cfg.threads)
+        B, T = cfg.batch_size, cfg.seq_len
+        self.B, self.T = B, T
+
+        # 1. flags that cannot work, before touching any file
+        self.total_batch_size, self.grad_accum_steps = _validate(cfg, self.P)
+
+        # 2. data (llm.c: -a 1 overfits the first batch of the VAL split)
+        train_pattern = cfg.val_data if cfg.overfit_single_batch else cfg.train_data
+        self.train_loader = DataLoader(train_pattern, B, T, self.rank, self.P, shuffle=True,
+                                       seed=cfg.seed)
+        self.val_loader = None
+        if cfg.val_loss_every > 0:
+            self.val_loader = DataLoader(cfg.val_data, B, T, self.rank, self.P, shuffle=False)
+        self.overfit_batch = self.train_loader.next_batch() if cfg.overfit_single_batch else None
+        if cfg.max_steps == -1:
+            self.num_steps = self.train_loader.num_tokens // self.total_batch_size
+            if self.num_steps == 0:
+                raise DataError(f"{train_pattern!r} has {self.train_loader.num_tokens} tokens, "
+                                f"less than one step of -d {self.total_batch_size} tokens",
+                                hint="use a smaller -d/-b/-t or set -x")
+        else:
+            self.num_steps = cfg.max_steps
+        self.val_num_batches = 0
+        if self.val_loader is not None:
+            self.val_num_batches = (cfg.val_max_steps if cfg.val_max_steps != -1 else
+                                    self.val_loader.num_tokens // (B * T * self.P))
+
+        # 3. the model's shape (header or descriptor only), then the output directory: all
+        # cheap checks happen before anything is written or a large model is initialised
+        self.out = cfg.output_dir
+        self.resume_step = find_max_step(self.out) if cfg.resume == 1 else -1
+        init_spec = (checkpoint_paths(self.out, self.resume_step)[0] if self.resume_step >= 0
+                     else cfg.init)
+        mc = _peek_model_config(init_spec)
+        if T > mc.max_seq_len:
+            raise ConfigError(f"sequence length -t {T} exceeds the model's maxT "
+                              f"{mc.max_seq_len}", hint=f"use -t {mc.max_seq_len} or less")
+        if self.out:
+            _prepare_output_dir(self.out, self.rank)
+
+        # 4. model
+        self.model = _build_model(init_spec, self.n_threads)
+        mc = self.model.config
+        self.gen_tokens = min(cfg.gen_tokens, mc.max_seq_len)
+
+        self.scheduler = LRScheduler(cfg.lr_scheduler, cfg.learning_rate, cfg.warmup_iters,
+                                     self.num_steps, cfg.final_lr_frac)
+        self.start_step = 0
+        if self.resume_step >= 0:
+            self.start_step = self._load_state(self.resume_step)
+            if self.start_step > self.num_steps:
+                raise ConfigError(f"the checkpoint in {self.out} is at step {self.start_step}, "
+                                  f"beyond the {self.num_steps} steps of this run",
+                                  hint="pass the -x of the original run")
+
+        self.flops_per_step = flops_per_token(self.model.num_parameters, mc.num_layers,
+                                              mc.channels, T) * B * T * self.grad_accum_steps
+        self.peak_flops = measure_peak_flops(self.n_threads)
+        self.last_checkpoint = None
+        self.allreduce_ms = 0.0
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def _load_state(self, step):
+        from llmctl.formats import read_state_file
+
+        path = checkpoint_paths(self.out, step, self.rank)[1]
+        if not os.path.isfile(path):
+            raise FormatError(f"{path}: missing (DONE_{step:08d} exists but this rank's state "
+                              "file does not)", hint="resume with the same number of processes, "
+                              "or delete the incomplete checkpoint")
+        st = read_state_file(path, num_parameters=self.model.num_parameters)
+        if st.step != step:
+            raise FormatError(f"{path}: says step {st.step} but belongs to checkpoint {step}",
+                              hint="the checkpoint directory is inconsistent; delete DONE_"
+                                   f"{step:08d} to resume from an earlier one")
+        if st.num_processes != self.P or st.process_rank != self.rank:
+            raise ConfigError(f"{path}: written by rank {st.process_rank} of {st.num_processes} "
+                              f"processes, but this is rank {self.rank} of {self.P}",
+                              hint="resume with the same number of processes")
+        self.model.m = np.array(st.m, dtype=np.float32)
+        self.model.v = np.array(st.v, dtype=np.float32)
+        if st.use_master_weights and st.master is not None:
+            # llm.c (bf16 builds) keeps fp32 master weights: those are the real parameters
+            self.model.params[:] = np.asarray(st.master, dtype=np.float32)
+        if self.cfg.overfit_single_batch:
+            pass  # the single batch was taken at start-up; the loader is never read again
+        elif st.should_shuffle:
+            self.train_loader.load_state(st.shard_indices, st.intra_shard_indices, st.mt_state,
+                                         st.current_shard_idx, st.current_sample_idx, source=path)
+        else:
+            self.train_loader.should_shuffle = False
+            self.train_loader.resume(st.current_shard_idx, st.current_sample_idx)
+        return int(st.step)
+
+    def write_checkpoint(self, step):
+        """model (rank 0), state (every rank), barrier, DONE (rank 0): llm.c write_checkpoint."""
+        from llmctl.formats import StateFile, write_state_file
+
+        model_path, state_path, done_path = checkpoint_paths(self.out, step, self.rank)
+        if self.is_master:
+            self.model.save_checkpoint(model_path)
+        n = self.model.num_parameters
+        ld = self.train_loader.state()
+        m = self.model.m if self.model.m is not None else np.zeros(n, np.float32)
+        v = self.model.v if self.model.v is not None else np.zeros(n, np.float32)
+        st = StateFile(num_processes=self.P, process_rank=self.rank, use_master_weights=False,
+                       should_shuffle=ld["should_shuffle"], step=step,
+                       rng_state=13371337 + self.rank, rng_state_last_update=13371337 + self.rank,
+                       current_shard_idx=ld["current_shard_idx"],
+                       current_sample_idx=ld["current_sample_idx"], m=m, v=v,
+                       shard_indices=ld["shard_indices"],
+                       intra_shard_indices=ld["intra_shard_indices"], mt_state=ld["rng_state"])
+        write_state_file(state_path, st)
+        self.comm.barrier()
+        if self.is_master:
+            _atomic_write_bytes(done_path, b"")
+            self.display.checkpoint(step, model_path)
+        self.last_checkpoint = model_path
+
+    def delete_checkpoint(self, step):
+        model_path, state_path, done_path = checkpoint_paths(self.out, step, self.rank)
+        # DONE first: a half-deleted checkpoint must never look complete
+        for p in ((done_path, model_path) if self.is_master else ()) + (state_path,):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(p)
+
+    # -- evaluation / sampling -------------------------------------------------------------------
+
+    def evaluate_val(self):
+        """Mean loss over val_num_batches batches from the start of the val split, all ranks."""
+        self.val_loader.reset()
+        total = 0.0
+        for _ in range(self.val_num_batches):
+            x, y = self.val_loader.next_batch()
+            total += float(self.model.forward(x, y))
+        val = total / self.val_num_batches
+        return self.comm.all_reduce_sum_scalar(val) / self.P
+
+    def generate_sample(self):
+        """llm.c's training-time sample: from <|endoftext|>, gen_tokens-1 tokens, coins from
+        xorshift seeded 1337 afresh each time, no temperature. Returns the text (or ids)."""
+        from llmctl.sample import generate
+
+        V = self.model.config.vocab_size
+        eot = 50256 if V > 50256 else 0
+        n = self.gen_tokens - 1
+        if n <= 0:
+            return ""
+        ids = generate(self.model, [eot], n, seed=1337, stop_at_eot=False, eot=eot,
+                       n_threads=self.n_threads)
+        if V == 50257:
+            try:
+                from llmctl.tokenizer import get_tokenizer
+
+                return get_tokenizer().decode(ids)
+            except LlmctlError:
+                pass
+        return " ".join(str(i) for i in ids)
+
+    # -- one optimization step ------------------------------------------------------------------
+
+    def all_reduce_grads(self):
+        """Average the flat gradient buffer over ranks (one collective per step)."""
+        if self.P > 1:
+            t0 = time.perf_counter()
+            self.comm.all_reduce_mean(self.model.grads)
+            self.allreduce_ms = (time.perf_counter() - t0) * 1000.0
+
+    def train_step(self, step):
+        """Micro-steps + all-reduce + clip + AdamW. -> (mean loss over micro-steps and ranks,
+        lr, grad norm). Raises TrainingDiverged (before any update) on a non-finite loss/norm."""
+        model = self.model
+        model.zero_grad()
+        loss_sum = 0.0
+        for _ in range(self.grad_accum_steps):
+            if self.overfit_batch is not None:
+                x, y = self.overfit_batch
+            else:
+                x, y = self.train_loader.next_batch()
+            loss_sum += float(model.forward(x, y))
+            model.backward(loss_scale=1.0 / self.grad_accum_steps)
+        loss = loss_sum / self.grad_accum_steps
+        if self.P > 1:
+            loss = self.comm.all_reduce_sum_scalar(loss) / self.P
+        self.all_reduce_grads()
+        lr = self.scheduler.lr_at(step)
+        grad_norm = float(model.grad_norm())
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            what = "loss" if not math.isfinite(loss) else "gradient norm"
+            value = loss if not math.isfinite(loss) else grad_norm
+            where = (f"last good checkpoint: {self.last_checkpoint}" if self.last_checkpoint
+                     else "no checkpoint was written")
+            raise TrainingDiverged(
+                f"{what} is {value} at step {step}: training stopped before the update ({where})",
+                hint="lower the learning rate (-l), add warmup (-u) or keep --grad-clip on")
+        clip = self.cfg.grad_clip
+        grad_scale = clip / grad_norm if clip > 0 and grad_norm > clip else 1.0
+        model.update(lr, self.cfg.beta1, self.cfg.beta2, self.cfg.eps, self.cfg.weight_decay,
+                     grad_scale, step + 1)
+        return loss, lr, grad_norm
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def _info(self):
+        mc, c = self.model.config, self.cfg
+        return {
+            "train_data": self.train_loader.pattern, "val_data": c.val_data,
+            "init": (f"checkpoint step {self.resume_step}" if self.resume_step >= 0 else c.init),
+            "model": f"L={mc.num_layers} NH={mc.num_heads} C={mc.channels} "
+                     f"maxT={mc.max_seq_len} V={mc.vocab_size} Vp={mc.padded_vocab_size}",
+            "num_parameters": self.model.num_parameters,
+            "B": self.B, "T": self.T, "P": self.P,
+            "total_batch_size": self.total_batch_size,
+            "grad_accum_steps": self.grad_accum_steps,
+            "num_steps": self.num_steps, "start_step": self.start_step,
+            "val_num_batches": self.val_num_batches,
+            "lr_schedule": f"{c.lr_scheduler} lr={c.learning_rate:g} warmup={c.warmup_iters} "
+                           f"final_frac={c.final_lr_frac:g}",
+            "threads": self.n_threads,
+            "output_dir": self.out or "-",
+        }
+
+    def _open_logs(self):
+        """main.log (llm.c: truncated unless -y 1) and metrics.jsonl (entries at or after the
+        resumed step are dropped, so a resumed run's file equals an uninterrupted one)."""
+        self.main_log = self.metrics = None
+        if not (self.out and self.is_master):
+            return
+        log_path = os.path.join(self.out, "main.log")
+        self.main_log = open(log_path, "a" if self.cfg.resume == 1 else "w")
+        mpath = os.path.join(self.out, "metrics.jsonl")
+        keep = []
+        if self.start_step > 0 and os.path.isfile(mpath):
+            with open(mpath) as f:
+                for line in f:
+                    try:
+                        if json.loads(line)["step"] < self.start_step:
+                            keep.append(line if line.endswith("\n") else line + "\n")
+                    except (ValueError, KeyError, TypeError):
+                        continue
+        _atomic_write_bytes(mpath, "".join(keep).encode())
+        self.metrics = open(mpath, "a")
+
+    def _close_logs(self):
+        for f in (self.main_log, self.metrics):
+            if f is not None:
+                f.close()
+
+    def _log(self, line):
+        if self.main_log is not None:
+            self.main_log.write(line + "\n")
+            self.main_log.flush()
+
+    def _record(self, rec):
+        if self.metrics is not None:
+            self.metrics.write(json.dumps(rec) + "\n")
+            self.metrics.flush()
+
+    def run(self):
+        cfg, N = self.cfg, self.num_steps
+        self._open_logs()
+        if self.is_master:
+            self.display.start(self._info())
+            if cfg.resume == 1:
+                self.display.message(
+                    f"resuming from the checkpoint at step {self.start_step} in {self.out}"
+                    if self.resume_step >= 0 else
+                    f"no complete checkpoint in {self.out}: starting from {cfg.init}")
+        summary = {"start_step": self.start_step, "num_steps": N, "steps_run": 0,
+                   "train_loss": None, "val_loss": None, "checkpoint": None,
+                   "output_dir": self.out}
+        resuming = self.resume_step >= 0
+        times = []
+        try:
+            with _SigintGuard() as sigint:
+                for step in range(self.start_step, N + 1):
+                    last = step == N
+                    rec = {"step": step}
+                    if self.val_loader is not None and (step % cfg.val_loss_every == 0 or last):
+                        val = self.evaluate_val()
+                        rec["val_loss"] = summary["val_loss"] = val
+                        self._log(f"s:{step} tel:{val:.4f}")
+                        if self.is_master:
+                            self.display.val(step, val)
+                    if (self.is_master and cfg.sample_every > 0
+                            and ((step > 0 and step % cfg.sample_every == 0) or last)):
+                        self.display.sample(step, self.generate_sample())
+                    if (cfg.checkpoint_every > 0 and self.out and not resuming
+                            and ((step > 0 and step % cfg.checkpoint_every == 0) or last)):
+                        self.write_checkpoint(step)
+                        step_delete = step - cfg.checkpoints_keep * cfg.checkpoint_every
+                        if (cfg.checkpoints_keep > 0 and step_delete > 0
+                                and (cfg.major_checkpoint_every == 0
+                                     or step_delete % cfg.major_checkpoint_every != 0)):
+                            self.delete_checkpoint(step_delete)
+                    resuming = False
+                    if last:
+                        if len(rec) > 1:
+                            self._record(rec)
+                        break
+
+                    t0 = time.perf_counter()
+                    loss, lr, norm = self.train_step(step)
+                    ms = (time.perf_counter() - t0) * 1000.0
+                    times.append(ms)
+                    tokens = self.P * self.B * self.T * self.grad_accum_steps
+                    rec.update(train_loss=loss, lr=lr, grad_norm=norm, ms=ms,
+                               tokens_per_s=tokens / (ms / 1000.0),
+                               mfu=self.flops_per_step / (ms / 1000.0) / self.peak_flops)
+                    if self.P > 1:
+                        rec["allreduce_ms"] = self.allreduce_ms
+                    self._log(f"s:{step} trl:{loss:.4f} lr:{lr:.6f} norm:{norm:.2f}")
+                    self._record(rec)
+                    summary.update(steps_run=summary["steps_run"] + 1, train_loss=loss)
+                    if self.is_master:
+                        self.display.step({**rec, "num_steps": N})
+
+                    stop = sigint.requested
+                    if self.P > 1:  # every rank must stop at the same step
+                        stop = self.comm.all_reduce_sum_scalar(1.0 if stop else 0.0) > 0
+                    # a launcher's coordinated Ctrl-C: set on every rank at the same collective
+                    stop = stop or bool(getattr(self.comm, "stop_requested", False))
+                    if stop:
+                        if self.out:
+                            self.write_checkpoint(step + 1)
+                        summary["checkpoint"] = self.last_checkpoint
+                        where = (f"; checkpoint written: {self.last_checkpoint}"
+                                 if self.out else "; no -o, nothing saved")
+                        raise TrainInterrupted(f"interrupted after step {step + 1}/{N}{where}",
+                                               summary)
+        finally:
+            self._close_logs()
+            summary["checkpoint"] = self.last_checkpoint
+            if times:
+                summary["avg_ms"] = (sum(times[1:]) / len(times[1:]) if len(times) > 1
+                                     else times[0])
+            if self.is_master:
+                self.display.finish(summary)
+        return summary
+
+
+def train(cfg, comm=None, display=None):
+    """Run llm.c's training loop for `cfg` (a TrainConfig); returns a summary dict.
+
+    comm: a llmctl.dist Comm (default: one process). display: a llmctl.display.Display.
+    Raises ConfigError/DataError/FormatError for bad input (before any file is written),
+    TrainingDiverged on a NaN/Inf loss, TrainInterrupted (exit code 130) after Ctrl-C.
+    """
+    return Trainer(cfg, comm, display).run()

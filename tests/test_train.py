@@ -1,0 +1,595 @@
+"""`llmctl train` (llmctl/train.py, schedulers.py, display.py, the CLI command).
+
+Runs use a tiny byte-level GPT-2 (L=2, C=32, NH=2, maxT=32, V=Vp=256) on the bytes of the real
+Tiny Shakespeare text stored as an llm.c uint16 shard, and one thread: a step costs a few ms, so
+whole training runs (resume, SIGINT, overfitting) fit the CI budget. Checkpoint bytes are checked
+against llm.c's layout with struct/NumPy here, not through llmctl.formats.
+"""
+import json
+import math
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llmctl.display import Display, PlainDisplay
+from llmctl.errors import ConfigError
+from llmctl.schedulers import get_learning_rate
+from llmctl.train import TrainConfig, TrainingDiverged, TrainInterrupted, train
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared" / "data"
+TINY = dict(maxT=32, V=256, Vp=256, L=2, NH=2, C=32)
+
+
+def n_params(maxT, V, Vp, L, NH, C):
+    return Vp * C + maxT * C + L * (12 * C * C + 13 * C) + 2 * C
+
+
+def write_llmc_checkpoint(path, params, version=3, **cfg):
+    """train_gpt2.py's write_model layout (§1.3), written independently of llmctl.formats."""
+    c = {**TINY, **cfg}
+    header = np.zeros(256, dtype="<i4")
+    header[:8] = [20240326, version, c["maxT"], c["V"], c["L"], c["NH"], c["C"], c["Vp"]]
+    p = np.asarray(params, dtype=np.float32)
+    payload = p.astype("<f4").tobytes() if version == 3 else \
+        (p.view(np.uint32) >> 16).astype("<u2").tobytes()  # bf16 by truncation is still valid bf16
+    Path(path).write_bytes(header.tobytes() + payload)
+    return str(path)
+
+
+def tiny_params(seed=0, **cfg):
+    """GPT-2-like init: N(0, 0.02) weights, unit LayerNorm weights, zero biases."""
+    c = {**TINY, **cfg}
+    maxT, Vp, L, C = c["maxT"], c["Vp"], c["L"], c["C"]
+    rs = np.random.default_rng(seed)
+    sizes = [("wte", Vp * C), ("wpe", maxT * C), ("ln1w", L * C), ("ln1b", L * C),
+             ("qkvw", L * 3 * C * C), ("qkvb", L * 3 * C), ("attprojw", L * C * C), ("attprojb", L * C),
+             ("ln2w", L * C), ("ln2b", L * C), ("fcw", L * 4 * C * C), ("fcb", L * 4 * C),
+             ("fcprojw", L * 4 * C * C), ("fcprojb", L * C), ("lnfw", C), ("lnfb", C)]
+    parts = []
+    for name, n in sizes:
+        if name in ("ln1w", "ln2w", "lnfw"):
+            parts.append(np.ones(n, np.float32))
+        elif name.endswith("b"):
+            parts.append(np.zeros(n, np.float32))
+        else:
+            parts.append((rs.standard_normal(n) * 0.02).astype(np.float32))
+    return np.concatenate(parts)
+
+
+def write_shard(path, tokens):
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = [20240520, 1, len(tokens)]
+    Path(path).write_bytes(header.tobytes() + np.asarray(tokens, dtype="<u2").tobytes())
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    src = SHARED / "tinyshakespeare" / "input.txt"
+    if not src.is_file():
+        pytest.skip(f"real data {src} is absent")
+    d = tmp_path_factory.mktemp("bytes")
+    b = np.frombuffer(src.read_bytes(), dtype=np.uint8).astype(np.uint16)
+    # two train shards (exercises shard shuffling), one val shard
+    write_shard(d / "ts_bytes_train_000001.bin", b[32768:400000])
+    write_shard(d / "ts_bytes_train_000002.bin", b[400000:])
+    write_shard(d / "ts_bytes_val_000000.bin", b[:32768])
+    ckpt = write_llmc_checkpoint(d / "tiny.bin", tiny_params())
+    return {"dir": d, "train": str(d / "ts_bytes_train_*.bin"),
+            "val": str(d / "ts_bytes_val_*.bin"), "ckpt": ckpt}
+
+
+def cfg_for(data, out=None, **kw):
+    base = dict(train_data=data["train"], val_data=data["val"], init=data["ckpt"],
+                output_dir=None if out is None else str(out), batch_size=4, seq_len=32,
+                max_steps=12, val_loss_every=4, val_max_steps=2, sample_every=0, gen_tokens=8,
+                learning_rate=3e-3, threads=1)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def metrics(out):
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def no_timing(recs):
+    return [{k: v for k, v in r.items() if k not in ("ms", "tokens_per_s", "mfu")} for r in recs]
+
+
+# ---------------------------------------------------------------------------------------------
+# learning-rate schedules (§6.5), against float64 formulas
+
+
+@pytest.mark.parametrize("kind", ["cosine", "linear", "constant", "wsd"])
+def test_schedules_match_formulas(kind):
+    lr, W, N, q = 6e-4, 5, 50, 0.1
+    lo = lr * q
+    for step in range(N):
+        got = get_learning_rate(kind, step, lr, W, N, q)
+        if kind == "constant":
+            want = lr
+        elif step < W:
+            want = lr * (step + 1) / W
+        elif kind == "cosine":
+            want = lo + 0.5 * (1 + math.cos(math.pi * (step - W) / (N - W))) * (lr - lo)
+        elif kind == "linear":
+            want = lr - (step - W) / (N - W) * (lr - lo)
+        else:
+            D = int(0.8 * N)
+            want = lr if step < D else lo + (1 - math.sqrt((step - D) / (N - D))) * (lr - lo)
+        # llm.c computes in float32: agree to float32 precision (a few ulps of lr)
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-12), (kind, step)
+
+
+def test_default_cosine_is_constant_after_warmup():
+    # llm.c's default final fraction 1.0 makes cosine flat
+    assert {get_learning_rate("cosine", s, 3e-4, 0, 100, 1.0) for s in range(100)} == \
+        {float(np.float32(3e-4))}
+
+
+def test_unknown_schedule():
+    with pytest.raises(ConfigError, match="unknown learning-rate schedule"):
+        get_learning_rate("exp", 0, 1e-3, 0, 10, 1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# files: main.log, metrics.jsonl, checkpoints in llm.c's layout
+
+
+def test_run_writes_llmc_files(data, tmp_path):
+    out = tmp_path / "run"
+    s = train(cfg_for(data, out, max_steps=8, checkpoint_every=2, checkpoints_keep=2,
+                      major_checkpoint_every=4, sample_every=4))
+    assert s["steps_run"] == 8 and s["checkpoint"].endswith("model_00000008.bin")
+    names = sorted(os.listdir(out))
+    # -nk 2 keeps the last two (6, 8); -nm 4 keeps step 4 forever; step 2 is deleted
+    assert [n for n in names if n.startswith("DONE_")] == ["DONE_00000004", "DONE_00000006", "DONE_00000008"]
+    assert "model_00000002.bin" not in names and "state_00000002_00000.bin" not in names
+    assert not [n for n in names if ".tmp" in n or n.startswith(".")]
+    assert (out / "DONE_00000008").stat().st_size == 0
+
+    # main.log: llm.c's exact line formats
+    log = (out / "main.log").read_text().splitlines()
+    assert log[0].startswith("s:0 tel:") and log[1].startswith("s:0 trl:")
+    import re
+    for line in log:
+        assert re.fullmatch(r"s:\d+ (tel:\d+\.\d{4}|trl:\d+\.\d{4} lr:\d+\.\d{6} norm:\d+\.\d{2})", line), line
+    assert log[-1].startswith("s:8 tel:")
+
+    recs = metrics(out)
+    assert [r["step"] for r in recs] == list(range(9))
+    for r in recs[:8]:
+        assert set(r) >= {"step", "train_loss", "lr", "grad_norm", "ms", "tokens_per_s", "mfu"}
+        assert r["tokens_per_s"] > 0 and 0 < r["mfu"]
+    assert "val_loss" in recs[0] and "val_loss" in recs[4] and "val_loss" not in recs[1]
+    assert set(recs[8]) == {"step", "val_loss"}
+    # main.log rounds what metrics.jsonl holds at full precision
+    assert log[1] == (f"s:0 trl:{recs[0]['train_loss']:.4f} lr:{recs[0]['lr']:.6f} "
+                      f"norm:{recs[0]['grad_norm']:.2f}")
+
+    # model_%08d.bin: llm.c header, exact size, loads back into llmctl with the trained params
+    mp = out / "model_00000008.bin"
+    hdr = np.frombuffer(mp.read_bytes()[:1024], dtype="<i4")
+    N = n_params(**TINY)
+    assert hdr[:8].tolist() == [20240326, 3, 32, 256, 2, 2, 32, 256] and not hdr[8:].any()
+    assert mp.stat().st_size == 1024 + 4 * N
+    from llmctl.model import GPT2
+
+    m = GPT2.from_checkpoint(str(mp), n_threads=1)
+    assert m.num_parameters == N and np.isfinite(m.params).all()
+    assert not np.array_equal(m.params, tiny_params())  # it trained
+
+    # state_%08d_%05d.bin: llm.c's §1.5 layout
+    sp = out / "state_00000008_00000.bin"
+    raw = sp.read_bytes()
+    h = np.frombuffer(raw[:1024], dtype="<i4")
+    assert h[:6].tolist() == [20240527, 1, 1, 0, 0, 1] and h[10] == 8
+    shard_idx, sample_idx = struct.unpack_from("<QQ", raw, 120)
+    assert shard_idx in (0, 1) and sample_idx > 0
+    off = 1024 + 8 * N
+    (nshards,) = struct.unpack_from("<Q", raw, off)
+    assert nshards == 2
+    shard_indices = np.frombuffer(raw, "<i4", 2, off + 8)
+    assert sorted(shard_indices.tolist()) == [0, 1]
+    (nsamp,) = struct.unpack_from("<Q", raw, off + 16)
+    assert len(raw) == off + 8 + 8 + 8 + 4 * nsamp + 2520
+    m_state = np.frombuffer(raw, "<f4", N, 1024)
+    assert np.abs(m_state).sum() > 0  # AdamW m was saved
+
+
+def test_llmc_checkpoints_load_fp32_and_bf16(data, tmp_path):
+    # a checkpoint as llm.c's tools write it, fp32 (v3) and bf16 (v5: llm.c's default -e)
+    p = tiny_params(seed=3)
+    for version in (3, 5):
+        ck = write_llmc_checkpoint(tmp_path / f"v{version}.bin", p, version=version)
+        s = train(cfg_for(data, init=ck, max_steps=2, val_loss_every=0))
+        assert s["steps_run"] == 2 and math.isfinite(s["train_loss"])
+    from llmctl.model import GPT2
+
+    m = GPT2.from_init(str(tmp_path / "v5.bin"), n_threads=1)
+    assert np.array_equal(m.params.view(np.uint32), p.view(np.uint32) & np.uint32(0xFFFF0000))
+
+
+# ---------------------------------------------------------------------------------------------
+# bit-exact resume
+
+
+class _StopAfter(Display):
+    """Sends this process SIGINT while step `k` runs: exercises the real Ctrl-C path."""
+
+    def __init__(self, k):
+        self.k = k
+
+    def step(self, rec):
+        if rec["step"] == self.k:
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_bit_exact_resume(data, tmp_path):
+    kw = dict(max_steps=12, checkpoint_every=12, lr_scheduler="cosine", warmup_iters=2,
+              final_lr_frac=0.1, weight_decay=0.1, sample_every=6, gen_tokens=6,
+              total_batch_size=2 * 4 * 32)  # gradient accumulation too
+    a, b = tmp_path / "straight", tmp_path / "split"
+    train(cfg_for(data, a, **kw))
+
+    prev = signal.getsignal(signal.SIGINT)
+    with pytest.raises(TrainInterrupted):
+        train(cfg_for(data, b, **kw), display=_StopAfter(5))
+    assert signal.getsignal(signal.SIGINT) is prev  # handler restored
+    assert (b / "DONE_00000006").exists() and not (b / "DONE_00000012").exists()
+    s = train(cfg_for(data, b, resume=1, **kw))
+    assert s["start_step"] == 6 and s["steps_run"] == 6
+
+    for name in ("model_00000012.bin", "state_00000012_00000.bin", "main.log"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    assert no_timing(metrics(a)) == no_timing(metrics(b))
+
+
+def test_sigint_subprocess_then_resume(data, tmp_path):
+    """Ctrl-C on the real CLI: finishes the step, checkpoints, exits 130; -y 1 continues exactly."""
+    out = tmp_path / "c"
+    N = 150
+    args = [sys.executable, "-m", "llmctl", "train", "-i", data["train"], "-j", data["val"],
+            "-e", data["ckpt"], "-b", "4", "-t", "32", "-x", str(N), "-v", "0", "-s", "0",
+            "-l", "1e-3", "--threads", "1", "-o", str(out), "-n", str(N)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                            cwd=str(tmp_path))
+    mfile = out / "metrics.jsonl"
+    deadline = time.time() + 60
+    while time.time() < deadline and proc.poll() is None:
+        if mfile.exists() and mfile.read_text().count("\n") >= 3:
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    err = err.decode()
+    if proc.returncode == 0:
+        pytest.skip("the run finished before the signal arrived (machine too fast)")
+    assert proc.returncode == 130, err
+    assert "Interrupted" in err and "Traceback" not in err
+    k = max(int(n[5:]) for n in os.listdir(out) if n.startswith("DONE_"))
+    assert 3 <= k < N
+    assert len(metrics(out)) == k  # steps 0..k-1 were logged, nothing after the checkpoint
+
+    r = subprocess.run(args + ["-y", "1"], capture_output=True, env=env, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr.decode()
+    ref = tmp_path / "ref"
+    train(cfg_for(data, ref, max_steps=N, val_loss_every=0, learning_rate=1e-3,
+                  checkpoint_every=N))
+    final = f"model_{N:08d}.bin"
+    assert (out / final).read_bytes() == (ref / final).read_bytes()
+    assert no_timing(metrics(out)) == no_timing(metrics(ref))
+
+
+def write_llmc_state(path, step, m, v, loader_state, master=None):
+    """train_gpt2.cu save_state's layout (§1.5), by hand: header, m, v, [master], shuffle state."""
+    h = np.zeros(256, dtype="<i4")
+    h[:6] = [20240527, 1, 1, 0, int(master is not None), 1]
+    h[10] = step
+    raw = bytearray(h.tobytes())
+    struct.pack_into("<QQ", raw, 80, 13371337, 13371337)
+    struct.pack_into("<QQ", raw, 120, loader_state["current_shard_idx"], loader_state["current_sample_idx"])
+    parts = [bytes(raw), m.astype("<f4").tobytes(), v.astype("<f4").tobytes()]
+    if master is not None:
+        parts.append(master.astype("<f4").tobytes())
+    si, ii = loader_state["shard_indices"], loader_state["intra_shard_indices"]
+    parts += [struct.pack("<Q", si.size), si.astype("<i4").tobytes(),
+              struct.pack("<Q", ii.size), ii.astype("<i4").tobytes(), loader_state["rng_state"]]
+    Path(path).write_bytes(b"".join(parts))
+
+
+def test_resume_llmc_state_with_master_weights(data, tmp_path):
+    """llm.c's bf16 runs keep fp32 master weights in the state file: they are the parameters."""
+    from llmctl.loader import DataLoader
+
+    dl = DataLoader(data["train"], 4, 32)
+    for _ in range(3):
+        dl.next_batch()
+    st = dl.state()
+    N = n_params(**TINY)
+    rs = np.random.default_rng(1)
+    m = (rs.standard_normal(N) * 1e-3).astype(np.float32)
+    v = (rs.random(N) * 1e-6).astype(np.float32)
+    master = tiny_params(seed=7)
+    a, b = tmp_path / "with_master", tmp_path / "plain"
+    for d, model_params, mw in ((a, tiny_params(seed=5), master), (b, master, None)):
+        d.mkdir()
+        write_llmc_checkpoint(d / "model_00000003.bin", model_params)
+        write_llmc_state(d / "state_00000003_00000.bin", 3, m, v, st, master=mw)
+        (d / "DONE_00000003").write_bytes(b"")
+        s = train(cfg_for(data, d, resume=1, max_steps=5, checkpoint_every=5))
+        assert s["start_step"] == 3 and s["steps_run"] == 2
+    assert (a / "model_00000005.bin").read_bytes() == (b / "model_00000005.bin").read_bytes()
+
+
+class _ThreadGroup:
+    def __init__(self, n):
+        import threading
+
+        self.n, self.barrier = n, threading.Barrier(n, timeout=120)
+        self.slots, self.scalars = [None] * n, [0.0] * n
+
+
+class ThreadComm:
+    """P ranks as threads of this process; sums in rank order so every rank agrees bit for bit."""
+
+    def __init__(self, rank, group):
+        self.rank, self.world_size, self.g = rank, group.n, group
+
+    def barrier(self):
+        self.g.barrier.wait()
+
+    def all_reduce_mean(self, buf):
+        g = self.g
+        g.slots[self.rank] = buf.copy()
+        g.barrier.wait()
+        total = g.slots[0].copy()
+        for r in range(1, g.n):
+            total += g.slots[r]
+        total /= np.float32(g.n)
+        g.barrier.wait()
+        buf[:] = total
+
+    def all_reduce_sum_scalar(self, x):
+        g = self.g
+        g.scalars[self.rank] = float(x)
+        g.barrier.wait()
+        s = sum(g.scalars)
+        g.barrier.wait()
+        return s
+
+    def broadcast(self, buf, root=0):
+        raise NotImplementedError
+
+
+def run_ranks(cfg, P=2):
+    import threading
+
+    from llmctl.train import Trainer
+
+    group, trainers, errors = _ThreadGroup(P), [None] * P, []
+
+    def work(r):
+        try:
+            trainers[r] = Trainer(cfg, ThreadComm(r, group))
+            trainers[r].run()
+        except BaseException as e:  # surface in the main thread
+            errors.append(e)
+            group.barrier.abort()
+
+    ts = [threading.Thread(target=work, args=(r,)) for r in range(P)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    if errors:
+        raise errors[0]
+    return trainers
+
+
+def test_two_ranks_share_updates_and_resume(data, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    kw = dict(batch_size=2, max_steps=4, checkpoint_every=2, val_loss_every=2, sample_every=0)
+    tr = run_ranks(cfg_for(data, a, **kw))
+    assert np.array_equal(tr[0].model.params, tr[1].model.params)  # all-reduced grads
+    assert tr[0].train_loader.intra_shard_indices.tolist() != tr[1].train_loader.intra_shard_indices.tolist()
+    names = set(os.listdir(a))
+    assert {"state_00000004_00000.bin", "state_00000004_00001.bin", "DONE_00000004",
+            "model_00000004.bin", "main.log", "metrics.jsonl"} <= names
+    h = np.frombuffer((a / "state_00000004_00001.bin").read_bytes()[:1024], dtype="<i4")
+    assert h[2] == 2 and h[3] == 1  # num_processes, rank
+    # resume both ranks from step 2 in another directory: the same final checkpoint
+    b.mkdir()
+    for n in ("model_00000002.bin", "state_00000002_00000.bin", "state_00000002_00001.bin",
+              "DONE_00000002", "metrics.jsonl", "main.log"):
+        shutil.copy(a / n, b / n)
+    run_ranks(cfg_for(data, b, resume=1, **kw))
+    for n in ("model_00000004.bin", "state_00000004_00000.bin", "state_00000004_00001.bin"):
+        assert (a / n).read_bytes() == (b / n).read_bytes(), n
+    # one process cannot resume a 2-process checkpoint
+    with pytest.raises(ConfigError, match="rank 0 of 2"):
+        train(cfg_for(data, b, resume=1, **kw))
+
+
+# ---------------------------------------------------------------------------------------------
+# learning
+
+
+def test_loss_falls_on_tinyshakespeare(data):
+    s = train(cfg_for(data, max_steps=40, val_loss_every=40, val_max_steps=4))
+    # byte-level: starts at ~ln(256) = 5.55; 40 steps at lr 3e-3 reach ~3.3 (val) in practice
+    assert s["val_loss"] < 4.0
+
+
+def test_overfit_single_batch(data, tmp_path):
+    out = tmp_path / "a"
+    train(cfg_for(data, out, max_steps=60, overfit_single_batch=1, learning_rate=1e-2,
+                  val_loss_every=0))
+    losses = [r["train_loss"] for r in metrics(out)]
+    assert losses[0] > 5.0 and losses[-1] < 0.1  # memorises one batch of 128 bytes
+
+
+def test_grad_accumulation_is_a_mean(data, tmp_path):
+    # -a 1 feeds the same batch to every micro-step, so 2 accumulated micro-steps must report the
+    # same loss and gradient norm as one step (a sum instead of a mean would double both). Not
+    # bit-identical: the kernels accumulate dW += ... in a different order; 1e-5 relative is
+    # float32 rounding over 5 steps.
+    a, b = tmp_path / "one", tmp_path / "two"
+    train(cfg_for(data, a, max_steps=5, overfit_single_batch=1, val_loss_every=0))
+    train(cfg_for(data, b, max_steps=5, overfit_single_batch=1, val_loss_every=0,
+                  total_batch_size=2 * 4 * 32))
+    for ra, rb in zip(metrics(a), metrics(b)):
+        assert rb["train_loss"] == pytest.approx(ra["train_loss"], rel=1e-5)
+        assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-5)
+        assert rb["tokens_per_s"] > 0
+
+
+def test_nan_stops_and_keeps_last_good_checkpoint(data, tmp_path):
+    out = tmp_path / "nan"
+    with pytest.raises(TrainingDiverged) as e:
+        train(cfg_for(data, out, learning_rate=1e30, grad_clip=0.0, checkpoint_every=1,
+                      max_steps=10, val_loss_every=0))
+    assert "step" in e.value.message and "model_0000000" in e.value.message
+    dones = sorted(n for n in os.listdir(out) if n.startswith("DONE_"))
+    assert dones  # the checkpoints before the bad step are complete
+    last = dones[-1][5:]
+    assert (out / f"model_{last}.bin").exists() and (out / f"state_{last}_00000.bin").exists()
+    assert not [n for n in os.listdir(out) if ".tmp" in n]
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input through the CLI: one line, exit 1 or 2, nothing written
+
+
+def run_cli(args, capsys):
+    from llmctl.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["train"] + args)
+    cap = capsys.readouterr()
+    return e.value.code, cap.out, cap.err
+
+
+def _base(data, **over):
+    a = {"-i": data["train"], "-j": data["val"], "-e": data["ckpt"], "-b": "4", "-t": "32",
+         "-x": "2", "-v": "0", "-s": "0", "--threads": "1"}
+    a.update(over)
+    return [x for kv in a.items() for x in kv]
+
+
+@pytest.mark.parametrize("case", ["no_match", "too_small", "T_gt_maxT", "d_not_multiple",
+                                  "unwritable", "corrupt_ckpt", "bad_schedule", "resume_no_o"])
+def test_bad_input_one_line_error(data, tmp_path, capsys, case):
+    out = tmp_path / "out"
+    over = {"-o": str(out)}
+    want = "no file matches"
+    code = 1
+    if case == "no_match":
+        over["-i"] = str(tmp_path / "nothing_*.bin")
+    elif case == "too_small":
+        over["-i"] = write_shard(tmp_path / "small.bin", np.arange(100))
+        want = "has 100 tokens but needs at least"
+    elif case == "T_gt_maxT":
+        over["-t"] = "64"
+        want, code = "exceeds the model's maxT 32", 2
+    elif case == "d_not_multiple":
+        over["-d"] = "200"
+        want, code = "not a positive multiple of B*T*P", 2
+    elif case == "unwritable":
+        (tmp_path / "afile").write_text("x")
+        out = tmp_path / "afile" / "sub"
+        over["-o"] = str(out)
+        want = "cannot create output directory"
+    elif case == "corrupt_ckpt":
+        bad = tmp_path / "bad.bin"
+        bad.write_bytes(Path(data["ckpt"]).read_bytes()[:5000])
+        over["-e"] = str(bad)
+        want = "bad.bin"
+    elif case == "bad_schedule":
+        over["-k"] = "exponential"
+        want, code = "unknown learning-rate schedule", 2
+    elif case == "resume_no_o":
+        del over["-o"]
+        over["-y"] = "1"
+        want, code = "no -o was given", 2
+    rc, stdout, err = run_cli(_base(data, **over), capsys)
+    assert rc == code, err
+    lines = [l for l in err.splitlines() if l.strip()]
+    errors = [l for l in lines if l.startswith("Error:")]
+    assert len(errors) == 1 and want in errors[0], err
+    assert "Traceback" not in err and stdout == ""
+    assert not out.exists()  # checked before anything is created
+
+
+def test_corrupt_state_file_on_resume(data, tmp_path, capsys):
+    out = tmp_path / "r"
+    train(cfg_for(data, out, max_steps=2, checkpoint_every=2, val_loss_every=0))
+    sp = out / "state_00000002_00000.bin"
+    sp.write_bytes(sp.read_bytes()[:-100])
+    rc, _, err = run_cli(_base(data, **{"-o": str(out), "-y": "1"}), capsys)
+    assert rc == 1 and "state_00000002_00000.bin" in err and "Traceback" not in err
+
+
+def test_cli_subprocess_error_exit_code(data, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "llmctl", "train", "-i", str(tmp_path / "x*.bin"),
+                        "-j", data["val"], "-e", data["ckpt"], "-t", "32"],
+                       capture_output=True, text=True, cwd=str(tmp_path))
+    assert r.returncode == 1
+    assert r.stderr.startswith("Error: no file matches") and "Traceback" not in r.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# displays
+
+
+def test_json_output_is_machine_readable(data, capsys):
+    rc, out, err = run_cli(_base(data, **{"-x": "3", "-v": "2", "-m": "1", "-s": "3", "-g": "4"})
+                           + ["--json"], capsys)
+    assert rc == 0, err
+    events = [json.loads(l) for l in out.splitlines()]
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "start" and kinds[-1] == "summary"
+    assert kinds.count("step") == 3 and kinds.count("val") == 3 and kinds.count("sample") == 1
+    assert events[-1]["steps_run"] == 3  # val at 0, 2 and the last step (3)
+
+
+def test_plain_display_lines():
+    import io
+
+    buf = io.StringIO()
+    d = PlainDisplay(buf)
+    d.step({"step": 0, "num_steps": 10, "train_loss": 5.5, "lr": 3e-4, "grad_norm": 1.25,
+            "ms": 12.5, "tokens_per_s": 10240.0, "mfu": 0.05})
+    d.val(0, 5.25)
+    assert buf.getvalue().splitlines() == [
+        "step    1/10 | loss 5.500000 | norm 1.2500 | lr 3.00e-04 | 12.50 ms | 5.0% fp32 MFU | 10240 tok/s",
+        "val loss 5.250000"]
+
+
+def test_rich_display_renders():
+    import io
+
+    from rich.console import Console
+
+    from llmctl.display import RichDisplay
+
+    buf = io.StringIO()
+    d = RichDisplay(Console(file=buf, force_terminal=True, width=100))
+    d.start({"num_steps": 4, "start_step": 0})
+    d.val(0, 5.0)
+    d.step({"step": 0, "num_steps": 4, "train_loss": 5.5, "lr": 3e-4, "grad_norm": 1.0,
+            "ms": 10.0, "tokens_per_s": 1000.0, "mfu": 0.01})
+    d.sample(0, "hello")
+    d.finish({"avg_ms": 10.0})
+    text = buf.getvalue()
+    assert "5.5000" in text and "hello" in text and "1/4" in text
