@@ -12,6 +12,11 @@ class Comm:
     world_size: int = 1
     local_rank: int = 0
     local_world_size: int = 1
+    # Set by the training loop each step; backends report it in heartbeats and error messages.
+    step: int = -1
+    # Becomes True on every rank at the same collective when the launcher asks the job to stop
+    # (Ctrl-C): the loop checks it after the gradient all-reduce, checkpoints and returns.
+    stop_requested: bool = False
 
     def all_reduce_mean(self, buf: np.ndarray) -> None:
         """Replace buf (1-D, contiguous float32) on every rank with the element-wise mean over ranks."""
@@ -30,6 +35,10 @@ class Comm:
 
     def close(self) -> None:
         pass
+
+    def assert_identical(self, buf: np.ndarray, what: str = "buffer") -> None:
+        """Raise DistError unless buf has the same bytes on every rank (a debug check)."""
+        raise NotImplementedError
 
     @property
     def is_master(self) -> bool:
@@ -53,6 +62,9 @@ class SingleProcessComm(Comm):
         return float(x)
 
     def barrier(self):
+        pass
+
+    def assert_identical(self, buf, what="buffer"):
         pass
 
     def broadcast(self, buf, root=0):

@@ -1,0 +1,297 @@
+"""Start N ranks on this host, run their control hub, and make sure none outlives a failure.
+
+What it is: `launch(target, args, nproc, ...)` spawns N `python -m llmctl.dist.worker`
+processes (rank 0..N-1, threads per rank = cores // N unless given), serves their
+authenticated control hub (llmctl/dist/control.py) from its own single-threaded select loop,
+and watches them. The first failure -- a rank that exits non-zero or is killed by a signal,
+sends no heartbeat for `timeout` s (hung or SIGSTOPped), does not reach a collective within
+`collective_timeout` s, reports an error, or misbehaves on the control channel -- aborts the
+job: the others are told, then SIGTERM'd and SIGKILL'd (each rank is its own process group,
+and dies with the launcher through PR_SET_PDEATHSIG), the job's shared memory is swept, and
+DistError names the rank and what happened. Ctrl-C (SIGINT) asks every rank to stop at the
+same collective (Comm.stop_requested) so the training loop can checkpoint; a second Ctrl-C
+or no progress within the grace period kills them. Returns normally only if every rank
+exited 0; raises KeyboardInterrupt after a requested stop (the CLI exits 130).
+
+What it is not: no multi-host rendezvous (ring.py) and no training logic. It is the role
+torchrun / mpirun play for llm.c, for one host.
+"""
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from llmctl.dist.control import Hub, bind_listener
+from llmctl.dist.env import threads_per_rank
+from llmctl.dist.shm import SHM_DIR, sweep_segments
+from llmctl.errors import ConfigError, DistError
+
+_PR_SET_PDEATHSIG = 1
+try:  # loaded before any fork so the child's preexec_fn does no dlopen
+    import ctypes
+
+    _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+except OSError:
+    _LIBC = None
+
+
+def _child_setup(parent_pid):
+    def setup():
+        if _LIBC is not None:
+            _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the launcher died before prctl took effect
+            os._exit(1)
+    return setup
+
+
+def _describe_exit(rc):
+    if rc < 0:
+        try:
+            return f"was killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"was killed by signal {-rc}"
+    return f"exited with code {rc}"
+
+
+def _stderr_log(msg):
+    sys.stderr.write(f"llmctl dist: {msg}\n")
+    sys.stderr.flush()
+
+
+def launch(target, args, nproc, *, threads=None, timeout=30.0, collective_timeout=None,
+           master_addr="127.0.0.1", master_port=0, grace=3.0, log=None, extra_env=None,
+           shm_dir=SHM_DIR):
+    """Run `target(args, comm)` ("package.module:function") in `nproc` ranks; see the module doc.
+
+    args must be JSON-serialisable. Returns {"nproc", "threads", "seconds", "result"}, where
+    result is rank 0's return value if JSON-serialisable (else None). Raises DistError naming the
+    failed rank, ConfigError for bad arguments, KeyboardInterrupt after a Ctrl-C stop.
+    """
+    if int(nproc) < 1:
+        raise ConfigError(f"--nproc {nproc} must be >= 1")
+    if float(timeout) <= 0:
+        raise ConfigError(f"--dist-timeout {timeout} must be > 0")
+    nproc = int(nproc)
+    timeout = float(timeout)
+    collective_timeout = float(collective_timeout) if collective_timeout else max(300.0, 10 * timeout)
+    startup_timeout = max(60.0, 2 * timeout)
+    log = log or _stderr_log
+    threads = threads_per_rank(nproc, threads)
+    try:
+        body = json.dumps(args)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"worker arguments are not JSON-serialisable: {e}") from None
+
+    stale = sweep_segments(shm_dir)  # segments of launchers that died without cleaning up
+    if stale:
+        log(f"removed {len(stale)} stale shared-memory segment(s) of crashed runs: {', '.join(stale)}")
+
+    listener = bind_listener(master_addr, int(master_port))
+    port = listener.getsockname()[1]
+    secret = secrets.token_bytes(32)
+    job = secrets.token_hex(6)
+    me = os.getpid()
+    tmpdir = tempfile.mkdtemp(prefix=f"llmctl-job-{job}-")
+    procs = []
+    pidfds = []
+    hub = None
+    state = {"sigint": 0, "sigterm": False}
+    old_handlers = {}
+    t_start = time.monotonic()
+    try:
+        args_path = os.path.join(tmpdir, "args.json")
+        with open(os.open(args_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(body)
+
+        if threading.current_thread() is threading.main_thread():
+            def on_sigint(signum, frame):
+                state["sigint"] += 1
+
+            def on_sigterm(signum, frame):
+                state["sigterm"] = True
+
+            old_handlers[signal.SIGINT] = signal.signal(signal.SIGINT, on_sigint)
+            old_handlers[signal.SIGTERM] = signal.signal(signal.SIGTERM, on_sigterm)
+
+        base_env = dict(os.environ)
+        base_env.update(extra_env or {})
+        base_env.update({
+            "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+            "LLMCTL_DIST_ADDR": master_addr, "LLMCTL_DIST_PORT": str(port),
+            "LLMCTL_DIST_SECRET": secret.hex(), "LLMCTL_DIST_JOB": job,
+            "LLMCTL_DIST_LAUNCHER_PID": str(me), "LLMCTL_DIST_TIMEOUT": str(timeout),
+            "LLMCTL_DIST_COLLECTIVE_TIMEOUT": str(collective_timeout),
+            "LLMCTL_DIST_THREADS": str(threads), "LLMCTL_DIST_TARGET": target,
+            "LLMCTL_DIST_ARGS": args_path,
+            "OMP_NUM_THREADS": str(threads), "OPENBLAS_NUM_THREADS": str(threads),
+            "MKL_NUM_THREADS": str(threads),
+        })
+        for r in range(nproc):
+            env = dict(base_env, RANK=str(r), LOCAL_RANK=str(r))
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "llmctl.dist.worker"], env=env, stdin=subprocess.DEVNULL,
+                start_new_session=True, preexec_fn=_child_setup(me), close_fds=True))
+        names = {r: f"rank {r} (pid {p.pid})" for r, p in enumerate(procs)}
+        hub = Hub(listener, secret, nproc, timeout, collective_timeout, startup_timeout, log, names)
+        listener = None  # the hub owns and closes it
+        pidfds = _watch_exits(hub, procs)
+
+        failure = _run(hub, procs, state, log, timeout)
+        if failure is not None:
+            _shutdown(hub, procs, failure, grace)
+            if failure == "interrupted":
+                raise KeyboardInterrupt
+            if hub.failed_rank is not None:  # a rank's own error (bad input, a bug): its hint
+                err = DistError(failure, hint=hub.failed_hint)
+            else:  # a crash, hang or protocol failure
+                err = DistError(failure, hint="every rank was stopped; the last complete checkpoint "
+                                              "(DONE_* in -o) is intact: rerun with -y 1 to resume")
+            if state.get("usage_error"):
+                err.exit_code = 2
+            raise err
+        if state["sigint"]:
+            raise KeyboardInterrupt
+        result = None
+        try:
+            with open(os.path.join(tmpdir, "result.json")) as f:
+                result = json.load(f)
+        except (OSError, ValueError):
+            pass
+        return {"nproc": nproc, "threads": threads, "seconds": time.monotonic() - t_start,
+                "result": result}
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                _signal_group(p, signal.SIGKILL)
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        if hub is not None:
+            hub.close()
+        for fd in pidfds:
+            os.close(fd)
+        if listener is not None:
+            listener.close()
+        sweep_segments(shm_dir, job=job, launcher_pid=me)
+        shutil.rmtree(tmpdir, ignore_errors=True)
+        for sig, h in old_handlers.items():
+            signal.signal(sig, h)
+
+
+def _watch_exits(hub, procs):
+    """Wake the hub's select when a rank exits (pidfd), so exits are noticed at once."""
+    fds = []
+    if not hasattr(os, "pidfd_open"):
+        return fds
+    for p in procs:
+        try:
+            fd = os.pidfd_open(p.pid)
+        except OSError:
+            continue
+        fds.append(fd)
+        hub.sel.register(fd, 1, lambda fd=fd: hub.sel.unregister(fd))  # 1 = EVENT_READ, once
+    return fds
+
+
+def _run(hub, procs, state, log, timeout):
+    """The watch loop: returns None when every rank exited 0, else the failure message."""
+    exited = {}
+    stop_at = None
+    while True:
+        hub.poll(0.25)
+        now = time.monotonic()
+        for r, p in enumerate(procs):
+            if r in exited:
+                continue
+            rc = p.poll()
+            if rc is None:
+                continue
+            exited[r] = rc
+            if rc == 0:
+                hub.finished.add(r)
+                continue
+            if r not in hub.errors:
+                hub.poll(0.05)  # its last words may still be in the socket buffer
+            if r in hub.errors:  # prefer the rank's own one-line error over its exit code
+                state["usage_error"] = rc == 2
+                return hub.failure or f"{hub.name(r)} failed: {hub.errors[r]}"
+            return f"{hub.name(r)} {_describe_exit(rc)}{hub._at(r, True)}"
+        if hub.failure is not None:
+            r = hub.failed_rank
+            if r is not None:  # it reported an error and is exiting: its exit code says which kind
+                try:
+                    state["usage_error"] = procs[r].wait(timeout=2.0) == 2
+                except subprocess.TimeoutExpired:
+                    pass
+            return hub.failure
+        for r, t_lost in hub.lost.items():
+            if r not in exited and now - t_lost > 2.0:
+                return f"{hub.name(r)} closed its control connection{hub._at(r, True)}"
+        if len(exited) == len(procs):
+            return None
+        if state["sigterm"]:
+            return "the launcher received SIGTERM"
+        if state["sigint"] >= 2:
+            log("second interrupt: killing all ranks")
+            return "interrupted"
+        if state["sigint"] == 1 and stop_at is None:
+            stop_at = now
+            hub.stop = True
+            log("interrupt: asking every rank to stop after its current step "
+                "(checkpointing if -o is set); press Ctrl-C again to kill them")
+        if stop_at is not None and now - stop_at > max(60.0, 2 * timeout):
+            log("the ranks did not stop in time: killing them")
+            return "interrupted"
+
+
+def _signal_group(p, sig):
+    try:
+        os.killpg(p.pid, sig)  # each rank leads its own session/process group
+    except (ProcessLookupError, PermissionError):
+        try:
+            p.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+
+def _shutdown(hub, procs, failure, grace):
+    """Tell the ranks, give them `grace` s, then SIGTERM (+SIGCONT for stopped ones), then SIGKILL."""
+    hub.abort(failure)
+    for sig in (None, signal.SIGTERM, signal.SIGKILL):
+        if sig is not None:
+            for p in procs:
+                if p.poll() is None:
+                    _signal_group(p, sig)
+                    if sig == signal.SIGTERM:
+                        _signal_group(p, signal.SIGCONT)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            time.sleep(0.05)
+        if all(p.poll() is not None for p in procs):
+            return
+
+
+def launch_train(cfg, nproc, *, threads=None, timeout=30.0, master_port=0, json_out=False,
+                 check_params=None, **kw):
+    """`llmctl train --nproc N`: run llmctl.train's loop data-parallel in `nproc` ranks.
+
+    Returns rank 0's training summary. threads: per rank (default cores // nproc).
+    check_params (default: env LLMCTL_DIST_CHECK_PARAMS=1): verify after every step that all
+    ranks hold bit-identical parameters (costs a hash of the parameters per step)."""
+    from dataclasses import asdict
+
+    if check_params is None:
+        check_params = os.environ.get("LLMCTL_DIST_CHECK_PARAMS", "") not in ("", "0")
+    args = {"config": asdict(cfg), "json_out": bool(json_out), "check_params": bool(check_params)}
+    info = launch("llmctl.dist.worker:train_entry", args, nproc,
+                  threads=threads if threads else cfg.threads, timeout=timeout,
+                  master_port=master_port, **kw)
+    return info["result"]
