@@ -1,0 +1,331 @@
+"""Training across hosts: shm inside each host + TCP rings across hosts, and the `train` routing.
+
+issue 6 (engineer H).
+
+What it is:
+- `HierComm`: the Comm of one rank of a K-node x N-process job. all_reduce_mean(buf):
+    1. local reduce-scatter over shared memory (F's ShmComm segment and kernels): local rank i
+       ends with the node's mean of slice i of buf;
+    2. ring across hosts: local rank i all-reduces its slice with local rank i of every other node
+       (N rings in parallel, ring.py), so each host sends ~2(K-1)/K of the buffer in total,
+       spread over N connections;
+    3. local all-gather over shared memory: everyone copies the other slices.
+  A mean of equal-sized node means is the global mean. Scalars: local sum, then a ring sum that
+  also carries each node's "stop requested" flag, so a Ctrl-C on one node stops every node at
+  the same step. Broadcast: ring from the root's node, then the local shm broadcast.
+- `launch_multinode(...)`: the node launcher: F's `launch` (llmctl/dist/launcher.py) starts the
+  N local ranks with their control hub; each rank then runs `run_entry`, which joins the
+  cross-host rendezvous (rendezvous.py), builds its HierComm and calls the real target.
+- `run_train(...)`: what `llmctl train` calls for every distributed form except single-host
+  --nproc: the launcher form (--nnodes K > 1), the per-rank form (RANK/WORLD_SIZE from torchrun,
+  srun or mpiexec: one flat ring or MPI), and `--backend mpi`.
+
+Faults: a ring error on any rank is reported to its node's hub, F's launcher kills that node's
+ranks, their ring sockets close, and every other node's ranks fail within a few hops, each
+launcher exiting 1 with a message naming the peer's rank, host and address.
+
+What it is not: no new transport (ring.py, shm.py) and no process management (launcher.py).
+It plays the role of NCCL's hierarchical (intra-node + inter-node ring) all-reduce in llm.c.
+"""
+import os
+import sys
+
+import numpy as np
+
+from llmctl.dist.base import Comm
+from llmctl.errors import ConfigError, DistError, LlmctlError
+
+_SECRET_VAR = "LLMCTL_RING_KEY"
+
+
+class HierComm(Comm):
+    """One rank of nnodes x shm.world_size: `shm` is this node's ShmComm, `ring` this local
+    rank's ring across nodes (members: the ranks with the same local rank, by node)."""
+
+    def __init__(self, shm, ring, node_rank, nnodes):
+        self.shm = shm
+        self.ring = ring
+        lw = shm.world_size
+        self.node_rank = node_rank
+        self.nnodes = nnodes
+        self.rank = node_rank * lw + shm.rank
+        self.world_size = nnodes * lw
+        self.local_rank = shm.rank
+        self.local_world_size = lw
+        self.n_threads = shm.n_threads
+        self.stop_requested = False
+        self._watch = None
+        self.allreduce_calls = 0
+        self.allreduce_seconds = 0.0
+
+    @property
+    def step(self):
+        return self.shm.step
+
+    @step.setter
+    def step(self, value):
+        self.shm.step = value
+        self.ring.step = int(value)
+
+    def all_reduce_mean(self, buf):
+        import time
+
+        if not isinstance(buf, np.ndarray) or buf.dtype != np.float32 or buf.ndim != 1 \
+                or not buf.flags.c_contiguous or not buf.flags.writeable:
+            raise ValueError("all_reduce_mean needs a writeable 1-D contiguous float32 array, got "
+                             f"{getattr(buf, 'dtype', type(buf))} {getattr(buf, 'shape', '')}")
+        t0 = time.perf_counter()
+        shm = self.shm
+        if shm.world_size == 1:
+            self.ring.all_reduce_mean(buf)
+        else:
+            # F's ShmComm.all_reduce_mean with the cross-host ring between its reduce-scatter and
+            # its all-gather (same segment, same slices, same kernels)
+            n = buf.shape[0]
+            shm._ensure(n)
+            slots = shm.seg.slots
+            result = slots[shm.world_size]
+            mine = slots[shm.rank]
+            lo, hi = shm._slice(n)
+            k, nt = shm._k, shm.n_threads
+            k.copy_floats(mine[:lo], buf[:lo], nt)
+            k.copy_floats(mine[hi:n], buf[hi:n], nt)
+            shm._collective("allreduce", n)
+            k.reduce_mean_slice(result, slots[:shm.world_size], lo, hi, nt, buf, shm.rank)
+            self.ring.all_reduce_mean(buf[lo:hi])
+            k.copy_floats(result[lo:hi], buf[lo:hi], nt)
+            shm._collective("allgather", n)
+            k.copy_floats(buf[:lo], result[:lo], nt)
+            k.copy_floats(buf[hi:n], result[hi:n], nt)
+        self.allreduce_calls += 1
+        self.allreduce_seconds += time.perf_counter() - t0
+
+    def all_reduce_sum_scalar(self, x):
+        if self._watch is not None:
+            self.assert_identical(*self._watch)
+        local = self.shm.all_reduce_sum_scalar(float(x))
+        # every local rank saw the same hub release, so the flag agrees within the node
+        total, stops = self.ring.all_reduce_sum_vec([local, 1.0 if self.shm.stop_requested else 0.0])
+        if stops > 0:
+            self.stop_requested = True
+        return float(total)
+
+    def barrier(self):
+        self.shm.barrier()
+        self.ring.barrier()  # completes only after every node's local barrier
+
+    def broadcast(self, buf, root=0):
+        if not 0 <= root < self.world_size:
+            raise ValueError(f"broadcast root {root} is not a rank of a world of {self.world_size}")
+        root_local = root % self.local_world_size
+        if self.local_rank == root_local:
+            self.ring.broadcast(buf, root=root)
+        self.shm.broadcast(buf, root=root_local)
+
+    def watch(self, buf, what="buffer"):
+        self._watch = (buf, what)
+
+    def assert_identical(self, buf, what="buffer"):
+        self.shm.assert_identical(buf, what)
+        self.ring.assert_identical(buf, what)
+
+    def close(self):
+        self.ring.close()  # the worker closes the ShmComm itself
+
+
+# ---------------------------------------------------------------------------------------------
+# worker side
+
+def run_entry(args, shm):
+    """Launcher target on each node: join the cross-host ring, then call args["target"]."""
+    from llmctl.dist.ring import init_ring
+    from llmctl.dist.worker import _import_target
+
+    node = args["node"]
+    key = os.environ.pop(_SECRET_VAR, None)
+    if not key:
+        raise DistError(f"{_SECRET_VAR} is missing: this target is started by launch_multinode")
+    lw = shm.world_size
+    rank = node["node_rank"] * lw + shm.rank
+    ring = init_ring(rank, node["nnodes"] * lw, master_addr=node["master_addr"],
+                     master_port=node["master_port"], bind_addr=node["bind_addr"],
+                     secret=bytes.fromhex(key), timeout=shm.timeout,
+                     collective_timeout=shm.collective_timeout, rdzv_timeout=node["rdzv_timeout"],
+                     ring_key=shm.rank, node=node["node_rank"], local_rank=shm.rank,
+                     local_world_size=lw, label=f"rank {rank} (node {node['node_rank']})")
+    comm = HierComm(shm, ring, node["node_rank"], node["nnodes"])
+    try:
+        return _import_target(args["target"])(args["args"], comm)
+    except LlmctlError as e:
+        if e.exit_code == 130 and comm.stop_requested:
+            shm.stop_requested = True  # a stop agreed by every node: not a failure (worker.py)
+        raise
+    finally:
+        comm.close()
+
+
+def check_collectives(args, comm):
+    """Toy target for tests/bench: all-reduce known vectors, save what every rank got.
+
+    args: dir, sizes, iters. Writes <dir>/<rank>_<it>_<n>.npy and <dir>/result_<rank>.txt with
+    the scalar sum and broadcast checks; raises on a wrong scalar or broadcast."""
+    from llmctl.dist.selftest import rank_data
+
+    d = args["dir"]
+    with open(os.path.join(d, f"{comm.rank}.pid"), "w") as f:
+        f.write('{"pid": %d}' % os.getpid())
+    for it in range(int(args.get("iters", 1))):
+        comm.step = it
+        for n in args["sizes"]:
+            buf = rank_data(comm.rank, it, n)
+            comm.all_reduce_mean(buf)
+            np.save(os.path.join(d, f"{comm.rank}_{it}_{n}.npy"), buf)
+        s = comm.all_reduce_sum_scalar(comm.rank + 0.5)
+        if s != sum(r + 0.5 for r in range(comm.world_size)):
+            raise DistError(f"rank {comm.rank}: all_reduce_sum_scalar gave {s}")
+        for root in sorted({0, comm.world_size - 1}):
+            b = np.full(5, comm.rank, dtype=np.int64)
+            comm.broadcast(b, root=root)
+            if not np.all(b == root):
+                raise DistError(f"rank {comm.rank}: broadcast from {root} gave {b}")
+        comm.assert_identical(np.arange(10, dtype=np.float32), "constants")
+        comm.barrier()
+    with open(os.path.join(d, f"result_{comm.rank}.txt"), "w") as f:
+        f.write(f"{comm.rank} {comm.world_size} {comm.local_rank} {comm.local_world_size}\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# launcher side
+
+def launch_multinode(target, args, nproc, node, secret, *, threads=None, timeout=30.0,
+                     collective_timeout=None, rdzv_timeout=300.0, log=None, grace=3.0):
+    """Run `target(args, comm)` in `nproc` ranks on this node of a `node.nnodes`-node job.
+
+    node: a rendezvous.NodeEnv; secret: 32 key bytes (rendezvous.resolve_secret()), handed to
+    the ranks through their environment. Returns F's launch() info (rank 0's result on node 0).
+    """
+    from llmctl.dist.launcher import launch
+
+    wrapped = {"node": {"nnodes": node.nnodes, "node_rank": node.node_rank,
+                        "master_addr": node.master_addr, "master_port": node.master_port,
+                        "bind_addr": node.bind_addr, "rdzv_timeout": float(rdzv_timeout)},
+               "target": target, "args": args}
+    return launch("llmctl.dist.hier:run_entry", wrapped, nproc, threads=threads, timeout=timeout,
+                  collective_timeout=collective_timeout, log=log, grace=grace,
+                  extra_env={_SECRET_VAR: secret.hex()})
+
+
+def _train_args(cfg, json_out, check_params):
+    from dataclasses import asdict
+
+    if check_params is None:
+        check_params = os.environ.get("LLMCTL_DIST_CHECK_PARAMS", "") not in ("", "0")
+    return {"config": asdict(cfg), "json_out": bool(json_out), "check_params": bool(check_params)}
+
+
+def _log(msg):
+    sys.stderr.write(f"llmctl dist: {msg}\n")
+    sys.stderr.flush()
+
+
+def run_train(cfg, *, nproc=1, nnodes=None, node_rank=None, master_addr=None, master_port=None,
+              bind_addr=None, backend="auto", threads=None, timeout=30.0, rdzv_timeout=300.0,
+              json_out=False, check_params=None, environ=None):
+    """Route `llmctl train` to a backend: (True, summary-or-None) when it ran the job here, or
+    (False, None) for a job this module does not handle (one process, or single-host --nproc N,
+    which F's launch_train runs). Only node 0's launcher gets rank 0's summary."""
+    from llmctl.dist.env import resolve_env
+    from llmctl.dist.rendezvous import choose_backend, resolve_node, resolve_secret
+
+    env = os.environ if environ is None else environ
+    choose_backend(backend, 1, env)  # validates the name before anything else
+    if int(nproc) < 1:
+        raise ConfigError(f"--nproc {nproc} must be >= 1")
+    launcher_form = int(nproc) > 1 or (nnodes is not None and int(nnodes) > 1)
+    if backend == "mpi" or (backend == "auto" and not launcher_form
+                            and choose_backend("auto", 1, env) == "mpi"):
+        if launcher_form:
+            raise ConfigError("--backend mpi runs one process per rank under mpiexec; drop --nproc/"
+                              "--nnodes and use `mpiexec -n N llmctl train --backend mpi`")
+        return True, _train_per_rank(cfg, "mpi", None, json_out, check_params)
+    if not launcher_form:
+        ident = resolve_env(environ=env)
+        if ident.world_size == 1:
+            return False, None
+        choose_backend(backend, 1, env)
+        if backend == "shm":
+            raise ConfigError(f"this process is rank {ident.rank} of {ident.world_size} started by "
+                              f"{ident.source}, but --backend shm needs llmctl's own launcher",
+                              hint="use --backend ring (or auto), or `llmctl train --nproc N`")
+        return True, _train_per_rank(cfg, "ring", dict(master_addr=master_addr, master_port=master_port,
+                                                 bind_addr=bind_addr, timeout=timeout,
+                                                 rdzv_timeout=rdzv_timeout, environ=env),
+                               json_out, check_params)
+    node = resolve_node(nnodes, node_rank, master_addr, master_port, bind_addr, environ=env)
+    if choose_backend(backend, node.nnodes, env) == "shm" or node.nnodes == 1:
+        return False, None  # one host: F's launch_train
+    secret = resolve_secret(env)
+    _log(f"node {node.node_rank} of {node.nnodes}: {nproc} rank(s), ring on {node.bind_addr}, "
+         f"rendezvous at {node.master_addr}:{node.master_port}")
+    info = launch_multinode("llmctl.dist.worker:train_entry", _train_args(cfg, json_out, check_params),
+                            int(nproc), node, secret, threads=threads or cfg.threads,
+                            timeout=timeout, rdzv_timeout=rdzv_timeout)
+    return True, info["result"]
+
+
+def _train_per_rank(cfg, backend, ring_kw, json_out, check_params):
+    """This process is one rank (torchrun/srun/mpiexec started it): build the comm, train."""
+    from llmctl.display import Display, make_display
+    from llmctl.train import Trainer
+
+    from llmctl.dist.env import threads_per_rank
+
+    if backend == "mpi":
+        from llmctl.dist.mpi import MpiComm
+
+        comm = MpiComm()
+    else:
+        comm = _flat_ring(**ring_kw)
+    if not cfg.threads:  # ranks on one host share its cores, as with --nproc
+        cfg.threads = threads_per_rank(comm.local_world_size)
+    comm.n_threads = cfg.threads
+    display = make_display(json_out=json_out) if comm.rank == 0 else Display()
+    if check_params is None:
+        check_params = os.environ.get("LLMCTL_DIST_CHECK_PARAMS", "") not in ("", "0")
+    try:
+        trainer = Trainer(cfg, comm, display)
+        if check_params:
+            comm.watch(trainer.model.params, "parameters")
+        return trainer.run()
+    except BaseException as e:
+        stop = isinstance(e, KeyboardInterrupt) or getattr(e, "exit_code", 1) == 130
+        if backend == "mpi" and not stop and comm.world_size > 1:
+            # the other ranks would wait in the next Allreduce forever: end the MPI job
+            if not isinstance(e, LlmctlError):
+                import traceback
+
+                traceback.print_exc()
+            msg = e.message if isinstance(e, LlmctlError) else f"{type(e).__name__}: {e}"
+            sys.stderr.write(f"Error: rank {comm.rank}: {msg}\n")
+            sys.stderr.flush()
+            comm.abort(getattr(e, "exit_code", 1))
+        raise
+    finally:
+        comm.close()
+
+
+def _flat_ring(master_addr, master_port, bind_addr, timeout, rdzv_timeout, environ):
+    """One ring of every rank (each process its own member), addresses from flags or env."""
+    from llmctl.dist.env import resolve_env
+    from llmctl.dist.rendezvous import DEFAULT_PORT, local_addr_for, resolve_addr, resolve_secret
+    from llmctl.dist.ring import init_ring
+
+    ident = resolve_env(environ=environ)
+    addr = master_addr or environ.get("MASTER_ADDR", "127.0.0.1")
+    port = int(master_port or environ.get("MASTER_PORT", DEFAULT_PORT))
+    bind = bind_addr or environ.get("LLMCTL_BIND_ADDR") or (
+        resolve_addr(addr) if ident.rank == 0 else local_addr_for(addr))
+    return init_ring(ident.rank, ident.world_size, master_addr=addr, master_port=port,
+                     bind_addr=resolve_addr(bind), secret=resolve_secret(environ), timeout=timeout,
+                     rdzv_timeout=rdzv_timeout, local_rank=ident.local_rank,
+                     local_world_size=ident.local_world_size, log=_log)

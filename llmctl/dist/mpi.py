@@ -1,0 +1,117 @@
+"""The MPI backend: the Comm interface on mpi4py, for clusters that already run MPI.
+
+issue 6 (engineer H).
+
+What it is: `MpiComm`, launched as `mpiexec -n N llmctl train --backend mpi ...` (every process
+is one rank; MPI's launcher, not llmctl's, starts and places them). all_reduce_mean is one
+in-place `Allreduce(MPI.IN_PLACE, buf, MPI.SUM)` on the flat float32 gradient buffer followed by a
+float32 division by N; scalars, broadcasts and barriers are `allreduce` / `Bcast` / `Barrier`.
+Faults are MPI's: by default MPI_ERRORS_ARE_FATAL, so mpiexec tears the whole job down when a
+rank dies. Install with `pip install 'llmctl[mpi]'` (mpi4py + the MPICH wheel; MPICH runs as
+root, Open MPI's wheel refuses unless OMPI_ALLOW_RUN_AS_ROOT=1 and
+OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 are set).
+
+Determinism: MPICH's reduction order for a fixed N and message size is fixed, so runs repeat.
+Its algorithms combine partial sums pairwise and float addition is commutative bit for bit, so
+every rank gets the same bits (tests/test_mpi.py asserts it); `exact=True` additionally
+broadcasts rank 0's result, for MPI libraries that do not guarantee this (doubles the traffic).
+
+What it is not: no process spawning and no rendezvous of its own. It mirrors llm.c's
+`-pi mpi` path (multi_gpu_config_init with MPI_Allgather of the NCCL id, then ncclAllReduce).
+"""
+import hashlib
+import time
+
+import numpy as np
+
+from llmctl.dist.base import Comm
+from llmctl.errors import ConfigError, DistError
+
+
+def _import_mpi():
+    try:
+        from mpi4py import MPI
+    except ImportError as e:
+        raise ConfigError(f"--backend mpi needs mpi4py, which is not importable ({e})",
+                          hint="pip install 'llmctl[mpi]' (mpi4py + the mpich wheel), then run "
+                               "under `mpiexec -n N llmctl train --backend mpi ...`") from None
+    return MPI
+
+
+class MpiComm(Comm):
+    """One MPI rank. `comm` defaults to MPI.COMM_WORLD."""
+
+    def __init__(self, comm=None, n_threads=1, exact=False):
+        MPI = _import_mpi()
+        self.MPI = MPI
+        self.comm = comm if comm is not None else MPI.COMM_WORLD
+        self.rank = self.comm.Get_rank()
+        self.world_size = self.comm.Get_size()
+        node = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.local_rank = node.Get_rank()
+        self.local_world_size = node.Get_size()
+        node.Free()
+        self.n_threads = max(1, int(n_threads))
+        self.exact = bool(exact)
+        self.step = -1
+        self.stop_requested = False
+        self._watch = None
+        self.allreduce_calls = 0
+        self.allreduce_seconds = 0.0
+
+    def all_reduce_mean(self, buf):
+        if not isinstance(buf, np.ndarray) or buf.dtype != np.float32 or buf.ndim != 1 \
+                or not buf.flags.c_contiguous or not buf.flags.writeable:
+            raise ValueError("all_reduce_mean needs a writeable 1-D contiguous float32 array, got "
+                             f"{getattr(buf, 'dtype', type(buf))} {getattr(buf, 'shape', '')}")
+        if self.world_size == 1 or buf.shape[0] == 0:
+            return
+        t0 = time.perf_counter()
+        MPI = self.MPI
+        self.comm.Allreduce(MPI.IN_PLACE, [buf, MPI.FLOAT], op=MPI.SUM)
+        np.divide(buf, np.float32(self.world_size), out=buf)
+        if self.exact:
+            self.comm.Bcast([buf, MPI.FLOAT], root=0)
+        self.allreduce_calls += 1
+        self.allreduce_seconds += time.perf_counter() - t0
+
+    def all_reduce_sum_scalar(self, x):
+        if self._watch is not None:
+            self.assert_identical(*self._watch)
+        # gather all values and sum them in rank order: the same bits on every rank
+        vals = self.comm.allgather(float(x))
+        total = 0.0
+        for v in vals:
+            total += v
+        return total
+
+    def barrier(self):
+        self.comm.Barrier()
+
+    def broadcast(self, buf, root=0):
+        if not 0 <= root < self.world_size:
+            raise ValueError(f"broadcast root {root} is not a rank of a world of {self.world_size}")
+        if not isinstance(buf, np.ndarray) or not buf.flags.c_contiguous:
+            raise ValueError("broadcast needs a contiguous NumPy array")
+        if self.world_size > 1 and buf.nbytes:
+            self.comm.Bcast([buf.reshape(-1).view(np.uint8), self.MPI.BYTE], root=root)
+
+    def watch(self, buf, what="buffer"):
+        self._watch = (buf, what)
+
+    def assert_identical(self, buf, what="buffer"):
+        if self.world_size == 1:
+            return
+        arr = np.ascontiguousarray(buf)
+        d = hashlib.blake2b(memoryview(arr).cast("B"), digest_size=16).hexdigest()
+        ds = self.comm.allgather(d)
+        if len(set(ds)) != 1:
+            detail = ", ".join(f"rank {r}: {x[:16]}" for r, x in enumerate(ds))
+            raise DistError(f"rank {self.rank}: ranks disagree on {what} at step {self.step}: {detail}")
+
+    def close(self):
+        pass
+
+    def abort(self, code=1):
+        """End every rank of the job (MPI_Abort): used when this rank fails on its own."""
+        self.comm.Abort(code)

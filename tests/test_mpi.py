@@ -1,0 +1,149 @@
+"""Tests for the MPI backend (issue 6, engineer H): `mpiexec -n 2` runs of the Comm collectives
+and of `llmctl train --backend auto` (which must pick mpi under mpiexec), compared with the
+float64 mean and with one process accumulating gradients over the same tokens.
+
+Needs mpi4py and an mpiexec (`pip install 'llmctl[mpi]'` installs both: mpi4py + the MPICH
+wheel, which runs as root). Skipped, with that reason, only when mpi4py is not importable.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mpi4py", reason="mpi4py is not installed: pip install 'llmctl[mpi]'")
+
+from llmctl.dist.selftest import rank_data  # noqa: E402
+
+U32 = 2.0 ** -24
+
+
+def _mpiexec():
+    # the MPICH wheel puts mpiexec next to this interpreter's scripts
+    for d in (os.path.dirname(sys.executable), sysconfig.get_path("scripts")):
+        p = shutil.which("mpiexec", path=d)
+        if p:
+            return p
+    p = shutil.which("mpiexec")
+    if p is None:
+        pytest.fail("mpi4py is installed but no mpiexec was found (pip install mpich)")
+    return p
+
+
+def _run(n, argv, timeout=120, env=None):
+    return subprocess.run([_mpiexec(), "-n", str(n), *argv], capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})),
+                          stdin=subprocess.DEVNULL)
+
+
+_COLL = """
+import json, sys
+from llmctl.dist.mpi import MpiComm
+from llmctl.dist.hier import check_collectives
+a = json.loads(sys.argv[1])
+comm = MpiComm()
+check_collectives(a, comm)
+"""
+
+
+def test_mpi_collectives_mean_and_identical_bits(tmp_path):
+    sizes = [0, 1, 3, 10007, 1_000_003]
+    r = _run(2, [sys.executable, "-c", _COLL, json.dumps({"dir": str(tmp_path), "sizes": sizes,
+                                                          "iters": 2})])
+    assert r.returncode == 0, r.stderr
+    for it in range(2):
+        for n in sizes:
+            a, b = (np.load(tmp_path / f"{k}_{it}_{n}.npy") for k in range(2))
+            assert a.tobytes() == b.tobytes()  # every rank must hold the same bits
+            xs = np.stack([rank_data(k, it, n) for k in range(2)]).astype(np.float64)
+            ref = xs.mean(0)
+            # two float32 terms: one rounding in the sum, one in the division (exact for /2)
+            np.testing.assert_array_less(np.abs(a - ref), 2 * U32 * np.abs(xs).sum(0) + 1e-30)
+    assert (tmp_path / "result_1.txt").read_text().split() == ["1", "2", "1", "2"]
+
+
+B, T = 2, 8
+
+
+def test_mpiexec_train_equals_gradient_accumulation(tmp_path):
+    """`mpiexec -n 2 llmctl train --backend auto` (-> mpi) vs 1 process with -d 2*B*T on a
+    one-sample shard (same tokens; see tests/test_dist.py). Same tolerance argument as there:
+    only fp32 summation order differs, ~1e-7 relative, so losses to 1e-6 relative and
+    parameters to 1e-6 absolute (1/1000 of one lr=1e-3 step), with training moving them ~1000x
+    more; parameters are compared across ranks bit-for-bit every step (CHECK_PARAMS)."""
+    from llmctl.formats import write_datafile
+    from llmctl.model import GPT2, GPT2Config
+
+    d = tmp_path
+    cfg = GPT2Config(max_seq_len=16, vocab_size=64, padded_vocab_size=128, num_layers=2,
+                     num_heads=2, channels=32)
+    m = GPT2(cfg, n_threads=1)
+    rng = np.random.default_rng(0)
+    m.params[:] = (rng.standard_normal(m.num_parameters) * 0.05).astype(np.float32)
+    m.save_checkpoint(str(d / "init.bin"))
+    write_datafile(str(d / "train.bin"), rng.integers(0, 64, 2 * B * T + 6).astype(np.uint16))
+    write_datafile(str(d / "val.bin"), rng.integers(0, 64, 200).astype(np.uint16))
+
+    def args(out, *extra):
+        return ["train", "-i", str(d / "train.bin"), "-j", str(d / "val.bin"), "-e", str(d / "init.bin"),
+                "-b", str(B), "-t", str(T), "-l", "1e-3", "-v", "0", "-s", "0", "--threads", "1",
+                "-x", "6", "-n", "6", "-o", str(d / out), *extra]
+
+    r1 = subprocess.run([sys.executable, "-m", "llmctl.cli", *args("p1", "-d", str(2 * B * T))],
+                        capture_output=True, text=True, timeout=120)
+    assert r1.returncode == 0, r1.stderr
+    r2 = _run(2, [sys.executable, "-m", "llmctl.cli", *args("p2", "--backend", "auto")],
+              env={"LLMCTL_DIST_CHECK_PARAMS": "1"})
+    assert r2.returncode == 0, r2.stderr
+
+    def losses(out):
+        with open(d / out / "metrics.jsonl") as f:
+            return [json.loads(ln)["train_loss"] for ln in f if "train_loss" in ln]
+
+    def params(path):
+        return np.fromfile(path, dtype=np.float32)[256:]
+
+    l1, l2 = losses("p1"), losses("p2")
+    assert len(l1) == len(l2) == 6
+    np.testing.assert_allclose(l2, l1, rtol=1e-6)
+    p0, p1, p2 = params(d / "init.bin"), params(d / "p1/model_00000006.bin"), params(d / "p2/model_00000006.bin")
+    np.testing.assert_allclose(p2, p1, rtol=0, atol=1e-6)
+    assert np.abs(p1 - p0).max() > 1e-3
+    assert sorted(os.listdir(d / "p2")) == ["DONE_00000006", "main.log", "metrics.jsonl",
+                                            "model_00000006.bin", "state_00000006_00000.bin",
+                                            "state_00000006_00001.bin"]
+
+
+_FAIL = """
+import sys, numpy as np
+import llmctl.train
+from llmctl.dist import hier
+from llmctl.errors import DataError
+
+class FakeTrainer:
+    def __init__(self, cfg, comm, display):
+        self.comm = comm
+    def run(self):
+        if self.comm.rank == 1:
+            raise DataError("synthetic failure on rank 1")
+        self.comm.all_reduce_mean(np.zeros(10, np.float32))  # would wait for rank 1 forever
+
+llmctl.train.Trainer = FakeTrainer
+hier._train_per_rank(llmctl.train.TrainConfig(threads=1), "mpi", None, False, False)
+"""
+
+
+def test_mpi_rank_error_aborts_the_whole_job():
+    """Rank 1 fails alone while rank 0 waits in an Allreduce: rank 1 prints one line and calls
+    MPI_Abort, so mpiexec ends the whole job (exit != 0) instead of leaving rank 0 hanging."""
+    import time
+
+    t0 = time.monotonic()
+    r = _run(2, [sys.executable, "-c", _FAIL], timeout=60)
+    assert time.monotonic() - t0 < 30
+    assert r.returncode != 0
+    assert "Error: rank 1: synthetic failure on rank 1" in r.stderr, r.stderr

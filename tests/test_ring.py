@@ -1,0 +1,538 @@
+"""Tests for training across hosts (issue 6, engineer H): the TCP ring all-reduce, rendezvous,
+the hierarchical shm + ring backend, their fault handling, and `llmctl train --nnodes 2`.
+
+"Hosts" are processes bound to distinct loopback addresses 127.0.0.2, 127.0.0.3, ... (Linux
+routes all of 127/8 to lo). Timeouts are small (3-5 s) so every fault test ends in seconds, and
+every process a test starts is killed by the test even when an assertion fails.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from llmctl.dist import rendezvous as rdzv
+from llmctl.dist.ring import RingComm, init_ring, ring_connect
+from llmctl.dist.selftest import rank_data
+from llmctl.errors import ConfigError, DistError
+
+pytest.importorskip("llmctl._ext.reduce")
+
+SECRET_TEXT = "test-secret-0123456789abcdef"
+SECRET = rdzv.resolve_secret({"LLMCTL_SECRET": SECRET_TEXT})
+U32 = 2.0 ** -24  # float32 unit roundoff
+
+
+def _host(i):
+    return f"127.0.0.{2 + i}"
+
+
+def _free_port(addr="127.0.0.2"):
+    s = socket.socket()
+    s.bind((addr, 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def _env(**kw):
+    return dict(os.environ, LLMCTL_SECRET=SECRET_TEXT, OMP_NUM_THREADS="1", **kw)
+
+
+class Procs:
+    """Started subprocesses; all killed (with their process groups) at exit, even on failure."""
+
+    def __init__(self):
+        self.ps = []
+
+    def start(self, argv, **kw):
+        p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True, **kw)
+        self.ps.append(p)
+        return p
+
+    def kill_all(self):
+        for p in self.ps:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            try:
+                p.communicate(timeout=10)
+            except (subprocess.TimeoutExpired, ValueError):
+                pass
+
+
+@pytest.fixture
+def procs(tmp_path):
+    ps = Procs()
+    yield ps
+    ps.kill_all()
+    # ranks started by a node launcher die with it (PR_SET_PDEATHSIG); check no pid survives
+    time.sleep(0.2)
+    for name in os.listdir(tmp_path):
+        if name.endswith(".pid"):
+            pid = json.loads((tmp_path / name).read_text())["pid"]
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    alive = "zombie" not in f.read()
+            except FileNotFoundError:
+                alive = False
+            if alive:
+                os.kill(pid, signal.SIGKILL)
+                pytest.fail(f"orphaned rank process {pid}")
+
+
+def _mean_bound(xs, nsum):
+    """Error bound of a float32 mean of the rows xs (float32 values, exact float64 reference):
+    recursive float32 summation of n terms errs by at most (n-1)*u*sum|x| (first order), each of
+    `nsum` divisions/extra stages adds at most u*|result|; we allow 2x that for second-order terms."""
+    n = xs.shape[0]
+    ref = xs.astype(np.float64).mean(0)
+    bound = 2 * ((n - 1) * U32 * np.abs(xs.astype(np.float64)).sum(0) / 1.0 + nsum * U32 * np.abs(ref))
+    return ref, bound
+
+
+def _check_results(d, world, sizes, iters=1, nsum=1):
+    for it in range(iters):
+        for n in sizes:
+            got = [np.load(d / f"{r}_{it}_{n}.npy") for r in range(world)]
+            for r in range(1, world):  # the all-gather copies one owner's bits to everyone
+                assert got[r].tobytes() == got[0].tobytes(), f"rank {r} differs from rank 0 (n={n})"
+            xs = np.stack([rank_data(r, it, n) for r in range(world)]) if n else np.zeros((world, 0))
+            ref, bound = _mean_bound(xs, nsum)
+            assert got[0].shape == (n,) and got[0].dtype == np.float32
+            err = np.abs(got[0].astype(np.float64) - ref)
+            assert np.all(err <= bound), f"n={n}: max err {err.max()} > bound"
+    for r in range(world):
+        assert (d / f"result_{r}.txt").read_text().split()[:2] == [str(r), str(world)]
+
+
+_RANK = """
+import json, sys
+from llmctl.dist.ring import init_ring
+from llmctl.dist.hier import check_collectives
+from llmctl.dist.rendezvous import resolve_secret
+from llmctl.errors import DistError
+a = json.loads(sys.argv[1])
+try:
+    comm = init_ring(a["rank"], a["world"], master_addr=a["master"], master_port=a["port"],
+                     bind_addr=a["bind"], secret=resolve_secret(), timeout=a["timeout"],
+                     rdzv_timeout=a["rdzv"], chunk_bytes=a.get("chunk", 1 << 20))
+    check_collectives(a, comm)
+    comm.close()
+except DistError as e:
+    print("Error:", e.message, file=sys.stderr)
+    sys.exit(1)
+"""
+
+
+def _start_flat(procs, d, world, port, sizes, iters=1, timeout=5, rdzv_timeout=20, chunk=None):
+    out = []
+    for r in range(world):
+        a = {"rank": r, "world": world, "master": _host(0), "port": port, "bind": _host(r),
+             "dir": str(d), "sizes": sizes, "iters": iters, "timeout": timeout, "rdzv": rdzv_timeout}
+        if chunk:
+            a["chunk"] = chunk
+        out.append(procs.start([sys.executable, "-c", _RANK, json.dumps(a)], env=_env()))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the ring all-reduce, n = 2..5 processes on distinct loopback "hosts"
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5])
+def test_ring_allreduce_exact_mean_identical_bits(procs, tmp_path, world):
+    """Sizes: empty, one element, n-1 (some ranks own empty segments), not divisible by n, and
+    ~4 MB; two iterations (the second reuses the connections). A small chunk size for the 4 MB
+    buffer so the pipelined path runs through many chunks per segment."""
+    sizes = [0, 1, world - 1, 10007, 1_000_003]
+    ps = _start_flat(procs, tmp_path, world, _free_port(), sizes, iters=2, chunk=65536 + 4)
+    for p in ps:
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+    _check_results(tmp_path, world, sizes, iters=2)
+
+
+def test_ring_in_process_threads_and_validation():
+    """Three members as threads of one process (no rendezvous): sum_vec, broadcast of a non-float
+    buffer from each root, all_gather_bytes, assert_identical catching a difference, and the
+    argument checks."""
+    lis = [rdzv.bind_listener(_host(i), 0) for i in range(3)]
+    members = [{"rank": i, "node": i, "ring": 0, "addr": _host(i), "port": lis[i].getsockname()[1],
+                "host": f"h{i}"} for i in range(3)]
+    socks, errs = {}, []
+
+    def conn(i):
+        try:
+            socks[i] = ring_connect(members, i, lis[i], SECRET, 5, 10)
+        except Exception as e:  # pragma: no cover - reported below
+            errs.append(e)
+
+    ts = [threading.Thread(target=conn, args=(i,)) for i in range(3)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    [s.close() for s in lis]
+    assert not errs, errs
+    comms = [RingComm(members, i, *socks[i], timeout=5, collective_timeout=10) for i in range(3)]
+    res = {}
+
+    def run(i):
+        c = comms[i]
+        try:
+            out = {"sum": c.all_reduce_sum_vec([i + 0.25, 2.0 * i])}
+            for root in range(3):
+                b = np.full((2, 3), 10 * i + 1, dtype=np.int16)
+                c.broadcast(b, root=root)
+                out[f"b{root}"] = b
+            out["gather"] = c.all_gather_bytes(bytes([i]) * 4)
+            c.assert_identical(np.arange(5.0), "same")
+            try:
+                c.assert_identical(np.arange(5.0) + (i == 2), "params")
+            except DistError as e:
+                out["err"] = e.message
+            res[i] = out
+        except Exception as e:  # pragma: no cover
+            res[i] = e
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    [t.start() for t in ts]
+    [t.join(30) for t in ts]
+    for i in range(3):
+        o = res[i]
+        assert not isinstance(o, Exception), o
+        np.testing.assert_array_equal(o["sum"], [0.25 + 1.25 + 2.25, 0.0 + 2.0 + 4.0])
+        for root in range(3):
+            assert np.all(o[f"b{root}"] == 10 * root + 1)
+        assert o["gather"] == [bytes([0]) * 4, bytes([1]) * 4, bytes([2]) * 4]
+        assert "ranks disagree on params" in o["err"] and "rank 2:" in o["err"]
+    c = comms[0]
+    with pytest.raises(ValueError):
+        c.all_reduce_mean(np.zeros(3, np.float64))
+    with pytest.raises(ValueError):
+        c.all_reduce_mean(np.zeros((2, 2), np.float32))
+    with pytest.raises(ValueError):
+        c.broadcast(np.zeros(3), root=7)
+    for c in comms:
+        c.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# rendezvous and settings
+
+def test_resolve_node_secret_and_backend():
+    e = rdzv.resolve_node(environ={"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "127.0.0.2",
+                                   "MASTER_PORT": "29400", "LLMCTL_BIND_ADDR": "127.0.0.3"})
+    assert (e.nnodes, e.node_rank, e.master_addr, e.master_port, e.bind_addr) == \
+        (2, 1, "127.0.0.2", 29400, "127.0.0.3")
+    # flags override the environment; node 0 binds the master address itself, never 0.0.0.0
+    e = rdzv.resolve_node(nnodes=3, node_rank=0, master_addr="127.0.0.5", master_port=1234,
+                          environ={"NNODES": "2", "NODE_RANK": "1"})
+    assert (e.nnodes, e.node_rank, e.bind_addr, e.source) == (3, 0, "127.0.0.5", "flags")
+    # other nodes: the local interface that routes to the master (a loopback address here)
+    assert rdzv.resolve_node(2, 1, "127.0.0.2", 1234, environ={}).bind_addr.startswith("127.")
+    # Slurm: only inside an srun step with one task per node
+    slurm = {"SLURM_PROCID": "1", "SLURM_NNODES": "2", "SLURM_NTASKS": "2", "SLURM_NODEID": "1"}
+    assert (rdzv.resolve_node(environ=dict(slurm, MASTER_ADDR="127.0.0.2")).nnodes, "slurm") == (2, "slurm")
+    assert rdzv.resolve_node(environ={"SLURM_NNODES": "2", "SLURM_NTASKS": "2"}).nnodes == 1  # salloc shell
+    assert rdzv.resolve_node(environ=dict(slurm, SLURM_NTASKS="8")).nnodes == 1  # srun -n 8: per-rank form
+    assert rdzv.resolve_node(environ={"GROUP_RANK": "1", "NNODES": "2"}).node_rank == 1
+    for kw in ({"nnodes": 2, "node_rank": 2}, {"nnodes": 0}, {"master_port": 70000}):
+        with pytest.raises(ConfigError):
+            rdzv.resolve_node(environ={}, **kw)
+    with pytest.raises(ConfigError, match="LLMCTL_SECRET"):
+        rdzv.resolve_secret({})
+    with pytest.raises(ConfigError, match="at least 16"):
+        rdzv.resolve_secret({"LLMCTL_SECRET": "short"})
+    assert rdzv.resolve_secret({"LLMCTL_SECRET": SECRET_TEXT}) == SECRET and len(SECRET) == 32
+    assert rdzv.resolve_secret({"LLMCTL_SECRET": SECRET_TEXT + "x"}) != SECRET
+    assert rdzv.choose_backend("auto", 1, {}) == "shm"
+    assert rdzv.choose_backend("auto", 2, {}) == "ring"
+    mpi = "mpi" if rdzv._have_mpi4py() else "shm"  # auto needs mpi4py to pick mpi
+    assert rdzv.choose_backend("auto", 1, {"PMI_RANK": "0", "PMI_SIZE": "2"}) == mpi
+    assert rdzv.choose_backend("auto", 1, {"OMPI_COMM_WORLD_RANK": "0"}) == mpi
+    with pytest.raises(ConfigError):
+        rdzv.choose_backend("nccl", 1, {})
+    with pytest.raises(ConfigError, match="one host only"):
+        rdzv.choose_backend("shm", 2, {})
+    with pytest.raises(DistError, match="no local interface"):
+        rdzv.bind_listener("192.0.2.1", 0)  # TEST-NET address: not ours, nothing is sent
+
+
+def _rank_thread(fn, *a, **kw):
+    box = {}
+
+    def run():
+        try:
+            box["ok"] = fn(*a, **kw)
+        except Exception as e:
+            box["err"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, box
+
+
+def test_peer_that_never_connects(tmp_path):
+    """World 3, rank 2 never starts: rank 0 (the rendezvous) and rank 1 both fail within the
+    timeout, naming rank 2; rank 1 learns the cause from rank 0."""
+    port = _free_port()
+    kw = dict(master_addr=_host(0), master_port=port, secret=SECRET, timeout=3, rdzv_timeout=2)
+    t0 = time.monotonic()
+    t_0, b0 = _rank_thread(init_ring, 0, 3, bind_addr=_host(0), **kw)
+    t_1, b1 = _rank_thread(init_ring, 1, 3, bind_addr=_host(1), **kw)
+    t_0.join(15)
+    t_1.join(15)
+    assert time.monotonic() - t0 < 8
+    assert isinstance(b0.get("err"), DistError), b0
+    assert "ranks [2] did not join the rendezvous at 127.0.0.2:" in b0["err"].message
+    assert isinstance(b1.get("err"), DistError), b1
+    assert "rendezvous failed: ranks [2] did not join" in b1["err"].message
+    # and a rank whose rendezvous host is not there at all
+    with pytest.raises(DistError, match="cannot reach the rendezvous at 127.0.0.2"):
+        init_ring(1, 2, bind_addr=_host(1), **dict(kw, master_port=_free_port(), rdzv_timeout=1))
+
+
+def test_wrong_secret_and_garbage_at_the_rendezvous():
+    """Garbage bytes and a wrong-secret peer at the rendezvous port are rejected (logged, named
+    by address); the wrong-secret rank itself gets a clear error; the job does not hang: rank 0
+    fails within its timeout naming the missing rank and the rejected connections."""
+    port = _free_port()
+    logs = []
+    kw = dict(master_addr=_host(0), master_port=port, timeout=3, rdzv_timeout=3)
+    t0 = time.monotonic()
+    t_0, b0 = _rank_thread(init_ring, 0, 2, bind_addr=_host(0), secret=SECRET, log=logs.append, **kw)
+    time.sleep(0.3)
+    g = socket.create_connection((_host(0), port), timeout=5)
+    g.sendall(b"GET / HTTP/1.0\r\n\r\n" + os.urandom(200))
+    with pytest.raises(DistError, match="rejected this rank's credentials"):
+        init_ring(1, 2, bind_addr=_host(1), secret=rdzv.resolve_secret(
+            {"LLMCTL_SECRET": "a-different-secret-value"}), **kw)
+    g.close()
+    t_0.join(15)
+    assert time.monotonic() - t0 < 8
+    err = b0.get("err")
+    assert isinstance(err, DistError), b0
+    assert "ranks [1] did not join" in err.message and "wrong job secret" in err.message, err.message
+    assert any("bad greeting" in m for m in logs) and any("wrong job secret" in m for m in logs), logs
+
+
+def test_peer_sending_garbage_after_authenticating():
+    """An authenticated member that then sends garbage (not a ring header): the real rank fails at
+    once naming the peer's rank, host and address; a member that closes mid-collective likewise."""
+    for mode in ("garbage", "close"):
+        port = _free_port()
+        kw = dict(master_addr=_host(0), master_port=port, secret=SECRET, timeout=3, rdzv_timeout=10)
+        t_0, b0 = _rank_thread(init_ring, 0, 2, bind_addr=_host(0), host="hostA", **kw)
+        fake = init_ring(1, 2, bind_addr=_host(1), host="hostB", **kw)
+        t_0.join(10)
+        real = b0["ok"]
+        t_r, br = _rank_thread(real.all_reduce_mean, np.ones(1 << 20, np.float32))
+        if mode == "garbage":
+            fake._out.sendall(os.urandom(4096))
+        else:
+            fake._out.sendall(b"LLMRING1")  # half a header, then the process "dies"
+            fake._out.close()
+            fake._in.close()
+        t_r.join(10)
+        assert not t_r.is_alive()
+        e = br.get("err")
+        assert isinstance(e, DistError), br
+        assert f"rank 1 (hostB 127.0.0.3:{real.members[1]['port']})" in e.message, e.message
+        if mode == "garbage":
+            assert "not an llmctl ring header" in e.message
+        else:
+            assert "closed the connection" in e.message
+        with pytest.raises(DistError, match="ring is broken"):
+            real.barrier()
+        real.close()
+        fake.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# hierarchical: 2 hosts x 2 processes through F's launcher
+
+_NODE = """
+import json, sys
+from llmctl.dist.hier import launch_multinode
+from llmctl.dist.rendezvous import NodeEnv, resolve_secret
+from llmctl.errors import DistError
+a = json.loads(sys.argv[1])
+node = NodeEnv(a["nnodes"], a["node_rank"], a["master"], a["port"], a["bind"])
+try:
+    launch_multinode("llmctl.dist.hier:check_collectives", a["args"], a["nproc"], node,
+                     resolve_secret(), threads=1, timeout=a["timeout"], rdzv_timeout=20, grace=1)
+except DistError as e:
+    print("Error:", e.message, file=sys.stderr)
+    sys.exit(1)
+"""
+
+
+def _start_nodes(procs, nnodes, nproc, port, args, timeout=5):
+    return [procs.start([sys.executable, "-c", _NODE, json.dumps(
+        {"nnodes": nnodes, "node_rank": i, "master": _host(0), "port": port, "bind": _host(i),
+         "nproc": nproc, "args": args, "timeout": timeout})], env=_env()) for i in range(nnodes)]
+
+
+def test_hier_2_hosts_x_2_procs_collectives(procs, tmp_path):
+    sizes = [0, 1, 3, 4, 7, 300_001]
+    ps = _start_nodes(procs, 2, 2, _free_port(), {"dir": str(tmp_path), "sizes": sizes, "iters": 2})
+    for p in ps:
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+    # local mean (one division) then mean over nodes (a second one): nsum = 2
+    _check_results(tmp_path, 4, sizes, iters=2, nsum=2)
+    assert [(tmp_path / f"result_{r}.txt").read_text().split() for r in range(4)] == \
+        [["0", "4", "0", "2"], ["1", "4", "1", "2"], ["2", "4", "0", "2"], ["3", "4", "1", "2"]]
+
+
+def test_host_killed_mid_step_ends_the_job_everywhere(procs, tmp_path):
+    """SIGKILL node 1's launcher (its ranks die with it) while the ranks loop over all-reduces:
+    node 0's launcher exits 1 within the timeout, naming the lost peer's rank, host and address."""
+    args = {"dir": str(tmp_path), "sizes": [200_003], "iters": 100000}
+    ps = _start_nodes(procs, 2, 2, _free_port(), args, timeout=3)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "3_2_200003.npy").exists():  # a few iterations done on every host
+        assert time.monotonic() < deadline and ps[0].poll() is None and ps[1].poll() is None
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    os.killpg(ps[1].pid, signal.SIGKILL)
+    out, err = ps[0].communicate(timeout=30)
+    assert time.monotonic() - t0 < 3 + 3 + 4, err  # timeout + shutdown grace + slack (loaded CI)
+    assert ps[0].returncode == 1, err
+    assert "Traceback" not in err
+    import re
+    # EOF (FIN), a reset (RST: the dead process had unread data) or a failed send: all name the
+    # lost member by rank, host name and address
+    peer = r"ring member rank [23] \(\S+ 127\.0\.0\.3:\d+\)"
+    assert re.search(rf"(the previous {peer} closed the connection|lost the connection "
+                     rf"(from the previous|to the next) {peer})", err), err
+
+
+# ---------------------------------------------------------------------------------------------
+# `llmctl train --nnodes 2 --nproc 2` == 1 process with gradient accumulation
+
+B, T = 2, 8
+
+
+def _cli(args, env=None, **kw):
+    return subprocess.run([sys.executable, "-m", "llmctl.cli", *args], capture_output=True,
+                          text=True, env=_env(**(env or {})), timeout=120, **kw)
+
+
+def test_2_hosts_x_2_procs_train_equals_gradient_accumulation(procs, tmp_path):
+    """4 ranks on 2 loopback hosts (launcher form, hierarchical shm + ring; and the per-rank
+    torchrun form, one flat ring) vs 1 process with -d 4*B*T over the same tokens.
+
+    The train shard holds 4*B*T + 6 tokens: one P*B*T sample for P = 4, i.e. each rank's B*T
+    slice is one of the four samples the 1-process run accumulates per step (the same argument
+    as tests/test_dist.py's 2-process test; each step of the P = 1 run is a whole epoch, so its
+    reshuffles only change the order of micro-steps). Differences come only from fp32 summation
+    order (accumulation inside the backward kernels vs node means then a mean of node means):
+    ~1e-7 relative on the gradients, far below an AdamW step. We require losses to 1e-6 relative
+    and parameters to 1e-6 absolute (1/1000 of one step at lr 1e-3), and check training moved
+    them ~1000x more. Every rank's parameters are compared bit-for-bit after every step
+    (LLMCTL_DIST_CHECK_PARAMS=1: the job would fail with "ranks disagree on parameters")."""
+    from llmctl.formats import write_datafile
+    from llmctl.model import GPT2, GPT2Config
+
+    d = tmp_path
+    cfg = GPT2Config(max_seq_len=16, vocab_size=64, padded_vocab_size=128, num_layers=2,
+                     num_heads=2, channels=32)
+    m = GPT2(cfg, n_threads=1)
+    rng = np.random.default_rng(0)
+    m.params[:] = (rng.standard_normal(m.num_parameters) * 0.05).astype(np.float32)
+    m.save_checkpoint(str(d / "init.bin"))
+    write_datafile(str(d / "train.bin"), rng.integers(0, 64, 4 * B * T + 6).astype(np.uint16))
+    write_datafile(str(d / "val.bin"), rng.integers(0, 64, 200).astype(np.uint16))
+
+    def args(out, *extra):
+        return ["train", "-i", str(d / "train.bin"), "-j", str(d / "val.bin"), "-e", str(d / "init.bin"),
+                "-b", str(B), "-t", str(T), "-l", "1e-3", "-v", "0", "-s", "0", "--threads", "1",
+                "-x", "6", "-n", "6", "-o", str(d / out), *extra]
+
+    port = _free_port()
+    nodes = [procs.start([sys.executable, "-m", "llmctl.cli", *args(
+        "p4", "--nnodes", "2", "--node-rank", str(i), "--nproc", "2", "--master-addr", _host(0),
+        "--master-port", str(port), "--bind-addr", _host(i), "--dist-timeout", "10",
+        "--rdzv-timeout", "30")], env=_env(LLMCTL_DIST_CHECK_PARAMS="1")) for i in range(2)]
+    r1 = _cli(args("p1", "-d", str(4 * B * T)))
+    assert r1.returncode == 0, r1.stderr
+    for p in nodes:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+    # the per-rank form: 4 processes started "by torchrun" (RANK/WORLD_SIZE/MASTER_* in the
+    # environment), ranks 0,1 on host 127.0.0.2 and 2,3 on 127.0.0.3: one flat ring
+    port = _free_port()
+    ranks = [procs.start([sys.executable, "-m", "llmctl.cli", *args("pe", "--dist-timeout", "10",
+                                                                    "--rdzv-timeout", "30")],
+                         env=_env(RANK=str(r), WORLD_SIZE="4", LOCAL_RANK=str(r % 2),
+                                  LOCAL_WORLD_SIZE="2", MASTER_ADDR=_host(0), MASTER_PORT=str(port),
+                                  LLMCTL_BIND_ADDR=_host(r // 2), LLMCTL_DIST_CHECK_PARAMS="1"))
+             for r in range(4)]
+    for p in ranks:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+
+    def losses(out):
+        with open(d / out / "metrics.jsonl") as f:
+            return [json.loads(ln)["train_loss"] for ln in f if "train_loss" in ln]
+
+    def params(path):
+        return np.fromfile(path, dtype=np.float32)[256:]  # skip the 1024-byte header
+
+    l1 = losses("p1")
+    p0, p1 = params(d / "init.bin"), params(d / "p1/model_00000006.bin")
+    assert len(l1) == 6 and np.abs(p1 - p0).max() > 1e-3
+    for run in ("p4", "pe"):
+        np.testing.assert_allclose(losses(run), l1, rtol=1e-6)
+        np.testing.assert_allclose(params(d / run / "model_00000006.bin"), p1, rtol=0, atol=1e-6)
+        assert sorted(os.listdir(d / run)) == ["DONE_00000006", "main.log", "metrics.jsonl",
+                                               "model_00000006.bin"] + [
+            f"state_00000006_{r:05d}.bin" for r in range(4)]
+
+
+def test_ctrl_c_on_one_host_stops_every_host_at_the_same_step(procs, tmp_path):
+    """SIGINT to node 0's launcher only: the stop flag rides on the next scalar all-reduce, so
+    all 4 ranks stop after the same step and write one complete checkpoint (model, 4 state
+    files, DONE); node 0 exits 130, node 1 exits 0 (its part finished as asked)."""
+    from llmctl.formats import write_datafile
+    from llmctl.model import GPT2, GPT2Config
+    from llmctl.train import find_max_step
+
+    d = tmp_path
+    cfg = GPT2Config(max_seq_len=16, vocab_size=64, padded_vocab_size=128, num_layers=1,
+                     num_heads=2, channels=16)
+    m = GPT2(cfg, n_threads=1)
+    m.params[:] = (np.random.default_rng(1).standard_normal(m.num_parameters) * 0.05).astype(np.float32)
+    m.save_checkpoint(str(d / "init.bin"))
+    write_datafile(str(d / "train.bin"), np.arange(4 * B * T * 3 + 6, dtype=np.uint16) % 64)
+    port = _free_port()
+    nodes = [procs.start([sys.executable, "-m", "llmctl.cli", "train", "-i", str(d / "train.bin"),
+                          "-j", str(d / "train.bin"), "-e", str(d / "init.bin"), "-b", str(B),
+                          "-t", str(T), "-v", "0", "-s", "0", "--threads", "1", "-x", "100000",
+                          "-o", str(d / "run"), "--nnodes", "2", "--node-rank", str(i), "--nproc", "2",
+                          "--master-addr", _host(0), "--master-port", str(port), "--bind-addr",
+                          _host(i), "--dist-timeout", "10", "--rdzv-timeout", "30"], env=_env())
+             for i in range(2)]
+    deadline = time.monotonic() + 60
+    while not ((d / "run" / "metrics.jsonl").exists()
+               and (d / "run" / "metrics.jsonl").read_text().count("train_loss") >= 3):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in nodes)
+        time.sleep(0.05)
+    nodes[0].send_signal(signal.SIGINT)
+    outs = [p.communicate(timeout=60) for p in nodes]
+    assert nodes[0].returncode == 130, outs[0][1]
+    assert nodes[1].returncode == 0, outs[1][1]
+    S = find_max_step(str(d / "run"))
+    assert S >= 3
+    for f in [f"model_{S:08d}.bin"] + [f"state_{S:08d}_{r:05d}.bin" for r in range(4)]:
+        assert (d / "run" / f).exists(), f
+    assert (d / "run" / "metrics.jsonl").read_text().count("train_loss") == S
