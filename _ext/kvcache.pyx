@@ -1,0 +1,206 @@
+"""Kernels for the KV-cached GPT-2 forward: append new K/V rows to a cache, attend new queries to it.
+
+What it is: the attention of Tq new query positions per row against a per-layer cache of all
+past keys/values of that row (decode: Tq = 1; prefill or HellaSwag completions: Tq > 1), plus
+llm.c's `sample_softmax` (llmc/sampler.h) so sampling uses the same float/double arithmetic.
+What it is not: the training attention (no backward, no stored (B,NH,T,T) matrices; that is
+attention.pyx) and no matmul/layernorm/GELU (the cached forward in llmctl/sample.py uses the
+shared kernels / BLAS for those).
+
+Mirrors llm.c's `attention_forward` (train_gpt2.c) per query: scale 1/sqrt(hs), causal,
+softmax via exp(x - max) and a multiply by 1/sum, output = sum_t2 att * V.
+
+Layouts (flat float32, C order):
+  qkv     (B, Tq, 3C)         the new positions' q|k|v, as the qkv matmul writes them
+  kcache  (B, NH, Tcap, hs)   one layer's cache; vcache likewise
+  pos     (B,) int32          row b's new position t sits at cache index pos[b] + t
+  out     (B, Tq, C)          attention output (heads concatenated), like llm.c's atty
+Every query is computed by one thread start to finish, so results do not depend on the
+thread count.
+"""
+from cython.parallel cimport prange
+from libc.math cimport expf, sqrtf
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy
+
+from _openmp cimport omp_get_thread_num
+
+
+# ----------------------------------------------------------------------------------------------
+# C-level kernels
+
+cdef enum:
+    MAX_HS = 512   # largest head size the attention kernel accepts (GPT-2/3 use 64..128)
+
+cdef void kvcache_append(float* kcache, float* vcache, const float* qkv, const int* pos,
+                         int B, int Tq, int C, int NH, int Tcap) noexcept nogil:
+    # copy the k and v parts of qkv (B,Tq,3C) into the caches (B,NH,Tcap,hs) at pos[b] + t
+    cdef int hs = C // NH
+    cdef int b, t, h
+    cdef long p
+    cdef const float* src
+    for b in range(B):
+        for t in range(Tq):
+            p = pos[b] + t
+            src = qkv + (<long>b * Tq + t) * 3 * C
+            for h in range(NH):
+                memcpy(kcache + ((<long>b * NH + h) * Tcap + p) * hs, src + C + h * hs,
+                       hs * sizeof(float))
+                memcpy(vcache + ((<long>b * NH + h) * Tcap + p) * hs, src + 2 * C + h * hs,
+                       hs * sizeof(float))
+
+
+cdef inline float _dot(const float* a, const float* b, int n) noexcept nogil:
+    # 8 independent partial sums (vectorisable without -ffast-math), combined in a fixed order
+    cdef float s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0, s4 = 0.0, s5 = 0.0, s6 = 0.0, s7 = 0.0
+    cdef int i = 0
+    while i + 8 <= n:
+        s0 = s0 + a[i] * b[i]
+        s1 = s1 + a[i + 1] * b[i + 1]
+        s2 = s2 + a[i + 2] * b[i + 2]
+        s3 = s3 + a[i + 3] * b[i + 3]
+        s4 = s4 + a[i + 4] * b[i + 4]
+        s5 = s5 + a[i + 5] * b[i + 5]
+        s6 = s6 + a[i + 6] * b[i + 6]
+        s7 = s7 + a[i + 7] * b[i + 7]
+        i = i + 8
+    while i < n:
+        s0 = s0 + a[i] * b[i]
+        i = i + 1
+    return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+
+
+cdef inline void _attend_one(float* out, const float* q, const float* k, const float* v,
+                             int n, int hs, float scale, float* scores) noexcept nogil:
+    # one query against n cached keys/values (rows of hs floats); scores: scratch of >= n floats
+    cdef int j, i
+    cdef float s, maxval = -10000.0, expsum = 0.0, inv, a
+    cdef float acc[MAX_HS]   # local accumulator: cannot alias v, so the AV loop vectorises
+    for j in range(n):
+        s = _dot(q, k + <long>j * hs, hs) * scale
+        if s > maxval:
+            maxval = s
+        scores[j] = s
+    for j in range(n):
+        a = expf(scores[j] - maxval)
+        expsum = expsum + a
+        scores[j] = a
+    inv = 1.0 / expsum if expsum != 0.0 else 0.0
+    for i in range(hs):
+        acc[i] = 0.0
+    for j in range(n):
+        a = scores[j] * inv
+        for i in range(hs):
+            acc[i] = acc[i] + a * v[<long>j * hs + i]
+    for i in range(hs):
+        out[i] = acc[i]
+
+
+cdef int attention_cached_forward(float* out, const float* qkv, const float* kcache,
+                                  const float* vcache, const int* pos, int B, int Tq, int C,
+                                  int NH, int Tcap, int n_threads) noexcept nogil:
+    # out (B,Tq,C): query (b,t,h) attends to cache positions 0 .. pos[b] + t inclusive.
+    # The new K/V must already be in the cache (kvcache_append). Returns -1 if out of memory.
+    cdef int hs = C // NH
+    cdef float scale = 1.0 / sqrtf(<float>hs)
+    cdef long total = <long>B * NH * Tq
+    cdef long idx
+    cdef int b, h, t
+    # one score row of Tcap floats per thread, picked by thread number
+    cdef float* scratch = <float*>malloc(<size_t>n_threads * Tcap * sizeof(float))
+    if scratch == NULL:
+        return -1
+    for idx in prange(total, schedule='static', num_threads=n_threads):
+        b = <int>(idx // (NH * Tq))
+        h = <int>((idx // Tq) % NH)
+        t = <int>(idx % Tq)
+        _attend_one(out + (<long>b * Tq + t) * C + h * hs,
+                    qkv + (<long>b * Tq + t) * 3 * C + h * hs,
+                    kcache + (<long>b * NH + h) * Tcap * hs,
+                    vcache + (<long>b * NH + h) * Tcap * hs,
+                    pos[b] + t + 1, hs, scale, scratch + <long>omp_get_thread_num() * Tcap)
+    free(scratch)
+    return 0
+
+
+cdef int sample_softmax_c(const float* logits, int n, float coin) noexcept nogil:
+    # llmc/sampler.h: softmax over raw logits without max subtraction, double normaliser,
+    # coin scaled by it (in float), float running CDF; fallback to the last index.
+    cdef double norm = 0.0
+    cdef float cdf = 0.0
+    cdef int i
+    for i in range(n):
+        norm += expf(logits[i])
+    coin = <float>(coin * norm)
+    for i in range(n):
+        cdf += expf(logits[i])
+        if coin < cdf:
+            return i
+    return n - 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Python wrappers: validate sizes (ValueError), then call the C kernel without the GIL
+
+def _check(name, Py_ssize_t got, Py_ssize_t want):
+    if got != want:
+        raise ValueError(f"{name} has {got} elements, expected {want}")
+
+
+def _check_pos(const int[::1] pos, int B, int Tq, int Tcap):
+    cdef int b
+    _check("pos", pos.shape[0], B)
+    for b in range(B):
+        if pos[b] < 0 or pos[b] + Tq > Tcap:
+            raise ValueError(f"pos[{b}] = {pos[b]} with Tq = {Tq} does not fit a cache of Tcap = {Tcap}")
+
+
+def _check_dims(int B, int Tq, int C, int NH, int Tcap):
+    if B < 1 or Tq < 1 or C < 1 or NH < 1 or Tcap < 1:
+        raise ValueError("B, Tq, C, NH and Tcap must be positive")
+    if C % NH != 0:
+        raise ValueError(f"C = {C} is not a multiple of NH = {NH}")
+    if C // NH > MAX_HS:
+        raise ValueError(f"head size {C // NH} exceeds the kernel's maximum {MAX_HS}")
+
+
+def kvcache_append_forward(float[::1] kcache, float[::1] vcache, const float[::1] qkv,
+                           const int[::1] pos, int B, int Tq, int C, int NH, int Tcap):
+    """Write the K and V of qkv (B,Tq,3C) into kcache/vcache (B,NH,Tcap,hs) at pos[b] + t."""
+    _check_dims(B, Tq, C, NH, Tcap)
+    _check("kcache", kcache.shape[0], <Py_ssize_t>B * Tcap * C)
+    _check("vcache", vcache.shape[0], <Py_ssize_t>B * Tcap * C)
+    _check("qkv", qkv.shape[0], <Py_ssize_t>B * Tq * 3 * C)
+    _check_pos(pos, B, Tq, Tcap)
+    with nogil:
+        kvcache_append(&kcache[0], &vcache[0], &qkv[0], &pos[0], B, Tq, C, NH, Tcap)
+
+
+def attention_cached(float[::1] out, const float[::1] qkv, const float[::1] kcache,
+                     const float[::1] vcache, const int[::1] pos, int B, int Tq, int C, int NH,
+                     int Tcap, int n_threads):
+    """out (B,Tq,C) = causal attention of the queries in qkv against the cache (see module doc)."""
+    _check_dims(B, Tq, C, NH, Tcap)
+    _check("out", out.shape[0], <Py_ssize_t>B * Tq * C)
+    _check("qkv", qkv.shape[0], <Py_ssize_t>B * Tq * 3 * C)
+    _check("kcache", kcache.shape[0], <Py_ssize_t>B * Tcap * C)
+    _check("vcache", vcache.shape[0], <Py_ssize_t>B * Tcap * C)
+    _check_pos(pos, B, Tq, Tcap)
+    if n_threads < 1:
+        raise ValueError("n_threads must be >= 1")
+    cdef int rc
+    with nogil:
+        rc = attention_cached_forward(&out[0], &qkv[0], &kcache[0], &vcache[0], &pos[0],
+                                      B, Tq, C, NH, Tcap, n_threads)
+    if rc != 0:
+        raise MemoryError("attention_cached: no memory for the score scratch")
+
+
+def sample_softmax(const float[::1] logits, float coin):
+    """llm.c's sample_softmax(logits, n, coin) over all of `logits` (pass the first V only)."""
+    if logits.shape[0] < 1:
+        raise ValueError("logits is empty")
+    cdef int r
+    with nogil:
+        r = sample_softmax_c(&logits[0], <int>logits.shape[0], coin)
+    return r

@@ -1,0 +1,330 @@
+"""Evaluate a GPT-2 model: multiple-choice accuracy (HellaSwag, scored as llm.c does) and mean loss.
+
+What it is:
+- `score_examples` / `eval_hellaswag`: every example of an llm.c eval file (§1.2) becomes 4 rows
+  context + completion; a completion's loss is the per-token cross-entropy at the positions that
+  predict its tokens (n_ctx-1 .. n_ctx+n_c-2), exactly the mask of llm.c's EvalLoader (§3).
+  acc_norm = argmin of the MEAN loss per row (llm.c's figure; ties go to the lowest index, as its
+  strict '<'), acc = argmin of the SUMMED loss (hellaswag.py's `acc`); `norm="chars"` divides by
+  the completion's decoded character length instead (lm-evaluation-harness's acc_norm).
+- `eval_loss`: mean per-token loss and perplexity over token shards, in llm.c's val-loader order
+  (non-overlapping B*T windows, each with its next-token targets).
+What it is not: llm.c's padding of every row to T. Examples are sorted by length and packed into
+batches padded only to their longest row; the context runs ONCE per example and its cached keys/
+values serve all four completions (exact: attention is causal, so no context position sees a
+completion). Logits are computed only where a loss is needed. Results do not depend on batching
+beyond float32 rounding.
+Mirrors: llm.c `llmc/dataloader.h` EvalLoader (next_batch/stat_losses), `dev/data/hellaswag.py`
+(evaluate: sum vs mean), `train_gpt2.cu` val loss loop.
+"""
+import glob as _glob
+import os
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import numpy as np
+
+from llmctl.errors import ConfigError, DataError, FormatError
+from llmctl.sample import _weights, block_forward, embed, final_norm, lm_logits
+
+NUM_COMPLETIONS = 4
+
+
+@dataclass
+class ExampleScore:
+    """One example's outcome. losses_sum / num_tokens per completion; pred = argmin sum,
+    pred_norm = argmin of the normalised loss (mean per token, or per character)."""
+    index: int
+    label: int
+    losses_sum: List[float]
+    num_tokens: List[int]
+    pred: int
+    pred_norm: int
+    num_chars: Optional[List[int]] = field(default=None)
+
+    def to_dict(self):
+        d = {"index": self.index, "label": self.label, "pred": self.pred, "pred_norm": self.pred_norm,
+             "losses_sum": self.losses_sum, "num_tokens": self.num_tokens}
+        if self.num_chars is not None:
+            d["num_chars"] = self.num_chars
+        return d
+
+
+def _argmin_first(vals):
+    # llm.c stat_losses: strict '<' scan, so ties go to the lowest index
+    best = 0
+    for i in range(1, len(vals)):
+        if vals[i] < vals[best]:
+            best = i
+    return best
+
+
+def check_examples(examples, config, path="<examples>"):
+    """Refuse examples this model cannot score, naming the file and example index."""
+    maxT, V = config.max_seq_len, config.vocab_size
+    for ex in examples:
+        n_ctx = len(ex.context)
+        if len(ex.endings) != NUM_COMPLETIONS:
+            raise FormatError(f"{path}: example {ex.index} has {len(ex.endings)} completions, expected 4")
+        if not 0 <= int(ex.label) < NUM_COMPLETIONS:
+            raise FormatError(f"{path}: example {ex.index} has label {ex.label}, expected 0..3")
+        if n_ctx == 0 or any(len(e) == 0 for e in ex.endings):
+            raise FormatError(f"{path}: example {ex.index} has an empty context or completion")
+        longest = n_ctx + max(len(e) for e in ex.endings)
+        if longest > maxT:
+            raise ConfigError(f"{path}: example {ex.index} needs {longest} positions (context {n_ctx} + "
+                              f"completion) but the model's maxT is {maxT}",
+                              hint=f"this file needs a model with maxT >= {longest}")
+        for toks in [ex.context] + list(ex.endings):
+            if int(np.max(toks)) >= V:
+                raise FormatError(f"{path}: example {ex.index} has token id {int(np.max(toks))} >= vocab size {V}")
+
+
+def _token_losses(w, h, targets, n_threads, chunk=256):
+    """Cross-entropy (float64) of final-normed hidden rows h (M,C) against targets (M,) or
+    (M,k) (k targets scored from the same row's distribution) -> same shape as targets."""
+    targets = np.asarray(targets, dtype=np.int64)
+    out = np.empty(targets.shape, dtype=np.float64)
+    for s in range(0, h.shape[0], chunk):
+        lg = lm_logits(w, h[s:s + chunk], n_threads)          # (m, V) float32
+        m = lg.max(axis=1, keepdims=True)
+        lse = m[:, 0].astype(np.float64) + np.log(np.exp(lg - m).sum(axis=1, dtype=np.float64))
+        tg = targets[s:s + chunk]
+        rows = np.arange(lg.shape[0]).reshape((-1,) + (1,) * (tg.ndim - 1))
+        out[s:s + chunk] = lse.reshape(rows.shape) - lg[rows, tg]
+    return out
+
+
+def _score_batch(model, batch, n_threads):
+    """-> (losses_sum (E,4), num_tokens (E,4)) for a list of EvalExample."""
+    w = _weights(model)
+    E = len(batch)
+    n_ctx = np.array([len(ex.context) for ex in batch], dtype=np.int32)
+    comps = [[np.asarray(e, dtype=np.int64) for e in ex.endings] for ex in batch]
+    Tx = int(n_ctx.max())
+    # completion rows feed all but their last token (which is only ever a target)
+    Tc = max(len(c) - 1 for cs in comps for c in cs)
+    Tcap = Tx + Tc
+    hs = w.C // w.NH
+
+    ctx_tok = np.zeros((E, Tx), dtype=np.int64)
+    for e, ex in enumerate(batch):
+        ctx_tok[e, :n_ctx[e]] = ex.context
+    x_ctx = embed(w, ctx_tok, np.zeros(E, dtype=np.int32))
+    zero_pos = np.zeros(E, dtype=np.int32)
+    pos4 = np.repeat(n_ctx, NUM_COMPLETIONS).astype(np.int32)
+    if Tc > 0:
+        comp_tok = np.zeros((E * NUM_COMPLETIONS, Tc), dtype=np.int64)
+        for e in range(E):
+            for c in range(NUM_COMPLETIONS):
+                t = comps[e][c][:-1]
+                comp_tok[e * NUM_COMPLETIONS + c, :t.size] = t
+        x_comp = embed(w, comp_tok, pos4)
+    k = np.empty((E, w.NH, Tcap, hs), dtype=np.float32)
+    v = np.empty_like(k)
+    for l in range(w.L):
+        x_ctx = block_forward(w, l, x_ctx, k, v, zero_pos, n_threads)
+        if Tc > 0:
+            k4 = np.repeat(k, NUM_COMPLETIONS, axis=0)  # each completion row gets its context's K/V
+            v4 = np.repeat(v, NUM_COMPLETIONS, axis=0)
+            x_comp = block_forward(w, l, x_comp, k4, v4, pos4, n_threads)
+
+    # rows of hidden states that predict a completion token, and those tokens
+    h_last = final_norm(w, x_ctx.reshape(E, Tx, w.C)[np.arange(E), n_ctx - 1], n_threads)  # predicts comp[0]
+    first_t = np.array([[comps[e][c][0] for c in range(NUM_COMPLETIONS)] for e in range(E)])
+    losses = np.zeros((E, NUM_COMPLETIONS), dtype=np.float64)
+    counts = np.array([[len(c) for c in cs] for cs in comps], dtype=np.int64)
+    # the first completion token of each row: one distribution per example serves all four
+    losses += _token_losses(w, h_last, first_t, n_threads)
+    if Tc > 0:
+        r_idx, t_idx, tgt = [], [], []
+        for e in range(E):
+            for c in range(NUM_COMPLETIONS):
+                n = len(comps[e][c])
+                r_idx.extend([e * NUM_COMPLETIONS + c] * (n - 1))
+                t_idx.extend(range(n - 1))
+                tgt.extend(comps[e][c][1:].tolist())
+        if r_idx:
+            r_idx = np.array(r_idx)
+            h = final_norm(w, x_comp.reshape(-1, Tc, w.C)[r_idx, np.array(t_idx)], n_threads)
+            tl = _token_losses(w, h, np.array(tgt, dtype=np.int64), n_threads)
+            np.add.at(losses.reshape(-1), r_idx, tl)
+    return losses, counts
+
+
+def _batches(examples, batch_tokens):
+    """Group examples (sorted by length) into batches whose padded positions stay <= batch_tokens."""
+    order = sorted(range(len(examples)),
+                   key=lambda i: (len(examples[i].context), max(len(e) for e in examples[i].endings)))
+    batch, tx, tc = [], 0, 0
+    for i in order:
+        ex = examples[i]
+        ntx = max(tx, len(ex.context))
+        ntc = max(tc, max(len(e) for e in ex.endings) - 1)
+        if batch and (len(batch) + 1) * (ntx + NUM_COMPLETIONS * ntc) > batch_tokens:
+            yield batch
+            batch, ntx, ntc = [], len(ex.context), max(len(e) for e in ex.endings) - 1
+        batch.append(i)
+        tx, tc = ntx, ntc
+    if batch:
+        yield batch
+
+
+def score_examples(model, examples, norm="tokens", tokenizer=None, n_threads=None,
+                   batch_tokens=2048, on_progress=None, path="<examples>"):
+    """Score multiple-choice examples (EvalExample-like: index, label, context, endings).
+    -> list of ExampleScore in the input order. on_progress(n_done) after each batch."""
+    if norm not in ("tokens", "chars"):
+        raise ConfigError(f"--norm must be 'tokens' or 'chars', got {norm!r}")
+    examples = list(examples)
+    check_examples(examples, model.config, path)
+    n_threads = int(n_threads or _weights(model).n_threads)
+    if norm == "chars":
+        if tokenizer is None:
+            from llmctl.tokenizer import get_tokenizer
+            tokenizer = get_tokenizer()
+    scores = [None] * len(examples)
+    done = 0
+    for idxs in _batches(examples, batch_tokens):
+        losses, counts = _score_batch(model, [examples[i] for i in idxs], n_threads)
+        for j, i in enumerate(idxs):
+            ex = examples[i]
+            s = losses[j].tolist()
+            n = counts[j].tolist()
+            mean = [s[c] / n[c] for c in range(NUM_COMPLETIONS)]
+            nchars = None
+            if norm == "chars":
+                nchars = [len(tokenizer.decode([int(t) for t in e])) for e in ex.endings]
+                normed = [s[c] / max(nchars[c], 1) for c in range(NUM_COMPLETIONS)]
+            else:
+                normed = mean
+            scores[i] = ExampleScore(index=int(ex.index), label=int(ex.label), losses_sum=s,
+                                     num_tokens=n, pred=_argmin_first(s),
+                                     pred_norm=_argmin_first(normed), num_chars=nchars)
+        done += len(idxs)
+        if on_progress is not None:
+            on_progress(done)
+    return scores
+
+
+def summarize(scores, norm="tokens", per_example=False):
+    """The result object `llmctl eval hellaswag --json` prints."""
+    n = len(scores)
+    correct = sum(s.pred == s.label for s in scores)
+    correct_norm = sum(s.pred_norm == s.label for s in scores)
+    out = {"num_examples": n, "correct": correct, "correct_norm": correct_norm,
+           "acc": correct / n if n else 0.0, "acc_norm": correct_norm / n if n else 0.0, "norm": norm}
+    if per_example:
+        out["examples"] = [s.to_dict() for s in scores]
+    return out
+
+
+def eval_hellaswag(model, path, limit=None, norm="tokens", per_example=False, n_threads=None,
+                   batch_tokens=2048, on_progress=None, on_start=None, comm=None):
+    """Score an llm.c eval file (e.g. hellaswag_val.bin). model: a GPT2 (or anything with
+    .config and .p). limit: only the first N examples. on_start(num_local_examples) before scoring.
+
+    With a `comm` (llmctl.dist Comm) of P ranks, rank r scores examples [r*ceil(N/P), ...) as llm.c's
+    EvalLoader splits them and the counts are summed over ranks; per-example results are the
+    local ones. Called from training, log `s:%d eval:%.4f` with the returned acc_norm."""
+    from llmctl.formats import read_evalfile
+
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: eval file not found", hint="create it with `llmctl prepro hellaswag`")
+    examples = read_evalfile(path)
+    if limit is not None:
+        if limit < 1:
+            raise ConfigError(f"--limit must be >= 1, got {limit}")
+        examples = examples[:limit]
+    n_total = len(examples)
+    if comm is not None and comm.world_size > 1:
+        per = -(-n_total // comm.world_size)
+        examples = examples[comm.rank * per:(comm.rank + 1) * per]
+    if on_start is not None:
+        on_start(len(examples))
+    scores = score_examples(model, examples, norm=norm, n_threads=n_threads,
+                            batch_tokens=batch_tokens, on_progress=on_progress, path=str(path))
+    res = summarize(scores, norm=norm, per_example=per_example)
+    if comm is not None and comm.world_size > 1:
+        res["correct"] = int(round(comm.all_reduce_sum_scalar(float(res["correct"]))))
+        res["correct_norm"] = int(round(comm.all_reduce_sum_scalar(float(res["correct_norm"]))))
+        res["num_examples"] = n_total
+        res["acc"] = res["correct"] / n_total
+        res["acc_norm"] = res["correct_norm"] / n_total
+    res["file"] = str(path)
+    return res
+
+
+def hellaswag_entry(args, comm):
+    """One rank of `llmctl eval hellaswag --nproc N` (run by llmctl.dist.launcher): loads the
+    model with the rank's thread count, scores its slice, returns the summed result (rank 0's
+    return value is what the launcher hands back)."""
+    from llmctl.model import GPT2
+
+    model = GPT2.from_init(args["checkpoint"], n_threads=comm.n_threads)
+    return eval_hellaswag(model, args["path"], limit=args.get("limit"), norm=args.get("norm", "tokens"),
+                          per_example=False, batch_tokens=args.get("batch_tokens", 2048), comm=comm)
+
+
+def eval_hellaswag_multiproc(checkpoint, path, nproc, threads=None, limit=None, norm="tokens",
+                             batch_tokens=2048, timeout=30.0):
+    """eval_hellaswag split over `nproc` local processes (llmctl.dist.launcher); -> the result dict."""
+    from llmctl.dist.launcher import launch
+
+    if not os.path.isfile(path):  # fail before spawning anything
+        raise DataError(f"{path}: eval file not found", hint="create it with `llmctl prepro hellaswag`")
+    out = launch("llmctl.evaluate:hellaswag_entry",
+                 {"checkpoint": str(checkpoint), "path": str(path), "limit": limit, "norm": norm,
+                  "batch_tokens": batch_tokens}, nproc, threads=threads, timeout=timeout)
+    res = out["result"]
+    res["nproc"], res["threads_per_process"] = out["nproc"], out["threads"]
+    return res
+
+
+# ----------------------------------------------------------------------------------------------
+# eval loss
+
+def eval_loss(model, pattern, B=4, T=None, max_batches=-1, on_progress=None, on_start=None):
+    """Mean next-token loss over token shards matching `pattern` (sorted), read like llm.c's
+    unshuffled loader: each shard gives (N-1) // (B*T) windows of B*T inputs + shifted targets.
+    max_batches > 0 stops early (llm.c's -m). -> dict(loss, perplexity, num_batches, num_tokens, files)."""
+    from llmctl.formats import open_shard
+
+    cfg = model.config
+    T = int(T or min(1024, cfg.max_seq_len))
+    if not 1 <= T <= cfg.max_seq_len:
+        raise ConfigError(f"-t {T} must be in 1..maxT = {cfg.max_seq_len}")
+    if B < 1:
+        raise ConfigError(f"-b {B} must be >= 1")
+    files = sorted(_glob.glob(pattern))
+    if not files:
+        raise DataError(f"no files match {pattern!r}", hint="check the -j pattern (quote it in the shell)")
+    plan = []
+    for f in files:
+        toks = open_shard(f)
+        n = (toks.shape[0] - 1) // (B * T)
+        plan.extend((f, s) for s in range(n))
+    if not plan:
+        raise DataError(f"{pattern}: no shard holds B*T+1 = {B * T + 1} tokens",
+                        hint="lower -b or -t")
+    if max_batches and max_batches > 0:
+        plan = plan[:max_batches]
+    if on_start is not None:
+        on_start(len(plan))
+    total = 0.0
+    cur, toks = None, None
+    for i, (f, s) in enumerate(plan):
+        if f != cur:
+            cur, toks = f, open_shard(f)
+        buf = np.asarray(toks[s * B * T: s * B * T + B * T + 1], dtype=np.int64)
+        if int(buf.max()) >= cfg.vocab_size:
+            raise FormatError(f"{f}: token id {int(buf.max())} >= vocab size {cfg.vocab_size}",
+                              hint="is this a llama-3 shard? llmctl models are GPT-2")
+        x = buf[:-1].reshape(B, T).astype(np.int32)
+        y = buf[1:].reshape(B, T).astype(np.int32)
+        total += float(model.forward(x, y))
+        if on_progress is not None:
+            on_progress(i + 1)
+    loss = total / len(plan)
+    return {"loss": loss, "perplexity": float(np.exp(loss)), "num_batches": len(plan),
+            "num_tokens": len(plan) * B * T, "B": B, "T": T, "files": files}

@@ -1,0 +1,300 @@
+"""Tests for llmctl.sample / _ext/kvcache.pyx / `llmctl sample`: the KV-cached forward against a
+full forward and the float64 NumPy reference, greedy decoding against the reference's greedy,
+llm.c's sampler arithmetic (vectors from compiling llm.c's sampler.h / random_u32 with gcc),
+top-k/top-p, streaming decode, length limits and the CLI's --json output."""
+import json
+
+import numpy as np
+import pytest
+
+import reference as ref
+from llmctl import formats
+from llmctl.errors import ConfigError
+from llmctl.model import GPT2
+from llmctl.sample import (KVCache, StreamDecoder, Xorshift, check_sample_length, forward_cached,
+                           generate, logits_from_hidden, sample_token)
+from llmctl.tokenizer import get_tokenizer
+
+V, Vp = 50257, 50304
+
+
+def tiny_cfg(maxT=32, L=2, NH=4, C=32):
+    return dict(max_seq_len=maxT, vocab_size=V, padded_vocab_size=Vp, num_layers=L, num_heads=NH, channels=C)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A random 2-layer GPT-2 (C=32, maxT=32) as an llm.c checkpoint, the model and its float64 params."""
+    cfg = tiny_cfg()
+    P = ref.random_params(cfg, seed=1, std=0.1)
+    path = tmp_path_factory.mktemp("tiny") / "tiny.bin"
+    formats.write_checkpoint(str(path), cfg, ref.params_to_flat(P, cfg))
+    # one thread: these shapes are far too small to gain from two, and on a loaded machine
+    # OpenMP/BLAS threads that spin-wait for a busy core make tiny kernels 100x slower
+    return GPT2.from_checkpoint(str(path), n_threads=1), P, cfg, str(path)
+
+
+# ----------------------------------------------------------------------------------------------
+# the kernel
+
+def _attention_ref(qkv, kc, vc, pos, NH):
+    """float64: query (b,t,h) of qkv (B,Tq,3C) against cache rows 0..pos[b]+t of kc/vc (B,NH,Tcap,hs)."""
+    B, Tq, C3 = qkv.shape
+    C = C3 // 3
+    hs = C // NH
+    out = np.zeros((B, Tq, C))
+    for b in range(B):
+        for t in range(Tq):
+            n = pos[b] + t + 1
+            for h in range(NH):
+                q = qkv[b, t, h * hs:(h + 1) * hs].astype(np.float64)
+                s = kc[b, h, :n].astype(np.float64) @ q / np.sqrt(hs)
+                a = np.exp(s - s.max())
+                out[b, t, h * hs:(h + 1) * hs] = (a / a.sum()) @ vc[b, h, :n]
+    return out
+
+
+@pytest.mark.parametrize("B,Tq,NH,hs,threads", [(1, 1, 4, 8, 1), (3, 5, 2, 16, 2), (2, 7, 3, 5, 2)])
+def test_attention_cached_kernel_matches_numpy(B, Tq, NH, hs, threads):
+    from llmctl._ext.kvcache import attention_cached, kvcache_append_forward
+
+    rng = np.random.default_rng(B * 100 + Tq)
+    C, Tcap = NH * hs, 16
+    pos = np.array([Tcap - Tq - b for b in range(B)], dtype=np.int32)   # different past per row
+    kc = rng.normal(size=(B, NH, Tcap, hs)).astype(np.float32)
+    vc = rng.normal(size=(B, NH, Tcap, hs)).astype(np.float32)
+    qkv = rng.normal(size=(B, Tq, 3 * C)).astype(np.float32)
+    kvcache_append_forward(kc.reshape(-1), vc.reshape(-1), qkv.reshape(-1), pos, B, Tq, C, NH, Tcap)
+    for b in range(B):  # the new K/V landed at pos[b] + t
+        for t in range(Tq):
+            np.testing.assert_array_equal(kc[b, :, pos[b] + t].reshape(-1), qkv[b, t, C:2 * C])
+            np.testing.assert_array_equal(vc[b, :, pos[b] + t].reshape(-1), qkv[b, t, 2 * C:])
+    out = np.empty((B, Tq, C), dtype=np.float32)
+    attention_cached(out.reshape(-1), qkv.reshape(-1), kc.reshape(-1), vc.reshape(-1), pos,
+                     B, Tq, C, NH, Tcap, threads)
+    # float32 dot products of <= 16 terms and a <= 16-term softmax: 1e-5 is ~100 ulp of O(1) values
+    np.testing.assert_allclose(out, _attention_ref(qkv, kc, vc, pos, NH), atol=1e-5, rtol=1e-5)
+    out1 = np.empty_like(out)
+    attention_cached(out1.reshape(-1), qkv.reshape(-1), kc.reshape(-1), vc.reshape(-1), pos,
+                     B, Tq, C, NH, Tcap, 1)
+    np.testing.assert_array_equal(out, out1)  # one thread computes each query whole
+
+
+def test_kernel_rejects_bad_sizes():
+    from llmctl._ext.kvcache import attention_cached, kvcache_append_forward
+
+    B, Tq, C, NH, Tcap = 1, 2, 8, 2, 4
+    kc = np.zeros(B * Tcap * C, np.float32)
+    qkv = np.zeros(B * Tq * 3 * C, np.float32)
+    out = np.zeros(B * Tq * C, np.float32)
+    with pytest.raises(ValueError, match="pos\\[0\\]"):
+        attention_cached(out, qkv, kc, kc, np.array([3], np.int32), B, Tq, C, NH, Tcap, 1)
+    with pytest.raises(ValueError, match="qkv"):
+        attention_cached(out, qkv[:-1], kc, kc, np.array([0], np.int32), B, Tq, C, NH, Tcap, 1)
+    with pytest.raises(ValueError, match="multiple"):
+        kvcache_append_forward(kc, kc, qkv, np.array([0], np.int32), B, Tq, C, 3, Tcap)
+
+
+# ----------------------------------------------------------------------------------------------
+# the cached forward
+
+def test_cached_logits_equal_full_forward_at_every_position(tiny):
+    model, P, cfg, _ = tiny
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, V, size=(3, 20)).astype(np.int32)
+    model.forward(ids)
+    full = model.logits()[..., :V].copy()
+    _, ref_logits, _ = ref.gpt2_forward(P, ids, None, cfg)
+    cache = KVCache(model.config, 3, 20)
+    hs = [forward_cached(model, cache, ids[:, :7])]          # prefill 7, then 2 at once, then 1 by 1
+    hs.append(forward_cached(model, cache, ids[:, 7:9]))
+    for t in range(9, 20):
+        hs.append(forward_cached(model, cache, ids[:, t:t + 1]))
+    cached = logits_from_hidden(model, np.concatenate(hs, axis=1))
+    assert cached.shape == (3, 20, V)
+    # float32 paths that differ only in summation order (BLAS vs per-query attention) over
+    # C=32-wide dot products and 2 layers; logits are O(3), so 1e-5 absolute is ~100 ulp.
+    np.testing.assert_allclose(cached, full, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(cached, ref_logits[..., :V], atol=1e-5, rtol=0)
+    assert list(cache.lengths) == [20, 20, 20]
+    with pytest.raises(ValueError):
+        forward_cached(model, cache, ids[:, :1])  # the cache is full
+
+
+def test_cached_forward_refuses_beyond_maxT(tiny):
+    model = tiny[0]
+    cache = KVCache(model.config, 1, 40)
+    with pytest.raises(ConfigError, match="maxT"):
+        forward_cached(model, cache, np.zeros((1, 33), np.int32))
+
+
+def test_greedy_equals_reference_greedy(tiny):
+    model, P, cfg, _ = tiny
+    prompt = [50256, 464, 3290]
+    want = ref.gpt2_greedy(P, prompt, 12, cfg)[len(prompt):]
+    assert generate(model, prompt, 12, temperature=0, stop_at_eot=False) == want
+    assert generate(model, prompt, 12, temperature=0, stop_at_eot=False, use_cache=False) == want
+
+
+# ----------------------------------------------------------------------------------------------
+# sampling
+
+def test_xorshift_matches_llmc():
+    # printed by llm.c's random_u32 / random_f32 compiled with gcc, state 1337
+    r = Xorshift(1337)
+    assert [r.random_u32() for _ in range(5)] == [989205090, 818269915, 1335155955, 3876892996, 2941700015]
+    r = Xorshift(1337)
+    assert [np.float32(r.random_f32()) for _ in range(3)] == [np.float32(x) for x in (0.230317235, 0.19051826, 0.310865164)]
+
+
+def test_plain_sampling_is_llmc_sample_softmax():
+    # llm.c's sample_softmax(l, 1000, random_f32(&s)) with s = 42, l[i] = ((i*37)%101)/17 - 3,
+    # compiled with gcc -O2: the first 20 draws
+    logits = (np.array([(i * 37) % 101 for i in range(1000)], np.float32) / np.float32(17.0)) - np.float32(3.0)
+    r = Xorshift(42)
+    got = [sample_token(logits, r.random_f32()) for _ in range(20)]
+    assert got == [340, 785, 794, 946, 767, 838, 207, 441, 305, 674, 428, 341, 876, 190, 75, 614, 330, 313, 999, 333]
+
+
+def test_top_k_top_p_temperature_distributions():
+    rng = np.random.default_rng(3)
+    logits = rng.normal(0, 2, size=200).astype(np.float32)
+    order = np.argsort(-logits.astype(np.float64))
+    coins = (np.arange(4000) + 0.5) / 4000  # a uniform grid: frequencies equal the CDF steps
+    # top-k 1 and a tiny top-p are greedy whatever the coin
+    assert {sample_token(logits, c, top_k=1) for c in coins[::97]} == {int(order[0])}
+    assert {sample_token(logits, c, top_p=1e-6) for c in coins[::97]} == {int(order[0])}
+    # top-k 5 at temperature 0.7: only the 5 best ids, with frequencies softmax(z/0.7) over them
+    picks = np.array([sample_token(logits, c, temperature=0.7, top_k=5) for c in coins])
+    top5 = order[:5]
+    assert set(picks.tolist()) <= set(top5.tolist())
+    z = logits[top5].astype(np.float64) / 0.7
+    p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+    freq = np.array([(picks == i).mean() for i in top5])
+    np.testing.assert_allclose(freq, p, atol=1.0 / 4000 + 1e-9)   # grid resolution
+    # top-p 0.5: the smallest most-likely prefix whose mass reaches 0.5
+    pr = np.exp(logits.astype(np.float64) - logits.max())
+    pr /= pr.sum()
+    n_keep = int(np.searchsorted(np.cumsum(pr[order]), 0.5)) + 1
+    picks = {sample_token(logits, c, top_p=0.5) for c in coins[::7]}
+    assert picks == set(order[:n_keep].tolist())
+    assert sample_token(logits, 0.3, temperature=0) == int(order[0])
+    # temperature alone: frequencies softmax(z/T) over every id
+    picks = np.array([sample_token(logits, c, temperature=2.0) for c in coins])
+    z = logits.astype(np.float64) / 2.0
+    p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+    np.testing.assert_allclose(np.bincount(picks, minlength=200) / 4000, p, atol=1.0 / 4000 + 1e-9)
+
+
+def test_same_seed_same_text_and_seeds_differ(tiny):
+    model = tiny[0]
+    a = generate(model, [50256], 15, seed=7, stop_at_eot=False)
+    b = generate(model, [50256], 15, seed=7, stop_at_eot=False)
+    c = generate(model, [50256], 15, seed=8, stop_at_eot=False)
+    assert a == b and a != c
+    # top-k/top-p/temperature samples are reproducible too
+    kw = dict(temperature=0.8, top_k=50, top_p=0.9, seed=3, stop_at_eot=False)
+    assert generate(model, [50256], 10, **kw) == generate(model, [50256], 10, **kw)
+    # cache and full recompute draw the same tokens from the same coins
+    assert generate(model, [50256, 11], 10, seed=5, stop_at_eot=False, use_cache=False) == \
+        generate(model, [50256, 11], 10, seed=5, stop_at_eot=False)
+
+
+def test_length_limits(tiny):
+    model = tiny[0]
+    n, msg = check_sample_length(model.config, 10, 100)
+    assert n == 22 and "maxT 32" in msg
+    assert check_sample_length(model.config, 10, 22) == (22, None)
+    with pytest.raises(ConfigError, match="maxT"):
+        generate(model, [1] * 10, 23)
+    with pytest.raises(ConfigError, match="prompt is 32 tokens"):
+        check_sample_length(model.config, 32, 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# text
+
+def test_stream_decoder_splits_and_escapes():
+    tok = get_tokenizer()
+    text = "naïve 😀 ok\n\tbye \x1b[31mred\x07"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text  # the prompt round-trips through the tokenizer
+    # somewhere a token boundary falls inside a multi-byte character (the emoji is several tokens)
+    assert any(not _is_utf8(tok.decode_bytes([i])) for i in ids)
+    raw = StreamDecoder(tok, escape=False)
+    pieces = [raw.feed(i) for i in ids] + [raw.flush()]
+    assert "".join(pieces) == text and "\ufffd" not in "".join(pieces)
+    esc = StreamDecoder(tok, escape=True)
+    shown = "".join([esc.feed(i) for i in ids] + [esc.flush()])
+    assert shown == "naïve 😀 ok\n\tbye \\x1b[31mred\\x07"
+
+
+def _is_utf8(b):
+    try:
+        b.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+
+def _run(args, capsys):
+    from llmctl.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
+
+
+def test_cli_sample_json(tiny, capsys):
+    model, P, cfg, path = tiny
+    tok = get_tokenizer()
+    code, out, err = _run(["sample", "--threads", "1", "-e", path, "--prompt", "Hello, world", "-n", "8",
+                           "--temperature", "0", "--num-samples", "2", "--json"], capsys)
+    assert code in (0, None)
+    lines = [json.loads(line) for line in out.strip().splitlines()]
+    assert len(lines) == 2
+    prompt = tok.encode("Hello, world")
+    want = ref.gpt2_greedy(P, prompt, 8, cfg)[len(prompt):]
+    for r in lines:
+        assert r["prompt_tokens"] == prompt and tok.decode(r["prompt_tokens"]) == "Hello, world"
+        assert r["tokens"] == want and r["text"] == tok.decode(want)
+
+
+def test_cli_sample_truncates_n_beyond_maxT(tiny, capsys):
+    path = tiny[3]
+    code, out, err = _run(["sample", "--threads", "1", "-e", path, "-n", "100", "--temperature", "0", "--json"], capsys)
+    assert code in (0, None)
+    r = json.loads(out)
+    assert r["prompt_tokens"] == [50256]
+    assert len(r["tokens"]) == 31 or r["tokens"][-1] == 50256
+    assert "generating 31 tokens" in err
+
+
+def test_cli_sample_streams_text(tiny, capsys):
+    path = tiny[3]
+    code, out, err = _run(["sample", "--threads", "1", "-e", path, "--prompt", "Once", "-n", "5", "--seed", "1"], capsys)
+    assert code in (0, None)
+    r = generate(tiny[0], get_tokenizer().encode("Once"), 5, seed=1)
+    text = get_tokenizer().decode([t for t in r if t != 50256])
+    assert out == "Once" + text + "\n"
+    assert "tokens/s" in err
+
+
+def test_cli_prompt_file_and_eot_text(tiny, tmp_path, capsys):
+    path = tiny[3]
+    pf = tmp_path / "p.txt"
+    pf.write_text("<|endoftext|>A cat\n", encoding="utf-8")
+    code, out, err = _run(["sample", "--threads", "1", "-e", path, "--prompt-file", str(pf), "-n", "3",
+                           "--temperature", "0", "--json"], capsys)
+    assert code in (0, None)
+    r = json.loads(out)
+    tok = get_tokenizer()
+    assert r["prompt_tokens"][0] == tok.eot and tok.decode(r["prompt_tokens"]) == "<|endoftext|>A cat\n"
+    code, out, err = _run(["sample", "--threads", "1", "-e", path, "--prompt", "x", "--prompt-file", str(pf)], capsys)
+    assert code == 2 and "not both" in err
+    code, out, err = _run(["sample", "--threads", "1", "-e", path, "--prompt-file", str(tmp_path / "nope.txt")], capsys)
+    assert code == 2 and "nope.txt" in err
