@@ -2,13 +2,14 @@
 
 What it is: `TrainConfig` (one field per llm.c flag, llm.c's defaults) and `train(cfg, comm,
 display)`, which runs the loop of train_gpt2.cu in its order, for step = start..N inclusive:
-val loss -> sample -> checkpoint -> (stop at the last step) -> micro-steps of forward/backward with
-gradient accumulation -> all-reduce of the flat gradient buffer -> lr schedule, grad-norm clip,
-AdamW -> log `s:%d trl:%.4f lr:%.6f norm:%.2f`. Checkpoints are llm.c's `model_%08d.bin` (rank 0),
-`state_%08d_%05d.bin` (every rank) and an empty `DONE_%08d` written last; `-y 1` resumes from the
-newest DONE and continues bit for bit (fixed thread count). Also writes `metrics.jsonl`.
+val loss -> HellaSwag (-h 1) -> sample -> checkpoint -> (stop at the last step) -> micro-steps of
+forward/backward with gradient accumulation -> all-reduce of the flat gradient buffer -> lr
+schedule, grad-norm clip, AdamW -> log `s:%d trl:%.4f lr:%.6f norm:%.2f`. Checkpoints are llm.c's
+`model_%08d.bin` (rank 0), `state_%08d_%05d.bin` (every rank) and an empty `DONE_%08d` written
+last; `-y 1` resumes from the newest DONE and continues bit for bit (fixed thread count). Also
+writes `metrics.jsonl`.
 What it is not: the model math (llmctl/model.py), the data pipeline (llmctl/loader.py), the
-process launcher (llmctl/dist), HellaSwag (llmctl/evaluate.py) or the rendering
+process launcher (llmctl/dist), HellaSwag scoring (llmctl/evaluate.py) or the rendering
 (llmctl/display.py). Differences from llm.c are listed in docs/training.md.
 Reference: ../shared/docs/llmc-reference.md §6 (loop, flags), §1.3/§1.5 (files), §2 (loader).
 """
@@ -77,6 +78,9 @@ class TrainConfig:
     sample_every: int = 20  # -s (0 = never)
     gen_tokens: int = 64  # -g
     overfit_single_batch: int = 0  # -a
+    hellaswag: int = 0  # -h: HellaSwag accuracy at every val-loss step and the last step
+    hellaswag_path: str = "dev/data/hellaswag/hellaswag_val.bin"  # the eval file llm.c reads
+    hellaswag_limit: Optional[int] = None  # only the first N examples (None = all)
     seed: int = 42  # shuffle RNG of rank r = seed + r (llm.c: 42)
     threads: Optional[int] = None  # kernel threads (default: OMP_NUM_THREADS or all cores)
 
@@ -192,6 +196,10 @@ def _validate(cfg, P):
         raise ConfigError(f"-y must be 0 or 1, got {cfg.resume}")
     if cfg.overfit_single_batch not in (0, 1):
         raise ConfigError(f"-a must be 0 or 1, got {cfg.overfit_single_batch}")
+    if cfg.hellaswag not in (0, 1):
+        raise ConfigError(f"-h must be 0 or 1, got {cfg.hellaswag}")
+    if cfg.hellaswag_limit is not None and cfg.hellaswag_limit < 1:
+        raise ConfigError(f"--hellaswag-limit must be >= 1, got {cfg.hellaswag_limit}")
     if cfg.resume == 1 and not cfg.output_dir:
         raise ConfigError("-y 1 resumes from the checkpoints in -o, but no -o was given")
     if cfg.gen_tokens < 1 and cfg.sample_every > 0:
@@ -248,6 +256,23 @@ def _peek_model_config(spec):
                           hint="pass an llm.c checkpoint .bin, or a descriptor such as -e d6 or "
                                "-e d12 for llm.c's random init")
     return GPT2Config.from_descriptor(s)
+
+
+def _check_hellaswag(cfg, model_config):
+    """-h 1: the eval file must exist, be valid and fit the model; -> examples scored per eval."""
+    from llmctl.evaluate import check_examples
+    from llmctl.formats import read_evalfile
+
+    path = cfg.hellaswag_path
+    if not os.path.isfile(path):
+        out_dir = os.path.dirname(path) or "."
+        raise ConfigError(f"-h 1 needs the HellaSwag eval file {path}, which does not exist "
+                          "(llm.c would silently skip HellaSwag; llmctl stops before training)",
+                          hint=f"create it with `llmctl prepro hellaswag --out-dir {out_dir}`, "
+                               "pass --hellaswag FILE, or use -h 0")
+    examples = read_evalfile(path)[:cfg.hellaswag_limit]
+    check_examples(examples, model_config, path)
+    return len(examples)
 
 
 def _build_model(spec, n_threads):
@@ -307,6 +332,7 @@ class Trainer:
         if T > mc.max_seq_len:
             raise ConfigError(f"sequence length -t {T} exceeds the model's maxT "
                               f"{mc.max_seq_len}", hint=f"use -t {mc.max_seq_len} or less")
+        self.hellaswag_examples = _check_hellaswag(cfg, mc) if cfg.hellaswag else 0
         if self.out:
             _prepare_output_dir(self.out, self.rank)
 
@@ -409,6 +435,14 @@ class Trainer:
         val = total / self.val_num_batches
         return self.comm.all_reduce_sum_scalar(val) / self.P
 
+    def evaluate_hellaswag(self):
+        """llm.c's HellaSwag acc_norm over the eval file; the examples are split over the ranks
+        and the correct counts summed. -> llmctl.evaluate.eval_hellaswag's result dict."""
+        from llmctl.evaluate import eval_hellaswag
+
+        return eval_hellaswag(self.model, self.cfg.hellaswag_path, limit=self.cfg.hellaswag_limit,
+                              n_threads=self.n_threads, comm=self.comm)
+
     def generate_sample(self):
         """llm.c's training-time sample: from <|endoftext|>, gen_tokens-1 tokens, coins from
         xorshift seeded 1337 afresh each time, no temperature. Returns the text (or ids)."""
@@ -476,7 +510,7 @@ class Trainer:
 
     def _info(self):
         mc, c = self.model.config, self.cfg
-        return {
+        info = {
             "train_data": self.train_loader.pattern, "val_data": c.val_data,
             "init": (f"checkpoint step {self.resume_step}" if self.resume_step >= 0 else c.init),
             "model": f"L={mc.num_layers} NH={mc.num_heads} C={mc.channels} "
@@ -492,6 +526,9 @@ class Trainer:
             "threads": self.n_threads,
             "output_dir": self.out or "-",
         }
+        if c.hellaswag:
+            info["hellaswag"] = f"{c.hellaswag_path} ({self.hellaswag_examples} examples)"
+        return info
 
     def _open_logs(self):
         """main.log (llm.c: truncated unless -y 1) and metrics.jsonl (entries at or after the
@@ -542,12 +579,15 @@ class Trainer:
         summary = {"start_step": self.start_step, "num_steps": N, "steps_run": 0,
                    "train_loss": None, "val_loss": None, "checkpoint": None,
                    "output_dir": self.out}
+        if cfg.hellaswag:
+            summary["hellaswag_acc_norm"] = None
         resuming = self.resume_step >= 0
         times = []
         try:
             with _SigintGuard() as sigint:
                 for step in range(self.start_step, N + 1):
                     last = step == N
+                    self.comm.step = step  # the backends name it in heartbeats and errors
                     rec = {"step": step}
                     if self.val_loader is not None and (step % cfg.val_loss_every == 0 or last):
                         val = self.evaluate_val()
@@ -555,6 +595,15 @@ class Trainer:
                         self._log(f"s:{step} tel:{val:.4f}")
                         if self.is_master:
                             self.display.val(step, val)
+                    if cfg.hellaswag and ((cfg.val_loss_every > 0 and step > 0
+                                           and step % cfg.val_loss_every == 0) or last):
+                        hs = self.evaluate_hellaswag()  # every rank: a collective
+                        acc = hs["acc_norm"]
+                        rec["hellaswag_acc_norm"] = summary["hellaswag_acc_norm"] = acc
+                        self._log(f"s:{step} eval:{acc:.4f}")
+                        if self.is_master:
+                            self.display.message(f"HellaSwag: {hs['correct_norm']}/"
+                                                 f"{hs['num_examples']} = {acc:f}")
                     if (self.is_master and cfg.sample_every > 0
                             and ((step > 0 and step % cfg.sample_every == 0) or last)):
                         self.display.sample(step, self.generate_sample())

@@ -569,7 +569,8 @@ def test_sigint_checkpoints_every_rank_and_exits_130(tiny_run):
 
 def test_adopted_gradient_buffer_is_what_backward_writes(tiny_run):
     """The worker moves model.grads (and the named views model.g) into the comm's shared row;
-    backward must then accumulate there, giving exactly the gradients of an untouched model."""
+    zero_grad, backward, grad_norm and update must then all use it (the model reads
+    model.grads/model.g at call time), giving exactly the steps of an untouched model."""
     from llmctl.dist.worker import _adopt_grads
     from llmctl.model import GPT2
 
@@ -585,13 +586,19 @@ def test_adopted_gradient_buffer_is_what_backward_writes(tiny_run):
     assert m.grads is comm.buf
     for name, v in m.g.items():
         assert np.shares_memory(v, comm.buf) and v.shape == ref.g[name].shape
-    x = np.random.default_rng(3).integers(0, 64, (B, T)).astype(np.int32)
-    for model in (ref, m):
-        model.zero_grad()
-        model.forward(x, np.roll(x, -1, axis=1))
-        model.backward()
-    np.testing.assert_array_equal(m.grads, ref.grads)
-    assert np.abs(m.grads).max() > 0
+    rng = np.random.default_rng(3)
+    for step in (1, 2):  # a second step catches a zero_grad or update bound to the old buffer
+        x = rng.integers(0, 64, (B, T)).astype(np.int32)
+        for model in (ref, m):
+            model.zero_grad()
+            model.forward(x, np.roll(x, -1, axis=1))
+            model.backward()
+        np.testing.assert_array_equal(m.grads, ref.grads)
+        assert np.abs(m.grads).max() > 0
+        assert m.grad_norm() == ref.grad_norm()
+        for model in (ref, m):
+            model.update(1e-3, 0.9, 0.95, 1e-8, 0.0, 1.0, step)
+        np.testing.assert_array_equal(m.params, ref.params)
 
 
 def test_bad_input_under_nproc_is_one_line_with_the_ranks_hint(tiny_run):

@@ -5,6 +5,8 @@ float64 mean and with one process accumulating gradients over the same tokens.
 Needs mpi4py and an mpiexec (`pip install 'llmctl[mpi]'` installs both: mpi4py + the MPICH
 wheel, which runs as root). Skipped, with that reason, only when mpi4py is not importable.
 """
+import contextlib
+import glob
 import json
 import os
 import shutil
@@ -32,6 +34,38 @@ def _mpiexec():
     if p is None:
         pytest.fail("mpi4py is installed but no mpiexec was found (pip install mpich)")
     return p
+
+
+def _unused_mpich_segments():
+    """/dev/shm/mpich_shm_* files no live process maps: left behind (a concurrently running MPI
+    job's own segment is mapped by its ranks and so is not counted)."""
+    mapped = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                mapped.update(ln.split(None, 5)[5].strip() for ln in f if ln.count(" ") >= 5
+                              and "/dev/shm/mpich_shm_" in ln)
+        except (OSError, IndexError):
+            continue  # the process ended
+    return set(glob.glob("/dev/shm/mpich_shm_*")) - mapped
+
+
+@pytest.fixture(autouse=True)
+def no_mpich_shm_leak():
+    """Every test: no new MPICH shared-memory file may remain in /dev/shm afterwards. A test
+    that aborts its job on purpose sets ["deliberate_abort"]."""
+    before = set(glob.glob("/dev/shm/mpich_shm_*"))
+    state = {"deliberate_abort": False}
+    yield state
+    leaked = sorted(_unused_mpich_segments() - before)
+    if state["deliberate_abort"]:
+        # Only on this path: MPI_Abort skips MPI_Finalize, where MPICH unlinks its segment, and
+        # mpiexec kills the other ranks. MpiComm.abort() removes it first (asserted below); if
+        # that ever fails, remove what MPICH left here rather than fill /dev/shm run after run.
+        for path in leaked:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    assert not leaked, f"MPICH shared memory left in /dev/shm: {leaked}"
 
 
 def _run(n, argv, timeout=120, env=None):
@@ -137,10 +171,13 @@ hier._train_per_rank(llmctl.train.TrainConfig(threads=1), "mpi", None, False, Fa
 """
 
 
-def test_mpi_rank_error_aborts_the_whole_job():
+def test_mpi_rank_error_aborts_the_whole_job(no_mpich_shm_leak):
     """Rank 1 fails alone while rank 0 waits in an Allreduce: rank 1 prints one line and calls
-    MPI_Abort, so mpiexec ends the whole job (exit != 0) instead of leaving rank 0 hanging."""
+    MPI_Abort, so mpiexec ends the whole job (exit != 0) instead of leaving rank 0 hanging, and
+    MPICH's /dev/shm segment is gone (MpiComm.abort unlinks it; checked by the fixture)."""
     import time
+
+    no_mpich_shm_leak["deliberate_abort"] = True
 
     t0 = time.monotonic()
     r = _run(2, [sys.executable, "-c", _FAIL], timeout=60)

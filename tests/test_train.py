@@ -397,6 +397,28 @@ def run_ranks(cfg, P=2):
     return trainers
 
 
+def test_loop_sets_comm_step_and_honours_stop_requested(data, tmp_path):
+    """The hooks llmctl.dist relies on: comm.step is the loop's step from the top of each
+    iteration (heartbeats and errors name it), and comm.stop_requested (a launcher's coordinated
+    Ctrl-C) ends the run after the current step with a checkpoint, as TrainInterrupted."""
+    from llmctl.dist.base import SingleProcessComm
+
+    class Recorder(SingleProcessComm):
+        def __init__(self):
+            self.seen = []
+
+        def all_reduce_sum_scalar(self, x):  # the val loss at the top of every step (-v 1)
+            self.seen.append(self.step)
+            self.stop_requested = self.step == 2
+            return float(x)
+
+    comm, out = Recorder(), tmp_path / "stop"
+    with pytest.raises(TrainInterrupted, match="after step 3/10"):
+        train(cfg_for(data, out, max_steps=10, val_loss_every=1), comm=comm)
+    assert comm.seen == [0, 1, 2]
+    assert (out / "DONE_00000003").exists() and len(metrics(out)) == 3
+
+
 def test_two_ranks_share_updates_and_resume(data, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     kw = dict(batch_size=2, max_steps=4, checkpoint_every=2, val_loss_every=2, sample_every=0)
@@ -468,6 +490,82 @@ def test_nan_stops_and_keeps_last_good_checkpoint(data, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# HellaSwag during training (-h 1)
+
+
+def write_hellaswag(path, n=7, seed=0, ctx_len=None):
+    """n multiple-choice examples of Shakespeare bytes (V = 256) in llm.c's eval file format:
+    a context, its true continuation at a varying label, and 3 continuations from elsewhere."""
+    from llmctl.formats import write_evalfile
+
+    text = np.frombuffer((SHARED / "tinyshakespeare" / "input.txt").read_bytes()[:20000], np.uint8)
+    rs = np.random.default_rng(seed)
+    examples = []
+    for i in range(n):
+        nc = ctx_len or int(rs.integers(8, 15))
+        at = int(rs.integers(0, len(text) - 64))
+        ends = [text[o:o + int(rs.integers(2, 7))].tolist()
+                for o in rs.integers(0, len(text) - 8, 4)]
+        label = i % 4
+        ends[label] = text[at + nc:at + nc + len(ends[label])].tolist()
+        examples.append({"label": label, "ctx_tokens": text[at:at + nc].tolist(),
+                         "ending_tokens": ends})
+    write_evalfile(str(path), examples)
+    return str(path)
+
+
+def test_hellaswag_during_training_logs_llmc_lines(data, tmp_path):
+    """-h 1 -v 2 -x 4: HellaSwag at steps 2 and 4 (not 0), after val loss and before the step;
+    each accuracy equals a direct eval_hellaswag call on that step's checkpoint."""
+    import io
+
+    from llmctl.evaluate import eval_hellaswag
+    from llmctl.model import GPT2
+
+    hs = write_hellaswag(tmp_path / "hs.bin")
+    out = tmp_path / "run"
+    buf = io.StringIO()
+    s = train(cfg_for(data, out, max_steps=4, val_loss_every=2, checkpoint_every=2, hellaswag=1,
+                      hellaswag_path=hs), display=PlainDisplay(buf))
+    log = (out / "main.log").read_text().splitlines()
+    evals = [(i, l) for i, l in enumerate(log) if " eval:" in l]
+    assert [l.split()[0] for _, l in evals] == ["s:2", "s:4"]
+    for i, line in evals:  # llm.c's order: tel, eval, then the step's trl (none after the last)
+        assert log[i - 1].startswith(line.split()[0] + " tel:")
+        assert i == len(log) - 1 or log[i + 1].startswith(line.split()[0] + " trl:")
+    recs = metrics(out)
+    assert [r["step"] for r in recs if "hellaswag_acc_norm" in r] == [2, 4]
+    shown = [l for l in buf.getvalue().splitlines() if l.startswith("HellaSwag:")]
+    assert len(shown) == 2
+    for step, (_, line), msg in zip((2, 4), evals, shown):
+        m = GPT2.from_checkpoint(str(out / f"model_{step:08d}.bin"), n_threads=1)
+        want = eval_hellaswag(m, hs, n_threads=1)
+        assert recs[step]["hellaswag_acc_norm"] == want["acc_norm"]
+        assert line == f"s:{step} eval:{want['acc_norm']:.4f}"
+        # llm.c's printf0("HellaSwag: %d/%d = %f\n", ...)
+        assert msg == f"HellaSwag: {want['correct_norm']}/7 = {want['acc_norm']:f}"
+    assert s["hellaswag_acc_norm"] == recs[4]["hellaswag_acc_norm"]
+
+
+def test_hellaswag_two_ranks_split_examples_and_limit(data, tmp_path):
+    """Two ranks (3 + 2 of the first 5 examples with --hellaswag-limit 5, counts summed) give the
+    one-process accuracy of the same weights; with -v 0 HellaSwag runs only at the last step."""
+    from llmctl.evaluate import eval_hellaswag
+
+    hs = write_hellaswag(tmp_path / "hs.bin", n=9, seed=1)
+    out = tmp_path / "r2"
+    tr = run_ranks(cfg_for(data, out, batch_size=2, max_steps=2, val_loss_every=0, hellaswag=1,
+                           hellaswag_path=hs, hellaswag_limit=5))
+    recs = metrics(out)
+    assert [r["step"] for r in recs if "hellaswag_acc_norm" in r] == [2]
+    # no update follows the last step's eval: the final weights are the ones it scored
+    want = eval_hellaswag(tr[0].model, hs, limit=5, n_threads=1)
+    assert want["num_examples"] == 5 and want["correct_norm"] > 0  # else a double count hides
+    assert recs[2]["hellaswag_acc_norm"] == want["acc_norm"]
+    assert (out / "main.log").read_text().splitlines()[-1] == f"s:2 eval:{want['acc_norm']:.4f}"
+
+
+# ---------------------------------------------------------------------------------------------
 # bad input through the CLI: one line, exit 1 or 2, nothing written
 
 
@@ -488,7 +586,8 @@ def _base(data, **over):
 
 
 @pytest.mark.parametrize("case", ["no_match", "too_small", "T_gt_maxT", "d_not_multiple",
-                                  "unwritable", "corrupt_ckpt", "bad_schedule", "resume_no_o"])
+                                  "unwritable", "corrupt_ckpt", "bad_schedule", "resume_no_o",
+                                  "hellaswag_missing", "hellaswag_too_long"])
 def test_bad_input_one_line_error(data, tmp_path, capsys, case):
     out = tmp_path / "out"
     over = {"-o": str(out)}
@@ -522,6 +621,12 @@ def test_bad_input_one_line_error(data, tmp_path, capsys, case):
         del over["-o"]
         over["-y"] = "1"
         want, code = "no -o was given", 2
+    elif case == "hellaswag_missing":  # llm.c would skip HellaSwag silently
+        over.update({"-h": "1", "--hellaswag": str(tmp_path / "hellaswag_val.bin")})
+        want, code = "-h 1 needs the HellaSwag eval file", 2
+    elif case == "hellaswag_too_long":
+        over.update({"-h": "1", "--hellaswag": write_hellaswag(tmp_path / "hs.bin", ctx_len=30)})
+        want, code = "but the model's maxT is 32", 2
     rc, stdout, err = run_cli(_base(data, **over), capsys)
     assert rc == code, err
     lines = [l for l in err.splitlines() if l.strip()]
@@ -529,6 +634,8 @@ def test_bad_input_one_line_error(data, tmp_path, capsys, case):
     assert len(errors) == 1 and want in errors[0], err
     assert "Traceback" not in err and stdout == ""
     assert not out.exists()  # checked before anything is created
+    if case == "hellaswag_missing":
+        assert f"Hint: create it with `llmctl prepro hellaswag --out-dir {tmp_path}`" in err
 
 
 def test_corrupt_state_file_on_resume(data, tmp_path, capsys):

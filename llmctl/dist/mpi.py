@@ -7,9 +7,11 @@ is one rank; MPI's launcher, not llmctl's, starts and places them). all_reduce_m
 in-place `Allreduce(MPI.IN_PLACE, buf, MPI.SUM)` on the flat float32 gradient buffer followed by a
 float32 division by N; scalars, broadcasts and barriers are `allreduce` / `Bcast` / `Barrier`.
 Faults are MPI's: by default MPI_ERRORS_ARE_FATAL, so mpiexec tears the whole job down when a
-rank dies. Install with `pip install 'llmctl[mpi]'` (mpi4py + the MPICH wheel; MPICH runs as
-root, Open MPI's wheel refuses unless OMPI_ALLOW_RUN_AS_ROOT=1 and
-OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 are set).
+rank dies. A rank that fails on its own calls `abort()` (MPI_Abort), which first unlinks MPICH's
+/dev/shm segment (MPI_Finalize, where MPICH removes it, never runs in an aborted job); a rank
+killed from outside (SIGKILL, OOM) leaves that file behind, as any MPICH job does.
+Install with `pip install 'llmctl[mpi]'` (mpi4py + the MPICH wheel; MPICH runs as root, Open
+MPI's wheel refuses unless OMPI_ALLOW_RUN_AS_ROOT=1 and OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 are set).
 
 Determinism: MPICH's reduction order for a fixed N and message size is fixed, so runs repeat.
 Its algorithms combine partial sums pairwise and float addition is commutative bit for bit, so
@@ -19,7 +21,9 @@ broadcasts rank 0's result, for MPI libraries that do not guarantee this (double
 What it is not: no process spawning and no rendezvous of its own. It mirrors llm.c's
 `-pi mpi` path (multi_gpu_config_init with MPI_Allgather of the NCCL id, then ncclAllReduce).
 """
+import contextlib
 import hashlib
+import os
 import time
 
 import numpy as np
@@ -36,6 +40,17 @@ def _import_mpi():
                           hint="pip install 'llmctl[mpi]' (mpi4py + the mpich wheel), then run "
                                "under `mpiexec -n N llmctl train --backend mpi ...`") from None
     return MPI
+
+
+def _mpich_segments(maps="/proc/self/maps"):
+    """The MPICH shared-memory files (/dev/shm/mpich_shm_*) this process has mapped; [] where
+    /proc is missing. One per host, created by its first rank and mapped by all of them."""
+    try:
+        with open(maps) as f:
+            paths = {p[5].strip() for p in (line.split(None, 5) for line in f) if len(p) == 6}
+    except OSError:
+        return []
+    return sorted(p for p in paths if p.startswith("/dev/shm/mpich_shm_"))
 
 
 class MpiComm(Comm):
@@ -113,5 +128,13 @@ class MpiComm(Comm):
         pass
 
     def abort(self, code=1):
-        """End every rank of the job (MPI_Abort): used when this rank fails on its own."""
+        """End every rank of the job (MPI_Abort): used when this rank fails on its own.
+
+        MPICH unlinks its host's shared-memory segment in MPI_Finalize, which an abort skips on
+        every rank (mpiexec kills the others), so the file would stay in /dev/shm for good. This
+        rank maps it too: unlink it first; ranks still using it keep their mappings until they
+        exit. Segments on other hosts of a multi-host job are not visible from here."""
+        for path in _mpich_segments():
+            with contextlib.suppress(OSError):
+                os.unlink(path)
         self.comm.Abort(code)

@@ -41,14 +41,7 @@ def train_entry(args, comm):
     cfg = TrainConfig(**args["config"])
     cfg.threads = comm.n_threads
     display = make_display(json_out=args.get("json_out", False)) if comm.rank == 0 else Display()
-    trainer = Trainer(cfg, comm, display)
-    step_fn = trainer.train_step
-
-    def train_step(step):
-        comm.step = step  # heartbeats and failure messages name the step
-        return step_fn(step)
-
-    trainer.train_step = train_step
+    trainer = Trainer(cfg, comm, display)  # its loop sets comm.step and checks comm.stop_requested
     if hasattr(comm, "shared_buffer") and comm.world_size > 1:
         _adopt_grads(comm, trainer.model)
     if args.get("check_params"):
