@@ -1,0 +1,231 @@
+"""AdamW over flat float32 buffers, and the deterministic global gradient norm.
+
+Mirrors llm.c train_gpt2.cu's AdamW (llmc/adamw.cuh, without master weights/stochastic
+rounding): g = grad_scale*g; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
+p -= lr * (m/(1-b1^t) / (sqrt(v/(1-b2^t)) + eps) + weight_decay * p). The model calls it per
+tensor (weight_decay 0 for biases and LayerNorm params, as CU does) or once over the whole
+buffer (as train_gpt2.c does). It is one fused, memory-bound pass: 4 streams read, 3 written
+(3.5 GB for 124M parameters). The inner loop is plain Cython (the portable path) with an AVX
+twin chosen at run time; both do the same float operations in the same order, so they agree
+bit for bit, and every chunk's result is independent of the thread count.
+
+global_norm_sq sums squares in float64 over fixed-size chunks and adds the chunk sums in order,
+so it returns the same bits at ANY thread count (llm.c CU sums in fp32 per block, racily).
+
+What it is not: the schedule, clipping policy or weight-decay split (those live in Python).
+"""
+from cython.parallel cimport prange
+from libc.math cimport pow
+from libc.stdlib cimport malloc, free
+
+from kernels cimport check_threads, check_len, eff_threads
+
+# gcc will not vectorise a loop calling sqrtf unless -fno-math-errno is on the command line (no
+# pragma or attribute does it), so the square roots of each block are taken by this helper:
+# SSE sqrtps where available (correctly rounded, the same bits as sqrtf), plain sqrtf elsewhere.
+cdef extern from *:
+    """
+    #include <math.h>
+    #if defined(__SSE2__) || defined(_M_X64)
+    #include <xmmintrin.h>
+    static inline void llmctl_sqrt_inplace(float* a, int n) {
+        int i = 0;
+        for (; i + 4 <= n; i += 4) _mm_storeu_ps(a + i, _mm_sqrt_ps(_mm_loadu_ps(a + i)));
+        for (; i < n; i++) a[i] = sqrtf(a[i]);
+    }
+    #else
+    static inline void llmctl_sqrt_inplace(float* a, int n) {
+        for (int i = 0; i < n; i++) a[i] = sqrtf(a[i]);
+    }
+    #endif
+
+    /* The same update, 8 floats at a time with AVX when the CPU has it (runtime dispatch, so
+       the build stays baseline x86-64). Same operations in the same order as _adamw_block and
+       no FMA, so both paths give identical bits. Returns how many elements it did (n rounded
+       down to 8), or 0 when AVX is unavailable. */
+    #if defined(__GNUC__) && defined(__x86_64__) && !defined(LLMCTL_NO_AVX_DISPATCH)
+    #include <immintrin.h>
+    __attribute__((target("avx")))
+    static Py_ssize_t llmctl_adamw_avx_(float* p, const float* g, float* m, float* v, Py_ssize_t n,
+                                        float lr, float b1, float b2, float eps, float wd, float gs,
+                                        float inv_bc1, float inv_bc2) {
+        const __m256 vb1 = _mm256_set1_ps(b1), vb2 = _mm256_set1_ps(b2);
+        const __m256 vomb1 = _mm256_set1_ps(1.0f - b1), vomb2 = _mm256_set1_ps(1.0f - b2);
+        const __m256 vlr = _mm256_set1_ps(lr), veps = _mm256_set1_ps(eps), vwd = _mm256_set1_ps(wd);
+        const __m256 vgs = _mm256_set1_ps(gs), vbc1 = _mm256_set1_ps(inv_bc1), vbc2 = _mm256_set1_ps(inv_bc2);
+        Py_ssize_t i, n8 = n - n % 8;
+        for (i = 0; i < n8; i += 8) {
+            __m256 gi = _mm256_mul_ps(vgs, _mm256_loadu_ps(g + i));
+            __m256 mi = _mm256_add_ps(_mm256_mul_ps(vb1, _mm256_loadu_ps(m + i)), _mm256_mul_ps(vomb1, gi));
+            __m256 vi = _mm256_add_ps(_mm256_mul_ps(vb2, _mm256_loadu_ps(v + i)),
+                                      _mm256_mul_ps(_mm256_mul_ps(vomb2, gi), gi));
+            _mm256_storeu_ps(m + i, mi);
+            _mm256_storeu_ps(v + i, vi);
+            __m256 den = _mm256_add_ps(_mm256_sqrt_ps(_mm256_mul_ps(vi, vbc2)), veps);
+            __m256 pi = _mm256_loadu_ps(p + i);
+            __m256 upd = _mm256_add_ps(_mm256_div_ps(_mm256_mul_ps(mi, vbc1), den), _mm256_mul_ps(vwd, pi));
+            _mm256_storeu_ps(p + i, _mm256_sub_ps(pi, _mm256_mul_ps(vlr, upd)));
+        }
+        return n8;
+    }
+    static Py_ssize_t llmctl_adamw_avx(float* p, const float* g, float* m, float* v, Py_ssize_t n,
+                                       float lr, float b1, float b2, float eps, float wd, float gs,
+                                       float inv_bc1, float inv_bc2) {
+        static int have_avx = -1;
+        if (have_avx < 0) have_avx = __builtin_cpu_supports("avx") ? 1 : 0;
+        if (!have_avx) return 0;
+        return llmctl_adamw_avx_(p, g, m, v, n, lr, b1, b2, eps, wd, gs, inv_bc1, inv_bc2);
+    }
+    #else
+    static Py_ssize_t llmctl_adamw_avx(float* p, const float* g, float* m, float* v, Py_ssize_t n,
+                                       float lr, float b1, float b2, float eps, float wd, float gs,
+                                       float inv_bc1, float inv_bc2) { return 0; }
+    #endif
+    """
+    void llmctl_sqrt_inplace(float* a, int n) noexcept nogil
+    Py_ssize_t llmctl_adamw_avx(float* p, const float* g, float* m, float* v, Py_ssize_t n,
+                                float lr, float b1, float b2, float eps, float wd, float gs,
+                                float inv_bc1, float inv_bc2) noexcept nogil
+
+cdef bint _use_avx = True
+# minimum elements per thread (chunk results never depend on the thread count): small tensors
+# such as biases and LayerNorm params are updated serially
+cdef Py_ssize_t _grain = 65536
+
+
+def set_parallel_grain(Py_ssize_t grain):
+    """Set the minimum elements per thread (0: always use n_threads; tests do). Returns the old value."""
+    global _grain
+    old = _grain
+    _grain = grain
+    return old
+
+
+def set_simd(bint enabled):
+    """Use (True, the default) or bypass the AVX path; for tests of the portable path."""
+    global _use_avx
+    _use_avx = enabled
+
+
+cdef enum:
+    CHUNK = 32768    # elements per task: big enough to amortise scheduling, small for balance
+    LANES = 8        # independent double accumulators per chunk (fixed order)
+    BLOCK = 512      # elements per inner AdamW block (2 KB of sqrt scratch on the stack)
+
+
+cdef void _adamw_block(float* p, const float* g, float* m, float* v, int n,
+                       float lr, float b1, float b2, float eps, float wd, float gs,
+                       float inv_bc1, float inv_bc2) noexcept nogil:
+    # n <= BLOCK elements; two vectorised passes around one vector sqrt, all in L1
+    cdef float den[BLOCK]
+    cdef int i
+    cdef float gi, mi, vi, one = 1.0
+    cdef float omb1 = one - b1, omb2 = one - b2
+    for i in range(n):
+        gi = gs * g[i]
+        mi = b1 * m[i] + omb1 * gi
+        vi = b2 * v[i] + omb2 * gi * gi
+        m[i] = mi
+        v[i] = vi
+        den[i] = vi * inv_bc2
+    llmctl_sqrt_inplace(den, n)
+    for i in range(n):
+        p[i] = p[i] - lr * ((m[i] * inv_bc1) / (den[i] + eps) + wd * p[i])
+
+
+cdef void _adamw_chunk(float* p, const float* g, float* m, float* v, Py_ssize_t n,
+                       float lr, float b1, float b2, float eps, float wd, float gs,
+                       float inv_bc1, float inv_bc2) noexcept nogil:
+    cdef Py_ssize_t s = 0
+    cdef int nb
+    if _use_avx:
+        s = llmctl_adamw_avx(p, g, m, v, n, lr, b1, b2, eps, wd, gs, inv_bc1, inv_bc2)
+    while s < n:
+        nb = BLOCK if n - s > BLOCK else <int>(n - s)
+        _adamw_block(p + s, g + s, m + s, v + s, nb, lr, b1, b2, eps, wd, gs, inv_bc1, inv_bc2)
+        s += nb
+
+
+cdef void _adamw_update(float* params, const float* grads, float* m, float* v, Py_ssize_t N,
+                        float lr, float b1, float b2, float eps, float wd, float gs,
+                        float inv_bc1, float inv_bc2, int n_threads) noexcept nogil:
+    cdef Py_ssize_t nch = (N + CHUNK - 1) // CHUNK
+    cdef Py_ssize_t ch, s, e
+    for ch in prange(nch, schedule='static', num_threads=n_threads):
+        s = ch * CHUNK
+        e = s + CHUNK
+        if e > N:
+            e = N
+        _adamw_chunk(params + s, grads + s, m + s, v + s, e - s, lr, b1, b2, eps, wd, gs,
+                     inv_bc1, inv_bc2)
+
+
+cdef double _sumsq_chunk(const float* g, Py_ssize_t n) noexcept nogil:
+    cdef double acc[LANES]
+    cdef double tot = 0.0, x
+    cdef Py_ssize_t i, ib, nm = n - n % LANES
+    cdef int j
+    for j in range(LANES):
+        acc[j] = 0.0
+    for ib in range(nm // LANES):
+        i = ib * LANES
+        for j in range(LANES):
+            x = g[i + j]
+            acc[j] += x * x
+    for j in range(LANES):
+        tot += acc[j]
+    for i in range(nm, n):
+        x = g[i]
+        tot += x * x
+    return tot
+
+
+def adamw_update(float[::1] params, const float[::1] grads, float[::1] m, float[::1] v,
+                 float lr, float beta1, float beta2, float eps, float weight_decay,
+                 float grad_scale, int t, int n_threads=1):
+    """One AdamW step in place on params, m, v (all the same length as grads). t is 1-based."""
+    cdef Py_ssize_t N = params.shape[0]
+    check_threads(n_threads)
+    if t < 1:
+        raise ValueError(f"t (the 1-based step) must be >= 1, got {t}")
+    check_len("grads", grads.shape[0], N)
+    check_len("m", m.shape[0], N)
+    check_len("v", v.shape[0], N)
+    if N == 0:
+        return
+    # bias corrections in double, applied as float multipliers
+    cdef float inv_bc1 = <float>(1.0 / (1.0 - pow(beta1, t)))
+    cdef float inv_bc2 = <float>(1.0 / (1.0 - pow(beta2, t)))
+    n_threads = eff_threads(n_threads, N, _grain)  # small tensors (biases, LN) run serially
+    with nogil:
+        _adamw_update(&params[0], &grads[0], &m[0], &v[0], N, lr, beta1, beta2, eps,
+                      weight_decay, grad_scale, inv_bc1, inv_bc2, n_threads)
+
+
+def global_norm_sq(const float[::1] grads, int n_threads=1):
+    """Sum of squares of grads as a Python float; float64 chunk partials added in a fixed order."""
+    cdef Py_ssize_t N = grads.shape[0]
+    cdef Py_ssize_t nch = (N + CHUNK - 1) // CHUNK
+    cdef Py_ssize_t ch, s, e
+    cdef double tot = 0.0
+    cdef double* part
+    check_threads(n_threads)
+    if N == 0:
+        return 0.0
+    n_threads = eff_threads(n_threads, N, _grain)
+    part = <double*>malloc(nch * sizeof(double))
+    if part == NULL:
+        raise MemoryError("global_norm_sq: cannot allocate chunk partials")
+    try:
+        with nogil:
+            for ch in prange(nch, schedule='static', num_threads=n_threads):
+                s = ch * CHUNK
+                e = s + CHUNK
+                if e > N:
+                    e = N
+                part[ch] = _sumsq_chunk(&grads[0] + s, e - s)
+            for ch in range(nch):
+                tot += part[ch]
+    finally:
+        free(part)
+    return tot

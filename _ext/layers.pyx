@@ -1,0 +1,563 @@
+"""GPT-2's non-matmul, non-attention layers: encoder, layernorm, GELU, residual, softmax + CE.
+
+Mirrors llm.c train_gpt2.c (`encoder_*`, `layernorm_*`, `gelu_*`, `residual_*`, `softmax_forward`
++ `crossentropy_forward`, `crossentropy_softmax_backward`): same math, same argument order
+(outputs, then inputs/weights, then sizes), backward kernels ACCUMULATE into gradients unless
+stated. Differences from llm.c, all deliberate:
+
+- Every kernel is parallel (prange, static schedule, explicit n_threads) and gives the same
+  bits at ANY thread count: row kernels compute each row alone, and reductions across rows
+  (dwte/dwpe, LN dweight/dbias) are parallel over channel chunks and sum rows in order. That
+  is what lets small calls use fewer threads than asked (set_parallel_grain) for free.
+- Row reductions (LN mean/var, softmax sum) accumulate in double with a fixed lane order.
+- exp/tanh use kernels.pxd's vectorisable helpers instead of libm; sech^2 is 4t/(1+t)^2 with
+  t = exp(-2|u|), which is exactly 1/cosh^2(u) without overflow.
+- softmax + cross-entropy is one fused kernel; the loss is log(sum) - (x_target - max), i.e.
+  -log p[target] without the underflow to -log(0). Padded logits V..Vp never enter the softmax.
+
+What it is not: attention (attention.pyx) or matmul (matmul.pyx).
+"""
+from cython.parallel cimport prange
+from libc.math cimport log, sqrt
+from libc.string cimport memcpy
+
+from kernels cimport (check_threads, check_len, check_positive, check_disjoint, eff_threads,
+                      llmctl_expf, llmctl_tanhf, llmctl_sech2f)
+
+cdef enum:
+    CCHUNK = 64         # channels per task in the column-parallel reductions (stack accumulators)
+    ECHUNK = 16384      # elements per task in elementwise kernels
+    LANES = 16          # independent accumulators in a row reduction (fixed order -> reproducible)
+    SMBLOCK = 1024      # softmax exp block (a multiple of LANES; 4 KB on the stack)
+
+cdef float GELU_SCALE = <float>sqrt(2.0 / 3.14159265358979323846)  # llm.c: sqrtf(2.0f / M_PI)
+
+# Elements of work per thread below which a kernel uses fewer threads than asked (see
+# kernels.pxd eff_threads). Every kernel here gives the same bits at any thread count.
+cdef Py_ssize_t _grain = 131072
+
+
+def set_parallel_grain(Py_ssize_t grain):
+    """Set the minimum elements per thread (0 or 1: always use n_threads; tests do). Returns the old value."""
+    global _grain
+    old = _grain
+    _grain = grain
+    return old
+
+
+cdef inline Py_ssize_t _nchunks(Py_ssize_t n, Py_ssize_t chunk) noexcept nogil:
+    return (n + chunk - 1) // chunk
+
+
+# ---------------------------------------------------------------------------------------------
+# encoder
+
+cdef void _encoder_forward(float* out, const int* inp, const float* wte, const float* wpe,
+                           int B, int T, int C, int n_threads) noexcept nogil:
+    # out (B,T,C) = wte[inp[b,t]] (Vp,C) + wpe[t] (maxT,C)
+    cdef Py_ssize_t bt
+    cdef int c, t
+    cdef float* o
+    cdef const float* we
+    cdef const float* pe
+    for bt in prange(<Py_ssize_t>B * T, schedule='static', num_threads=n_threads):
+        t = bt % T
+        o = out + bt * C
+        we = wte + <Py_ssize_t>inp[bt] * C
+        pe = wpe + <Py_ssize_t>t * C
+        for c in range(C):
+            o[c] = we[c] + pe[c]
+
+
+cdef void _encoder_backward(float* dwte, float* dwpe, const float* dout, const int* inp,
+                            int B, int T, int C, int n_threads) noexcept nogil:
+    # dwte[inp[b,t]] += dout[b,t]; dwpe[t] += dout[b,t]. Parallel over channel chunks: each task
+    # owns channels [c0,c1) of every row, so repeated tokens never race; rows added in order.
+    cdef Py_ssize_t nch = _nchunks(C, CCHUNK)
+    cdef Py_ssize_t ch, bt
+    cdef int c, c0, c1, t
+    cdef const float* d
+    cdef float* w
+    cdef float* p
+    for ch in prange(nch, schedule='static', num_threads=n_threads):
+        c0 = ch * CCHUNK
+        c1 = c0 + CCHUNK
+        if c1 > C:
+            c1 = C
+        for bt in range(<Py_ssize_t>B * T):
+            t = bt % T
+            d = dout + bt * C
+            w = dwte + <Py_ssize_t>inp[bt] * C
+            p = dwpe + <Py_ssize_t>t * C
+            for c in range(c0, c1):
+                w[c] += d[c]
+                p[c] += d[c]
+
+
+# ---------------------------------------------------------------------------------------------
+# layernorm
+
+cdef void _layernorm_row(float* out, float* mean, float* rstd, const float* x, const float* w,
+                         const float* b, int C) noexcept nogil:
+    cdef double s[LANES]
+    cdef double tot, m, var, d
+    cdef float mf, rf
+    cdef int i, ib, j, cm = C - C % LANES
+    for j in range(LANES):
+        s[j] = 0.0
+    for ib in range(cm // LANES):
+        i = ib * LANES
+        for j in range(LANES):
+            s[j] += x[i + j]
+    tot = 0.0
+    for j in range(LANES):
+        tot += s[j]
+    for i in range(cm, C):
+        tot += x[i]
+    m = tot / C
+    for j in range(LANES):
+        s[j] = 0.0
+    for ib in range(cm // LANES):
+        i = ib * LANES
+        for j in range(LANES):
+            d = x[i + j] - m
+            s[j] += d * d
+    var = 0.0
+    for j in range(LANES):
+        var += s[j]
+    for i in range(cm, C):
+        d = x[i] - m
+        var += d * d
+    var = var / C
+    mf = <float>m
+    rf = <float>(1.0 / sqrt(var + 1e-5))
+    for i in range(C):
+        out[i] = (x[i] - mf) * rf * w[i] + b[i]
+    mean[0] = mf
+    rstd[0] = rf
+
+
+cdef void _layernorm_forward(float* out, float* mean, float* rstd, const float* inp,
+                             const float* weight, const float* bias, int N, int C,
+                             int n_threads) noexcept nogil:
+    # out (N,C) = (inp - mean) * rstd * weight (C) + bias (C); mean, rstd (N) cached; eps 1e-5
+    cdef Py_ssize_t n
+    for n in prange(N, schedule='static', num_threads=n_threads):
+        _layernorm_row(out + n * C, mean + n, rstd + n, inp + n * C, weight, bias, C)
+
+
+cdef void _layernorm_dinp_row(float* dx, const float* dy, const float* x, const float* w,
+                              float m, float r, int C) noexcept nogil:
+    # dx += r * (dnorm - mean(dnorm) - norm * mean(dnorm * norm)), dnorm = w * dy
+    cdef double s1[LANES]
+    cdef double s2[LANES]
+    cdef double a, b2
+    cdef float norm, dnorm, dmean, dnmean
+    cdef int i, ib, j, cm = C - C % LANES
+    for j in range(LANES):
+        s1[j] = 0.0
+        s2[j] = 0.0
+    for ib in range(cm // LANES):
+        i = ib * LANES
+        for j in range(LANES):
+            norm = (x[i + j] - m) * r
+            dnorm = w[i + j] * dy[i + j]
+            s1[j] += dnorm
+            s2[j] += dnorm * norm
+    a = 0.0
+    b2 = 0.0
+    for j in range(LANES):
+        a += s1[j]
+        b2 += s2[j]
+    for i in range(cm, C):
+        norm = (x[i] - m) * r
+        dnorm = w[i] * dy[i]
+        a += dnorm
+        b2 += dnorm * norm
+    dmean = <float>(a / C)
+    dnmean = <float>(b2 / C)
+    for i in range(C):
+        norm = (x[i] - m) * r
+        dnorm = w[i] * dy[i]
+        dx[i] += r * (dnorm - dmean - norm * dnmean)
+
+
+cdef void _layernorm_dparams_chunk(float* dw, float* db, const float* dout, const float* inp,
+                                   const float* mean, const float* rstd, int N, int C,
+                                   int c0, int c1) noexcept nogil:
+    # dw[c0:c1] += sum_n dout*norm ; db[c0:c1] += sum_n dout  (rows in order, double accumulators)
+    cdef double aw[CCHUNK]
+    cdef double ab[CCHUNK]
+    cdef int c, k = c1 - c0
+    cdef Py_ssize_t n
+    cdef float m, r, norm
+    cdef const float* x
+    cdef const float* dy
+    for c in range(k):
+        aw[c] = 0.0
+        ab[c] = 0.0
+    for n in range(N):
+        m = mean[n]
+        r = rstd[n]
+        x = inp + n * C + c0
+        dy = dout + n * C + c0
+        for c in range(k):
+            norm = (x[c] - m) * r
+            aw[c] += norm * dy[c]
+            ab[c] += dy[c]
+    for c in range(k):
+        dw[c0 + c] += <float>aw[c]
+        db[c0 + c] += <float>ab[c]
+
+
+cdef void _layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout,
+                              const float* inp, const float* weight, const float* mean,
+                              const float* rstd, int N, int C, int n_threads) noexcept nogil:
+    cdef Py_ssize_t n, ch
+    cdef Py_ssize_t nch = _nchunks(C, CCHUNK)
+    cdef int c0, c1
+    for n in prange(N, schedule='static', num_threads=n_threads):
+        _layernorm_dinp_row(dinp + n * C, dout + n * C, inp + n * C, weight, mean[n], rstd[n], C)
+    for ch in prange(nch, schedule='static', num_threads=n_threads):
+        c0 = ch * CCHUNK
+        c1 = c0 + CCHUNK
+        if c1 > C:
+            c1 = C
+        _layernorm_dparams_chunk(dweight, dbias, dout, inp, mean, rstd, N, C, c0, c1)
+
+
+# ---------------------------------------------------------------------------------------------
+# GELU (tanh form) and residual: elementwise, chunked so the inner loops vectorise
+
+cdef void _gelu_fwd_chunk(float* out, const float* x, Py_ssize_t n) noexcept nogil:
+    # float constants in locals so the arithmetic stays in float (as llm.c), not double
+    cdef float k = GELU_SCALE, c3 = 0.044715, half = 0.5, one = 1.0
+    cdef Py_ssize_t i
+    cdef float xi, u
+    for i in range(n):
+        xi = x[i]
+        u = k * (xi + c3 * xi * xi * xi)
+        out[i] = half * xi * (one + llmctl_tanhf(u))
+
+
+cdef void _gelu_bwd_chunk(float* dx, const float* x, const float* dy, Py_ssize_t n) noexcept nogil:
+    cdef float k = GELU_SCALE, c3 = 0.044715, three_c3 = 3.0 * 0.044715, half = 0.5, one = 1.0
+    cdef Py_ssize_t i
+    cdef float xi, u, th, sech2, g
+    for i in range(n):
+        xi = x[i]
+        u = k * (xi + c3 * xi * xi * xi)
+        th = llmctl_tanhf(u)
+        sech2 = llmctl_sech2f(u)
+        g = half * (one + th) + xi * half * sech2 * k * (one + three_c3 * xi * xi)
+        dx[i] += g * dy[i]
+
+
+cdef void _residual_fwd_chunk(float* out, const float* a, const float* b, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        out[i] = a[i] + b[i]
+
+
+cdef void _residual_bwd_chunk(float* da, float* db, const float* dy, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        da[i] += dy[i]
+        db[i] += dy[i]
+
+
+cdef void _gelu_forward(float* out, const float* inp, Py_ssize_t N, int n_threads) noexcept nogil:
+    cdef Py_ssize_t ch, s, e
+    for ch in prange(_nchunks(N, ECHUNK), schedule='static', num_threads=n_threads):
+        s = ch * ECHUNK
+        e = s + ECHUNK
+        if e > N:
+            e = N
+        _gelu_fwd_chunk(out + s, inp + s, e - s)
+
+
+cdef void _gelu_backward(float* dinp, const float* inp, const float* dout, Py_ssize_t N,
+                         int n_threads) noexcept nogil:
+    cdef Py_ssize_t ch, s, e
+    for ch in prange(_nchunks(N, ECHUNK), schedule='static', num_threads=n_threads):
+        s = ch * ECHUNK
+        e = s + ECHUNK
+        if e > N:
+            e = N
+        _gelu_bwd_chunk(dinp + s, inp + s, dout + s, e - s)
+
+
+cdef void _residual_forward(float* out, const float* inp1, const float* inp2, Py_ssize_t N,
+                            int n_threads) noexcept nogil:
+    cdef Py_ssize_t ch, s, e
+    for ch in prange(_nchunks(N, ECHUNK), schedule='static', num_threads=n_threads):
+        s = ch * ECHUNK
+        e = s + ECHUNK
+        if e > N:
+            e = N
+        _residual_fwd_chunk(out + s, inp1 + s, inp2 + s, e - s)
+
+
+cdef void _residual_backward(float* dinp1, float* dinp2, const float* dout, Py_ssize_t N,
+                             int n_threads) noexcept nogil:
+    cdef Py_ssize_t ch, s, e
+    for ch in prange(_nchunks(N, ECHUNK), schedule='static', num_threads=n_threads):
+        s = ch * ECHUNK
+        e = s + ECHUNK
+        if e > N:
+            e = N
+        _residual_bwd_chunk(dinp1 + s, dinp2 + s, dout + s, e - s)
+
+
+# ---------------------------------------------------------------------------------------------
+# fused softmax + cross-entropy over the real V of each padded Vp row
+
+cdef void _softmax_xent_row(float* loss, float* probs, const float* logits, int target,
+                            int V, int Vp) noexcept nogil:
+    cdef float mx[LANES]
+    cdef double s[LANES]
+    cdef float buf[SMBLOCK]
+    cdef float maxv, xt, e, inv
+    cdef double tot
+    cdef int i, ib, j, b0, nb, vm = V - V % LANES
+    # max over the real V (exact, so lane order does not matter)
+    for j in range(LANES):
+        mx[j] = -3.4028234663852886e38
+    for ib in range(vm // LANES):
+        i = ib * LANES
+        for j in range(LANES):
+            mx[j] = logits[i + j] if logits[i + j] > mx[j] else mx[j]
+    maxv = mx[0]
+    for j in range(1, LANES):
+        if mx[j] > maxv:
+            maxv = mx[j]
+    for i in range(vm, V):
+        if logits[i] > maxv:
+            maxv = logits[i]
+    xt = logits[target]  # read before probs (which may alias logits) is written
+    # exp pass in blocks through a stack buffer: probs may alias logits, and with the stores
+    # going straight to probs gcc would not vectorise the exp.
+    for j in range(LANES):
+        s[j] = 0.0
+    b0 = 0
+    while b0 < vm:
+        nb = vm - b0
+        if nb > SMBLOCK:
+            nb = SMBLOCK
+        for i in range(nb):
+            buf[i] = llmctl_expf(logits[b0 + i] - maxv)
+        for ib in range(nb // LANES):
+            for j in range(LANES):
+                s[j] += buf[ib * LANES + j]
+        memcpy(probs + b0, buf, nb * sizeof(float))
+        b0 = b0 + nb
+    tot = 0.0
+    for j in range(LANES):
+        tot += s[j]
+    for i in range(vm, V):
+        e = llmctl_expf(logits[i] - maxv)
+        probs[i] = e
+        tot += e
+    inv = <float>(1.0 / tot)
+    for i in range(V):
+        probs[i] = probs[i] * inv
+    for i in range(V, Vp):
+        probs[i] = 0.0
+    loss[0] = <float>(log(tot) - (<double>xt - <double>maxv))
+
+
+cdef void _softmax_crossentropy_forward(float* losses, float* probs, const float* logits,
+                                        const int* targets, int BT, int V, int Vp,
+                                        int n_threads) noexcept nogil:
+    cdef Py_ssize_t bt
+    for bt in prange(BT, schedule='static', num_threads=n_threads):
+        _softmax_xent_row(losses + bt, probs + bt * Vp, logits + bt * Vp, targets[bt], V, Vp)
+
+
+cdef void _xent_bwd_row(float* dlogits, const float* probs, int target, float dloss,
+                        int V, int Vp) noexcept nogil:
+    cdef int i
+    cdef float pt = probs[target]  # read first: dlogits may alias probs
+    for i in range(V):
+        dlogits[i] = probs[i] * dloss
+    dlogits[target] = (pt - <float>1.0) * dloss
+    for i in range(V, Vp):
+        dlogits[i] = 0.0
+
+
+cdef void _softmax_crossentropy_backward(float* dlogits, const float* probs, const int* targets,
+                                         const float* dlosses, int BT, int V, int Vp,
+                                         int n_threads) noexcept nogil:
+    cdef Py_ssize_t bt
+    for bt in prange(BT, schedule='static', num_threads=n_threads):
+        _xent_bwd_row(dlogits + bt * Vp, probs + bt * Vp, targets[bt], dlosses[bt], V, Vp)
+
+
+# ---------------------------------------------------------------------------------------------
+# Python wrappers: validate sizes (ValueError, never a segfault), then run without the GIL
+
+cdef int _check_ids(str name, const int[::1] ids, long upper) except -1:
+    cdef Py_ssize_t i, bad = -1
+    with nogil:
+        for i in range(ids.shape[0]):
+            if ids[i] < 0 or ids[i] >= upper:
+                bad = i
+                break
+    if bad >= 0:
+        raise ValueError(f"{name}[{bad}] = {ids[bad]} is outside [0, {upper})")
+    return 0
+
+
+def encoder_forward(float[::1] out, const int[::1] inp, const float[::1] wte, const float[::1] wpe,
+                    int B, int T, int C, int n_threads=1):
+    """out (B,T,C) = wte (Vp,C)[inp (B,T)] + wpe (>=T,C)[t]. Overwrites out."""
+    check_threads(n_threads)
+    check_positive("B", B); check_positive("T", T); check_positive("C", C)
+    check_len("out", out.shape[0], <Py_ssize_t>B * T * C)
+    check_len("inp", inp.shape[0], <Py_ssize_t>B * T)
+    if wte.shape[0] == 0 or wte.shape[0] % C:
+        raise ValueError(f"wte has {wte.shape[0]} elements, not a positive multiple of C={C}")
+    if wpe.shape[0] < <Py_ssize_t>T * C or wpe.shape[0] % C:
+        raise ValueError(f"wpe has {wpe.shape[0]} elements, need a multiple of C={C} and >= T*C={T * C}")
+    _check_ids("inp", inp, wte.shape[0] // C)
+    n_threads = eff_threads(n_threads, <Py_ssize_t>B * T * C, _grain)
+    with nogil:
+        _encoder_forward(&out[0], &inp[0], &wte[0], &wpe[0], B, T, C, n_threads)
+
+
+def encoder_backward(float[::1] dwte, float[::1] dwpe, const float[::1] dout, const int[::1] inp,
+                     int B, int T, int C, int n_threads=1):
+    """Accumulate: dwte[inp[b,t]] += dout[b,t]; dwpe[t] += dout[b,t]. Deterministic at any n_threads."""
+    check_threads(n_threads)
+    check_positive("B", B); check_positive("T", T); check_positive("C", C)
+    check_len("dout", dout.shape[0], <Py_ssize_t>B * T * C)
+    check_len("inp", inp.shape[0], <Py_ssize_t>B * T)
+    if dwte.shape[0] == 0 or dwte.shape[0] % C:
+        raise ValueError(f"dwte has {dwte.shape[0]} elements, not a positive multiple of C={C}")
+    if dwpe.shape[0] < <Py_ssize_t>T * C or dwpe.shape[0] % C:
+        raise ValueError(f"dwpe has {dwpe.shape[0]} elements, need a multiple of C={C} and >= T*C={T * C}")
+    _check_ids("inp", inp, dwte.shape[0] // C)
+    n_threads = eff_threads(n_threads, <Py_ssize_t>B * T * C, _grain)
+    with nogil:
+        _encoder_backward(&dwte[0], &dwpe[0], &dout[0], &inp[0], B, T, C, n_threads)
+
+
+def layernorm_forward(float[::1] out, float[::1] mean, float[::1] rstd, const float[::1] inp,
+                      const float[::1] weight, const float[::1] bias, int N, int C, int n_threads=1):
+    """out (N,C) = layernorm(inp (N,C)) * weight (C) + bias (C); caches mean, rstd (N). eps 1e-5."""
+    check_threads(n_threads)
+    check_positive("N", N); check_positive("C", C)
+    check_len("out", out.shape[0], <Py_ssize_t>N * C)
+    check_len("mean", mean.shape[0], N)
+    check_len("rstd", rstd.shape[0], N)
+    check_len("inp", inp.shape[0], <Py_ssize_t>N * C)
+    check_len("weight", weight.shape[0], C)
+    check_len("bias", bias.shape[0], C)
+    n_threads = eff_threads(n_threads, <Py_ssize_t>N * C, _grain)
+    with nogil:
+        _layernorm_forward(&out[0], &mean[0], &rstd[0], &inp[0], &weight[0], &bias[0], N, C, n_threads)
+
+
+def layernorm_backward(float[::1] dinp, float[::1] dweight, float[::1] dbias, const float[::1] dout,
+                       const float[::1] inp, const float[::1] weight, const float[::1] mean,
+                       const float[::1] rstd, int N, int C, int n_threads=1):
+    """Accumulate: dinp (N,C), dweight (C), dbias (C) += gradients. dinp must not alias dout."""
+    check_threads(n_threads)
+    check_positive("N", N); check_positive("C", C)
+    check_len("dinp", dinp.shape[0], <Py_ssize_t>N * C)
+    check_len("dweight", dweight.shape[0], C)
+    check_len("dbias", dbias.shape[0], C)
+    check_len("dout", dout.shape[0], <Py_ssize_t>N * C)
+    check_len("inp", inp.shape[0], <Py_ssize_t>N * C)
+    check_len("weight", weight.shape[0], C)
+    check_len("mean", mean.shape[0], N)
+    check_len("rstd", rstd.shape[0], N)
+    check_disjoint("dinp", &dinp[0], <Py_ssize_t>N * C, "dout", &dout[0], <Py_ssize_t>N * C)
+    n_threads = eff_threads(n_threads, <Py_ssize_t>N * C, _grain)
+    with nogil:
+        _layernorm_backward(&dinp[0], &dweight[0], &dbias[0], &dout[0], &inp[0], &weight[0],
+                            &mean[0], &rstd[0], N, C, n_threads)
+
+
+def gelu_forward(float[::1] out, const float[::1] inp, long N, int n_threads=1):
+    """out (N) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). out may alias inp."""
+    check_threads(n_threads)
+    check_positive("N", N)
+    check_len("out", out.shape[0], N)
+    check_len("inp", inp.shape[0], N)
+    n_threads = eff_threads(n_threads, N, _grain)
+    with nogil:
+        _gelu_forward(&out[0], &inp[0], N, n_threads)
+
+
+def gelu_backward(float[::1] dinp, const float[::1] inp, const float[::1] dout, long N, int n_threads=1):
+    """Accumulate: dinp (N) += gelu'(inp) * dout. dinp must not alias dout."""
+    check_threads(n_threads)
+    check_positive("N", N)
+    check_len("dinp", dinp.shape[0], N)
+    check_len("inp", inp.shape[0], N)
+    check_len("dout", dout.shape[0], N)
+    check_disjoint("dinp", &dinp[0], N, "dout", &dout[0], N)
+    n_threads = eff_threads(n_threads, N, _grain)
+    with nogil:
+        _gelu_backward(&dinp[0], &inp[0], &dout[0], N, n_threads)
+
+
+def residual_forward(float[::1] out, const float[::1] inp1, const float[::1] inp2, long N, int n_threads=1):
+    """out (N) = inp1 + inp2. out may alias either input."""
+    check_threads(n_threads)
+    check_positive("N", N)
+    check_len("out", out.shape[0], N)
+    check_len("inp1", inp1.shape[0], N)
+    check_len("inp2", inp2.shape[0], N)
+    n_threads = eff_threads(n_threads, N, _grain)
+    with nogil:
+        _residual_forward(&out[0], &inp1[0], &inp2[0], N, n_threads)
+
+
+def residual_backward(float[::1] dinp1, float[::1] dinp2, const float[::1] dout, long N, int n_threads=1):
+    """Accumulate: dinp1 (N) += dout; dinp2 (N) += dout."""
+    check_threads(n_threads)
+    check_positive("N", N)
+    check_len("dinp1", dinp1.shape[0], N)
+    check_len("dinp2", dinp2.shape[0], N)
+    check_len("dout", dout.shape[0], N)
+    n_threads = eff_threads(n_threads, N, _grain)
+    with nogil:
+        _residual_backward(&dinp1[0], &dinp2[0], &dout[0], N, n_threads)
+
+
+def softmax_crossentropy_forward(float[::1] losses, float[::1] probs, const float[::1] logits,
+                                 const int[::1] targets, int BT, int V, int Vp, int n_threads=1):
+    """Per row of logits (BT,Vp): probs = softmax over the first V (probs[V:Vp] = 0) and
+    losses (BT) = -log probs[target]. probs may be the same buffer as logits (in place)."""
+    check_threads(n_threads)
+    check_positive("BT", BT); check_positive("V", V)
+    if Vp < V:
+        raise ValueError(f"Vp={Vp} is smaller than V={V}")
+    check_len("losses", losses.shape[0], BT)
+    check_len("probs", probs.shape[0], <Py_ssize_t>BT * Vp)
+    check_len("logits", logits.shape[0], <Py_ssize_t>BT * Vp)
+    check_len("targets", targets.shape[0], BT)
+    _check_ids("targets", targets, V)
+    n_threads = eff_threads(n_threads, <Py_ssize_t>BT * V, _grain)
+    with nogil:
+        _softmax_crossentropy_forward(&losses[0], &probs[0], &logits[0], &targets[0], BT, V, Vp, n_threads)
+
+
+def softmax_crossentropy_backward(float[::1] dlogits, const float[::1] probs, const int[::1] targets,
+                                  const float[::1] dlosses, int BT, int V, int Vp, int n_threads=1):
+    """OVERWRITE dlogits (BT,Vp): (probs - onehot(target)) * dlosses[bt] for i < V, 0 for padded.
+    dlogits may be the same buffer as probs."""
+    check_threads(n_threads)
+    check_positive("BT", BT); check_positive("V", V)
+    if Vp < V:
+        raise ValueError(f"Vp={Vp} is smaller than V={V}")
+    check_len("dlogits", dlogits.shape[0], <Py_ssize_t>BT * Vp)
+    check_len("probs", probs.shape[0], <Py_ssize_t>BT * Vp)
+    check_len("targets", targets.shape[0], BT)
+    check_len("dlosses", dlosses.shape[0], BT)
+    _check_ids("targets", targets, V)
+    n_threads = eff_threads(n_threads, <Py_ssize_t>BT * V, _grain)
+    with nogil:
+        _softmax_crossentropy_backward(&dlogits[0], &probs[0], &targets[0], &dlosses[0], BT, V, Vp, n_threads)

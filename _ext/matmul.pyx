@@ -1,0 +1,468 @@
+"""Matrix multiply for GPT-2's linear layers: out = inp @ weight^T + bias, and its backward.
+
+Mirrors llm.c train_gpt2.c `matmul_forward` / `matmul_backward` (same shapes, same argument
+order, backward accumulates). Two interchangeable backends:
+
+- "blas" (default): one BLAS sgemm per product, called without the GIL through
+  scipy.linalg.cython_blas (the scikit-learn pattern). The bias is written into `out` first in a
+  prange loop and sgemm runs with beta=1, so the bias costs no extra pass. OpenBLAS has its own
+  thread pool; every call sets it to `n_threads` (cheap when unchanged) so BLAS and our OpenMP
+  loops use the same count and never oversubscribe the cores. sgemm is never called inside a
+  prange.
+- "tiled": a hand-written, cache-blocked Cython GEMM (4x8 register tile, K blocked by 256,
+  operands packed GotoBLAS-style so the inner loop runs over contiguous memory). It is the portable
+  fallback and the in-tree reference for the BLAS path. Every output element is summed over K
+  in order by exactly one thread, so its result does not depend on the thread count.
+
+What it is not: a general GEMM. Shapes are llm.c's row-major (BT,C) x (OC,C)^T.
+"""
+from cython.parallel cimport prange
+from libc.stdlib cimport malloc, free
+from libc.stdint cimport uintptr_t
+from scipy.linalg.cython_blas cimport sgemm
+
+from _openmp cimport omp_get_thread_num
+from kernels cimport check_threads, check_len, check_positive, check_disjoint, eff_threads
+
+# ---------------------------------------------------------------------------------------------
+# BLAS thread control. llmctl.threads finds scipy's OpenBLAS and registers its get/set
+# functions here (plain C pointers, so matmul calls can adjust the pool without the GIL or
+# threadpoolctl's per-call overhead).
+
+ctypedef int (*get_threads_fn)() noexcept nogil
+ctypedef void (*set_threads_fn)(int) noexcept nogil
+
+cdef get_threads_fn _blas_get_threads = NULL
+cdef set_threads_fn _blas_set_threads = NULL
+
+
+def register_blas_thread_functions(uintptr_t get_addr, uintptr_t set_addr):
+    """Install the addresses of scipy's OpenBLAS `*_get_num_threads`/`*_set_num_threads` (0: none)."""
+    global _blas_get_threads, _blas_set_threads
+    if get_addr == 0 or set_addr == 0:
+        _blas_get_threads = NULL
+        _blas_set_threads = NULL
+    else:
+        _blas_get_threads = <get_threads_fn>get_addr
+        _blas_set_threads = <set_threads_fn>set_addr
+
+
+def blas_threads_controlled():
+    """True when matmul can set the BLAS thread count itself (see llmctl.threads)."""
+    return _blas_set_threads != NULL
+
+
+cdef inline void _ensure_blas_threads(int n) noexcept nogil:
+    if _blas_set_threads != NULL and _blas_get_threads() != n:
+        _blas_set_threads(n)
+
+
+def set_blas_threads(int n):
+    """Set scipy's OpenBLAS pool to n threads now (no-op if it was not registered)."""
+    check_threads(n)
+    _ensure_blas_threads(n)
+
+
+# Minimum elements per thread in the bias epilogues (their bits never depend on the thread
+# count). They are memory-bound copies/sums (~0.2 ms for d12's largest at B*T=256), cheaper
+# serial than the OpenMP fork/join between two BLAS calls, which can cost a scheduler tick on
+# a busy machine; at B*T=4096 they are big enough to split.
+cdef Py_ssize_t _grain = 1048576
+
+
+def set_parallel_grain(Py_ssize_t grain):
+    """Set the epilogues' minimum elements per thread (0: always n_threads). Returns the old value."""
+    global _grain
+    old = _grain
+    _grain = grain
+    return old
+
+
+def get_backends():
+    """The backend names matmul_forward/matmul_backward accept; the first is the default."""
+    return ("blas", "tiled")
+
+
+# ---------------------------------------------------------------------------------------------
+# Bias epilogues (shared by both backends)
+
+cdef enum:
+    BIAS_CHUNK = 64      # output channels per dbias task (double accumulators on the stack)
+
+
+cdef void _fill_bias_rows(float* out, const float* bias, int BT, int OC, int n_threads) noexcept nogil:
+    # out (BT,OC) = bias (OC) broadcast over rows
+    cdef Py_ssize_t bt
+    cdef int o
+    cdef float* row
+    n_threads = eff_threads(n_threads, <Py_ssize_t>BT * OC, _grain)
+    for bt in prange(BT, schedule='static', num_threads=n_threads):
+        row = out + bt * OC
+        for o in range(OC):
+            row[o] = bias[o]
+
+
+cdef void _bias_grad_chunk(float* dbias, const float* dout, int BT, int OC, int o0, int o1) noexcept nogil:
+    # dbias[o0:o1] += sum over bt (in order) of dout[bt, o0:o1]; double accumulators
+    cdef double acc[BIAS_CHUNK]
+    cdef int o, bt, n = o1 - o0
+    cdef const float* row
+    for o in range(n):
+        acc[o] = 0.0
+    for bt in range(BT):
+        row = dout + <Py_ssize_t>bt * OC + o0
+        for o in range(n):
+            acc[o] += row[o]
+    for o in range(n):
+        dbias[o0 + o] += <float>acc[o]
+
+
+cdef void _bias_grad(float* dbias, const float* dout, int BT, int OC, int n_threads) noexcept nogil:
+    # dbias (OC) += sum_bt dout (BT,OC); parallel over OC chunks -> deterministic at any thread count
+    cdef int nchunks = (OC + BIAS_CHUNK - 1) // BIAS_CHUNK
+    cdef int ch, o0, o1
+    n_threads = eff_threads(n_threads, <Py_ssize_t>BT * OC, _grain)
+    for ch in prange(nchunks, schedule='static', num_threads=n_threads):
+        o0 = ch * BIAS_CHUNK
+        o1 = o0 + BIAS_CHUNK
+        if o1 > OC:
+            o1 = OC
+        _bias_grad_chunk(dbias, dout, BT, OC, o0, o1)
+
+
+# ---------------------------------------------------------------------------------------------
+# BLAS backend. Row-major X (r,c) is column-major X^T (c,r); every product below is written
+# for column-major sgemm on the transposes.
+
+cdef void _matmul_forward_blas(float* out, const float* inp, const float* weight, const float* bias,
+                               int BT, int C, int OC, int n_threads) noexcept nogil:
+    # out (BT,OC) = inp (BT,C) @ weight (OC,C)^T [+ bias (OC)]
+    # column-major: out^T (OC,BT) = weight^T' (OC,C) @ inp^T (C,BT) -> sgemm('T','N', OC, BT, C)
+    cdef float one = 1.0, zero = 0.0
+    cdef float beta = zero
+    cdef char ta = b'T', tb = b'N'
+    if bias != NULL:
+        _fill_bias_rows(out, bias, BT, OC, n_threads)
+        beta = one
+    _ensure_blas_threads(n_threads)
+    sgemm(&ta, &tb, &OC, &BT, &C, &one, <float*>weight, &C, <float*>inp, &C, &beta, out, &OC)
+
+
+cdef void _matmul_backward_blas(float* dinp, float* dweight, float* dbias, const float* dout,
+                                const float* inp, const float* weight,
+                                int BT, int C, int OC, int n_threads) noexcept nogil:
+    cdef float one = 1.0
+    cdef char tn = b'N', tt = b'T'
+    _ensure_blas_threads(n_threads)
+    if dinp != NULL:
+        # dinp (BT,C) += dout (BT,OC) @ weight (OC,C); column-major: dinp^T (C,BT) += W^T (C,OC) @ dout^T (OC,BT)
+        sgemm(&tn, &tn, &C, &BT, &OC, &one, <float*>weight, &C, <float*>dout, &OC, &one, dinp, &C)
+    # dweight (OC,C) += dout^T (OC,BT) @ inp (BT,C); column-major: dW^T (C,OC) += inp^T (C,BT) @ dout (BT,OC)
+    sgemm(&tn, &tt, &C, &OC, &BT, &one, <float*>inp, &C, <float*>dout, &OC, &one, dweight, &C)
+    if dbias != NULL:
+        _bias_grad(dbias, dout, BT, OC, n_threads)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiled backend (GotoBLAS layout, in Cython). One micro-kernel computes a tile of up to MR x NR
+# outputs,  Ct[r, j] (+)= sum_k Ap[k*a_ks + r] * Bp[k*b_ks + j],  where both operands are laid
+# out so that each k step reads MR contiguous A values and NR contiguous B values: row-major
+# A operands are first packed into (K, MR) panels, the forward weight into (KC, NR) panels.
+# Keeping j innermost (an outer-product update) lets gcc vectorise without reassociating the
+# sum over k, so every element is the in-order sum and results are bit-reproducible.
+
+cdef enum:
+    MR = 4     # rows of the register tile (4 x 8 floats = 8 SSE accumulators)
+    NR = 8     # columns of the register tile (contiguous in the B panel)
+    KC = 256   # K block: a KC x NR weight panel is 8 KB and stays in L1
+
+
+cdef void _tile(float* Ct, Py_ssize_t ldc, const float* Ap, Py_ssize_t a_ks,
+                const float* Bp, Py_ssize_t b_ks, int K, int nr, int nc, bint load_c) noexcept nogil:
+    cdef float acc[MR * NR]
+    cdef int r, j, k
+    cdef const float* arow
+    cdef const float* brow
+    for r in range(MR * NR):
+        acc[r] = 0.0
+    if load_c:
+        for r in range(nr):
+            for j in range(nc):
+                acc[r * NR + j] = Ct[r * ldc + j]
+    if nc == NR:
+        for k in range(K):
+            arow = Ap + k * a_ks
+            brow = Bp + k * b_ks
+            for r in range(MR):
+                for j in range(NR):
+                    acc[r * NR + j] += arow[r] * brow[j]
+    else:
+        for k in range(K):
+            arow = Ap + k * a_ks
+            brow = Bp + k * b_ks
+            for r in range(MR):
+                for j in range(nc):
+                    acc[r * NR + j] += arow[r] * brow[j]
+    for r in range(nr):
+        for j in range(nc):
+            Ct[r * ldc + j] = acc[r * NR + j]
+
+
+cdef void _pack_rows(float* Ap, const float* A, int lda, int rows, int k0, int kc,
+                     int n_threads) noexcept nogil:
+    # columns k0..k0+kc of A (rows, lda) row-major -> per block of MR rows a (kc, MR) panel:
+    # Ap[rb*MR*kc + k*MR + r]; rows past the end are zero so the micro-kernel can always read MR
+    cdef int nrb = (rows + MR - 1) // MR
+    cdef int rb, r, k, row
+    cdef float* dst
+    for rb in prange(nrb, schedule='static', num_threads=n_threads):
+        dst = Ap + <Py_ssize_t>rb * MR * kc
+        for r in range(MR):
+            row = rb * MR + r
+            if row < rows:
+                for k in range(kc):
+                    dst[k * MR + r] = A[<Py_ssize_t>row * lda + k0 + k]
+            else:
+                for k in range(kc):
+                    dst[k * MR + r] = 0.0
+
+
+cdef void _pack_wT(float* panel, const float* weight, int C, int o0, int nc, int k0, int kc) noexcept nogil:
+    # panel (kc, NR)[k, j] = weight[o0 + j, k0 + k]  (columns j >= nc zero-filled)
+    cdef int k, j
+    for j in range(NR):
+        if j < nc:
+            for k in range(kc):
+                panel[k * NR + j] = weight[<Py_ssize_t>(o0 + j) * C + k0 + k]
+        else:
+            for k in range(kc):
+                panel[k * NR + j] = 0.0
+
+
+cdef void _matmul_forward_tiled(float* out, const float* inp, const float* weight, const float* bias,
+                                int BT, int C, int OC, float* apack, float* panels,
+                                int n_threads) noexcept nogil:
+    # out (BT,OC) = inp (BT,C) @ weight (OC,C)^T [+ bias]; parallel over NR-column blocks of out.
+    # apack: ceil(BT/MR)*MR*C floats; panels: n_threads * KC * NR floats (one per thread)
+    cdef int ncb = (OC + NR - 1) // NR
+    cdef int cb, o0, nc, k0, kc, r0, nr, r, j
+    cdef float* panel
+    _pack_rows(apack, inp, C, BT, 0, C, n_threads)
+    for cb in prange(ncb, schedule='static', num_threads=n_threads):
+        panel = panels + <Py_ssize_t>omp_get_thread_num() * KC * NR
+        o0 = cb * NR
+        nc = OC - o0
+        if nc > NR:
+            nc = NR
+        k0 = 0
+        while k0 < C:
+            kc = C - k0
+            if kc > KC:
+                kc = KC
+            _pack_wT(panel, weight, C, o0, nc, k0, kc)
+            r0 = 0
+            while r0 < BT:
+                nr = BT - r0
+                if nr > MR:
+                    nr = MR
+                _tile(out + <Py_ssize_t>r0 * OC + o0, OC, apack + <Py_ssize_t>r0 * C + <Py_ssize_t>k0 * MR, MR,
+                      panel, NR, kc, nr, nc, k0 > 0)
+                r0 = r0 + MR
+            k0 = k0 + KC
+        if bias != NULL:
+            for r in range(BT):
+                for j in range(nc):
+                    out[<Py_ssize_t>r * OC + o0 + j] += bias[o0 + j]
+
+
+cdef void _matmul_dinp_tiled(float* dinp, const float* dout, const float* weight,
+                             int BT, int C, int OC, float* apack, int n_threads) noexcept nogil:
+    # dinp (BT,C) += dout (BT,OC) @ weight (OC,C); tiles over (row block, NR-column block of C);
+    # K = OC in blocks of KC, the OUTER loop (K = Vp = 50304 for the lm head): per block, dout's
+    # columns are packed into (KC, MR) panels (apack: ceil(BT/MR)*MR*KC floats) and the B panel
+    # is the weight itself (row o, columns c0..c0+NR contiguous), so each block's weight rows stay
+    # in cache while every tile uses them. The static schedule gives each tile to the same thread
+    # in every K block, so each element is still summed in order by one thread.
+    cdef int nrb = (BT + MR - 1) // MR
+    cdef int ncb = (C + NR - 1) // NR
+    cdef int tile, rb, cb, r0, c0, nr, nc, k0, kc
+    k0 = 0
+    while k0 < OC:
+        kc = OC - k0
+        if kc > KC:
+            kc = KC
+        _pack_rows(apack, dout, OC, BT, k0, kc, n_threads)
+        for tile in prange(nrb * ncb, schedule='static', num_threads=n_threads):
+            cb = tile // nrb
+            rb = tile - cb * nrb
+            r0 = rb * MR
+            c0 = cb * NR
+            nr = BT - r0
+            if nr > MR:
+                nr = MR
+            nc = C - c0
+            if nc > NR:
+                nc = NR
+            _tile(dinp + <Py_ssize_t>r0 * C + c0, C, apack + <Py_ssize_t>r0 * kc, MR,
+                  weight + <Py_ssize_t>k0 * C + c0, C, kc, nr, nc, True)
+        k0 = k0 + KC
+
+
+cdef void _matmul_dweight_tiled(float* dweight, const float* dout, const float* inp,
+                                int BT, int C, int OC, int n_threads) noexcept nogil:
+    # dweight (OC,C) += dout^T (OC,BT) @ inp (BT,C). dout^T needs no packing: for each k = bt,
+    # its MR rows o0..o0+MR are contiguous in dout (a_ks = OC); B = inp rows, K = BT.
+    # The last row block is handled by a shifted tile (MR reads must stay inside dout).
+    cdef int nrb = (OC + MR - 1) // MR
+    cdef int ncb = (C + NR - 1) // NR
+    cdef int tile, rb, cb, r0, c0, nr, nc, k0, kc
+    for tile in prange(nrb * ncb, schedule='static', num_threads=n_threads):
+        rb = tile // ncb
+        cb = tile - rb * ncb
+        r0 = rb * MR
+        c0 = cb * NR
+        nr = OC - r0
+        if nr > MR:
+            nr = MR
+        nc = C - c0
+        if nc > NR:
+            nc = NR
+        k0 = 0
+        while k0 < BT:
+            kc = BT - k0
+            if kc > KC:
+                kc = KC
+            _tile_rows(dweight + <Py_ssize_t>r0 * C + c0, C, dout + <Py_ssize_t>k0 * OC + r0, OC,
+                       inp + <Py_ssize_t>k0 * C + c0, C, kc, nr, nc)
+            k0 = k0 + KC
+
+
+cdef void _tile_rows(float* Ct, Py_ssize_t ldc, const float* A, Py_ssize_t a_ks,
+                     const float* Bp, Py_ssize_t b_ks, int K, int nr, int nc) noexcept nogil:
+    # Ct (+)= as _tile with load_c, for an unpacked A whose rows r < nr only may be read
+    if nr == MR:
+        _tile(Ct, ldc, A, a_ks, Bp, b_ks, K, nr, nc, True)
+        return
+    cdef float acc[MR * NR]
+    cdef int r, j, k
+    for r in range(nr):
+        for j in range(nc):
+            acc[r * NR + j] = Ct[r * ldc + j]
+    for k in range(K):
+        for r in range(nr):
+            for j in range(nc):
+                acc[r * NR + j] += A[k * a_ks + r] * Bp[k * b_ks + j]
+    for r in range(nr):
+        for j in range(nc):
+            Ct[r * ldc + j] = acc[r * NR + j]
+
+
+# ---------------------------------------------------------------------------------------------
+# Python wrappers: validate, then run without the GIL
+
+cdef inline Py_ssize_t _round_up(Py_ssize_t n, Py_ssize_t m) noexcept nogil:
+    return (n + m - 1) // m * m
+
+
+cdef int _backend_id(str backend) except -1:
+    if backend == "blas":
+        return 0
+    if backend == "tiled":
+        return 1
+    raise ValueError(f"unknown matmul backend {backend!r}; choose one of {get_backends()}")
+
+
+def matmul_forward(float[::1] out, const float[::1] inp, const float[::1] weight, bias,
+                   int BT, int C, int OC, int n_threads=1, str backend="blas"):
+    """out (BT,OC) = inp (BT,C) @ weight (OC,C)^T + bias (OC). Overwrites out. bias may be None."""
+    cdef int which = _backend_id(backend)
+    cdef const float[::1] bias_mv
+    cdef const float* bias_ptr = NULL
+    check_threads(n_threads)
+    check_positive("BT", BT); check_positive("C", C); check_positive("OC", OC)
+    check_len("out", out.shape[0], <Py_ssize_t>BT * OC)
+    check_len("inp", inp.shape[0], <Py_ssize_t>BT * C)
+    check_len("weight", weight.shape[0], <Py_ssize_t>OC * C)
+    if bias is not None:
+        bias_mv = bias
+        check_len("bias", bias_mv.shape[0], OC)
+        bias_ptr = &bias_mv[0]
+        check_disjoint("out", &out[0], out.shape[0], "bias", bias_ptr, OC)
+    check_disjoint("out", &out[0], out.shape[0], "inp", &inp[0], inp.shape[0])
+    check_disjoint("out", &out[0], out.shape[0], "weight", &weight[0], weight.shape[0])
+    cdef float* panels = NULL
+    if which == 0:
+        with nogil:
+            _matmul_forward_blas(&out[0], &inp[0], &weight[0], bias_ptr, BT, C, OC, n_threads)
+        return
+    cdef float* apack = <float*>malloc(<size_t>_round_up(BT, MR) * C * sizeof(float))
+    panels = <float*>malloc(<size_t>n_threads * KC * NR * sizeof(float))
+    try:
+        if panels == NULL or apack == NULL:
+            raise MemoryError("matmul_forward: cannot allocate the tiled kernel's packing buffers")
+        with nogil:
+            _matmul_forward_tiled(&out[0], &inp[0], &weight[0], bias_ptr, BT, C, OC, apack, panels, n_threads)
+    finally:
+        free(panels)
+        free(apack)
+
+
+cdef int _check_backward_disjoint(float* dinp, float* dweight, float* dbias, const float* dout,
+                                  const float* inp, const float* weight, int BT, int C, int OC) except -1:
+    # every gradient buffer must be disjoint from every input and from the other gradients
+    cdef Py_ssize_t ninp = <Py_ssize_t>BT * C, nw = <Py_ssize_t>OC * C, nout = <Py_ssize_t>BT * OC
+    outs = [("dweight", <uintptr_t>dweight, nw)]
+    if dinp != NULL:
+        outs.append(("dinp", <uintptr_t>dinp, ninp))
+    if dbias != NULL:
+        outs.append(("dbias", <uintptr_t>dbias, OC))
+    ins = [("dout", <uintptr_t>dout, nout), ("inp", <uintptr_t>inp, ninp), ("weight", <uintptr_t>weight, nw)]
+    for i, (a, pa, na) in enumerate(outs):
+        for b, pb, nb in ins + outs[i + 1:]:
+            check_disjoint(a, <const float*><uintptr_t>pa, na, b, <const float*><uintptr_t>pb, nb)
+    return 0
+
+
+def matmul_backward(dinp, float[::1] dweight, dbias, const float[::1] dout,
+                    const float[::1] inp, const float[::1] weight,
+                    int BT, int C, int OC, int n_threads=1, str backend="blas"):
+    """Accumulate: dinp (BT,C) += dout @ weight; dweight (OC,C) += dout^T @ inp;
+    dbias (OC) += sum over BT of dout. dinp and dbias may be None (skipped)."""
+    cdef int which = _backend_id(backend)
+    cdef float[::1] dinp_mv, dbias_mv
+    cdef float* dinp_ptr = NULL
+    cdef float* dbias_ptr = NULL
+    check_threads(n_threads)
+    check_positive("BT", BT); check_positive("C", C); check_positive("OC", OC)
+    check_len("dweight", dweight.shape[0], <Py_ssize_t>OC * C)
+    check_len("dout", dout.shape[0], <Py_ssize_t>BT * OC)
+    check_len("inp", inp.shape[0], <Py_ssize_t>BT * C)
+    check_len("weight", weight.shape[0], <Py_ssize_t>OC * C)
+    if dinp is not None:
+        dinp_mv = dinp
+        check_len("dinp", dinp_mv.shape[0], <Py_ssize_t>BT * C)
+        dinp_ptr = &dinp_mv[0]
+    if dbias is not None:
+        dbias_mv = dbias
+        check_len("dbias", dbias_mv.shape[0], OC)
+        dbias_ptr = &dbias_mv[0]
+    _check_backward_disjoint(dinp_ptr, &dweight[0], dbias_ptr, &dout[0], &inp[0], &weight[0], BT, C, OC)
+    cdef float* apack = NULL
+    if which == 0:
+        with nogil:
+            _matmul_backward_blas(dinp_ptr, &dweight[0], dbias_ptr, &dout[0], &inp[0], &weight[0],
+                                  BT, C, OC, n_threads)
+        return
+    try:
+        if dinp_ptr != NULL:
+            apack = <float*>malloc(<size_t>_round_up(BT, MR) * KC * sizeof(float))
+            if apack == NULL:
+                raise MemoryError("matmul_backward: cannot allocate the tiled kernel's packing buffer")
+        with nogil:
+            if dinp_ptr != NULL:
+                _matmul_dinp_tiled(dinp_ptr, &dout[0], &weight[0], BT, C, OC, apack, n_threads)
+            _matmul_dweight_tiled(&dweight[0], &dout[0], &inp[0], BT, C, OC, n_threads)
+            if dbias_ptr != NULL:
+                _bias_grad(dbias_ptr, &dout[0], BT, OC, n_threads)
+    finally:
+        free(apack)

@@ -1,0 +1,706 @@
+"""Kernel tests: matmul (blas + tiled), encoder, layernorm, GELU, residual, softmax/CE, AdamW.
+
+Every kernel is compared with tests/reference.py (NumPy float64) on shapes that are and are not
+multiples of the tiles/lanes/chunks (matmul tile 8x16, K block 256; 16-lane row reductions;
+64-channel column chunks), with 1 and 2 threads; backward kernels are also checked against
+central finite differences of the kernels' own forward, and determinism is checked bit for bit.
+
+Tolerances. Dot products/sums in float32 obey the classical bound (Higham, "Accuracy and
+Stability of Numerical Algorithms", eq. 3.5): |fl(sum) - sum| <= gamma_K * sum|terms| with
+gamma_K = K*u/(1-K*u), u = 2^-24, for ANY summation order. `_assert_dot_close` checks exactly
+that (times 2 for the final bias/accumulate rounding), so it holds for BLAS and tiled alike but
+a wrong or missing term (error ~ one |term|) fails it. Element-wise kernels use a few-ulp
+relative bound stated at each test.
+"""
+import numpy as np
+import pytest
+
+import reference as ref
+from llmctl._ext import adamw, layers, matmul
+
+U32 = 2.0 ** -24  # unit roundoff of float32
+THREADS = [1, 2]
+
+
+@pytest.fixture(autouse=True)
+def _all_threads():
+    """Kernels run small inputs on fewer threads than asked (results are identical); switch that
+    off so that n_threads=2 really runs two threads on these small test shapes."""
+    old = [mod.set_parallel_grain(0) for mod in (layers, matmul, adamw)]
+    yield
+    for mod, g in zip((layers, matmul, adamw), old):
+        mod.set_parallel_grain(g)
+
+
+def _f32(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def _assert_dot_close(got, want, abs_terms, K, what):
+    """|got - want| <= 2*gamma_K * abs_terms + tiny, elementwise (abs_terms = sum of |products|)."""
+    gamma = (K + 2) * U32 / (1 - (K + 2) * U32)
+    bound = 2 * gamma * abs_terms + 1e-30
+    err = np.abs(got.astype(np.float64) - want)
+    worst = np.max(err / bound)
+    assert worst <= 1.0, f"{what}: error {err.max():.3e} exceeds the float32 dot bound ({worst:.2f}x)"
+
+
+# ---------------------------------------------------------------------------------------------
+# matmul
+
+MM_SHAPES = [  # (BT, C, OC): tiny/odd, exact tile multiples, K blocks > 256 on every product
+    (1, 1, 1),
+    (7, 13, 33),
+    (16, 32, 48),
+    (9, 300, 17),      # forward K = C = 300 > 256 (two K blocks), odd everything
+    (24, 40, 270),     # dinp K = OC = 270 > 256
+    (261, 24, 20),     # dweight K = BT = 261 > 256
+]
+
+
+@pytest.mark.parametrize("backend", ["blas", "tiled"])
+@pytest.mark.parametrize("shape", MM_SHAPES)
+@pytest.mark.parametrize("n_threads", THREADS)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_matmul_forward_matches_reference(backend, shape, n_threads, with_bias):
+    BT, C, OC = shape
+    rng = np.random.default_rng(BT * 1000 + C + OC)
+    inp, w, b = _f32(rng, BT, C), _f32(rng, OC, C), _f32(rng, OC)
+    out = np.full(BT * OC, np.nan, dtype=np.float32)  # forward overwrites: NaNs must vanish
+    matmul.matmul_forward(out, inp.ravel(), w.ravel(), b if with_bias else None, BT, C, OC,
+                          n_threads=n_threads, backend=backend)
+    want = ref.matmul_forward(inp.astype(np.float64), w.astype(np.float64),
+                              b.astype(np.float64) if with_bias else None)
+    terms = np.abs(inp.astype(np.float64)) @ np.abs(w.astype(np.float64)).T
+    if with_bias:
+        terms += np.abs(b)
+    _assert_dot_close(out.reshape(BT, OC), want, terms, C, f"matmul_forward[{backend}]")
+
+
+@pytest.mark.parametrize("backend", ["blas", "tiled"])
+@pytest.mark.parametrize("shape", MM_SHAPES)
+@pytest.mark.parametrize("n_threads", THREADS)
+def test_matmul_backward_accumulates_reference(backend, shape, n_threads):
+    BT, C, OC = shape
+    rng = np.random.default_rng(BT + 7 * C + 13 * OC)
+    inp, w, dout = _f32(rng, BT, C), _f32(rng, OC, C), _f32(rng, BT, OC)
+    dinp0, dw0, db0 = _f32(rng, BT, C), _f32(rng, OC, C), _f32(rng, OC)  # prior gradients
+    dinp, dw, db = dinp0.ravel().copy(), dw0.ravel().copy(), db0.copy()
+    matmul.matmul_backward(dinp, dw, db, dout.ravel(), inp.ravel(), w.ravel(), BT, C, OC,
+                           n_threads=n_threads, backend=backend)
+    d64, x64, w64 = dout.astype(np.float64), inp.astype(np.float64), w.astype(np.float64)
+    rdx, rdw, rdb = ref.matmul_backward(d64, x64, w64)
+    _assert_dot_close(dinp.reshape(BT, C), dinp0 + rdx, np.abs(dinp0) + np.abs(d64) @ np.abs(w64),
+                      OC, f"dinp[{backend}]")
+    _assert_dot_close(dw.reshape(OC, C), dw0 + rdw, np.abs(dw0) + np.abs(d64).T @ np.abs(x64),
+                      BT, f"dweight[{backend}]")
+    _assert_dot_close(db, db0 + rdb, np.abs(db0) + np.abs(d64).sum(0), BT, f"dbias[{backend}]")
+
+
+@pytest.mark.parametrize("backend", ["blas", "tiled"])
+def test_matmul_backward_skips_none(backend):
+    BT, C, OC = 10, 20, 30
+    rng = np.random.default_rng(3)
+    inp, w, dout = _f32(rng, BT * C), _f32(rng, OC * C), _f32(rng, BT * OC)
+    dw = np.zeros(OC * C, np.float32)
+    matmul.matmul_backward(None, dw, None, dout, inp, w, BT, C, OC, backend=backend)
+    want = dout.reshape(BT, OC).astype(np.float64).T @ inp.reshape(BT, C)
+    np.testing.assert_allclose(dw.reshape(OC, C), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["blas", "tiled"])
+@pytest.mark.parametrize("n_threads", THREADS)
+def test_matmul_bit_identical_when_repeated(backend, n_threads):
+    BT, C, OC = 37, 70, 90
+    rng = np.random.default_rng(11)
+    inp, w, b, dout = _f32(rng, BT * C), _f32(rng, OC * C), _f32(rng, OC), _f32(rng, BT * OC)
+    runs = []
+    for _ in range(2):
+        out = np.empty(BT * OC, np.float32)
+        matmul.matmul_forward(out, inp, w, b, BT, C, OC, n_threads=n_threads, backend=backend)
+        dinp, dw, db = np.zeros(BT * C, np.float32), np.zeros(OC * C, np.float32), np.zeros(OC, np.float32)
+        matmul.matmul_backward(dinp, dw, db, dout, inp, w, BT, C, OC, n_threads=n_threads, backend=backend)
+        runs.append((out, dinp, dw, db))
+    for a, b2 in zip(*runs):
+        assert np.array_equal(a, b2)
+
+
+def test_matmul_tiled_is_thread_count_independent():
+    # each output element is summed over K in order by one thread, whatever the team size
+    BT, C, OC = 19, 300, 45
+    rng = np.random.default_rng(5)
+    inp, w, b, dout = _f32(rng, BT * C), _f32(rng, OC * C), _f32(rng, OC), _f32(rng, BT * OC)
+    res = []
+    for n in (1, 2):
+        out = np.empty(BT * OC, np.float32)
+        matmul.matmul_forward(out, inp, w, b, BT, C, OC, n_threads=n, backend="tiled")
+        dinp, dw, db = np.zeros(BT * C, np.float32), np.zeros(OC * C, np.float32), np.zeros(OC, np.float32)
+        matmul.matmul_backward(dinp, dw, db, dout, inp, w, BT, C, OC, n_threads=n, backend="tiled")
+        res.append((out, dinp, dw, db))
+    for a, b2 in zip(*res):
+        assert np.array_equal(a, b2)
+
+
+def test_matmul_rejects_bad_arguments():
+    z = lambda n: np.zeros(n, np.float32)
+    with pytest.raises(ValueError, match="out has 5 elements, expected 6"):
+        matmul.matmul_forward(z(5), z(6), z(9), None, 2, 3, 3)
+    with pytest.raises(ValueError, match="bias"):
+        matmul.matmul_forward(z(6), z(6), z(9), z(2), 2, 3, 3)
+    with pytest.raises(ValueError, match="unknown matmul backend"):
+        matmul.matmul_forward(z(6), z(6), z(9), None, 2, 3, 3, backend="cuda")
+    with pytest.raises(ValueError, match="n_threads"):
+        matmul.matmul_forward(z(6), z(6), z(9), None, 2, 3, 3, n_threads=0)
+    with pytest.raises(ValueError, match="dinp"):
+        matmul.matmul_backward(z(5), z(9), None, z(6), z(6), z(9), 2, 3, 3)
+    with pytest.raises(ValueError, match="BT must be > 0"):
+        matmul.matmul_forward(z(0), z(0), z(9), None, 0, 3, 3)
+    assert matmul.get_backends()[0] == "blas"
+
+
+def test_matmul_honours_blas_thread_count():
+    from llmctl import threads
+
+    threads.configure_threads(2)
+    if not matmul.blas_threads_controlled():
+        pytest.skip("scipy's BLAS does not expose openblas_set_num_threads")
+    BT, C, OC = 8, 8, 8
+    x = np.ones(BT * C, np.float32)
+    out = np.empty(BT * OC, np.float32)
+    matmul.matmul_forward(out, x, x, None, BT, C, OC, n_threads=1)
+    scipy_pool = [n for path, n in threads.blas_thread_info() if "scipy.libs" in path]
+    if scipy_pool:
+        assert scipy_pool == [1]
+    matmul.matmul_forward(out, x, x, None, BT, C, OC, n_threads=2)
+    if scipy_pool:
+        assert [n for path, n in threads.blas_thread_info() if "scipy.libs" in path] == [2]
+
+
+# ---------------------------------------------------------------------------------------------
+# encoder
+
+@pytest.mark.parametrize("n_threads", THREADS)
+@pytest.mark.parametrize("B,T,C", [(2, 5, 7), (3, 4, 130)])  # C=130: 3 channel chunks, ragged
+def test_encoder_forward_backward(n_threads, B, T, C):
+    rng = np.random.default_rng(C)
+    Vp, maxT = 11, T + 3
+    ids = rng.integers(0, 4, size=(B, T)).astype(np.int32)  # few ids -> many repeats in backward
+    wte, wpe = _f32(rng, Vp, C), _f32(rng, maxT, C)
+    out = np.empty(B * T * C, np.float32)
+    layers.encoder_forward(out, ids.ravel(), wte.ravel(), wpe.ravel(), B, T, C, n_threads)
+    # one float32 addition of two float32 numbers: correctly rounded
+    np.testing.assert_array_equal(out.reshape(B, T, C),
+                                  (wte[ids] + wpe[None, :T]).astype(np.float32))
+    dout = _f32(rng, B, T, C)
+    dwte0, dwpe0 = _f32(rng, Vp, C), _f32(rng, maxT, C)
+    dwte, dwpe = dwte0.ravel().copy(), dwpe0.ravel().copy()
+    layers.encoder_backward(dwte, dwpe, dout.ravel(), ids.ravel(), B, T, C, n_threads)
+    rdwte, rdwpe = ref.encoder_backward(dout.astype(np.float64), ids, Vp, maxT)
+    K = B * T + 1  # at most B*T + 1 terms per element
+    counts = np.bincount(ids.ravel(), minlength=Vp)[:, None]
+    _assert_dot_close(dwte.reshape(Vp, C), dwte0 + rdwte,
+                      np.abs(dwte0) + ref.encoder_backward(np.abs(dout.astype(np.float64)), ids, Vp, maxT)[0],
+                      K, "dwte")
+    _assert_dot_close(dwpe.reshape(maxT, C), dwpe0 + rdwpe,
+                      np.abs(dwpe0) + ref.encoder_backward(np.abs(dout.astype(np.float64)), ids, Vp, maxT)[1],
+                      K, "dwpe")
+    assert counts[4:].sum() == 0 and np.array_equal(dwte.reshape(Vp, C)[4:], dwte0[4:])
+
+
+def test_encoder_backward_same_bits_any_thread_count():
+    B, T, C = 4, 16, 200
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, 3, size=B * T).astype(np.int32)
+    dout = _f32(rng, B * T * C)
+    res = []
+    for n in (1, 2):
+        dwte, dwpe = np.zeros(5 * C, np.float32), np.zeros(T * C, np.float32)
+        layers.encoder_backward(dwte, dwpe, dout, ids, B, T, C, n)
+        res.append((dwte, dwpe))
+    assert all(np.array_equal(a, b) for a, b in zip(*res))
+
+
+def test_encoder_rejects_bad_ids_and_sizes():
+    C = 4
+    wte, wpe = np.zeros(3 * C, np.float32), np.zeros(2 * C, np.float32)
+    out = np.zeros(2 * C, np.float32)
+    with pytest.raises(ValueError, match=r"inp\[1\] = 3 is outside \[0, 3\)"):
+        layers.encoder_forward(out, np.array([0, 3], np.int32), wte, wpe, 1, 2, C)
+    with pytest.raises(ValueError, match="outside"):
+        layers.encoder_backward(wte.copy(), wpe.copy(), out, np.array([-1, 0], np.int32), 1, 2, C)
+    with pytest.raises(ValueError, match="wpe"):
+        layers.encoder_forward(out, np.array([0, 1], np.int32), wte, wpe[:C], 1, 2, C)
+
+
+# ---------------------------------------------------------------------------------------------
+# layernorm
+
+LN_SHAPES = [(1, 1), (5, 7), (6, 64), (9, 200)]  # C: below/at/above the 16-lane and 64-chunk sizes
+
+
+@pytest.mark.parametrize("n_threads", THREADS)
+@pytest.mark.parametrize("N,C", LN_SHAPES)
+def test_layernorm_forward_matches_reference(n_threads, N, C):
+    rng = np.random.default_rng(N * C)
+    x = _f32(rng, N, C, scale=3.0) + 1.5  # non-zero mean
+    w, b = _f32(rng, C) + 1.0, _f32(rng, C)
+    out, mean, rstd = (np.empty(N * C, np.float32), np.empty(N, np.float32), np.empty(N, np.float32))
+    layers.layernorm_forward(out, mean, rstd, x.ravel(), w, b, N, C, n_threads)
+    rout, rmean, rrstd = ref.layernorm_forward(x.astype(np.float64), w.astype(np.float64), b.astype(np.float64))
+    # mean/var accumulate in double, so mean and rstd are within a couple of float32 roundings;
+    # out = (x-m)*r*w+b is 4 float32 ops on O(1..10) values -> 1e-5 relative to the row scale.
+    np.testing.assert_allclose(mean, rmean, rtol=4 * U32, atol=4 * U32 * np.abs(x).max())
+    np.testing.assert_allclose(rstd, rrstd, rtol=8 * U32)
+    scale = np.abs(x - rmean[:, None]).max() * rrstd.max() * np.abs(w).max() + np.abs(b).max()
+    np.testing.assert_allclose(out.reshape(N, C), rout, rtol=0, atol=16 * U32 * scale)
+
+
+@pytest.mark.parametrize("n_threads", THREADS)
+@pytest.mark.parametrize("N,C", LN_SHAPES[1:])
+def test_layernorm_backward_matches_reference(n_threads, N, C):
+    rng = np.random.default_rng(N + C)
+    x = _f32(rng, N, C, scale=2.0) - 0.5
+    w, b, dout = _f32(rng, C) + 1.0, _f32(rng, C), _f32(rng, N, C)
+    out, mean, rstd = (np.empty(N * C, np.float32), np.empty(N, np.float32), np.empty(N, np.float32))
+    layers.layernorm_forward(out, mean, rstd, x.ravel(), w, b, N, C, n_threads)
+    dx0, dw0, db0 = _f32(rng, N, C), _f32(rng, C), _f32(rng, C)
+    dx, dw, db = dx0.ravel().copy(), dw0.copy(), db0.copy()
+    layers.layernorm_backward(dx, dw, db, dout.ravel(), x.ravel(), w, mean, rstd, N, C, n_threads)
+    x64 = x.astype(np.float64)
+    _, m64, r64 = ref.layernorm_forward(x64, w.astype(np.float64), b.astype(np.float64))
+    rdx, rdw, rdb = ref.layernorm_backward(dout.astype(np.float64), x64, w.astype(np.float64), m64, r64)
+    # dx: C-term means of O(|w dout|) values, scaled by rstd -> float32 dot bound over C terms
+    dnorm = np.abs(dout * w).astype(np.float64)
+    _assert_dot_close(dx.reshape(N, C), dx0 + rdx,
+                      np.abs(dx0) + r64[:, None] * (dnorm + 2 * dnorm.mean(1, keepdims=True) * (1 + np.abs(x64 - m64[:, None]) * r64[:, None] * 2)),
+                      C + 8, "ln dinp")
+    norm = np.abs((x64 - m64[:, None]) * r64[:, None])
+    _assert_dot_close(dw, dw0 + rdw, np.abs(dw0) + (np.abs(dout) * norm).sum(0), N + 8, "ln dweight")
+    _assert_dot_close(db, db0 + rdb, np.abs(db0) + np.abs(dout).sum(0), N, "ln dbias")
+
+
+def test_layernorm_backward_finite_differences():
+    # independent of reference.py: central differences of the float32 kernel forward.
+    # loss = sum(out * R); step h = 1e-2 keeps float32 cancellation noise (~1e-7*|loss|/h ~ 1e-4)
+    # and the O(h^2) truncation both far below the 2e-3 relative tolerance.
+    N, C = 3, 5
+    rng = np.random.default_rng(0)
+    x, w, b, R = _f32(rng, N, C), _f32(rng, C) + 1, _f32(rng, C), _f32(rng, N, C)
+
+    def loss(x_, w_, b_):
+        out = np.empty(N * C, np.float32)
+        layers.layernorm_forward(out, np.empty(N, np.float32), np.empty(N, np.float32),
+                                 x_.ravel(), w_, b_, N, C)
+        return float(np.dot(out.astype(np.float64), R.ravel()))
+
+    out, mean, rstd = np.empty(N * C, np.float32), np.empty(N, np.float32), np.empty(N, np.float32)
+    layers.layernorm_forward(out, mean, rstd, x.ravel(), w, b, N, C)
+    dx, dw, db = np.zeros(N * C, np.float32), np.zeros(C, np.float32), np.zeros(C, np.float32)
+    layers.layernorm_backward(dx, dw, db, R.ravel(), x.ravel(), w, mean, rstd, N, C)
+    h = 1e-2
+    for arr, grad in ((x, dx.reshape(N, C)), (w, dw), (b, db)):
+        flat, g = arr.reshape(-1), grad.reshape(-1)
+        for i in range(flat.size):
+            old = flat[i]
+            flat[i] = old + h; fp = loss(x, w, b)
+            flat[i] = old - h; fm = loss(x, w, b)
+            flat[i] = old
+            fd = (fp - fm) / (2 * h)
+            assert abs(fd - g[i]) <= 2e-3 * (1 + abs(fd)), (i, fd, g[i])
+
+
+# ---------------------------------------------------------------------------------------------
+# GELU and residual
+
+GELU_X = np.concatenate([np.linspace(-12, 12, 1001), [0.0, -0.0, 1e-8, -1e-8, 30.0, -30.0, 300.0, -300.0]])
+
+
+@pytest.mark.parametrize("n_threads", THREADS)
+def test_gelu_forward_backward_match_reference(n_threads):
+    rng = np.random.default_rng(2)
+    x = np.concatenate([GELU_X, rng.standard_normal(40000) * 3]).astype(np.float32)  # > 2 chunks
+    N = x.size
+    out = np.empty(N, np.float32)
+    layers.gelu_forward(out, x, N, n_threads)
+    x64 = x.astype(np.float64)
+    # our exp is within 2 ulp, tanh=(1-t)/(1+t) adds a few roundings (absolute, since |tanh|<=1):
+    # |err| <= 16u*|x| covers 0.5*x*(1+tanh) with margin; a wrong formula is off by >> 1e-6*|x|.
+    assert np.all(np.abs(out - ref.gelu_forward(x64)) <= 16 * U32 * np.abs(x64) + 1e-30)
+    dout = _f32(rng, N)
+    d0 = _f32(rng, N)
+    d = d0.copy()
+    layers.gelu_backward(d, x, dout, N, n_threads)
+    want = d0 + ref.gelu_backward(dout.astype(np.float64), x64)
+    # gelu' is O(1) but its second term grows like x^3*sech^2(u); bound the rounding by 32u times
+    # the size of each term times |dout|, plus the accumulate's rounding.
+    u = ref.GELU_SCALE * (x64 + 0.044715 * x64 ** 3)
+    term2 = np.abs(x64 * 0.5 * (1 - np.tanh(u) ** 2) * ref.GELU_SCALE * (1 + 3 * 0.044715 * x64 ** 2))
+    bound = 32 * U32 * ((1 + term2) * np.abs(dout) + np.abs(d0)) + 1e-30
+    assert np.all(np.abs(d - want) <= bound)
+    assert np.isfinite(out).all() and np.isfinite(d).all()
+
+
+def test_gelu_backward_finite_differences():
+    x = np.linspace(-5, 5, 101).astype(np.float32)
+    N = x.size
+    d = np.zeros(N, np.float32)
+    layers.gelu_backward(d, x, np.ones(N, np.float32), N)
+    h = np.float32(1e-2)
+    fp, fm = np.empty(N, np.float32), np.empty(N, np.float32)
+    layers.gelu_forward(fp, x + h, N)
+    layers.gelu_forward(fm, x - h, N)
+    fd = (fp.astype(np.float64) - fm) / (2 * 1e-2)
+    # truncation h^2/6*|gelu'''| <= 2e-5 on this range, float32 noise ~ 6e-8*5/1e-2 = 3e-5
+    np.testing.assert_allclose(d, fd, atol=2e-4)
+
+
+@pytest.mark.parametrize("n_threads", THREADS)
+def test_residual_forward_backward(n_threads):
+    rng = np.random.default_rng(4)
+    N = 40000 + 3
+    a, b, dout = _f32(rng, N), _f32(rng, N), _f32(rng, N)
+    out = np.empty(N, np.float32)
+    layers.residual_forward(out, a, b, N, n_threads)
+    np.testing.assert_array_equal(out, a + b)  # a single correctly rounded float32 add
+    aa = a.copy()
+    layers.residual_forward(aa, aa, b, N, n_threads)  # out may alias inp1
+    np.testing.assert_array_equal(aa, a + b)
+    d1, d2 = a.copy(), b.copy()
+    layers.residual_backward(d1, d2, dout, N, n_threads)
+    np.testing.assert_array_equal(d1, a + dout)
+    np.testing.assert_array_equal(d2, b + dout)
+
+
+def test_elementwise_reject_bad_sizes():
+    z = np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match="inp has 4 elements, expected 5"):
+        layers.gelu_forward(np.zeros(5, np.float32), z, 5)
+    with pytest.raises(ValueError, match="dout"):
+        layers.residual_backward(z, z, np.zeros(3, np.float32), 4)
+    with pytest.raises(ValueError, match="rstd"):
+        layers.layernorm_forward(np.zeros(8, np.float32), np.zeros(2, np.float32), np.zeros(1, np.float32),
+                                 np.zeros(8, np.float32), z, z, 2, 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# fused softmax + cross-entropy
+
+SM_SHAPES = [(1, 1, 1), (3, 37, 48), (5, 1000, 1024), (2, 50257, 50304)]
+
+
+@pytest.mark.parametrize("n_threads", THREADS)
+@pytest.mark.parametrize("BT,V,Vp", SM_SHAPES)
+def test_softmax_crossentropy_matches_reference(n_threads, BT, V, Vp):
+    rng = np.random.default_rng(V)
+    logits = _f32(rng, BT, Vp, scale=4.0)
+    logits[:, V:] = 1e4  # padded logits must never enter the softmax
+    targets = rng.integers(0, V, size=BT).astype(np.int32)
+    losses, probs = np.empty(BT, np.float32), np.empty(BT * Vp, np.float32)
+    layers.softmax_crossentropy_forward(losses, probs, logits.ravel(), targets, BT, V, Vp, n_threads)
+    rl, rp = ref.softmax_crossentropy_forward(logits.astype(np.float64), targets, V)
+    # probs: x - max is rounded in float32 (absolute error u*|x - max|, which exp turns into that
+    # much relative error), exp is within 2 ulp, the sum is in double, one multiply: so
+    # |rel err| <= (8 + |x - max|) * u per element.
+    z = np.abs(logits[:, :V].astype(np.float64) - logits[:, :V].max(1, keepdims=True))
+    p = probs.reshape(BT, Vp)
+    assert np.all(np.abs(p[:, :V] - rp[:, :V]) <= (8 + z) * U32 * rp[:, :V] + 1e-38)
+    assert np.all(p[:, V:] == 0)
+    # loss = log(sum) - (x_t - max): the sum's relative error (bounded as above) becomes absolute
+    np.testing.assert_allclose(losses, rl, rtol=8 * U32, atol=(8 + z.max()) * U32)
+    # in place (probs is logits) gives the same bits
+    inplace = logits.ravel().copy()
+    l2 = np.empty(BT, np.float32)
+    layers.softmax_crossentropy_forward(l2, inplace, inplace, targets, BT, V, Vp, n_threads)
+    assert np.array_equal(inplace, probs) and np.array_equal(l2, losses)
+    # backward: overwrite (garbage before), padded columns exactly 0, alias allowed
+    dl = _f32(rng, BT)
+    dlogits = np.full(BT * Vp, np.nan, np.float32)
+    layers.softmax_crossentropy_backward(dlogits, probs, targets, dl, BT, V, Vp, n_threads)
+    want = ref.softmax_crossentropy_backward(probs.reshape(BT, Vp).astype(np.float64), targets, dl, V)
+    np.testing.assert_allclose(dlogits.reshape(BT, Vp), want, rtol=2 * U32, atol=1e-38)
+    assert np.all(dlogits.reshape(BT, Vp)[:, V:] == 0)
+    alias = probs.copy()
+    layers.softmax_crossentropy_backward(alias, alias, targets, dl, BT, V, Vp, n_threads)
+    assert np.array_equal(alias, dlogits)
+
+
+def test_softmax_crossentropy_extreme_logits_stay_finite():
+    BT, V, Vp = 2, 40, 48
+    logits = np.zeros((BT, Vp), np.float32)
+    logits[0, 3] = 1e30  # one huge logit: p=1 there, exp underflows to 0 elsewhere
+    logits[1] = -1e30
+    logits[1, 5] = 0.0
+    targets = np.array([7, 5], np.int32)
+    losses, probs = np.empty(BT, np.float32), np.empty(BT * Vp, np.float32)
+    layers.softmax_crossentropy_forward(losses, probs, logits.ravel(), targets, BT, V, Vp)
+    p = probs.reshape(BT, Vp)
+    assert p[0, 3] == 1.0 and p[1, 5] == 1.0 and np.isfinite(p).all()
+    assert losses[0] == np.float32(1e30) and losses[1] == 0.0  # -log p without log(0) = inf
+
+
+def test_softmax_crossentropy_backward_finite_differences():
+    # d/dlogits of sum_bt dloss_bt * loss_bt, from the kernel's own float32 forward
+    BT, V, Vp = 2, 7, 16
+    rng = np.random.default_rng(9)
+    logits = _f32(rng, BT, Vp)
+    targets = np.array([3, 0], np.int32)
+    dl = np.array([0.7, -1.3], np.float32)
+
+    def f(lg):
+        losses, probs = np.empty(BT, np.float32), np.empty(BT * Vp, np.float32)
+        layers.softmax_crossentropy_forward(losses, probs, lg.ravel(), targets, BT, V, Vp)
+        return float(np.dot(losses.astype(np.float64), dl)), probs
+
+    _, probs = f(logits)
+    d = np.empty(BT * Vp, np.float32)
+    layers.softmax_crossentropy_backward(d, probs, targets, dl, BT, V, Vp)
+    h = 1e-2
+    flat = logits.reshape(-1)
+    for i in range(flat.size):
+        old = flat[i]
+        flat[i] = old + h; fp = f(logits)[0]
+        flat[i] = old - h; fm = f(logits)[0]
+        flat[i] = old
+        # h^2 truncation (|f'''| <= 1) ~ 2e-5 plus float32 noise ~ 1e-7*3/h = 3e-5
+        assert abs((fp - fm) / (2 * h) - d[i]) <= 2e-4, i
+
+
+def test_softmax_crossentropy_rejects_bad_targets():
+    z = np.zeros(8, np.float32)
+    with pytest.raises(ValueError, match=r"targets\[0\] = 6 is outside \[0, 6\)"):
+        layers.softmax_crossentropy_forward(np.zeros(1, np.float32), z, z, np.array([6], np.int32), 1, 6, 8)
+    with pytest.raises(ValueError, match="Vp=4 is smaller than V=6"):
+        layers.softmax_crossentropy_backward(z, z, np.array([0], np.int32), np.zeros(1, np.float32), 1, 6, 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# determinism of the row/column-parallel layer kernels across thread counts
+
+def test_layer_kernels_same_bits_for_1_and_2_threads_and_when_repeated():
+    rng = np.random.default_rng(21)
+    N, C, V, Vp = 33, 100, 300, 320
+    x, w, b, dout = _f32(rng, N * C), _f32(rng, C), _f32(rng, C), _f32(rng, N * C)
+    logits, targets = _f32(rng, N * Vp), rng.integers(0, V, N).astype(np.int32)
+    res = []
+    for n in (1, 2, 2):
+        r = {}
+        r["ln"] = [np.empty(N * C, np.float32), np.empty(N, np.float32), np.empty(N, np.float32)]
+        layers.layernorm_forward(*r["ln"], x, w, b, N, C, n)
+        r["lnb"] = [np.zeros(N * C, np.float32), np.zeros(C, np.float32), np.zeros(C, np.float32)]
+        layers.layernorm_backward(*r["lnb"], dout, x, w, r["ln"][1], r["ln"][2], N, C, n)
+        r["gelu"] = [np.empty(N * C, np.float32), np.zeros(N * C, np.float32)]
+        layers.gelu_forward(r["gelu"][0], x, N * C, n)
+        layers.gelu_backward(r["gelu"][1], x, dout, N * C, n)
+        r["sm"] = [np.empty(N, np.float32), np.empty(N * Vp, np.float32)]
+        layers.softmax_crossentropy_forward(*r["sm"], logits, targets, N, V, Vp, n)
+        r["smb"] = [np.empty(N * Vp, np.float32)]
+        layers.softmax_crossentropy_backward(r["smb"][0], r["sm"][1], targets, x[:N], N, V, Vp, n)
+        r["res"] = [np.empty(N * C, np.float32), x.copy(), w.repeat(N)[:N * C].copy()]
+        layers.residual_forward(r["res"][0], x, dout, N * C, n)
+        layers.residual_backward(r["res"][1], r["res"][2], dout, N * C, n)
+        res.append(r)
+    for other in res[1:]:
+        for k in res[0]:
+            for a, b2 in zip(res[0][k], other[k]):
+                assert np.array_equal(a, b2), k
+
+
+# ---------------------------------------------------------------------------------------------
+# AdamW and the global norm
+
+@pytest.mark.parametrize("n_threads", THREADS)
+@pytest.mark.parametrize("N", [1, 17, 100003])  # < lane, ragged, > 3 chunks of 32768
+def test_adamw_matches_reference_over_steps(n_threads, N):
+    # Each step is compared from the same (float32) state, so the bound is one step's rounding.
+    rng = np.random.default_rng(N)
+    p = _f32(rng, N)
+    m, v = np.zeros(N, np.float32), np.zeros(N, np.float32)
+    f = lambda a: float(np.float32(a))  # the float32-rounded hyper-parameters the kernel receives
+    lr, b1, b2, eps = f(1e-3), f(0.9), f(0.95), f(1e-8)
+    for t, (wd, gs) in enumerate([(0.0, 1.0), (0.1, 0.5), (0.01, 1.0), (0.0, 2.0)], start=1):
+        wd, gs = f(wd), f(gs)
+        g = _f32(rng, N, scale=0.1)
+        p64, m64, v64 = p.astype(np.float64), m.astype(np.float64), v.astype(np.float64)
+        rp, rm, rv = ref.adamw_step(p64, g.astype(np.float64), m64, v64, lr, b1, b2, eps, wd, t,
+                                    grad_scale=gs)
+        adamw.adamw_update(p, g, m, v, lr, b1, b2, eps, wd, gs, t, n_threads)
+        g1 = np.abs(gs * g.astype(np.float64))
+        # m = b1 m + (1-b1) g' and v likewise: 4 roundings on terms of these magnitudes (m can
+        # cancel, so the bound is on the terms, not on |m|)
+        dm = 6 * U32 * (b1 * np.abs(m64) + (1 - b1) * g1) + 1e-38
+        dv = 6 * U32 * (b2 * v64 + (1 - b2) * g1 * g1) + 1e-38
+        assert np.all(np.abs(m - rm) <= dm) and np.all(np.abs(v - rv) <= dv)
+        # p -= lr*(mhat/(sqrt(vhat)+eps) + wd p): m's absolute error through the ratio, ~10
+        # roundings relative to |ratio|, and the final subtraction's rounding of p
+        bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+        den = np.sqrt(rv / bc2) + eps
+        ratio = (rm / bc1) / den
+        dp = (2 * U32 * np.abs(rp)
+              + lr * (dm / bc1 / den + 12 * U32 * np.abs(ratio) + 4 * U32 * wd * np.abs(p64)))
+        assert np.all(np.abs(p - rp) <= dp), f"step {t}: p off by {np.max(np.abs(p - rp) / dp):.2f}x the bound"
+
+
+def test_adamw_bit_identical_and_thread_independent():
+    rng = np.random.default_rng(8)
+    N = 70001
+    p0, g = _f32(rng, N), _f32(rng, N)
+    out = []
+    for n in (1, 2, 2):
+        p, m, v = p0.copy(), np.zeros(N, np.float32), np.zeros(N, np.float32)
+        adamw.adamw_update(p, g, m, v, 1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0, 1, n)
+        out.append(p)
+    assert np.array_equal(out[0], out[1]) and np.array_equal(out[1], out[2])
+
+
+def test_adamw_rejects_bad_arguments():
+    z = np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match="t \\(the 1-based step\\) must be >= 1"):
+        adamw.adamw_update(z.copy(), z, z.copy(), z.copy(), 1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0, 0)
+    with pytest.raises(ValueError, match="grads has 3 elements"):
+        adamw.adamw_update(z.copy(), z[:3], z.copy(), z.copy(), 1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0, 1)
+
+
+def test_global_norm_sq_exact_and_thread_independent():
+    rng = np.random.default_rng(6)
+    g = _f32(rng, 3 * 32768 + 5)
+    want = float(np.sum(g.astype(np.float64) ** 2))
+    got1 = adamw.global_norm_sq(g, 1)
+    got2 = adamw.global_norm_sq(g, 2)
+    assert got1 == got2  # same bits at any thread count (fixed chunking, ordered combine)
+    # float32 squares are exact in float64; summing 1e5 of them costs <= 1e5 * 2^-53 relative
+    assert abs(got1 - want) <= 1e-10 * want
+    assert adamw.global_norm_sq(np.zeros(0, np.float32)) == 0.0
+
+
+def test_adamw_avx_and_portable_paths_give_identical_bits():
+    # the AVX path (runtime-dispatched) repeats the portable loop's operations in the same order
+    # without FMA, so the two must agree exactly, including the ragged tail
+    rng = np.random.default_rng(12)
+    N = 4099
+    base = [_f32(rng, N), _f32(rng, N), np.zeros(N, np.float32), np.zeros(N, np.float32)]
+    res = []
+    try:
+        for simd in (True, False):
+            adamw.set_simd(simd)
+            p, g, m, v = (a.copy() for a in base)
+            for t in (1, 2, 3):
+                adamw.adamw_update(p, g, m, v, 1e-3, 0.9, 0.95, 1e-8, 0.1, 0.7, t, 2)
+            res.append((p, m, v))
+    finally:
+        adamw.set_simd(True)
+    assert all(np.array_equal(a, b) for a, b in zip(*res))
+
+
+def test_default_grain_changes_thread_use_not_bits():
+    # with the default grain, small calls run serially; the results must be the same bits
+    rng = np.random.default_rng(13)
+    N, C = 40, 96
+    x, w, b = _f32(rng, N * C), _f32(rng, C), _f32(rng, C)
+    outs = []
+    for grain in (0, None):
+        old = layers.set_parallel_grain(grain if grain is not None else 131072)
+        try:
+            out, mean, rstd = np.empty(N * C, np.float32), np.empty(N, np.float32), np.empty(N, np.float32)
+            layers.layernorm_forward(out, mean, rstd, x, w, b, N, C, 2)
+            g = np.empty(N * C, np.float32)
+            layers.gelu_forward(g, x, N * C, 2)
+            outs.append((out, mean, rstd, g))
+        finally:
+            layers.set_parallel_grain(old)
+    assert all(np.array_equal(a, b2) for a, b2 in zip(*outs))
+
+
+# ---------------------------------------------------------------------------------------------
+# llmctl.threads
+
+def test_resolve_threads(monkeypatch):
+    from llmctl import threads
+    from llmctl.errors import ConfigError
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert threads.resolve_threads(None) == 3 and threads.resolve_threads(0) == 3
+    assert threads.resolve_threads(5) == 5
+    cores = threads._usable_cores()
+    assert threads.resolve_threads(-1) == cores
+    with pytest.raises(ConfigError, match="leaves no cores"):
+        threads.resolve_threads(-cores - 1)
+    with pytest.raises(ConfigError, match="integer"):
+        threads.resolve_threads("two")
+
+
+def test_configure_threads_sets_every_blas_pool():
+    from llmctl import threads
+
+    try:
+        assert threads.configure_threads(1) == 1
+        assert all(n == 1 for _, n in threads.blas_thread_info())
+        with threads.blas_threads(2):
+            assert all(n == 2 for _, n in threads.blas_thread_info())
+        assert all(n == 1 for _, n in threads.blas_thread_info())
+    finally:
+        threads.configure_threads(2)
+
+
+def test_overlapping_outputs_are_rejected():
+    buf = np.zeros(64, np.float32)
+    z = lambda n: np.zeros(n, np.float32)
+    with pytest.raises(ValueError, match="out and inp overlap"):
+        matmul.matmul_forward(buf[:6], buf[4:10], z(9), None, 2, 3, 3)
+    with pytest.raises(ValueError, match="dinp and dout overlap"):
+        matmul.matmul_backward(buf[:6], z(9), None, buf[:6], z(6), z(9), 2, 3, 3)
+    with pytest.raises(ValueError, match="dweight and dbias overlap"):
+        matmul.matmul_backward(None, buf[:9], buf[8:11], z(6), z(6), z(9), 2, 3, 3)
+    with pytest.raises(ValueError, match="dinp and dout overlap"):
+        layers.gelu_backward(buf[:8], z(8), buf[:8], 8)
+    with pytest.raises(ValueError, match="dinp and dout overlap"):
+        layers.layernorm_backward(buf[:8], z(4), z(4), buf[4:12], z(8), z(4), z(2), z(2), 2, 4)
+    # adjacent but disjoint views are fine
+    matmul.matmul_forward(buf[:6], buf[6:12], buf[12:21], buf[21:24], 2, 3, 3)
+
+
+@pytest.mark.parametrize("backend", ["blas", "tiled"])
+def test_matmul_backward_finite_differences(backend):
+    # loss = sum(out * R) is linear in each operand, so central differences have no truncation
+    # error; float32 rounding of the loss (~1e-7 * sum|terms| / h) stays below 1e-3 with h = 0.5
+    BT, C, OC = 3, 5, 4
+    rng = np.random.default_rng(17)
+    x, w, b, R = _f32(rng, BT * C), _f32(rng, OC * C), _f32(rng, OC), _f32(rng, BT * OC)
+
+    def loss():
+        out = np.empty(BT * OC, np.float32)
+        matmul.matmul_forward(out, x, w, b, BT, C, OC, backend=backend)
+        return float(np.dot(out.astype(np.float64), R))
+
+    dx, dw, db = np.zeros(BT * C, np.float32), np.zeros(OC * C, np.float32), np.zeros(OC, np.float32)
+    matmul.matmul_backward(dx, dw, db, R, x, w, BT, C, OC, backend=backend)
+    h = 0.5
+    for arr, grad in ((x, dx), (w, dw), (b, db)):
+        for i in range(arr.size):
+            old = arr[i]
+            arr[i] = old + h; fp = loss()
+            arr[i] = old - h; fm = loss()
+            arr[i] = old
+            assert abs((fp - fm) / (2 * h) - grad[i]) <= 1e-3, (i, grad[i])
+
+
+def test_encoder_backward_finite_differences():
+    B, T, C, Vp = 2, 3, 4, 5
+    rng = np.random.default_rng(18)
+    ids = np.array([1, 3, 1, 0, 1, 4], np.int32)  # token 1 repeats
+    wte, wpe, R = _f32(rng, Vp * C), _f32(rng, T * C), _f32(rng, B * T * C)
+
+    def loss():
+        out = np.empty(B * T * C, np.float32)
+        layers.encoder_forward(out, ids, wte, wpe, B, T, C)
+        return float(np.dot(out.astype(np.float64), R))
+
+    dwte, dwpe = np.zeros(Vp * C, np.float32), np.zeros(T * C, np.float32)
+    layers.encoder_backward(dwte, dwpe, R, ids, B, T, C)
+    h = 0.5  # linear: exact up to float32 rounding of the loss
+    for arr, grad in ((wte, dwte), (wpe, dwpe)):
+        for i in range(arr.size):
+            old = arr[i]
+            arr[i] = old + h; fp = loss()
+            arr[i] = old - h; fm = loss()
+            arr[i] = old
+            assert abs((fp - fm) / (2 * h) - grad[i]) <= 1e-4, (i, grad[i])
