@@ -23,8 +23,30 @@ vector types (4 rows x 2 vectors of accumulators held in registers) because gcc 
 register-block the same loops written in Cython: it turns the k loop into an in-order scalar
 reduction, ~8x slower. Each output element still sums over k in order from its initial value,
 in the vector and the scalar paths alike, so the result does not depend on tile boundaries.
-Other compilers get the scalar loops. Causality is handled per 4-row group: each group only
-computes the keys its last row can see; the few masked entries inside a group are zeroed.
+Other compilers (and -DATT_NO_VEC) get portable scalar C. Causality is handled per 4-row group:
+each group only computes the keys its last row can see; the few masked entries inside a group
+are zeroed.
+
+Kernel sets (runtime dispatch): the micro-kernel and the vectorised exp (with the row max/sum
+helpers) are compiled up to three times from one C template, and each attention call runs one
+set, chosen through a table of function pointers:
+  "default"  the build's baseline (SSE2 on x86-64 wheels; 4-wide; wider under LLMCTL_NATIVE=1),
+  "avx2"     8-wide, avx2+fma, fused multiply-adds,        } x86 with GCC/Clang only, compiled
+  "avx512"   16-wide, avx512f+fma, fused multiply-adds     } with target attributes, no -march
+The best set this CPU runs (cpuid via __builtin_cpu_supports, which also checks the OS saves
+the registers) is picked at import, or the one named by LLMCTL_ATT_ISA=default|avx2|avx512|auto
+(read once; a bad value warns and falls back), or later by set_isa(). -DATT_NO_DISPATCH keeps
+only "default". This is explicit per-target functions rather than target_clones because the sets
+differ in vector width, not only in instruction selection.
+Bits: every set runs the same float operations per output element in the same order (including
+exp_sum's 16 lane partials, whatever the width), except that avx2/avx512 fuse a*b+c. So results
+fall into two classes, each bit-identical across sets, widths and thread counts: {default, the
+portable scalar build, a -march=native build} and {avx2, avx512}; the classes differ by
+rounding only (~1e-7 relative). A fixed machine picks the same set every run, so a run is
+reproducible; to reproduce bits on another machine, force the same class with LLMCTL_ATT_ISA.
+Speed (bench/attention.py, d12 heads B=4 NH=12 hs=64, 1 thread, AMD EPYC (Zen 4), forward /
+backward time of "default" over the set's): avx512 2.0x/2.2x at T=64, 2.7x/2.8x at T=256,
+2.4x/2.7x at T=1024; avx2 1.9x/2.0x, 2.4x/2.3x, 2.1x/2.5x.
 """
 from cython.parallel cimport parallel, prange
 from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc
@@ -39,205 +61,474 @@ cdef extern from *:
     #include <stddef.h>
     #include <stdint.h>
     #include <string.h>
-    #if (defined(__GNUC__) || defined(__clang__)) && !defined(ATT_NO_VEC)  /* -DATT_NO_VEC: test the scalar path */
+    #include <math.h>
+
+    /* Portable C first (any C compiler, and -DATT_NO_VEC to test it): the "default" kernels.
+       With GCC/Clang the default kernels use vector types of the build's baseline width instead,
+       and on x86 two more sets are compiled for avx2+fma and avx512f+fma with target attributes
+       (no -march flag: the build's baseline stays SSE2) and picked at run time by cpuid.
+       Bit-level contract: every output element is computed by the same sequence of float
+       operations in every set, except that the avx2/avx512 sets fuse a*b+c into one FMA.
+       So "default" (vector or scalar) gives one set of bits, "avx2" and "avx512" another. */
+    #if (defined(__GNUC__) || defined(__clang__)) && !defined(ATT_NO_VEC)
     #define ATT_VEC 1
-    #ifdef __AVX__
-    #define ATT_VW 8   /* floats per vector register */
-    #else
-    #define ATT_VW 4
+    #ifdef __clang__
+    #pragma STDC FP_CONTRACT OFF   /* clang fuses a*b+c by default where the target has FMA */
     #endif
-    typedef float att_vf __attribute__((vector_size(ATT_VW * 4)));
-    static inline att_vf att_load(const float* p) { att_vf v; memcpy(&v, p, sizeof v); return v; }
-    static inline void att_store(float* p, att_vf v) { memcpy(p, &v, sizeof v); }
+    #if (defined(__x86_64__) || defined(__i386__)) && !defined(ATT_NO_DISPATCH)
+    #define ATT_X86 1
+    #include <immintrin.h>
+    #endif
     #endif
 
-    /* C[m*ldc + n] += sum_{k<K} A[m*sam + k*sak] * B[k*ldb + n]   for m < M, n < N.
-       A has arbitrary strides (so A^T costs nothing); rows of B and C are contiguous. */
-    static void att_gemm_acc(float* C, ptrdiff_t ldc, const float* A, ptrdiff_t sam, ptrdiff_t sak,
-                             const float* B, ptrdiff_t ldb, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K)
+    #define ATT_EXP_LO (-87.33654f)          /* ln(FLT_MIN): below it exp gives 0 */
+    #define ATT_EXP_HI 88.0f
+    #define ATT_LOG2E 1.44269504088896341f
+    #define ATT_SHIFT 12582912.0f            /* 1.5*2^23: t + SHIFT rounds t to nearest integer */
+    #define ATT_LN2_HI 0.693359375f
+    #define ATT_LN2_LO (-2.12194440e-4f)
+    #define ATT_P0 1.9875691500e-4f
+    #define ATT_P1 1.3981999507e-3f
+    #define ATT_P2 8.3334519073e-3f
+    #define ATT_P3 4.1665795894e-2f
+    #define ATT_P4 1.6666665459e-1f
+    #define ATT_P5 5.0000001201e-1f
+    #define ATT_NP 16   /* exp_sum keeps 16 lane partials in every set: its sum order is ISA-independent */
+
+    enum { ATT_ISA_DEFAULT = 0, ATT_ISA_AVX2 = 1, ATT_ISA_AVX512 = 2, ATT_N_ISA = 3 };
+
+    /* which sets have run since the last reset (bit per ISA): lets tests prove a forced set ran.
+       Only read-then-set once, so the hot path costs one load of a shared, unmodified line. */
+    static unsigned att_ran_bits = 0;
+    #ifdef ATT_VEC
+    static inline void att_mark(unsigned bit)
     {
-        ptrdiff_t m = 0, n, k, r;
-    #ifdef ATT_VEC
-        for (; m + 4 <= M; m += 4) {
-            const float* a = A + m * sam;
-            float* c = C + m * ldc;
-            for (n = 0; n + 2 * ATT_VW <= N; n += 2 * ATT_VW) {
-                float* c0 = c + n; float* c1 = c0 + ldc; float* c2 = c1 + ldc; float* c3 = c2 + ldc;
-                att_vf x00 = att_load(c0), x01 = att_load(c0 + ATT_VW);
-                att_vf x10 = att_load(c1), x11 = att_load(c1 + ATT_VW);
-                att_vf x20 = att_load(c2), x21 = att_load(c2 + ATT_VW);
-                att_vf x30 = att_load(c3), x31 = att_load(c3 + ATT_VW);
-                for (k = 0; k < K; k++) {
-                    const float* bk = B + k * ldb + n;
-                    const float* ak = a + k * sak;
-                    att_vf b0 = att_load(bk), b1 = att_load(bk + ATT_VW);
-                    float a0 = ak[0], a1 = ak[sam], a2 = ak[2 * sam], a3 = ak[3 * sam];
-                    x00 += a0 * b0; x01 += a0 * b1;
-                    x10 += a1 * b0; x11 += a1 * b1;
-                    x20 += a2 * b0; x21 += a2 * b1;
-                    x30 += a3 * b0; x31 += a3 * b1;
-                }
-                att_store(c0, x00); att_store(c0 + ATT_VW, x01);
-                att_store(c1, x10); att_store(c1 + ATT_VW, x11);
-                att_store(c2, x20); att_store(c2 + ATT_VW, x21);
-                att_store(c3, x30); att_store(c3 + ATT_VW, x31);
-            }
-            for (; n + ATT_VW <= N; n += ATT_VW) {
-                float* c0 = c + n; float* c1 = c0 + ldc; float* c2 = c1 + ldc; float* c3 = c2 + ldc;
-                att_vf x0 = att_load(c0), x1 = att_load(c1), x2 = att_load(c2), x3 = att_load(c3);
-                for (k = 0; k < K; k++) {
-                    const float* ak = a + k * sak;
-                    att_vf b0 = att_load(B + k * ldb + n);
-                    x0 += ak[0] * b0; x1 += ak[sam] * b0; x2 += ak[2 * sam] * b0; x3 += ak[3 * sam] * b0;
-                }
-                att_store(c0, x0); att_store(c1, x1); att_store(c2, x2); att_store(c3, x3);
-            }
-            for (; n < N; n++) {
-                for (r = 0; r < 4; r++) {
-                    float s = c[r * ldc + n];
-                    for (k = 0; k < K; k++) s = s + a[r * sam + k * sak] * B[k * ldb + n];
-                    c[r * ldc + n] = s;
-                }
-            }
-        }
-    #endif
-        for (; m < M; m++) {
-            const float* a = A + m * sam;
-            float* c = C + m * ldc;
-            n = 0;
-    #ifdef ATT_VEC
-            for (; n + ATT_VW <= N; n += ATT_VW) {
-                att_vf x0 = att_load(c + n);
-                for (k = 0; k < K; k++) x0 += a[k * sak] * att_load(B + k * ldb + n);
-                att_store(c + n, x0);
-            }
-    #endif
-            for (; n < N; n++) {
-                float s = c[n];
-                for (k = 0; k < K; k++) s = s + a[k * sak] * B[k * ldb + n];
-                c[n] = s;
-            }
-        }
+        if (!(__atomic_load_n(&att_ran_bits, __ATOMIC_RELAXED) & bit))
+            __atomic_fetch_or(&att_ran_bits, bit, __ATOMIC_RELAXED);
     }
+    #else
+    static void att_mark(unsigned bit) { if (!(att_ran_bits & bit)) att_ran_bits |= bit; }
+    #endif
 
     /* exp(x) for x <= 88: Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, then Cephes'
        degree-6 polynomial for exp(r); <= 1 ulp on [-87.3, 0] (tests/test_attention.py checks).
        x < ln(FLT_MIN) = -87.34 gives 0 (no denormals; exp(-inf) = 0 as for expf); NaN
        propagates. Scores enter as s - max <= 0 (or s*scale - lse ~<= 0): x > 88 never occurs.
-       Written twice, scalar and vector, with the same operations so both give the same bits;
-       glibc's expf is a scalar call, and gcc will not if-convert the clamps of a scalar loop. */
-    static inline float att_expf(float x)
-    {
-        float xc = x < -87.33654f ? -87.33654f : (x > 88.0f ? 88.0f : x);
-        float t = xc * 1.44269504088896341f + 12582912.0f;  /* + 1.5*2^23 rounds to nearest */
-        float n = t - 12582912.0f;
-        uint32_t ti, bits;
-        float r, y, pow2n;
-        memcpy(&ti, &t, 4);
-        r = xc - n * 0.693359375f;
-        r = r - n * -2.12194440e-4f;
-        y = 1.9875691500e-4f;
-        y = y * r + 1.3981999507e-3f;
-        y = y * r + 8.3334519073e-3f;
-        y = y * r + 4.1665795894e-2f;
-        y = y * r + 1.6666665459e-1f;
-        y = y * r + 5.0000001201e-1f;
-        y = y * (r * r) + r + 1.0f;
-        bits = (ti - 0x4B400000u + 127u) << 23;          /* 2^n, n in [-126, 127] */
-        memcpy(&pow2n, &bits, 4);
-        y = y * pow2n;
-        return x < -87.33654f ? 0.0f : y;
+       Written as a scalar and a vector twin with the same operations, so both give the same
+       bits (a row's tail takes the scalar one); glibc's expf is a scalar call, and gcc will not
+       if-convert the clamps of a scalar loop. MADD(a, b, c) is a*b+c, fused in the FMA sets. */
+    #define ATT_DEFINE_EXPF(SFX, ATTR, MADD)                                                  \\
+    ATTR static inline float att_expf_##SFX(float x)                                         \\
+    {                                                                                        \\
+        float xc = x < ATT_EXP_LO ? ATT_EXP_LO : (x > ATT_EXP_HI ? ATT_EXP_HI : x);          \\
+        float t = MADD(xc, ATT_LOG2E, ATT_SHIFT);                                            \\
+        float n = t - ATT_SHIFT;                                                             \\
+        uint32_t ti, bits;                                                                   \\
+        float r, y, pow2n;                                                                   \\
+        memcpy(&ti, &t, 4);                                                                  \\
+        r = MADD(n, -ATT_LN2_HI, xc);                                                        \\
+        r = MADD(n, -ATT_LN2_LO, r);                                                         \\
+        y = ATT_P0;                                                                          \\
+        y = MADD(y, r, ATT_P1);                                                              \\
+        y = MADD(y, r, ATT_P2);                                                              \\
+        y = MADD(y, r, ATT_P3);                                                              \\
+        y = MADD(y, r, ATT_P4);                                                              \\
+        y = MADD(y, r, ATT_P5);                                                              \\
+        y = MADD(y, r * r, r) + 1.0f;                                                        \\
+        bits = (ti - 0x4B400000u + 127u) << 23;          /* 2^n, n in [-126, 127] */         \\
+        memcpy(&pow2n, &bits, 4);                                                            \\
+        y = y * pow2n;                                                                       \\
+        return x < ATT_EXP_LO ? 0.0f : y;                                                    \\
     }
-    #ifdef ATT_VEC
-    typedef uint32_t att_vu __attribute__((vector_size(ATT_VW * 4)));
-    static inline att_vf att_set1(float a) { att_vf v = {0}; return v + a; }
-    static inline att_vf att_expv(att_vf x)
+
+    #define ATT_MUL_ADD(a, b, c) ((a) * (b) + (c))
+
+    /* ---- the portable scalar set (no vector types): only when ATT_VEC is off ---- */
+    #ifndef ATT_VEC
+    ATT_DEFINE_EXPF(default, , ATT_MUL_ADD)
+    /* C[m*ldc + n] += sum_{k<K} A[m*sam + k*sak] * B[k*ldb + n]   for m < M, n < N.
+       A has arbitrary strides (so A^T costs nothing); rows of B and C are contiguous.
+       Each element sums over k in order from its initial value, in every set and path. */
+    static void att_gemm_acc_default(float* C, ptrdiff_t ldc, const float* A, ptrdiff_t sam, ptrdiff_t sak,
+                                     const float* B, ptrdiff_t ldb, ptrdiff_t M, ptrdiff_t N, ptrdiff_t K)
     {
-        const att_vf lo = att_set1(-87.33654f), hi = att_set1(88.0f);
-        att_vu below = (att_vu)(x < lo), above = (att_vu)(x > hi);    /* all-ones lanes */
-        att_vf xc = (att_vf)((below & (att_vu)lo) | (~below & (att_vu)x));
-        xc = (att_vf)((above & (att_vu)hi) | (~above & (att_vu)xc));
-        att_vf t = xc * 1.44269504088896341f + 12582912.0f;
-        att_vf n = t - 12582912.0f;
-        att_vf r = xc - n * 0.693359375f;
-        att_vf y;
-        att_vu bits;
-        r = r - n * -2.12194440e-4f;
-        y = att_set1(1.9875691500e-4f);
-        y = y * r + 1.3981999507e-3f;
-        y = y * r + 8.3334519073e-3f;
-        y = y * r + 4.1665795894e-2f;
-        y = y * r + 1.6666665459e-1f;
-        y = y * r + 5.0000001201e-1f;
-        y = y * (r * r) + r + 1.0f;
-        bits = ((att_vu)t - 0x4B400000u + 127u) << 23;
-        y = y * (att_vf)bits;
-        return (att_vf)(~below & (att_vu)y);
-    }
-    #endif
-    /* x[i] *= a; returns max(m0, max_i x[i]) (NaNs are skipped, as by `if (v > m) m = v`) */
-    static float att_scale_max(float* x, ptrdiff_t n, float a, float m0)
-    {
-        ptrdiff_t i = 0;
-        float m = m0;
-    #ifdef ATT_VEC
-        if (n >= ATT_VW) {
-            att_vf vm = att_set1(m0);
-            for (; i + ATT_VW <= n; i += ATT_VW) {
-                att_vf v = att_load(x + i) * a;
-                att_vu gt = (att_vu)(v > vm);
-                vm = (att_vf)((gt & (att_vu)v) | (~gt & (att_vu)vm));
-                att_store(x + i, v);
+        ptrdiff_t m, n, k;
+        att_mark(1u << ATT_ISA_DEFAULT);
+        for (m = 0; m < M; m++)
+            for (n = 0; n < N; n++) {
+                float s = C[m * ldc + n];
+                for (k = 0; k < K; k++) s = s + A[m * sam + k * sak] * B[k * ldb + n];
+                C[m * ldc + n] = s;
             }
-            for (int j = 0; j < ATT_VW; j++) if (vm[j] > m) m = vm[j];
-        }
-    #endif
-        for (; i < n; i++) {
+    }
+    static float att_scale_max_default(float* x, ptrdiff_t n, float a, float m0)
+    {
+        ptrdiff_t i;
+        float m = m0;
+        for (i = 0; i < n; i++) {
             float v = x[i] * a;
             x[i] = v;
             if (v > m) m = v;
         }
         return m;
     }
-    /* x[i] = exp(x[i] - b); returns the sum of the new x (lane partials, then a fixed-order
-       combine: the order depends only on n) */
-    static float att_exp_sum(float* x, ptrdiff_t n, float b)
+    static float att_exp_sum_default(float* x, ptrdiff_t n, float b)
     {
-        ptrdiff_t i = 0;
-        float s = 0.0f;
-    #ifdef ATT_VEC
-        if (n >= ATT_VW) {
-            att_vf vs = att_set1(0.0f);
-            for (; i + ATT_VW <= n; i += ATT_VW) {
-                att_vf e = att_expv(att_load(x + i) - b);
-                att_store(x + i, e);
-                vs += e;
-            }
-            for (int j = 0; j < ATT_VW; j++) s += vs[j];
+        float p[ATT_NP] = {0}, s = 0.0f;
+        ptrdiff_t i;
+        int j;
+        for (i = 0; i < n; i++) {
+            x[i] = att_expf_default(x[i] - b);
+            p[i % ATT_NP] += x[i];
         }
-    #endif
-        for (; i < n; i++) {
-            x[i] = att_expf(x[i] - b);
-            s += x[i];
-        }
+        for (j = 0; j < ATT_NP; j++) s += p[j];
         return s;
     }
-    /* x[i] = exp(a * x[i] - b) */
-    static void att_exp_affine(float* x, ptrdiff_t n, float a, float b)
+    static void att_exp_affine_default(float* x, ptrdiff_t n, float a, float b)
     {
-        ptrdiff_t i = 0;
-    #ifdef ATT_VEC
-        for (; i + ATT_VW <= n; i += ATT_VW) att_store(x + i, att_expv(att_load(x + i) * a - b));
+        ptrdiff_t i;
+        att_mark(1u << ATT_ISA_DEFAULT);
+        for (i = 0; i < n; i++) x[i] = att_expf_default(x[i] * a - b);
+    }
     #endif
-        for (; i < n; i++) x[i] = att_expf(x[i] * a - b);
+
+    /* ---- vector sets: one template, instantiated per ISA with its width VW and helpers ----
+       SFX##_ld/_st (unaligned load/store), _ldm/_stm (of the first rem < VW lanes only; the other
+       lanes load as 0 and are not stored), _bc (broadcast), _madd (vector a*b+c), _smadd (scalar).
+       MASKED sets finish a gemm row's last N % VW columns with masked vectors (the wide sets, where
+       up to 15 scalar columns of a ragged causal tile would cost more than the vector body), the
+       others with scalar code; both run the same operations per element.
+       The gemm micro-kernel keeps 4 rows x 2 vectors of C in registers; att_exp_sum's 16 lane
+       partials are ATT_NP/VW vectors, and its tail goes through the vector exp with -inf padding
+       (exp = 0), so partial j always holds the elements i = j mod 16, whatever VW is. */
+    #ifdef ATT_VEC
+    #define ATT_DEFINE_SET(SFX, VW, VF, VU, ATTR, BIT, MASKED)                                \\
+    ATT_DEFINE_EXPF(SFX, ATTR, SFX##_smadd)                                                  \\
+    ATTR static inline VF att_expv_##SFX(VF x)                                               \\
+    {                                                                                        \\
+        const VF lo = SFX##_bc(ATT_EXP_LO), hi = SFX##_bc(ATT_EXP_HI);                       \\
+        VU below = (VU)(x < lo), above = (VU)(x > hi);    /* all-ones lanes */               \\
+        VF xc = (VF)((below & (VU)lo) | (~below & (VU)x));                                   \\
+        VF t, n, r, y;                                                                       \\
+        VU bits;                                                                             \\
+        xc = (VF)((above & (VU)hi) | (~above & (VU)xc));                                     \\
+        t = SFX##_madd(xc, SFX##_bc(ATT_LOG2E), SFX##_bc(ATT_SHIFT));                        \\
+        n = t - SFX##_bc(ATT_SHIFT);                                                         \\
+        r = SFX##_madd(n, SFX##_bc(-ATT_LN2_HI), xc);                                        \\
+        r = SFX##_madd(n, SFX##_bc(-ATT_LN2_LO), r);                                         \\
+        y = SFX##_bc(ATT_P0);                                                                \\
+        y = SFX##_madd(y, r, SFX##_bc(ATT_P1));                                              \\
+        y = SFX##_madd(y, r, SFX##_bc(ATT_P2));                                              \\
+        y = SFX##_madd(y, r, SFX##_bc(ATT_P3));                                              \\
+        y = SFX##_madd(y, r, SFX##_bc(ATT_P4));                                              \\
+        y = SFX##_madd(y, r, SFX##_bc(ATT_P5));                                              \\
+        y = SFX##_madd(y, r * r, r) + SFX##_bc(1.0f);                                        \\
+        bits = ((VU)t - 0x4B400000u + 127u) << 23;                                           \\
+        y = y * (VF)bits;                                                                    \\
+        return (VF)(~below & (VU)y);                                                         \\
+    }                                                                                        \\
+    ATTR static void att_gemm_acc_##SFX(float* C, ptrdiff_t ldc, const float* A, ptrdiff_t sam, \\
+                                        ptrdiff_t sak, const float* B, ptrdiff_t ldb,        \\
+                                        ptrdiff_t M, ptrdiff_t N, ptrdiff_t K)               \\
+    {                                                                                        \\
+        ptrdiff_t m = 0, n, k, r;                                                            \\
+        att_mark(BIT);                                                                       \\
+        for (; m + 4 <= M; m += 4) {                                                         \\
+            const float* a = A + m * sam;                                                    \\
+            float* c = C + m * ldc;                                                          \\
+            for (n = 0; n + 2 * VW <= N; n += 2 * VW) {                                      \\
+                float* c0 = c + n; float* c1 = c0 + ldc; float* c2 = c1 + ldc; float* c3 = c2 + ldc; \\
+                VF x00 = SFX##_ld(c0), x01 = SFX##_ld(c0 + VW);                              \\
+                VF x10 = SFX##_ld(c1), x11 = SFX##_ld(c1 + VW);                              \\
+                VF x20 = SFX##_ld(c2), x21 = SFX##_ld(c2 + VW);                              \\
+                VF x30 = SFX##_ld(c3), x31 = SFX##_ld(c3 + VW);                              \\
+                for (k = 0; k < K; k++) {                                                    \\
+                    const float* bk = B + k * ldb + n;                                       \\
+                    const float* ak = a + k * sak;                                           \\
+                    VF b0 = SFX##_ld(bk), b1 = SFX##_ld(bk + VW);                            \\
+                    VF a0 = SFX##_bc(ak[0]), a1 = SFX##_bc(ak[sam]);                         \\
+                    VF a2 = SFX##_bc(ak[2 * sam]), a3 = SFX##_bc(ak[3 * sam]);               \\
+                    x00 = SFX##_madd(a0, b0, x00); x01 = SFX##_madd(a0, b1, x01);            \\
+                    x10 = SFX##_madd(a1, b0, x10); x11 = SFX##_madd(a1, b1, x11);            \\
+                    x20 = SFX##_madd(a2, b0, x20); x21 = SFX##_madd(a2, b1, x21);            \\
+                    x30 = SFX##_madd(a3, b0, x30); x31 = SFX##_madd(a3, b1, x31);            \\
+                }                                                                            \\
+                SFX##_st(c0, x00); SFX##_st(c0 + VW, x01);                                   \\
+                SFX##_st(c1, x10); SFX##_st(c1 + VW, x11);                                   \\
+                SFX##_st(c2, x20); SFX##_st(c2 + VW, x21);                                   \\
+                SFX##_st(c3, x30); SFX##_st(c3 + VW, x31);                                   \\
+            }                                                                                \\
+            for (; n + VW <= N; n += VW) {                                                   \\
+                float* c0 = c + n; float* c1 = c0 + ldc; float* c2 = c1 + ldc; float* c3 = c2 + ldc; \\
+                VF x0 = SFX##_ld(c0), x1 = SFX##_ld(c1), x2 = SFX##_ld(c2), x3 = SFX##_ld(c3); \\
+                for (k = 0; k < K; k++) {                                                    \\
+                    const float* ak = a + k * sak;                                           \\
+                    VF b0 = SFX##_ld(B + k * ldb + n);                                       \\
+                    x0 = SFX##_madd(SFX##_bc(ak[0]), b0, x0);                                \\
+                    x1 = SFX##_madd(SFX##_bc(ak[sam]), b0, x1);                              \\
+                    x2 = SFX##_madd(SFX##_bc(ak[2 * sam]), b0, x2);                          \\
+                    x3 = SFX##_madd(SFX##_bc(ak[3 * sam]), b0, x3);                          \\
+                }                                                                            \\
+                SFX##_st(c0, x0); SFX##_st(c1, x1); SFX##_st(c2, x2); SFX##_st(c3, x3);      \\
+            }                                                                                \\
+            if (MASKED && n < N) {   /* the last N-n < VW columns: masked loads and stores */\\
+                int rem = (int)(N - n);                                                  \\
+                float* c0 = c + n; float* c1 = c0 + ldc; float* c2 = c1 + ldc; float* c3 = c2 + ldc;\\
+                VF x0 = SFX##_ldm(c0, rem), x1 = SFX##_ldm(c1, rem);                     \\
+                VF x2 = SFX##_ldm(c2, rem), x3 = SFX##_ldm(c3, rem);                     \\
+                for (k = 0; k < K; k++) {                                                \\
+                    const float* ak = a + k * sak;                                       \\
+                    VF b0 = SFX##_ldm(B + k * ldb + n, rem);                             \\
+                    x0 = SFX##_madd(SFX##_bc(ak[0]), b0, x0);                            \\
+                    x1 = SFX##_madd(SFX##_bc(ak[sam]), b0, x1);                          \\
+                    x2 = SFX##_madd(SFX##_bc(ak[2 * sam]), b0, x2);                      \\
+                    x3 = SFX##_madd(SFX##_bc(ak[3 * sam]), b0, x3);                      \\
+                }                                                                        \\
+                SFX##_stm(c0, x0, rem); SFX##_stm(c1, x1, rem);                          \\
+                SFX##_stm(c2, x2, rem); SFX##_stm(c3, x3, rem);                          \\
+                n = N;                                                                   \\
+            }                                                                            \\
+            for (; n < N; n++) {                                                             \\
+                for (r = 0; r < 4; r++) {                                                    \\
+                    float s = c[r * ldc + n];                                                \\
+                    for (k = 0; k < K; k++) s = SFX##_smadd(a[r * sam + k * sak], B[k * ldb + n], s); \\
+                    c[r * ldc + n] = s;                                                      \\
+                }                                                                            \\
+            }                                                                                \\
+        }                                                                                    \\
+        for (; m < M; m++) {                                                                 \\
+            const float* a = A + m * sam;                                                    \\
+            float* c = C + m * ldc;                                                          \\
+            for (n = 0; n + VW <= N; n += VW) {                                              \\
+                VF x0 = SFX##_ld(c + n);                                                     \\
+                for (k = 0; k < K; k++)                                                      \\
+                    x0 = SFX##_madd(SFX##_bc(a[k * sak]), SFX##_ld(B + k * ldb + n), x0);    \\
+                SFX##_st(c + n, x0);                                                         \\
+            }                                                                                \\
+            if (MASKED && n < N) {                                                       \\
+                int rem = (int)(N - n);                                                  \\
+                VF x0 = SFX##_ldm(c + n, rem);                                           \\
+                for (k = 0; k < K; k++)                                                  \\
+                    x0 = SFX##_madd(SFX##_bc(a[k * sak]), SFX##_ldm(B + k * ldb + n, rem), x0);\\
+                SFX##_stm(c + n, x0, rem);                                               \\
+                n = N;                                                                   \\
+            }                                                                            \\
+            for (; n < N; n++) {                                                             \\
+                float s = c[n];                                                              \\
+                for (k = 0; k < K; k++) s = SFX##_smadd(a[k * sak], B[k * ldb + n], s);      \\
+                c[n] = s;                                                                    \\
+            }                                                                                \\
+        }                                                                                    \\
+    }                                                                                        \\
+    /* x[i] *= a; returns max(m0, max_i x[i]) (NaNs are skipped, as by `if (v > m) m = v`) */ \\
+    ATTR static float att_scale_max_##SFX(float* x, ptrdiff_t n, float a, float m0)         \\
+    {                                                                                        \\
+        ptrdiff_t i = 0;                                                                     \\
+        float m = m0;                                                                        \\
+        int j;                                                                               \\
+        if (n >= VW) {                                                                       \\
+            VF vm = SFX##_bc(m0), va = SFX##_bc(a);                                          \\
+            for (; i + VW <= n; i += VW) {                                                   \\
+                VF v = SFX##_ld(x + i) * va;                                                 \\
+                VU gt = (VU)(v > vm);                                                        \\
+                vm = (VF)((gt & (VU)v) | (~gt & (VU)vm));                                    \\
+                SFX##_st(x + i, v);                                                          \\
+            }                                                                                \\
+            for (j = 0; j < VW; j++) if (vm[j] > m) m = vm[j];                               \\
+        }                                                                                    \\
+        for (; i < n; i++) {                                                                 \\
+            float v = x[i] * a;                                                              \\
+            x[i] = v;                                                                        \\
+            if (v > m) m = v;                                                                \\
+        }                                                                                    \\
+        return m;                                                                            \\
+    }                                                                                        \\
+    /* x[i] = exp(x[i] - b); returns their sum: 16 lane partials, combined in lane order */ \\
+    ATTR static float att_exp_sum_##SFX(float* x, ptrdiff_t n, float b)                     \\
+    {                                                                                        \\
+        VF acc[ATT_NP / VW], vb = SFX##_bc(b);                                               \\
+        float pad[ATT_NP], s = 0.0f;                                                         \\
+        ptrdiff_t i = 0;                                                                     \\
+        int q, j, rem;                                                                       \\
+        att_mark(BIT);                                                                       \\
+        for (q = 0; q < ATT_NP / VW; q++) acc[q] = SFX##_bc(0.0f);                           \\
+        for (; i + ATT_NP <= n; i += ATT_NP)                                                 \\
+            for (q = 0; q < ATT_NP / VW; q++) {                                              \\
+                VF e = att_expv_##SFX(SFX##_ld(x + i + q * VW) - vb);                        \\
+                SFX##_st(x + i + q * VW, e);                                                 \\
+                acc[q] += e;                                                                 \\
+            }                                                                                \\
+        rem = (int)(n - i);                                                                  \\
+        if (rem > 0) {                                                                       \\
+            for (j = 0; j < ATT_NP; j++) pad[j] = j < rem ? x[i + j] : -INFINITY;           \\
+            for (q = 0; q < ATT_NP / VW; q++) {                                              \\
+                VF e = att_expv_##SFX(SFX##_ld(pad + q * VW) - vb);                          \\
+                SFX##_st(pad + q * VW, e);                                                   \\
+                acc[q] += e;                                                                 \\
+            }                                                                                \\
+            memcpy(x + i, pad, rem * sizeof(float));                                         \\
+        }                                                                                    \\
+        for (q = 0; q < ATT_NP / VW; q++)                                                    \\
+            for (j = 0; j < VW; j++) s += acc[q][j];                                         \\
+        return s;                                                                            \\
+    }                                                                                        \\
+    /* x[i] = exp(a * x[i] - b) */                                                           \\
+    ATTR static void att_exp_affine_##SFX(float* x, ptrdiff_t n, float a, float b)          \\
+    {                                                                                        \\
+        ptrdiff_t i = 0;                                                                     \\
+        VF va = SFX##_bc(a), vb = SFX##_bc(b);                                               \\
+        att_mark(BIT);                                                                       \\
+        for (; i + VW <= n; i += VW) SFX##_st(x + i, att_expv_##SFX(SFX##_ld(x + i) * va - vb)); \\
+        if (i < n) {             /* the tail through the vector exp too (same bits as scalar) */\\
+            float pad[VW];                                                               \\
+            int j, rem = (int)(n - i);                                                   \\
+            for (j = 0; j < VW; j++) pad[j] = j < rem ? x[i + j] : 0.0f;                 \\
+            SFX##_st(pad, att_expv_##SFX(SFX##_ld(pad) * va - vb));                      \\
+            memcpy(x + i, pad, rem * sizeof(float));                                     \\
+        }                                                                                \\
+    }
+
+    #if defined(__AVX512F__)
+    #define ATT_BASE_VW 16
+    #elif defined(__AVX__)
+    #define ATT_BASE_VW 8
+    #else
+    #define ATT_BASE_VW 4
+    #endif
+    typedef float att_vf_default __attribute__((vector_size(ATT_BASE_VW * 4)));
+    typedef uint32_t att_vu_default __attribute__((vector_size(ATT_BASE_VW * 4)));
+    static inline att_vf_default default_ld(const float* p) { att_vf_default v; memcpy(&v, p, sizeof v); return v; }
+    static inline void default_st(float* p, att_vf_default v) { memcpy(p, &v, sizeof v); }
+    static inline att_vf_default default_bc(float a) { return a - (att_vf_default){0}; }  /* x - +0 == x, -0 included */
+    static inline att_vf_default default_madd(att_vf_default a, att_vf_default b, att_vf_default c) { return a * b + c; }
+    static inline float default_smadd(float a, float b, float c) { return a * b + c; }
+    static inline att_vf_default default_ldm(const float* p, int rem)   /* unused: MASKED is 0 */
+    { att_vf_default v = {0}; memcpy(&v, p, rem * sizeof(float)); return v; }
+    static inline void default_stm(float* p, att_vf_default v, int rem) { memcpy(p, &v, rem * sizeof(float)); }
+    ATT_DEFINE_SET(default, ATT_BASE_VW, att_vf_default, att_vu_default, , 1u << ATT_ISA_DEFAULT, 0)
+
+    #ifdef ATT_X86
+    #define ATT_TGT_AVX2 __attribute__((target("avx2,fma")))
+    #define ATT_TGT_AVX512 __attribute__((target("avx512f,avx2,fma")))
+    typedef float att_vf_avx2 __attribute__((vector_size(32)));
+    typedef uint32_t att_vu_avx2 __attribute__((vector_size(32)));
+    ATT_TGT_AVX2 static inline att_vf_avx2 avx2_ld(const float* p) { return (att_vf_avx2)_mm256_loadu_ps(p); }
+    ATT_TGT_AVX2 static inline void avx2_st(float* p, att_vf_avx2 v) { _mm256_storeu_ps(p, (__m256)v); }
+    ATT_TGT_AVX2 static inline att_vf_avx2 avx2_bc(float a) { return (att_vf_avx2)_mm256_set1_ps(a); }
+    ATT_TGT_AVX2 static inline att_vf_avx2 avx2_madd(att_vf_avx2 a, att_vf_avx2 b, att_vf_avx2 c)
+    { return (att_vf_avx2)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
+    ATT_TGT_AVX2 static inline float avx2_smadd(float a, float b, float c)
+    { return _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(a), _mm_set_ss(b), _mm_set_ss(c))); }
+    ATT_TGT_AVX2 static inline __m256i avx2_mask(int rem)
+    { return _mm256_cmpgt_epi32(_mm256_set1_epi32(rem), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)); }
+    ATT_TGT_AVX2 static inline att_vf_avx2 avx2_ldm(const float* p, int rem)
+    { return (att_vf_avx2)_mm256_maskload_ps(p, avx2_mask(rem)); }
+    ATT_TGT_AVX2 static inline void avx2_stm(float* p, att_vf_avx2 v, int rem)
+    { _mm256_maskstore_ps(p, avx2_mask(rem), (__m256)v); }
+    ATT_DEFINE_SET(avx2, 8, att_vf_avx2, att_vu_avx2, ATT_TGT_AVX2, 1u << ATT_ISA_AVX2, 1)
+
+    typedef float att_vf_avx512 __attribute__((vector_size(64)));
+    typedef uint32_t att_vu_avx512 __attribute__((vector_size(64)));
+    ATT_TGT_AVX512 static inline att_vf_avx512 avx512_ld(const float* p) { return (att_vf_avx512)_mm512_loadu_ps(p); }
+    ATT_TGT_AVX512 static inline void avx512_st(float* p, att_vf_avx512 v) { _mm512_storeu_ps(p, (__m512)v); }
+    ATT_TGT_AVX512 static inline att_vf_avx512 avx512_bc(float a) { return (att_vf_avx512)_mm512_set1_ps(a); }
+    ATT_TGT_AVX512 static inline att_vf_avx512 avx512_madd(att_vf_avx512 a, att_vf_avx512 b, att_vf_avx512 c)
+    { return (att_vf_avx512)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+    ATT_TGT_AVX512 static inline float avx512_smadd(float a, float b, float c)
+    { return _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(a), _mm_set_ss(b), _mm_set_ss(c))); }
+    ATT_TGT_AVX512 static inline att_vf_avx512 avx512_ldm(const float* p, int rem)
+    { return (att_vf_avx512)_mm512_maskz_loadu_ps((__mmask16)((1u << rem) - 1u), p); }
+    ATT_TGT_AVX512 static inline void avx512_stm(float* p, att_vf_avx512 v, int rem)
+    { _mm512_mask_storeu_ps(p, (__mmask16)((1u << rem) - 1u), (__m512)v); }
+    ATT_DEFINE_SET(avx512, 16, att_vf_avx512, att_vu_avx512, ATT_TGT_AVX512, 1u << ATT_ISA_AVX512, 1)
+    #endif
+    #endif /* ATT_VEC */
+
+    /* ---- dispatch: a table per set; the Python wrappers pick one per call ---- */
+    typedef struct {
+        const char* name;
+        int vector_width;   /* floats per vector register (1: scalar C) */
+        int fma;
+        void (*gemm)(float*, ptrdiff_t, const float*, ptrdiff_t, ptrdiff_t, const float*, ptrdiff_t,
+                     ptrdiff_t, ptrdiff_t, ptrdiff_t);
+        float (*expf1)(float);
+        float (*scale_max)(float*, ptrdiff_t, float, float);
+        float (*exp_sum)(float*, ptrdiff_t, float);
+        void (*exp_affine)(float*, ptrdiff_t, float, float);
+    } att_kern_t;
+    #define ATT_KERN(SFX, VW, FMA) {#SFX, VW, FMA, att_gemm_acc_##SFX, att_expf_##SFX, \\
+        att_scale_max_##SFX, att_exp_sum_##SFX, att_exp_affine_##SFX}
+    static const att_kern_t att_kerns[ATT_N_ISA] = {
+    #ifdef ATT_VEC
+        ATT_KERN(default, ATT_BASE_VW, 0),
+    #else
+        ATT_KERN(default, 1, 0),
+    #endif
+    #ifdef ATT_X86
+        ATT_KERN(avx2, 8, 1),
+        ATT_KERN(avx512, 16, 1),
+    #else
+        {"avx2", 0, 0, 0, 0, 0, 0, 0},
+        {"avx512", 0, 0, 0, 0, 0, 0, 0},
+    #endif
+    };
+    static int att_isa_compiled(int isa) { return isa >= 0 && isa < ATT_N_ISA && att_kerns[isa].gemm != 0; }
+    static int att_isa_runs(int isa)   /* compiled, and this CPU (and OS: libgcc checks XCR0) has it */
+    {
+        if (!att_isa_compiled(isa)) return 0;
+    #ifdef ATT_X86
+        __builtin_cpu_init();
+        if (isa == ATT_ISA_AVX2)
+            return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        if (isa == ATT_ISA_AVX512)
+            return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2")
+                   && __builtin_cpu_supports("fma");
+    #endif
+        return isa == ATT_ISA_DEFAULT;
+    }
+    static const att_kern_t* att_kern(int isa) { return &att_kerns[isa]; }
+    static const char* att_kern_name(const att_kern_t* k) { return k->name; }
+    static int att_kern_width(const att_kern_t* k) { return k->vector_width; }
+    static int att_kern_fma(const att_kern_t* k) { return k->fma; }
+    static inline void att_gemm_acc(const att_kern_t* k, float* C, ptrdiff_t ldc, const float* A,
+                                    ptrdiff_t sam, ptrdiff_t sak, const float* B, ptrdiff_t ldb,
+                                    ptrdiff_t M, ptrdiff_t N, ptrdiff_t K)
+    { k->gemm(C, ldc, A, sam, sak, B, ldb, M, N, K); }
+    static inline float att_expf(const att_kern_t* k, float x) { return k->expf1(x); }
+    static inline float att_scale_max(const att_kern_t* k, float* x, ptrdiff_t n, float a, float m0)
+    { return k->scale_max(x, n, a, m0); }
+    static inline float att_exp_sum(const att_kern_t* k, float* x, ptrdiff_t n, float b)
+    { return k->exp_sum(x, n, b); }
+    static inline void att_exp_affine(const att_kern_t* k, float* x, ptrdiff_t n, float a, float b)
+    { k->exp_affine(x, n, a, b); }
+    static unsigned att_ran_take(int reset)
+    {
+        unsigned r = att_ran_bits;
+        if (reset) att_ran_bits = 0;
+        return r;
     }
     """
-    float att_expf(float x) noexcept nogil
-    void att_exp_affine(float* x, Py_ssize_t n, float a, float b) noexcept nogil
-    float att_scale_max(float* x, Py_ssize_t n, float a, float m0) noexcept nogil
-    float att_exp_sum(float* x, Py_ssize_t n, float b) noexcept nogil
-    void att_gemm_acc(float* C, Py_ssize_t ldc, const float* A, Py_ssize_t sam, Py_ssize_t sak,
-                      const float* B, Py_ssize_t ldb, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K) noexcept nogil
+    ctypedef struct att_kern_t:
+        pass
+    enum:
+        ATT_ISA_DEFAULT
+        ATT_ISA_AVX2
+        ATT_ISA_AVX512
+        ATT_N_ISA
+    int att_isa_compiled(int isa) noexcept nogil
+    int att_isa_runs(int isa) noexcept nogil
+    const att_kern_t* att_kern(int isa) noexcept nogil
+    const char* att_kern_name(const att_kern_t* k) noexcept nogil
+    int att_kern_width(const att_kern_t* k) noexcept nogil
+    int att_kern_fma(const att_kern_t* k) noexcept nogil
+    unsigned att_ran_take(int reset) noexcept nogil
+    float att_expf(const att_kern_t* k, float x) noexcept nogil
+    void att_exp_affine(const att_kern_t* k, float* x, Py_ssize_t n, float a, float b) noexcept nogil
+    float att_scale_max(const att_kern_t* k, float* x, Py_ssize_t n, float a, float m0) noexcept nogil
+    float att_exp_sum(const att_kern_t* k, float* x, Py_ssize_t n, float b) noexcept nogil
+    void att_gemm_acc(const att_kern_t* k, float* C, Py_ssize_t ldc, const float* A, Py_ssize_t sam,
+                      Py_ssize_t sak, const float* B, Py_ssize_t ldb, Py_ssize_t M, Py_ssize_t N,
+                      Py_ssize_t K) noexcept nogil
 
 # tile sizes: BR query rows per forward work item, BC keys per key tile, BQ query rows per
 # backward block; the transposed (hs, BC) key/value tiles are 16 KB each at hs=64
@@ -277,7 +568,8 @@ cdef inline Py_ssize_t _forward_scratch_floats(Py_ssize_t hs) noexcept nogil:
 
 cdef void _forward_block(float* out, float* lse, const float* qkv,
                          Py_ssize_t b, Py_ssize_t h, Py_ssize_t i0, Py_ssize_t nr,
-                         Py_ssize_t T, Py_ssize_t C, Py_ssize_t NH, float* scratch) noexcept nogil:
+                         Py_ssize_t T, Py_ssize_t C, Py_ssize_t NH, float* scratch,
+                         const att_kern_t* K) noexcept nogil:
     # out rows i0..i0+nr-1 of head h in batch b, and their lse; online softmax over key tiles
     cdef Py_ssize_t hs = C // NH
     cdef Py_ssize_t C3 = 3 * C
@@ -310,7 +602,7 @@ cdef void _forward_block(float* out, float* lse, const float* qkv,
             gr = _imin(MR, nr - g)
             ncg = _imin(nc, i0 + g + gr - j0)
             if ncg > 0:
-                att_gemm_acc(S + g * BC, BC, qb + (i0 + g) * C3, C3, 1, kt, BC, gr, ncg, hs)
+                att_gemm_acc(K, S + g * BC, BC, qb + (i0 + g) * C3, C3, 1, kt, BC, gr, ncg, hs)
         for r in range(nr):                      # online softmax; S row becomes P (0 past i)
             i = i0 + r
             srow = S + r * BC
@@ -320,9 +612,9 @@ cdef void _forward_block(float* out, float* lse, const float* qkv,
                 continue
             if ncr > nc:
                 ncr = nc
-            mx = att_scale_max(srow, ncr, scale, m[r])
-            corr = att_expf(m[r] - mx)           # 0 on the first tile (m = -inf)
-            tot = att_exp_sum(srow, ncr, mx)
+            mx = att_scale_max(K, srow, ncr, scale, m[r])
+            corr = att_expf(K, m[r] - mx)        # 0 on the first tile (m = -inf)
+            tot = att_exp_sum(K, srow, ncr, mx)
             for c in range(ncr, nc):
                 srow[c] = 0.0
             l[r] = l[r] * corr + tot
@@ -336,7 +628,7 @@ cdef void _forward_block(float* out, float* lse, const float* qkv,
             gr = _imin(MR, nr - g)
             ncg = _imin(nc, i0 + g + gr - j0)
             if ncg > 0:
-                att_gemm_acc(acc + g * hs, hs, S + g * BC, BC, 1, vb + j0 * C3, C3, gr, hs, ncg)
+                att_gemm_acc(K, acc + g * hs, hs, S + g * BC, BC, 1, vb + j0 * C3, C3, gr, hs, ncg)
     for r in range(nr):
         i = i0 + r
         inv = 1.0 / l[r]                         # l >= 1: the row max contributes exp(0)
@@ -349,7 +641,7 @@ cdef void _forward_block(float* out, float* lse, const float* qkv,
 
 cdef void attention_forward_c(float* out, float* lse, const float* qkv,
                               Py_ssize_t B, Py_ssize_t T, Py_ssize_t C, Py_ssize_t NH,
-                              int n_threads, float* scratch) noexcept nogil:
+                              int n_threads, float* scratch, const att_kern_t* K) noexcept nogil:
     # out (B,T,C), lse (B,NH,T), qkv (B,T,3C); scratch: n_threads * _forward_scratch_floats(hs)
     cdef Py_ssize_t per_thread = _forward_scratch_floats(C // NH)
     cdef Py_ssize_t nqb = (T + BR - 1) // BR
@@ -364,7 +656,7 @@ cdef void attention_forward_c(float* out, float* lse, const float* qkv,
             qb = w - bh * nqb
             i0 = qb * BR
             nr = BR if T - i0 > BR else T - i0
-            _forward_block(out, lse, qkv, bh // NH, bh % NH, i0, nr, T, C, NH, scr)
+            _forward_block(out, lse, qkv, bh // NH, bh % NH, i0, nr, T, C, NH, scr, K)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -377,7 +669,8 @@ cdef inline Py_ssize_t _backward_scratch_floats(Py_ssize_t T, Py_ssize_t hs) noe
 
 cdef void _backward_head(float* dqkv, const float* dout, const float* qkv, const float* out,
                          const float* lse, Py_ssize_t b, Py_ssize_t h,
-                         Py_ssize_t T, Py_ssize_t C, Py_ssize_t NH, float* scratch) noexcept nogil:
+                         Py_ssize_t T, Py_ssize_t C, Py_ssize_t NH, float* scratch,
+                         const att_kern_t* K) noexcept nogil:
     # dqkv += gradient for head h of batch b. Outer loop over key tiles (their dK, dV stay in
     # local accumulators), inner loop over blocks of the queries that see the tile; dQ
     # accumulates in scratch. Every accumulation runs in a fixed order (key tile, then row).
@@ -430,8 +723,8 @@ cdef void _backward_head(float* dqkv, const float* dout, const float* qkv, const
                 g = gb * MR
                 gr = _imin(MR, nr - g)
                 ncg = _imin(nc, i0 + g + gr - j0)
-                att_gemm_acc(P + g * BC, BC, qb + (i0 + g) * C3, C3, 1, kt, BC, gr, ncg, hs)
-                att_gemm_acc(dS + g * BC, BC, dob + (i0 + g) * C, C, 1, vt, BC, gr, ncg, hs)
+                att_gemm_acc(K, P + g * BC, BC, qb + (i0 + g) * C3, C3, 1, kt, BC, gr, ncg, hs)
+                att_gemm_acc(K, dS + g * BC, BC, dob + (i0 + g) * C, C, 1, vt, BC, gr, ncg, hs)
             for r in range(nr):                  # the forward's score bits, exp(s - lse)
                 i = i0 + r
                 prow = P + r * BC
@@ -439,7 +732,7 @@ cdef void _backward_head(float* dqkv, const float* dout, const float* qkv, const
                 ncr = _imin(nc, i + 1 - j0)
                 li = lb[i]
                 Di = D[i]
-                att_exp_affine(prow, ncr, scale, li)
+                att_exp_affine(K, prow, ncr, scale, li)
                 for c in range(ncr):
                     srow[c] = prow[c] * (srow[c] - Di) * scale
                 for c in range(ncr, nc):
@@ -453,13 +746,13 @@ cdef void _backward_head(float* dqkv, const float* dout, const float* qkv, const
                     ks = 0
                 if ks >= nr:
                     continue
-                att_gemm_acc(dv + g * hs, hs, P + ks * BC + g, 1, BC, dob + (i0 + ks) * C, C, gr, hs, nr - ks)
-                att_gemm_acc(dk + g * hs, hs, dS + ks * BC + g, 1, BC, qb + (i0 + ks) * C3, C3, gr, hs, nr - ks)
+                att_gemm_acc(K, dv + g * hs, hs, P + ks * BC + g, 1, BC, dob + (i0 + ks) * C, C, gr, hs, nr - ks)
+                att_gemm_acc(K, dk + g * hs, hs, dS + ks * BC + g, 1, BC, qb + (i0 + ks) * C3, C3, gr, hs, nr - ks)
             for gb in range((nr + MR - 1) // MR):  # dQ += dS K_tile
                 g = gb * MR
                 gr = _imin(MR, nr - g)
                 ncg = _imin(nc, i0 + g + gr - j0)
-                att_gemm_acc(dq + (i0 + g) * hs, hs, dS + g * BC, BC, 1, kb + j0 * C3, C3, gr, hs, ncg)
+                att_gemm_acc(K, dq + (i0 + g) * hs, hs, dS + g * BC, BC, 1, kb + j0 * C3, C3, gr, hs, ncg)
         for c in range(nc):
             drow = dkb + (j0 + c) * C3
             src = dk + c * hs
@@ -478,7 +771,8 @@ cdef void _backward_head(float* dqkv, const float* dout, const float* qkv, const
 
 cdef void attention_backward_c(float* dqkv, const float* dout, const float* qkv, const float* out,
                                const float* lse, Py_ssize_t B, Py_ssize_t T, Py_ssize_t C,
-                               Py_ssize_t NH, int n_threads, float* scratch) noexcept nogil:
+                               Py_ssize_t NH, int n_threads, float* scratch,
+                               const att_kern_t* K) noexcept nogil:
     # dqkv (B,T,3C) +=; dout, out (B,T,C); lse (B,NH,T); scratch: n_threads * _backward_scratch_floats
     cdef Py_ssize_t per_thread = _backward_scratch_floats(T, C // NH)
     cdef Py_ssize_t w, nwork = B * NH
@@ -486,7 +780,83 @@ cdef void attention_backward_c(float* dqkv, const float* dout, const float* qkv,
     with parallel(num_threads=n_threads):
         scr = scratch + omp_get_thread_num() * per_thread
         for w in prange(nwork, schedule='static'):
-            _backward_head(dqkv, dout, qkv, out, lse, w // NH, w % NH, T, C, NH, scr)
+            _backward_head(dqkv, dout, qkv, out, lse, w // NH, w % NH, T, C, NH, scr, K)
+
+
+# ----------------------------------------------------------------------------------------------
+# kernel set selection (runtime dispatch)
+
+ISA_NAMES = ("default", "avx2", "avx512")    # index = ATT_ISA_* in the C block
+ISA_ENV = "LLMCTL_ATT_ISA"
+cdef const att_kern_t* _kern = att_kern(ATT_ISA_DEFAULT)
+
+
+def available_isas():
+    """Kernel sets this build has compiled *and* this CPU can run, worst to best."""
+    return [n for i, n in enumerate(ISA_NAMES) if att_isa_runs(i)]
+
+
+def compiled_isas():
+    """Kernel sets this build has compiled (x86 with GCC/Clang: all three; else only "default")."""
+    return [n for i, n in enumerate(ISA_NAMES) if att_isa_compiled(i)]
+
+
+def best_isa():
+    """The set used unless told otherwise: the last of available_isas()."""
+    names = available_isas()
+    return names[len(names) - 1]     # (no negative index: wraparound is off)
+
+
+def isa():
+    """Name of the kernel set the next attention call will use."""
+    return att_kern_name(_kern).decode()
+
+
+def isa_info():
+    """{"isa", "vector_width" (floats; 1 = scalar C), "fma"} of the active set."""
+    return {"isa": isa(), "vector_width": att_kern_width(_kern), "fma": bool(att_kern_fma(_kern))}
+
+
+def set_isa(name=None):
+    """Use kernel set `name` ("default", "avx2", "avx512"; None or "auto": best_isa()) for
+    subsequent calls; returns the previous name. Raises ValueError if the name is unknown or this
+    build/CPU cannot run it. Not for use while another thread is inside an attention call (a call
+    in flight keeps the set it started with). Results are bit-identical within {"default"} and
+    within {"avx2", "avx512"} (the latter fuse multiply-adds), and differ by rounding between them."""
+    global _kern
+    prev = isa()
+    if name is None or name == "auto":
+        name = best_isa()
+    if name not in ISA_NAMES:
+        raise ValueError(f"attention: unknown kernel set {name!r}; expected one of {', '.join(ISA_NAMES)} or auto")
+    i = ISA_NAMES.index(name)
+    if not att_isa_runs(i):
+        why = "this CPU lacks it" if att_isa_compiled(i) else "this build did not compile it"
+        raise ValueError(f"attention: kernel set {name!r} is not available ({why}); "
+                         f"available: {', '.join(available_isas())}")
+    _kern = att_kern(i)
+    return prev
+
+
+def _isa_ran(bint reset=False):
+    """Names of the kernel sets whose micro-kernels ran since the last reset (test hook)."""
+    bits = att_ran_take(reset)
+    return [n for i, n in enumerate(ISA_NAMES) if bits & (1u << i)]
+
+
+def _init_isa():
+    # read once at import; a bad value warns and falls back rather than breaking `import llmctl`
+    import os
+    import warnings
+    want = os.environ.get(ISA_ENV, "").strip().lower() or None
+    try:
+        set_isa(want)
+    except ValueError as e:
+        warnings.warn(f"{e} (from {ISA_ENV}); using {best_isa()!r}", RuntimeWarning, stacklevel=2)
+        set_isa(None)
+
+
+_init_isa()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -549,12 +919,13 @@ def attention_forward(float[::1] out, float[::1] lse, const float[::1] qkv,
         return
     cdef Py_ssize_t nwork = <Py_ssize_t>B * NH * ((T + BR - 1) // BR)
     cdef int nt = n_threads if n_threads < nwork else <int>nwork
+    cdef const att_kern_t* K = _kern        # read once: a whole call runs on one kernel set
     cdef float* scratch = <float*>PyMem_RawMalloc(nt * _forward_scratch_floats(C // NH) * sizeof(float))
     if scratch == NULL:
         raise MemoryError("attention_forward: could not allocate scratch")
     try:
         with nogil:
-            attention_forward_c(&out[0], &lse[0], &qkv[0], B, T, C, NH, nt, scratch)
+            attention_forward_c(&out[0], &lse[0], &qkv[0], B, T, C, NH, nt, scratch, K)
     finally:
         PyMem_RawFree(scratch)
 
@@ -583,26 +954,28 @@ def attention_backward(float[::1] dqkv, const float[::1] dout, const float[::1] 
         return
     cdef Py_ssize_t nwork = <Py_ssize_t>B * NH
     cdef int nt = n_threads if n_threads < nwork else <int>nwork
+    cdef const att_kern_t* K = _kern
     cdef float* scratch = <float*>PyMem_RawMalloc(nt * _backward_scratch_floats(T, C // NH) * sizeof(float))
     if scratch == NULL:
         raise MemoryError("attention_backward: could not allocate scratch")
     try:
         with nogil:
             attention_backward_c(&dqkv[0], &dout[0], &qkv[0], &out[0], &lse[0],
-                                 B, T, C, NH, nt, scratch)
+                                 B, T, C, NH, nt, scratch, K)
     finally:
         PyMem_RawFree(scratch)
 
 
 def _expf(float[::1] x, bint vector=True):
-    """x[i] = the kernels' exp(x[i]) in place, by the vector path (with a scalar tail) or by the
-    scalar att_expf only; exposed for tests of its accuracy and of the two paths agreeing."""
+    """x[i] = the active kernel set's exp(x[i]) in place, by its vector path (with a scalar tail)
+    or by its scalar att_expf only; exposed for tests of its accuracy and of the two paths agreeing."""
     cdef Py_ssize_t i
+    cdef const att_kern_t* K = _kern
     if x.shape[0] == 0:
         return
     with nogil:
         if vector:
-            att_exp_affine(&x[0], x.shape[0], 1.0, 0.0)
+            att_exp_affine(K, &x[0], x.shape[0], 1.0, 0.0)
         else:
             for i in range(x.shape[0]):
-                x[i] = att_expf(x[i])
+                x[i] = att_expf(K, x[i])

@@ -9,11 +9,33 @@ What it measures, at GPT-2 d12 head shapes (B=4, NH=12, hs=64, C=768) for each T
   kernels' PyMem_RawMalloc scratch are both traced; the inputs/outputs allocated beforehand are
   not counted), next to llm.c's preatt+att storage (2 * B*NH*T*T floats per layer).
 
+- the kernel sets against each other (--isa; default: "default" and the best set this CPU runs,
+  see _ext/attention.pyx): their runs are interleaved, so load on a shared machine hits them
+  alike and the speed-up ratios stay meaningful even when absolute times do not.
+
 It is not a correctness test (tests/test_attention.py is), though it reports the max abs
 difference between the two implementations as a sanity check.
 
     python bench/attention.py                 # T = 64, 256, 1024 on 2 threads
     python bench/attention.py --T 64 --threads 1 --repeat 10 --json
+    python bench/attention.py --threads 1 --no-numpy --isa default avx2 avx512
+
+Measured (1 thread, AMD EPYC Zen 4 shared with other jobs, GCC 12, default SSE2 build; ms, best
+of 10 runs at T <= 256 and of 2 at T = 1024; speed-up = default's time / the set's):
+
+    T      set      fwd ms   bwd ms   speed-up fwd / bwd
+    64     default    1.23     2.75
+           avx2       0.66     1.37   1.86x / 2.01x
+           avx512     0.61     1.26   2.02x / 2.18x
+    256    default   21.70    53.32
+           avx2       9.00    22.96   2.41x / 2.32x
+           avx512     7.99    19.20   2.72x / 2.78x
+    1024   default  391.90   833.90
+           avx2     188.93   332.75   2.07x / 2.51x
+           avx512   162.54   314.03   2.41x / 2.66x
+
+Zen 4 runs 512-bit FMAs as two 256-bit halves, so avx512 gains over avx2 only from fewer
+instructions; CPUs with two full 512-bit FMA units should see more.
 """
 import argparse
 import json
@@ -77,7 +99,28 @@ def _peak_bytes(fn):
         tracemalloc.stop()
 
 
-def bench_one(T, B, NH, hs, n_threads, repeat, with_numpy):
+def _isa_times(sets, fwd, bwd, repeat):
+    """{set: (best fwd s, best bwd s)}, the sets interleaved run by run so that load on a shared
+    machine hits them alike and their ratio stays meaningful."""
+    prev = A.isa()
+    best = {name: [math.inf, math.inf] for name in sets}
+    try:
+        for name in sets:                      # warm up each set once
+            A.set_isa(name)
+            fwd(), bwd()
+        for _ in range(repeat):
+            for name in sets:
+                A.set_isa(name)
+                for j, fn in enumerate((fwd, bwd)):
+                    t0 = time.perf_counter()
+                    fn()
+                    best[name][j] = min(best[name][j], time.perf_counter() - t0)
+    finally:
+        A.set_isa(prev)
+    return best
+
+
+def bench_one(T, B, NH, hs, n_threads, repeat, with_numpy, isas=()):
     C = NH * hs
     rng = np.random.default_rng(0)
     qkv = rng.standard_normal((B, T, 3 * C)).astype(np.float32)
@@ -89,12 +132,18 @@ def bench_one(T, B, NH, hs, n_threads, repeat, with_numpy):
 
     fwd = lambda: A.attention_forward(out, lse, flat, B, T, C, NH, n_threads)  # noqa: E731
     bwd = lambda: A.attention_backward(dqkv, dflat, flat, out, lse, B, T, C, NH, n_threads)  # noqa: E731
-    fwd(), bwd()  # warm up
-    r = {"T": T, "B": B, "NH": NH, "hs": hs, "threads": n_threads,
-         "llmctl_fwd_ms": 1e3 * _best_time(fwd, repeat),
-         "llmctl_bwd_ms": 1e3 * _best_time(bwd, repeat),
+    sets = list(dict.fromkeys([A.isa(), *isas]))    # the active set first, no duplicates
+    times = _isa_times(sets, fwd, bwd, repeat)
+    r = {"T": T, "B": B, "NH": NH, "hs": hs, "threads": n_threads, "isa": A.isa(),
+         "llmctl_fwd_ms": 1e3 * times[A.isa()][0],
+         "llmctl_bwd_ms": 1e3 * times[A.isa()][1],
          "llmctl_peak_extra_bytes": _peak_bytes(lambda: (fwd(), bwd())),
          "llmc_att_storage_bytes": 2 * B * NH * T * T * 4}
+    if len(sets) > 1:
+        r["isa_ms"] = {name: {"fwd": 1e3 * f, "bwd": 1e3 * b} for name, (f, b) in times.items()}
+        if "default" in times:                 # speed-up of each set over the portable default
+            r["isa_speedup"] = {name: {"fwd": times["default"][0] / f, "bwd": times["default"][1] / b}
+                                for name, (f, b) in times.items() if name != "default"}
     flops_fwd = B * NH * (T * (T + 1) // 2) * hs * 4          # QK^T and PV, causal half
     r["llmctl_fwd_gflops"] = flops_fwd / r["llmctl_fwd_ms"] / 1e6
     r["llmctl_bwd_gflops"] = 2.5 * flops_fwd / r["llmctl_bwd_ms"] / 1e6   # 5 T x T x hs products
@@ -136,15 +185,22 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2, help="OpenMP / BLAS threads (default 2)")
     ap.add_argument("--repeat", type=int, default=0, help="timed runs per measurement (default: 10 for T<=256, else 2)")
     ap.add_argument("--no-numpy", action="store_true", help="skip the materialised NumPy baseline")
+    ap.add_argument("--isa", nargs="*", default=None,
+                    help="kernel sets to time against each other, interleaved (default: default and "
+                         "the best this CPU runs; --isa with no names: only the active set)")
     ap.add_argument("--json", action="store_true", help="print one JSON object per T on stdout")
     args = ap.parse_args(argv)
+    isas = ["default", A.best_isa()] if args.isa is None else args.isa
+    bad = [n for n in isas if n not in A.available_isas()]
+    if bad:
+        ap.error(f"--isa {' '.join(bad)}: not available here (available: {' '.join(A.available_isas())})")
     for T in args.T:
         repeat = args.repeat or (10 if T <= 256 else 2)
-        r = bench_one(T, args.B, args.NH, args.hs, args.threads, repeat, not args.no_numpy)
+        r = bench_one(T, args.B, args.NH, args.hs, args.threads, repeat, not args.no_numpy, isas)
         if args.json:
             print(json.dumps(r), flush=True)
             continue
-        line = (f"T={T:5d} B={args.B} NH={args.NH} hs={args.hs} threads={args.threads} | llmctl fwd "
+        line = (f"T={T:5d} B={args.B} NH={args.NH} hs={args.hs} threads={args.threads} | llmctl[{r['isa']}] fwd "
                 f"{r['llmctl_fwd_ms']:8.2f} ms ({r['llmctl_fwd_gflops']:.1f} GFLOP/s) bwd {r['llmctl_bwd_ms']:8.2f} ms "
                 f"({r['llmctl_bwd_gflops']:.1f} GFLOP/s) peak extra {_mb(r['llmctl_peak_extra_bytes'])}")
         if "numpy_fwd_ms" in r:
@@ -152,6 +208,11 @@ def main(argv=None):
                      f"peak extra {_mb(r['numpy_peak_extra_bytes'])} | max|diff| out {r['max_abs_diff_out']:.1e} "
                      f"dqkv {r['max_abs_diff_dqkv']:.1e}")
         line += f" | llm.c preatt+att per layer {_mb(r['llmc_att_storage_bytes'])}"
+        for name, t in r.get("isa_ms", {}).items():
+            line += f"\n        {name:8s} fwd {t['fwd']:8.2f} ms bwd {t['bwd']:8.2f} ms"
+            if name in r.get("isa_speedup", {}):
+                sp = r["isa_speedup"][name]
+                line += f"  = {sp['fwd']:.2f}x / {sp['bwd']:.2f}x the default set"
         print(line, file=sys.stderr, flush=True)
 
 

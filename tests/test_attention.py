@@ -4,7 +4,15 @@ References: tests/reference.py (NumPy float64, materialised T x T probabilities)
 finite differences on the float32 kernel itself. Shapes cover T below, at, and past the tile
 sizes (4-row micro-kernel groups, BR=32 forward query rows, BC=64 keys, BQ=64 backward query
 rows) and head sizes that are not powers of two or of the vector width (hs=6, 12).
+
+Kernel sets: the numerical tests run once per set this CPU can run (fixture `isa`: "default",
+and on x86 "avx2"/"avx512" when present), forcing it with A.set_isa and checking afterwards, via
+the kernels' own run marks, that the forced set and only it ran. The same tolerances hold for
+every set: the FMA sets round once per multiply-add instead of twice, so their error is no larger.
 """
+import os
+import subprocess
+import sys
 import tracemalloc
 
 import numpy as np
@@ -32,6 +40,20 @@ THREADS = [1, 2]
 # <= 2e-6 up to T=300, 6e-6 at T=1024). A wrong mask, scale, tile boundary or missing term
 # gives errors of order 0.1-1, far above these.
 ATOL, RTOL = 2e-5, 1e-4
+
+ISAS = A.available_isas()
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    """Force one kernel set for the test, then check that it (and no other) actually ran."""
+    prev = A.set_isa(request.param)
+    A._isa_ran(reset=True)
+    try:
+        yield request.param
+        assert A._isa_ran() == [request.param]
+    finally:
+        A.set_isa(prev)
 
 
 def _qkv(B, T, C, seed=0, shift_q=0.0, shift_k=0.0):
@@ -61,7 +83,7 @@ def _backward(dout, qkv, out, lse, NH, n_threads, dqkv=None):
 
 @pytest.mark.parametrize("n_threads", THREADS)
 @pytest.mark.parametrize("B,T,C,NH", SHAPES)
-def test_forward_matches_reference(B, T, C, NH, n_threads):
+def test_forward_matches_reference(B, T, C, NH, n_threads, isa):
     qkv = _qkv(B, T, C, seed=T)
     out, lse = _forward(qkv, NH, n_threads)
     q64 = qkv.astype(np.float64)
@@ -71,7 +93,7 @@ def test_forward_matches_reference(B, T, C, NH, n_threads):
 
 @pytest.mark.parametrize("n_threads", THREADS)
 @pytest.mark.parametrize("B,T,C,NH", SHAPES)
-def test_backward_matches_reference(B, T, C, NH, n_threads):
+def test_backward_matches_reference(B, T, C, NH, n_threads, isa):
     qkv = _qkv(B, T, C, seed=T + 1)
     dout = np.random.default_rng(T + 2).standard_normal((B, T, C)).astype(np.float32)
     out, lse = _forward(qkv, NH, n_threads)
@@ -100,7 +122,7 @@ def test_reference_forward_is_causal_softmax():
 
 
 @pytest.mark.parametrize("n_threads", THREADS)
-def test_backward_finite_differences(n_threads):
+def test_backward_finite_differences(n_threads, isa):
     # gradient of L = sum(w * out) w.r.t. every qkv entry, by central differences on the float32
     # kernel itself (independent of tests/reference.py). With step h = 3e-3, truncation error is
     # ~h^2 * |f'''| ~ 1e-5 and float32 rounding of L (~40 terms of size ~1, u = 6e-8) divided by
@@ -148,7 +170,7 @@ def test_reference_backward_finite_differences():
 
 
 @pytest.mark.parametrize("shift_q,shift_k", [(50.0, 0.0), (50.0, 50.0)])
-def test_large_scores_do_not_overflow(shift_q, shift_k):
+def test_large_scores_do_not_overflow(shift_q, shift_k, isa):
     # scores up to ~|q||k|/sqrt(hs): with q and k shifted by 50 they reach ~2e4, so exp(score)
     # overflows float32 (max ~exp(88)) unless the running max is subtracted. The scores
     # themselves carry a float32 rounding error of ~u * 2e4 ~ 1e-3, which is the error in the
@@ -169,7 +191,7 @@ def test_large_scores_do_not_overflow(shift_q, shift_k):
         np.testing.assert_allclose(dqkv.reshape(B, T, 3 * C), ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max())
 
 
-def test_backward_accumulates():
+def test_backward_accumulates(isa):
     B, T, C, NH = 2, 9, 12, 3
     qkv = _qkv(B, T, C, seed=7)
     dout = np.random.default_rng(8).standard_normal((B, T, C)).astype(np.float32)
@@ -181,7 +203,7 @@ def test_backward_accumulates():
     assert not np.allclose(plain, 0)
 
 
-def test_bit_identical_repeat_and_across_thread_counts():
+def test_bit_identical_repeat_and_across_thread_counts(isa):
     # work items are (b, h, query block) / (b, h) and each is computed by one thread with a
     # fixed operation order, so results do not depend on which thread or how many run them
     B, T, C, NH = 2, 100, 48, 4
@@ -197,7 +219,7 @@ def test_bit_identical_repeat_and_across_thread_counts():
             assert a.tobytes() == b.tobytes()
 
 
-def test_more_threads_than_work_items():
+def test_more_threads_than_work_items(isa):
     B, T, C, NH = 1, 3, 4, 1
     qkv = _qkv(B, T, C, seed=15)
     out1, lse1 = _forward(qkv, NH, 1)
@@ -282,7 +304,7 @@ def test_bad_arguments_raise_value_error():
         A.attention_forward(out, lse, np.zeros(2 * qkv.size, np.float32)[::2], B, T, C, NH)
 
 
-def test_expf_accuracy_and_paths_agree():
+def test_expf_accuracy_and_paths_agree(isa):
     # the kernels' exp (att_expf / its vector twin) against float64 exp: <= 1 ulp is what the
     # Cephes polynomial gives on the reduced range (measured 0.97); allow 2. Both paths must give
     # identical bits, since a row's tail elements take the scalar path and the rest the vector one.
@@ -302,3 +324,89 @@ def test_expf_accuracy_and_paths_agree():
         assert y[0] == 0.0 and y[1] == 0.0 and y[2] == 0.0          # underflow flushes to 0
         assert y[3] == 1.0 and y[4] == 1.0 and np.isnan(y[5])
         assert y[6] == 1.0 and y[7] == 1.0 and abs(y[8] - np.e) <= np.spacing(np.float32(np.e))
+
+
+# ----------------------------------------------------------------------------------------------
+# kernel-set dispatch
+
+
+def _fwd_bwd(B, T, C, NH, n_threads=1, seed=31):
+    qkv = _qkv(B, T, C, seed=seed)
+    dout = np.random.default_rng(seed + 1).standard_normal((B, T, C)).astype(np.float32)
+    out, lse = _forward(qkv, NH, n_threads)
+    return out, lse, _backward(dout, qkv, out, lse, NH, n_threads)
+
+
+def test_isa_selection_api():
+    assert ISAS[0] == "default" and A.best_isa() == ISAS[-1]
+    assert set(ISAS) <= set(A.compiled_isas()) <= set(A.ISA_NAMES)
+    if os.environ.get(A.ISA_ENV, "") in ("", "auto"):
+        assert A.isa() == A.best_isa()                    # the import-time choice is the best set
+    prev = A.set_isa("default")
+    try:
+        info = A.isa_info()
+        assert info["isa"] == "default" and info["fma"] is False and info["vector_width"] >= 1
+        assert A.set_isa("auto") == "default" and A.isa() == A.best_isa()
+        assert A.set_isa(None) == A.best_isa()
+        for name in ISAS[1:]:
+            A.set_isa(name)
+            assert A.isa_info() == {"isa": name, "fma": True, "vector_width": {"avx2": 8, "avx512": 16}[name]}
+        with pytest.raises(ValueError, match="unknown kernel set"):
+            A.set_isa("sse9")
+        for name in set(A.ISA_NAMES) - set(ISAS):
+            with pytest.raises(ValueError, match="not available"):
+                A.set_isa(name)
+        assert A.isa() == ISAS[-1]                        # a failed set_isa changes nothing
+    finally:
+        A.set_isa(prev)
+
+
+def test_isa_results_bit_classes():
+    # the sets run the same float operations per output element; only avx2/avx512 fuse a*b+c.
+    # So all FMA sets agree bit for bit (exp_sum's 16 lane partials do not depend on the vector
+    # width), while "default" differs from them by rounding only (checked at the usual tolerance).
+    # T=130, hs=24 with NH=2: partial key tiles, vector bodies and scalar tails in every set.
+    prev = A.isa()
+    try:
+        res = {}
+        for name in ISAS:
+            A.set_isa(name)
+            res[name] = _fwd_bwd(2, 130, 48, 2)
+    finally:
+        A.set_isa(prev)
+    fma = [n for n in ISAS if n != "default"]
+    for name in fma[1:]:
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(res[fma[0]], res[name])), name
+    for name in fma:
+        assert any(a.tobytes() != b.tobytes() for a, b in zip(res["default"], res[name])), \
+            f"{name} gave the default set's bits: did it really fuse multiply-adds?"
+        for a, b in zip(res["default"], res[name]):
+            np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("value", ["default", ISAS[-1], "bogus"])
+def test_isa_env_var_read_at_import(value):
+    # LLMCTL_ATT_ISA picks the set in a fresh interpreter; the set's kernels must be the ones
+    # that run. A bad value warns and falls back to the best set instead of breaking the import.
+    code = (
+        "import warnings, numpy as np, llmctl._ext\n"
+        f"llmctl._ext.__path__.insert(0, {os.path.dirname(A.__file__)!r})\n"  # the build under test
+        "warnings.simplefilter('always')\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    from llmctl._ext import attention as A\n"
+        f"assert A.__file__ == {A.__file__!r}, A.__file__\n"
+        "x = np.linspace(-3, 0, 40, dtype=np.float32)\n"
+        "A.attention_forward(np.zeros(4 * 8, np.float32), np.zeros(4, np.float32),"
+        " np.ones(4 * 24, np.float32), 1, 4, 8, 1, 1)\n"
+        "print(A.isa(), ','.join(A._isa_ran()), len(w), w[0].message if w else '', sep='|')\n"
+    )
+    env = dict(os.environ, **{A.ISA_ENV: value})
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    name, ran, nwarn, msg = r.stdout.strip().split("|", 3)
+    want = A.best_isa() if value == "bogus" else value
+    assert (name, ran) == (want, want)
+    if value == "bogus":
+        assert nwarn == "1" and "unknown kernel set 'bogus'" in msg and A.ISA_ENV in msg
+    else:
+        assert nwarn == "0"
