@@ -1,0 +1,462 @@
+"""llmctl.model.GPT2 vs the float64 NumPy reference (tests/reference.py), llm.c's init, checkpoints.
+
+Tiny config: L=2, C=32, NH=4 (hs=8), V=100 (Vp=128, so padded rows exist), maxT=16.
+Tolerances: the model runs in float32 (eps 6e-8) and the reference in float64. Each value passes
+through ~20 kernels whose reductions have at most a few hundred terms, so a relative error of
+~1e-6 of the tensor's scale is expected (measured: <= 7e-7); we allow 2e-5 of the scale, which is
+still ~1000x smaller than any real bug (a wrong sign, index or missing term moves a gradient by
+O(scale)).
+"""
+import shutil
+import struct
+import subprocess
+
+import numpy as np
+import pytest
+
+import reference as R
+from llmctl.errors import ConfigError, FormatError
+from llmctl.model import DECAY_PARAMS, PARAM_NAMES, GPT2, GPT2Config, init_llmc_, param_shapes
+
+CFG = GPT2Config(max_seq_len=16, vocab_size=100, padded_vocab_size=128, num_layers=2, num_heads=4, channels=32)
+REL = 2e-5
+
+
+def _model(n_threads=1, seed=0, std=0.1):
+    m = GPT2(CFG, n_threads=n_threads)
+    m.params[:] = R.params_to_flat(R.random_params(CFG, seed, std), CFG)
+    return m, R.params_from_flat(m.params, CFG)  # reference starts from the same float32 values
+
+
+def _batch(B, T, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, CFG.vocab_size, (B, T)), rng.integers(0, CFG.vocab_size, (B, T))
+
+
+def _close(got, want, what):
+    scale = float(np.abs(want).max())
+    err = float(np.abs(np.asarray(got, np.float64) - want).max())
+    assert err <= REL * scale + 1e-12, f"{what}: max abs err {err:.3g} vs scale {scale:.3g}"
+
+
+def test_param_layout():
+    m = GPT2(CFG)
+    assert [n for n, _ in param_shapes(CFG)] == list(PARAM_NAMES)
+    assert m.num_parameters == R.num_parameters(CFG) == 128 * 32 + 16 * 32 + 2 * (12 * 32 * 32 + 13 * 32) + 2 * 32
+    # views are windows on the one flat buffer, in checkpoint order
+    off = 0
+    for name, shape in param_shapes(CFG):
+        assert m.p[name].shape == shape and m.g[name].shape == shape
+        assert np.shares_memory(m.p[name], m.params) and np.shares_memory(m.g[name], m.grads)
+        m.p[name].reshape(-1)[0] = off + 1
+        assert m.params[off] == off + 1
+        off += int(np.prod(shape))
+    assert off == m.num_parameters
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+@pytest.mark.parametrize("B,T", [(2, 7), (2, 16), (3, 5)])
+def test_forward_backward_vs_reference(n_threads, B, T):
+    m, pr = _model(n_threads)
+    ids, tg = _batch(B, T, seed=T)
+    m.zero_grad()
+    loss = m.forward(ids, tg)
+    m.backward()
+    rloss, rlogits, cache = R.gpt2_forward(pr, ids, tg, CFG)
+    rg = R.gpt2_backward(pr, cache, CFG)
+    assert abs(loss - rloss) <= REL * rloss
+    _close(m.losses, cache["losses"], "per-token losses")
+    for name in PARAM_NAMES:
+        _close(m.g[name], rg[name], f"grad {name}")
+    # padded vocab rows: zero weights in, zero gradient out
+    assert not m.g["wte"][CFG.vocab_size:].any()
+    m.forward(ids)
+    _close(m.logits(), rlogits, "logits")
+    assert not m.logits()[..., CFG.vocab_size:].any()
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_gelu_recompute_modes_agree(recompute):
+    # default (None) keeps fch_gelu for tiny B*T; both explicit modes give the same bits
+    ids, tg = _batch(2, 9, seed=3)
+    base, _ = _model(1)
+    base.forward(ids, tg)
+    base.backward()
+    m = GPT2(CFG, n_threads=1, recompute_gelu=recompute)
+    m.params[:] = base.params
+    assert m.forward(ids, tg) == base.forward(ids, tg)
+    m.backward()
+    base.zero_grad()
+    base.backward()
+    assert m._acts["gelu"].shape[0] == (1 if recompute else CFG.num_layers)
+    assert m.grads.tobytes() == base.grads.tobytes()
+
+
+def test_reference_gradients_by_finite_differences():
+    # the reference itself, in float64: central differences agree to ~1e-9 relative
+    cfg = dict(max_seq_len=6, vocab_size=10, padded_vocab_size=16, num_layers=2, num_heads=2, channels=8)
+    p = R.random_params(cfg, 3, 0.3)
+    rng = np.random.default_rng(4)
+    ids, tg = rng.integers(0, 10, (2, 5)), rng.integers(0, 10, (2, 5))
+    _, _, cache = R.gpt2_forward(p, ids, tg, cfg)
+    g = R.gpt2_backward(p, cache, cfg)
+    for name, _ in R.param_shapes(cfg):
+        flat = p[name].reshape(-1)
+        for idx in rng.choice(flat.size, 3, replace=False):
+            old, h = flat[idx], 1e-5
+            flat[idx] = old + h
+            lp = R.gpt2_loss(p, ids, tg, cfg)
+            flat[idx] = old - h
+            lm = R.gpt2_loss(p, ids, tg, cfg)
+            flat[idx] = old
+            fd = (lp - lm) / (2 * h)
+            # O(h^2) truncation + 1e-16/h rounding: ~1e-10 absolute
+            assert abs(fd - g[name].reshape(-1)[idx]) <= 1e-8 + 1e-6 * abs(fd), (name, idx)
+
+
+def test_model_gradients_by_finite_differences():
+    # float32 model: loss resolution ~5e-7, so with h=1e-2 the difference quotient carries
+    # ~5e-5 rounding noise plus O(h^2) curvature; check the largest-gradient entry per tensor.
+    m, _ = _model(1, seed=5)
+    ids, tg = _batch(2, 6, seed=6)
+    m.zero_grad()
+    m.forward(ids, tg)
+    m.backward()
+    for name in PARAM_NAMES:
+        gflat = m.g[name].reshape(-1)
+        idx = int(np.argmax(np.abs(gflat)))
+        pflat = m.p[name].reshape(-1)
+        old, h = pflat[idx], np.float32(1e-2)
+        pflat[idx] = old + h
+        lp = m.forward(ids, tg)
+        pflat[idx] = old - h
+        lm = m.forward(ids, tg)
+        pflat[idx] = old
+        fd = (lp - lm) / (2 * float(h))
+        assert abs(fd - gflat[idx]) <= 1e-3 + 2e-2 * abs(gflat[idx]), (name, fd, gflat[idx])
+
+
+def test_backward_accumulates_and_loss_scale():
+    m, _ = _model(1)
+    ids, tg = _batch(2, 8)
+    m.zero_grad()
+    m.forward(ids, tg)
+    m.backward()
+    g1 = m.grads.copy()
+    m.forward(ids, tg)
+    m.backward(loss_scale=0.5)
+    np.testing.assert_allclose(m.grads, 1.5 * g1, rtol=1e-5, atol=1e-9)
+    assert abs(m.grad_norm() - 1.5 * float(np.sqrt((g1.astype(np.float64) ** 2).sum()))) < 1e-5 * m.grad_norm()
+
+
+def test_batch_shape_changes_reuse_buffers():
+    # eval packs rows of different lengths: shrinking B*T reuses the buffers, growing reallocates
+    m, pr = _model(1)
+    for B, T in [(1, 16), (2, 3), (4, 8), (1, 1)]:
+        ids, tg = _batch(B, T, seed=B * 100 + T)
+        loss = m.forward(ids, tg)
+        rloss, _, cache = R.gpt2_forward(pr, ids, tg, CFG)
+        assert abs(loss - rloss) <= REL * rloss
+        _close(m.losses, cache["losses"], f"losses B={B} T={T}")
+    assert m._cap == 32
+
+
+def test_activation_memory_plan():
+    # docs/model.md: per token 12C+NH+4 floats per layer, fch_gelu 4C per layer (kept here: tiny),
+    # C+C+2+Vp+2 final, and 6C of backward scratch; never anything of size T*T
+    m, _ = _model(1)
+    B, T = 2, 16
+    ids, tg = _batch(B, T)
+    m.forward(ids, tg)
+    m.backward()
+    L, C, NH, Vp, BT = 2, 32, 4, 128, B * T
+    floats = BT * (L * (12 * C + NH + 4) + L * 4 * C + (C + C + 2 + Vp + 2) + 6 * C)
+    assert m.activation_bytes() == 4 * floats
+
+
+def test_forward_without_keeping_activations():
+    # eval/sampling path: one layer of buffers reused by every layer; same bits as a training forward
+    ids, tg = _batch(3, 10, seed=21)
+    train, _ = _model(1)
+    want_loss = train.forward(ids, tg)
+    want_losses = train.losses.copy()
+    train.forward(ids)
+    want_logits = train.logits().copy()
+    m, pr = _model(1)
+    assert m.forward(ids, tg, keep_activations=False) == want_loss
+    np.testing.assert_array_equal(m.losses, want_losses)
+    with pytest.raises(RuntimeError):
+        m.backward()
+    m.forward(ids, keep_activations=False)
+    np.testing.assert_array_equal(m.logits(), want_logits)
+    small = m.activation_bytes()
+    assert small < train.activation_bytes() * 0.6
+    # a training forward afterwards grows the buffers to all layers and still matches the reference
+    m.forward(ids, tg)
+    m.backward()
+    _, _, cache = R.gpt2_forward(pr, ids, tg, CFG)
+    _close(m.g["qkvw"], R.gpt2_backward(pr, cache, CFG)["qkvw"], "qkvw after inference-only forward")
+    assert m.activation_bytes() > small
+    # and keep_activations=False on the big buffers still gives the same bits
+    assert m.forward(ids, tg, keep_activations=False) == want_loss
+
+
+# Frozen expected values, as llm.c's test_gpt2.c does: 10 AdamW steps on one batch from
+# R.random_params(CFG, seed=1, std=0.1) (rounded to float32), batch _batch(2, 16, seed=2),
+# lr 3e-3, betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on DECAY_PARAMS, clipping at global
+# norm 1 (grad_scale = 1/norm, active every step here). Computed with reference.py in float64.
+EXPECTED_LOSSES = [4.806956532288467, 4.249573744472032, 3.865364949623892, 3.5141425922957144,
+                   3.1854289485696765, 2.9233397926260327, 2.699780254936522, 2.5069989588094947,
+                   2.3333866791236053, 2.169763094441806]
+OPT = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+
+
+def _train_losses(m, steps=10):
+    ids, tg = _batch(2, 16, seed=2)
+    out = []
+    for step in range(steps):
+        m.zero_grad()
+        out.append(m.forward(ids, tg))
+        m.backward()
+        norm = m.grad_norm()
+        m.update(grad_scale=1.0 / norm if norm > 1.0 else 1.0, step=step + 1, **OPT)
+    return out
+
+
+def test_reference_training_matches_frozen_losses():
+    pr = R.params_from_flat(R.params_to_flat(R.random_params(CFG, 1, 0.1), CFG), CFG)
+    ids, tg = _batch(2, 16, seed=2)
+    state, losses = {}, []
+    for step in range(10):
+        loss, _, cache = R.gpt2_forward(pr, ids, tg, CFG)
+        g = R.gpt2_backward(pr, cache, CFG)
+        norm = np.sqrt(sum((g[n] ** 2).sum() for n in PARAM_NAMES))
+        pr = R.gpt2_adamw(pr, g, state, OPT["lr"], OPT["beta1"], OPT["beta2"], OPT["eps"],
+                          OPT["weight_decay"], step + 1, 1.0 / norm if norm > 1 else 1.0)
+        losses.append(loss)
+    np.testing.assert_allclose(losses, EXPECTED_LOSSES, rtol=1e-9)  # float64 vs float64
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_training_matches_frozen_losses(n_threads):
+    m = GPT2(CFG, n_threads=n_threads)
+    m.params[:] = R.params_to_flat(R.random_params(CFG, 1, 0.1), CFG)
+    # float32 vs float64 after 10 Adam steps: measured <= 7e-7; Adam's m/sqrt(v) can flip the
+    # sign of updates for near-zero gradients, so allow 2e-5 (llm.c's test_gpt2.c allows 1e-2)
+    np.testing.assert_allclose(_train_losses(m), EXPECTED_LOSSES, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_bit_identical_reruns(n_threads):
+    runs = []
+    for _ in range(2):
+        m = GPT2(CFG, n_threads=n_threads)
+        m.params[:] = R.params_to_flat(R.random_params(CFG, 1, 0.1), CFG)
+        losses = _train_losses(m, steps=3)
+        runs.append((losses, m.params.tobytes(), m.m.tobytes(), m.v.tobytes()))
+    assert runs[0] == runs[1]
+
+
+def test_update_weight_decay_only_on_2d_tensors():
+    m, _ = _model(1)
+    before = m.params.copy()
+    m.zero_grad()  # zero gradient: only decay moves parameters, p *= (1 - lr*wd)
+    m.update(lr=0.1, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.5, grad_scale=1.0, step=1)
+    after = R.params_from_flat(m.params, CFG)
+    ref = R.params_from_flat(before, CFG)
+    for name in PARAM_NAMES:
+        want = ref[name] * (1 - 0.1 * 0.5) if name in DECAY_PARAMS else ref[name]
+        np.testing.assert_allclose(after[name], want, rtol=1e-6, err_msg=name)
+    with pytest.raises(ValueError):
+        m.update(0.1, 0.9, 0.95, 1e-8, 0.0, 1.0, step=0)
+
+
+def test_update_matches_reference_adamw():
+    m, pr = _model(1)
+    rng = np.random.default_rng(9)
+    m.grads[:] = rng.normal(0, 1e-2, m.num_parameters).astype(np.float32)
+    g = R.params_from_flat(m.grads, CFG)
+    state = {}
+    for t in (1, 2):
+        m.update(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_scale=0.5, step=t)
+        pr = R.gpt2_adamw(pr, g, state, 1e-2, 0.9, 0.95, 1e-8, 0.1, t, 0.5)
+    got = R.params_from_flat(m.params, CFG)
+    for name in PARAM_NAMES:
+        np.testing.assert_allclose(got[name], pr[name], rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+def test_input_validation():
+    m, _ = _model(1)
+    ids, tg = _batch(2, 8)
+    bad = ids.copy()
+    bad[1, 3] = 100  # == V
+    with pytest.raises(ConfigError, match=r"inputs\[1, 3\] = 100"):
+        m.forward(bad)
+    bad[1, 3] = -1
+    with pytest.raises(ConfigError, match="-1"):
+        m.forward(bad)
+    badt = tg.copy()
+    badt[0, 0] = 127  # a padded id: still not a valid token
+    with pytest.raises(ConfigError, match=r"targets\[0, 0\] = 127"):
+        m.forward(ids, badt)
+    with pytest.raises(ConfigError, match="max_seq_len"):
+        m.forward(np.zeros((1, 17), dtype=np.int64))
+    with pytest.raises(ConfigError, match="does not match"):
+        m.forward(ids, tg[:, :4])
+    with pytest.raises(ConfigError):
+        m.forward(np.zeros((2, 0), dtype=np.int64))
+    with pytest.raises(ConfigError, match="integer"):
+        m.forward(ids.astype(np.float32))
+    m.forward(ids)
+    with pytest.raises(RuntimeError):
+        m.backward()  # no targets
+    m.forward(ids, tg)
+    with pytest.raises(RuntimeError):
+        m.logits()  # buffer holds probs
+    m.backward()
+    with pytest.raises(RuntimeError):
+        m.backward()  # buffer holds dlogits now
+
+
+def test_descriptors():
+    assert GPT2Config.from_descriptor("d12") == GPT2Config()
+    assert GPT2Config.from_descriptor("gpt2:d6") == GPT2Config(1024, 50257, 50304, 6, 6, 384)
+    assert GPT2Config.from_descriptor("gpt3:c768") == GPT2Config(2048, 50257, 50304, 12, 12, 768)
+    c = GPT2Config.from_descriptor("gpt3:c1536")
+    assert (c.num_layers, c.num_heads, c.head_size) == (24, 16, 96)
+    for bad in ("d7", "x12", "gpt3:c100", "gpt3:c5140", "", "d"):
+        with pytest.raises(ConfigError):
+            GPT2Config.from_descriptor(bad)
+
+
+def test_checkpoint_round_trip(tmp_path):
+    m, _ = _model(1, seed=11)
+    p3, p5 = tmp_path / "m3.bin", tmp_path / "m5.bin"
+    m.save_checkpoint(p3)
+    m.save_checkpoint(p5, dtype="bfloat16")
+    hdr = struct.unpack("<8i", p3.read_bytes()[:32])
+    assert hdr == (20240326, 3, 16, 100, 2, 4, 32, 128)
+    assert p3.stat().st_size == 1024 + 4 * m.num_parameters
+    assert struct.unpack("<2i", p5.read_bytes()[:8]) == (20240326, 5)
+    assert p5.stat().st_size == 1024 + 2 * m.num_parameters
+    m3 = GPT2.from_checkpoint(p3)
+    assert m3.config == CFG and m3.params.tobytes() == m.params.tobytes()
+    m5 = GPT2.from_init(str(p5))
+    # bf16 = top 16 bits of fp32 with round-to-nearest-even (independent computation here)
+    u = m.params.view(np.uint32).astype(np.uint64)
+    want = (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
+    np.testing.assert_array_equal(m5.params, want)
+    # loading into a model of another shape is refused
+    other = GPT2(GPT2Config(16, 100, 128, 1, 4, 32))
+    with pytest.raises(ConfigError, match="L 2 vs 1"):
+        other.load_checkpoint(p3)
+    trunc = tmp_path / "t.bin"
+    trunc.write_bytes(p3.read_bytes()[:-4])
+    with pytest.raises(FormatError):
+        GPT2.from_checkpoint(trunc)
+    with pytest.raises(FormatError):
+        GPT2.from_init(str(tmp_path / "missing.bin"))
+    with pytest.raises(ConfigError):
+        GPT2.from_init("d5")
+
+
+# --- llm.c init, checked against a gcc-compiled C statement of gpt2_build_from_descriptor's loop
+
+C_INIT_MAIN = r"""
+#include <stdlib.h>
+int main(int argc, char **argv) {
+  long V = atol(argv[1]), Vp = atol(argv[2]), maxT = atol(argv[3]), L = atol(argv[4]), C = atol(argv[5]);
+  long sizes[16] = {Vp*C, maxT*C, L*C, L*C, L*3*C*C, L*3*C, L*C*C, L*C, L*C, L*C, L*4*C*C, L*4*C, L*C*4*C, L*C, C, C};
+  long total = 0, off[16];
+  for (int i = 0; i < 16; i++) { off[i] = total; total += sizes[i]; }
+  float *p = calloc(total, sizeof(float));
+  for (int i = 0; i < 16; i++) if (i == 2 || i == 8 || i == 14) for (long j = 0; j < sizes[i]; j++) p[off[i] + j] = 1.0f;
+  float rs = 1.0f / sqrtf(2.0f * L);
+  seed(42);
+  for (long l = 0; l < L; l++) {
+    for (int i = 0; i < 16; i++) {
+      if (!((l == 0 && (i == 0 || i == 1)) || i == 4 || i == 6 || i == 10 || i == 12)) continue;
+      long n = sizes[i], lo = 0;
+      if (i == 0) n = V * C;
+      if (i >= 4) { n = n / L; lo = l * n; }
+      float std = (i == 6 || i == 12) ? 0.02f * rs : 0.02f;
+      normal(p + off[i] + lo, (unsigned)n, 0.0f, std);
+    }
+  }
+  fwrite(p, sizeof(float), total, stdout);
+  return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def c_init(tmp_path_factory):
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc is not installed")
+    from test_rand import C_CORE
+
+    d = tmp_path_factory.mktemp("initc")
+    (d / "init.c").write_text(C_CORE + C_INIT_MAIN)
+    subprocess.run(["gcc", "-O2", "-o", str(d / "init"), str(d / "init.c"), "-lm"], check=True)
+
+    def run(cfg):
+        out = subprocess.run([str(d / "init"), *map(str, (cfg.vocab_size, cfg.padded_vocab_size, cfg.max_seq_len,
+                                                          cfg.num_layers, cfg.channels))],
+                             check=True, capture_output=True).stdout
+        return np.frombuffer(out, dtype=np.float32)
+    return run
+
+
+def test_init_bit_identical_to_c_with_libm(c_init):
+    # libm=True uses the same logf/cosf/sinf as the C program: every bit must agree
+    cfg = GPT2Config(16, 100, 128, 3, 4, 24)  # odd sizes: wte V*C = 2400 (n % 16 == 0), fcw 2304, ...
+    cfg2 = GPT2Config(13, 101, 128, 2, 2, 10)  # n % 16 != 0 everywhere: exercises the tail redo
+    for c in (cfg, cfg2):
+        m = GPT2(c)
+        init_llmc_(m.p, c, libm=True)
+        assert m.params.tobytes() == c_init(c).tobytes()
+
+
+def test_from_descriptor_d6(c_init):
+    m = GPT2.from_descriptor("d6")
+    assert m.num_parameters == 30_357_504
+    assert not m.p["wte"][50257:].any() and (m.p["ln1w"] == 1).all() and not m.p["qkvb"].any()
+    want = c_init(m.config)
+    # default path: correctly rounded log/cos/sin vs glibc's float functions, a few ulps apart
+    # on ~1% of draws (see llmctl/rand.py); everything else bit-identical
+    np.testing.assert_allclose(m.params, want, rtol=4 * 2.0 ** -23, atol=0)
+    assert (m.params.view(np.uint32) == want.view(np.uint32)).mean() > 0.95
+    # spot values in draw order: first wte, first wpe, first layer-0 qkvw, last fcprojw (scaled std)
+    for name, idx in (("wte", 0), ("wpe", 0), ("qkvw", 0), ("fcprojw", -1)):
+        assert m.p[name].reshape(-1)[idx] != 0
+    assert abs(float(m.p["fcprojw"].std()) - 0.02 / np.sqrt(12)) < 1e-4
+    assert abs(float(m.p["wte"][:50257].std()) - 0.02) < 1e-4
+
+
+def test_against_pytorch_if_installed():
+    # optional, independent of reference.py: the same tiny GPT-2 in PyTorch (float64) autograd
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    m, pr = _model(1, seed=13)
+    ids, tg = _batch(2, 11, seed=14)
+    m.zero_grad()
+    loss = m.forward(ids, tg)
+    m.backward()
+    P = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in pr.items()}
+    C, NH, V, L = CFG.channels, CFG.num_heads, CFG.vocab_size, CFG.num_layers
+    x = P["wte"][torch.tensor(ids)] + P["wpe"][:ids.shape[1]]
+    for l in range(L):
+        h = F.layer_norm(x, (C,), P["ln1w"][l], P["ln1b"][l], eps=1e-5)
+        q, k, v = F.linear(h, P["qkvw"][l], P["qkvb"][l]).split(C, dim=-1)
+        q, k, v = (t.view(2, -1, NH, C // NH).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, -1, C)
+        x = x + F.linear(y, P["attprojw"][l], P["attprojb"][l])
+        h = F.gelu(F.linear(F.layer_norm(x, (C,), P["ln2w"][l], P["ln2b"][l], eps=1e-5), P["fcw"][l], P["fcb"][l]),
+                   approximate="tanh")
+        x = x + F.linear(h, P["fcprojw"][l], P["fcprojb"][l])
+    logits = F.layer_norm(x, (C,), P["lnfw"], P["lnfb"], eps=1e-5) @ P["wte"].T
+    tloss = F.cross_entropy(logits[..., :V].reshape(-1, V), torch.tensor(tg).reshape(-1))
+    tloss.backward()
+    assert abs(loss - tloss.item()) <= REL * tloss.item()
+    for name in PARAM_NAMES:
+        _close(m.g[name], P[name].grad.numpy(), f"grad {name} vs torch")
