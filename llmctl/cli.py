@@ -10,6 +10,7 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from llmctl import __version__
 from llmctl.errors import LlmctlError
@@ -69,15 +70,487 @@ def info(json_out: bool = typer.Option(False, "--json", help="Print one JSON obj
 # ---------------------------------------------------------------------------------------------
 
 
+# --- prepro (llmctl/prepro/) -----------------------------------------------------------------
+
+
+def _prepro_log(json_out):
+    from rich.markup import escape
+
+    return None if json_out else (lambda msg: err_console.print(f"[dim]{escape(msg)}[/]", soft_wrap=True))
+
+
+def _prepro_report(summary, json_out):
+    """--json: the summary on stdout; otherwise one line per written file on stderr."""
+    import json
+
+    from rich.markup import escape
+
+    if json_out:
+        print(json.dumps(summary))
+        return
+    if summary.get("source"):
+        err_console.print(f"[dim]input: {escape(summary['source'])} (from {summary['origin']})[/]")
+    for f in summary.get("files") or summary.get("shards") or [summary]:
+        err_console.print(f"wrote {escape(f['path'])}" + (f" ({f['tokens']:,} tokens)" if "tokens" in f else ""))
+    if "tokens_per_s" in summary:
+        err_console.print(f"{summary['tokens']:,} tokens in {summary['seconds']:.1f} s "
+                          f"({summary['tokens_per_s']:,} tokens/s)")
+    if summary.get("warning"):
+        err_console.print(f"[yellow]Warning:[/] {summary['warning']}")
+
+
+def _prepro_workers(workers):
+    from llmctl.info import default_threads
+
+    return workers if workers and workers > 0 else default_threads()
+
+
+_JSON_OPT = typer.Option(False, "--json", help="Print a JSON summary on stdout.")
+_WORKERS_OPT = typer.Option(0, "--workers", "-w", help="Tokenizer threads/processes (0 = OMP_NUM_THREADS or all cores).")
+_BACKEND_OPT = typer.Option("threads", "--backend", help="Parallel tokenization: threads (tiktoken, GIL-free) or processes.")
+
+
+@prepro_app.command("tinyshakespeare")
+def prepro_tinyshakespeare_cmd(
+    out_dir: str = typer.Option("data/tinyshakespeare", "--out-dir", help="Output (and cache) directory."),
+    source: Optional[str] = typer.Option(None, "--source", help="Local input.txt to use instead of cache/datasets/download."),
+    url: str = typer.Option("https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt",
+                            "--url", help="Download URL (used only if there is no source or cached copy)."),
+    timeout: float = typer.Option(30.0, "--timeout", help="Download timeout in seconds."),
+    workers: int = _WORKERS_OPT,
+    json_out: bool = _JSON_OPT,
+):
+    """Tiny Shakespeare -> tiny_shakespeare_{val,train}.bin, byte-identical to llm.c's dev/data/tinyshakespeare.py."""
+    from llmctl.prepro import prepro_tinyshakespeare
+
+    _prepro_report(prepro_tinyshakespeare(out_dir=out_dir, source=source, url=url, timeout=timeout,
+                                          workers=_prepro_workers(workers), log=_prepro_log(json_out)), json_out)
+
+
+@prepro_app.command("hellaswag")
+def prepro_hellaswag_cmd(
+    out_dir: str = typer.Option("data/hellaswag", "--out-dir", help="Output (and cache) directory."),
+    source: Optional[str] = typer.Option(None, "--source", help="Local hellaswag_{split}.jsonl to use."),
+    split: str = typer.Option("val", "--split", help="val (what llm.c writes) or train."),
+    url: Optional[str] = typer.Option(None, "--url", help="Download URL (default: rowanz/hellaswag on GitHub)."),
+    timeout: float = typer.Option(30.0, "--timeout", help="Download timeout in seconds."),
+    json_out: bool = _JSON_OPT,
+):
+    """HellaSwag jsonl -> hellaswag_val.bin (llm.c eval format), byte-identical to llm.c's dev/data/hellaswag.py."""
+    from llmctl.prepro import prepro_hellaswag
+
+    _prepro_report(prepro_hellaswag(out_dir=out_dir, source=source, split=split, url=url, timeout=timeout,
+                                    log=_prepro_log(json_out)), json_out)
+
+
+@prepro_app.command("text")
+def prepro_text_cmd(
+    files: List[str] = typer.Argument(..., help="UTF-8 text (docs separated by blank lines or <|endoftext|>), .jsonl/.parquet with a 'text' field."),
+    out_dir: Optional[str] = typer.Option(None, "--out-dir", help="Output directory (default: data/NAME)."),
+    name: Optional[str] = typer.Option(None, "--name", help="Shard name prefix (default: the first file's stem)."),
+    val_tokens: Optional[int] = typer.Option(None, "--val-tokens", help="Tokens in the val shard 0 (default: a full shard, like fineweb.py)."),
+    shard_size: int = typer.Option(10**8, "--shard-size", "-s", help="Tokens per shard (llm.c fineweb.py: -s)."),
+    workers: int = _WORKERS_OPT,
+    backend: str = _BACKEND_OPT,
+    json_out: bool = _JSON_OPT,
+):
+    """Your own corpus -> NAME_{val,train}_%06d.bin shards (llm.c's fineweb sharding rule)."""
+    import os
+
+    from llmctl.prepro import prepro_text
+    from llmctl.prepro.text import PROGRESS_MIN_BYTES
+
+    big = sum(os.path.getsize(f) for f in files if os.path.isfile(f)) >= PROGRESS_MIN_BYTES
+    _prepro_report(prepro_text(files, out_dir=out_dir, val_tokens=val_tokens, shard_size=shard_size, name=name,
+                               workers=_prepro_workers(workers), backend=backend,
+                               progress=big and not json_out), json_out)
+
+
+@prepro_app.command("tinystories")
+def prepro_tinystories_cmd(
+    out_dir: str = typer.Option("data/tinystories", "--out-dir", help="Output directory."),
+    source: Optional[List[str]] = typer.Option(None, "--source", help="Local file(s): TinyStories data*.json, jsonl, or text with <|endoftext|> (repeatable; default: datasets streaming)."),
+    val_tokens: int = typer.Option(32768, "--val-tokens", help="With a single --source file: its first N tokens are val."),
+    workers: int = _WORKERS_OPT,
+    backend: str = _BACKEND_OPT,
+    json_out: bool = _JSON_OPT,
+):
+    """TinyStories -> TinyStories_{val,train}.bin (llm.c's dev/data/tinystories.py layout)."""
+    from llmctl.prepro import prepro_tinystories
+
+    _prepro_report(prepro_tinystories(out_dir=out_dir, source=source or None, val_tokens=val_tokens,
+                                      workers=_prepro_workers(workers), backend=backend,
+                                      progress=not json_out), json_out)
+
+
+def _prepro_fineweb(edu, version, out_dir, source, shard_size, max_shards, workers, backend, json_out):
+    from llmctl.prepro import prepro_fineweb
+
+    _prepro_report(prepro_fineweb(edu=edu, version=version, out_dir=out_dir, source=source or None,
+                                  shard_size=shard_size, max_shards=max_shards, workers=_prepro_workers(workers),
+                                  backend=backend, progress=not json_out), json_out)
+
+
+_FW_VERSION = typer.Option("10B", "--version", "-v", help="Sample size: 10B or 100B (llm.c fineweb.py: -v).")
+_FW_SOURCE = typer.Option(None, "--source", help="Local jsonl/parquet/text file(s) instead of datasets streaming (repeatable).")
+_FW_SHARD = typer.Option(10**8, "--shard-size", "-s", help="Tokens per shard (llm.c fineweb.py: -s).")
+_FW_MAX = typer.Option(None, "--max-shards", help="Stop after this many full shards (default: all data).")
+
+
+@prepro_app.command("fineweb")
+def prepro_fineweb_cmd(
+    version: str = _FW_VERSION,
+    out_dir: Optional[str] = typer.Option(None, "--out-dir", help="Output directory (default: data/fineweb10B)."),
+    source: Optional[List[str]] = _FW_SOURCE, shard_size: int = _FW_SHARD, max_shards: Optional[int] = _FW_MAX,
+    workers: int = _WORKERS_OPT, backend: str = _BACKEND_OPT, json_out: bool = _JSON_OPT,
+):
+    """FineWeb -> fineweb_{val,train}_%06d.bin (llm.c's dev/data/fineweb.py -t classic)."""
+    _prepro_fineweb(False, version, out_dir, source, shard_size, max_shards, workers, backend, json_out)
+
+
+@prepro_app.command("fineweb-edu")
+def prepro_fineweb_edu_cmd(
+    version: str = _FW_VERSION,
+    out_dir: Optional[str] = typer.Option(None, "--out-dir", help="Output directory (default: data/edu_fineweb10B)."),
+    source: Optional[List[str]] = _FW_SOURCE, shard_size: int = _FW_SHARD, max_shards: Optional[int] = _FW_MAX,
+    workers: int = _WORKERS_OPT, backend: str = _BACKEND_OPT, json_out: bool = _JSON_OPT,
+):
+    """FineWeb-Edu -> edu_fineweb_{val,train}_%06d.bin (llm.c's dev/data/fineweb.py -t edu)."""
+    _prepro_fineweb(True, version, out_dir, source, shard_size, max_shards, workers, backend, json_out)
+
+
+@prepro_app.command("tokenizer")
+def prepro_tokenizer_cmd(
+    out: str = typer.Option("gpt2_tokenizer.bin", "--out", help="Where to write llm.c's tokenizer file."),
+    json_out: bool = _JSON_OPT,
+):
+    """Write llm.c's gpt2_tokenizer.bin (version 2, 372,108 bytes) from the offline GPT-2 tokenizer."""
+    from llmctl.tokenizer import write_gpt2_tokenizer_bin
+
+    _prepro_report(write_gpt2_tokenizer_bin(out), json_out)
+
+
+@app.command("inspect-bin")
+def inspect_bin_cmd(
+    files: List[str] = typer.Argument(
+        ..., show_default=False, metavar="FILES",
+        help="llm.c .bin files: token shards, eval files, checkpoints, tokenizer and state files."),
+    json_out: bool = typer.Option(False, "--json", help="Print a JSON list, one object per file, on stdout."),
+    decode: int = typer.Option(
+        0, "--decode", min=0, metavar="N",
+        help="Also print the first N tokens of each shard (or of the first eval example) as text."),
+):
+    """Identify llm.c binaries by their magic and validate them fully. Exit 1 if any is invalid."""
+    import json
+
+    from rich.markup import escape
+    from rich.table import Table
+
+    from llmctl.inspect import inspect_files, summary_line
+
+    results = inspect_files(files, decode=decode)
+    if json_out:
+        print(json.dumps(results))
+    elif out_console.is_terminal:
+        table = Table(show_edge=False, box=None, pad_edge=False)
+        for col in ("file", "kind", "status", "details"):
+            table.add_column(col, overflow="fold")
+        for r in results:
+            if r["valid"]:
+                table.add_row(escape(r["path"]), r["kind"], "[green]ok[/]", escape(summary_line(r)))
+        if table.row_count:
+            out_console.print(table)
+    else:  # piped: one plain line per valid file
+        for r in results:
+            if r["valid"]:
+                print(f"{r['path']}: {r['kind']} ok: {summary_line(r)}")
+    if not json_out:
+        for r in results:
+            if r.get("decoded") is not None:
+                print(f"--- {r['path']}: first {decode} tokens ---\n{r['decoded']}")
+                for i, text in enumerate(r.get("decoded_endings") or []):
+                    print(f"--- ending {i} ---\n{text}")
+            elif r.get("decode_error"):
+                sys.stderr.write(f"{r['path']}: cannot decode: {r['decode_error']}\n")
+    for r in results:  # one line per bad file, plain text (paths may contain rich markup)
+        if not r["valid"]:
+            sys.stderr.write(f"{r['path']}: {r['problem']}\n")
+    raise typer.Exit(0 if all(r["valid"] for r in results) else 1)
+
+
+# --- eval / sample (llmctl/evaluate.py, llmctl/sample.py) ------------------------------------
+
+
+def _load_model(spec, threads):
+    """A GPT2 from a checkpoint path or descriptor (-e); threads resolved as llmctl.threads does."""
+    from llmctl.model import GPT2
+
+    return GPT2.from_init(spec, n_threads=threads or None)
+
+
+def _rate_progress(unit):
+    """A rich progress bar on stderr showing done/total, <unit>/s and the ETA."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
+    from rich.text import Text
+
+    class _Rate(ProgressColumn):
+        def render(self, task):
+            return Text("-" if not task.speed else f"{task.speed:.2f} {unit}/s")
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), _Rate(),
+                    TimeRemainingColumn(), console=err_console, transient=True,
+                    disable=not err_console.is_terminal)
+
+
+_THREADS_OPT = typer.Option(0, "--threads", help="Kernel/BLAS threads (0 = OMP_NUM_THREADS or all cores; -1 = all cores). On a busy machine 1 is often fastest.")
+
+
+@eval_app.command("hellaswag")
+def eval_hellaswag_cmd(
+    checkpoint: str = typer.Option(..., "--checkpoint", "-e", help="Model: llm.c .bin checkpoint or descriptor (d6, d12, ...) (llm.c: -e)."),
+    input_file: str = typer.Option("data/hellaswag/hellaswag_val.bin", "--input", "-i", help="llm.c eval file (written by `llmctl prepro hellaswag`)."),
+    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Score only the first N examples (default: all)."),
+    norm: str = typer.Option("tokens", "--norm", help="acc_norm normalisation: tokens (llm.c: mean loss per token) or chars (lm-evaluation-harness: per character)."),
+    per_example: bool = typer.Option(False, "--per-example", help="With --json: include every example's losses and choices."),
+    batch_tokens: int = typer.Option(2048, "--batch-tokens", min=64, help="Padded positions per forward batch (memory vs. speed)."),
+    nproc: int = typer.Option(1, "--nproc", min=1, help="Processes on this host, each scoring a contiguous slice as llm.c's ranks do (llm.c -pn); threads per process = cores / N unless --threads. No --per-example or progress bar with N > 1."),
+    threads: int = _THREADS_OPT,
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+):
+    """Multiple-choice accuracy (HellaSwag) scored exactly as llm.c's EvalLoader: acc_norm, acc, correct/total."""
+    import json
+    import time
+
+    from llmctl.errors import ConfigError
+    from llmctl.evaluate import eval_hellaswag, eval_hellaswag_multiproc
+
+    if norm not in ("tokens", "chars"):
+        raise ConfigError(f"--norm must be 'tokens' or 'chars', got {norm!r}")
+    t0 = time.time()
+    if nproc > 1:
+        if per_example:
+            raise ConfigError("--per-example needs --nproc 1")
+        res = eval_hellaswag_multiproc(checkpoint, input_file, nproc, threads=threads or None, limit=limit,
+                                       norm=norm, batch_tokens=batch_tokens)
+    else:
+        model = _load_model(checkpoint, threads)
+        with _rate_progress("ex") as progress:
+            task = progress.add_task("hellaswag", total=None)
+            res = eval_hellaswag(model, input_file, limit=limit, norm=norm, per_example=per_example,
+                                 n_threads=model.n_threads, batch_tokens=batch_tokens,
+                                 on_start=lambda n: progress.update(task, total=n),
+                                 on_progress=lambda d: progress.update(task, completed=d))
+    res["seconds"] = round(time.time() - t0, 3)
+    if json_out:
+        print(json.dumps(res))
+        return
+    n = res["num_examples"]
+    print(f"acc_norm: {res['correct_norm']}/{n} = {res['acc_norm']:.4f}  (norm: {res['norm']})")
+    print(f"acc:      {res['correct']}/{n} = {res['acc']:.4f}")
+    err_console.print(f"[dim]{n} examples in {res['seconds']:.1f} s ({n / max(res['seconds'], 1e-9):.2f} examples/s)[/]")
+
+
+@eval_app.command("loss")
+def eval_loss_cmd(
+    checkpoint: str = typer.Option(..., "--checkpoint", "-e", help="Model: llm.c .bin checkpoint or descriptor (llm.c: -e)."),
+    pattern: str = typer.Option("data/tinyshakespeare/tiny_shakespeare_val.bin", "--val", "-j", help="Token shard glob, quoted (llm.c: -j)."),
+    batch_size: int = typer.Option(4, "--batch-size", "-b", help="Sequences per forward (llm.c: -b)."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", "-t", help="Sequence length T (default: min(1024, maxT)) (llm.c: -t)."),
+    max_batches: int = typer.Option(-1, "--max-batches", "-m", help="Stop after N batches; -1 = every full batch of every shard (llm.c: -m)."),
+    threads: int = _THREADS_OPT,
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+):
+    """Mean next-token loss and perplexity of a checkpoint over token shards (llm.c's val loss)."""
+    import json
+
+    from llmctl.evaluate import eval_loss
+
+    model = _load_model(checkpoint, threads)
+    with _rate_progress("batch") as progress:
+        task = progress.add_task("loss", total=None)
+        res = eval_loss(model, pattern, B=batch_size, T=seq_len, max_batches=max_batches,
+                        on_start=lambda n: progress.update(task, total=n),
+                        on_progress=lambda d: progress.update(task, completed=d))
+    if json_out:
+        print(json.dumps(res))
+        return
+    print(f"loss: {res['loss']:.4f}  perplexity: {res['perplexity']:.2f}")
+    err_console.print(f"[dim]{res['num_batches']} batches x {res['B']}x{res['T']} tokens "
+                      f"from {len(res['files'])} file(s)[/]")
+
+
+@app.command("sample")
+def sample_cmd(
+    checkpoint: str = typer.Option(..., "--checkpoint", "-e", help="Model: llm.c .bin checkpoint or descriptor (llm.c: -e)."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text (<|endoftext|> is the EOT token). Default: start from EOT like llm.c."),
+    prompt_file: Optional[str] = typer.Option(None, "--prompt-file", help="Read the prompt from a UTF-8 file (verbatim)."),
+    num_tokens: int = typer.Option(64, "-n", "--max-new-tokens", min=1, help="Tokens to generate; truncated with a message if prompt + n > maxT (llm.c train: -g)."),
+    temperature: float = typer.Option(1.0, "--temperature", min=0.0, help="Softmax temperature; 0 = greedy."),
+    top_k: int = typer.Option(0, "--top-k", min=0, help="Sample among the K most likely tokens (0 = off)."),
+    top_p: float = typer.Option(1.0, "--top-p", min=0.0, max=1.0, help="Nucleus sampling: smallest set with probability >= P (1 = off)."),
+    seed: int = typer.Option(1337, "--seed", help="Sampler seed (llm.c's xorshift; same seed -> same text)."),
+    num_samples: int = typer.Option(1, "--num-samples", min=1, help="Samples to draw, one after another from one RNG stream."),
+    no_cache: bool = typer.Option(False, "--no-cache", help="Recompute the full forward every token (llm.c's way; slow)."),
+    threads: int = _THREADS_OPT,
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object per sample (prompt_tokens, tokens, text) on stdout."),
+):
+    """Generate text with a KV cache, streaming it as it is produced; stops at -n tokens or EOT."""
+    import json
+    import time
+
+    from llmctl.errors import ConfigError
+    from llmctl.sample import _escape_controls, check_sample_length, sample
+    from llmctl.tokenizer import get_tokenizer
+
+    if prompt is not None and prompt_file is not None:
+        raise ConfigError("give --prompt or --prompt-file, not both")
+    if prompt_file is not None:
+        try:
+            with open(prompt_file, encoding="utf-8") as f:
+                prompt = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{prompt_file}: cannot read the prompt: {e}")
+    tok = get_tokenizer()
+    prompt_tokens = (tok.encoding.encode(prompt, allowed_special={"<|endoftext|>"}) if prompt else []) or [tok.eot]
+    model = _load_model(checkpoint, threads)
+    n, msg = check_sample_length(model.config, len(prompt_tokens), num_tokens)
+    if msg:
+        err_console.print(f"[yellow]Warning:[/] {msg}")
+    tty = sys.stdout.isatty()
+
+    def on_text(i, piece):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    def on_sample_start(i):
+        if num_samples > 1:
+            err_console.print(f"[dim]--- sample {i + 1}/{num_samples} ---[/]")
+        if prompt:
+            sys.stdout.write(_escape_controls(prompt) if tty else prompt)
+
+    def on_sample_end(i, result):
+        if json_out:
+            print(json.dumps(result))
+        else:
+            sys.stdout.write("\n")
+        sys.stdout.flush()
+
+    t0 = time.time()
+    results = sample(model, prompt_tokens, num_samples=num_samples, max_new_tokens=n,
+                     temperature=temperature, top_k=top_k or None,
+                     top_p=top_p if top_p < 1.0 else None, seed=seed, use_cache=not no_cache,
+                     tokenizer=tok, n_threads=model.n_threads, escape=tty,
+                     on_text=None if json_out else on_text,
+                     on_sample_start=None if json_out else on_sample_start,
+                     on_sample_end=on_sample_end)
+    if not json_out:
+        dt = time.time() - t0
+        ntok = sum(len(r["tokens"]) for r in results)
+        err_console.print(f"[dim]{ntok} tokens in {dt:.2f} s ({ntok / max(dt, 1e-9):.1f} tokens/s)[/]")
+
+
+# --- train (llmctl/train.py) -----------------------------------------------------------------
+
+
+@app.command("train", context_settings={"help_option_names": ["--help"]})
+def train_cmd(
+    train_data: str = typer.Option("dev/data/tinyshakespeare/tiny_shakespeare_train.bin", "-i", "--train-data",
+                                   help="Train shards glob (quote it)."),
+    val_data: str = typer.Option("dev/data/tinyshakespeare/tiny_shakespeare_val.bin", "-j", "--val-data",
+                                 help="Val shards glob (quote it)."),
+    init: str = typer.Option("gpt2_124M_bf16.bin", "-e", "--init",
+                             help="Start from an llm.c checkpoint .bin or a descriptor: d6, d12, gpt3:c768 (random init, seed 42)."),
+    output_dir: Optional[str] = typer.Option(None, "-o", "--output-dir",
+                                             help="Directory for main.log, metrics.jsonl and checkpoints (default: none)."),
+    batch_size: int = typer.Option(4, "-b", "--batch-size", help="Micro batch size B per process."),
+    seq_len: int = typer.Option(1024, "-t", "--seq-len", help="Sequence length T (<= the model's maxT)."),
+    total_batch_size: int = typer.Option(-1, "-d", "--total-batch-size",
+                                         help="Tokens per step; a multiple of B*T*P gives gradient accumulation (-1 = B*T*P)."),
+    max_steps: int = typer.Option(-1, "-x", "--max-steps", help="Optimization steps (-1 = one epoch of the train data)."),
+    lr_scheduler: str = typer.Option("cosine", "-k", "--lr-scheduler", help="cosine, linear, constant or wsd."),
+    learning_rate: float = typer.Option(3e-4, "-l", "--learning-rate", help="Peak learning rate."),
+    warmup_iters: int = typer.Option(0, "-u", "--warmup-iters", help="Linear warmup steps."),
+    final_lr_frac: float = typer.Option(1.0, "-q", "--final-lr-frac",
+                                        help="Final lr as a fraction of -l (1.0 = no decay)."),
+    weight_decay: float = typer.Option(0.0, "-c", "--weight-decay", help="AdamW weight decay (2-D tensors only)."),
+    beta1: float = typer.Option(0.9, "--beta1", help="AdamW beta1."),
+    beta2: float = typer.Option(0.95, "--beta2", help="AdamW beta2."),
+    grad_clip: float = typer.Option(1.0, "--grad-clip", help="Clip the global grad norm to this (0 disables)."),
+    val_loss_every: int = typer.Option(20, "-v", "--val-loss-every", help="Evaluate val loss every N steps (0 = never)."),
+    val_max_steps: int = typer.Option(20, "-m", "--val-max-steps", help="Val batches per evaluation (-1 = whole split)."),
+    sample_every: int = typer.Option(20, "-s", "--sample-every", help="Generate a sample every N steps (0 = never)."),
+    gen_tokens: int = typer.Option(64, "-g", "--gen-tokens", help="Sample length in tokens, including the start token."),
+    checkpoint_every: int = typer.Option(0, "-n", "--checkpoint-every", help="Write a checkpoint every N steps (0 = never; needs -o)."),
+    checkpoints_keep: int = typer.Option(0, "-nk", "--checkpoints-keep", help="Keep only the last N checkpoints (0 = all)."),
+    major_checkpoint_every: int = typer.Option(0, "-nm", "--major-checkpoint-every",
+                                               help="Checkpoints at multiples of N steps are never deleted (0 = none)."),
+    resume: int = typer.Option(0, "-y", "--resume", help="1 = resume from the newest checkpoint in -o; 0 = start over."),
+    overfit_single_batch: int = typer.Option(0, "-a", "--overfit-single-batch",
+                                             help="1 = train on one val batch over and over (debugging)."),
+    run_hellaswag: int = typer.Option(0, "-h", "--run-hellaswag",
+                                      help="1 = HellaSwag accuracy (llm.c's acc_norm) every -v steps and at the last step."),
+    hellaswag_file: str = typer.Option("dev/data/hellaswag/hellaswag_val.bin", "--hellaswag",
+                                       help="llm.c eval file for -h 1 (written by `llmctl prepro hellaswag`)."),
+    hellaswag_limit: Optional[int] = typer.Option(None, "--hellaswag-limit", min=1,
+                                                  help="With -h 1: score only the first N examples (default: all)."),
+    seed: int = typer.Option(42, "--seed", help="Shuffle seed: rank r uses seed + r (llm.c: 42)."),
+    threads: int = typer.Option(0, "--threads", help="Kernel threads (0 = OMP_NUM_THREADS or all cores)."),
+    json_out: bool = typer.Option(False, "--json", help="Machine output: one JSON object per event on stdout."),
+    nproc: int = typer.Option(1, "--nproc", help="Data-parallel processes on this host (llm.c -pn); threads per process = cores / N unless --threads."),
+    dist_timeout: float = typer.Option(30.0, "--dist-timeout", help="Seconds without a heartbeat before a rank counts as dead or hung and the job stops (--nproc > 1)."),
+    master_port: int = typer.Option(0, "--master-port", help="Loopback TCP port of the --nproc control hub (0 = pick a free one). Across hosts: the rendezvous port on --master-addr (0 = MASTER_PORT or 29500)."),
+    nnodes: Optional[int] = typer.Option(None, "--nnodes", help="Hosts in the job (default: NNODES, or SLURM_NNODES under srun with one task per node, else 1)."),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", help="This host's index 0..nnodes-1 (default: NODE_RANK / GROUP_RANK / SLURM_NODEID, else 0)."),
+    master_addr: Optional[str] = typer.Option(None, "--master-addr", help="Node 0's address, where the rendezvous listens (llm.c -ps; default: MASTER_ADDR, else 127.0.0.1)."),
+    bind_addr: Optional[str] = typer.Option(None, "--bind-addr", help="This host's address for ring traffic (default: LLMCTL_BIND_ADDR, else the --master-addr on node 0 and the interface that routes to it elsewhere; never all interfaces unless you pass 0.0.0.0)."),
+    backend: str = typer.Option("auto", "--backend", help="auto, shm, ring or mpi (auto: mpi under mpiexec, shm on one host, ring across hosts; llm.c -pi)."),
+    rdzv_timeout: float = typer.Option(300.0, "--rdzv-timeout", help="Seconds to wait for every host to join the rendezvous."),
+):
+    """Train GPT-2 with llm.c's loop (train_gpt2.cu flags); checkpoints llm.c can load; -y 1 resumes bit-exactly."""
+    from llmctl.display import make_display
+    from llmctl.train import TrainConfig, TrainInterrupted, train
+
+    cfg = TrainConfig(
+        train_data=train_data, val_data=val_data, init=init, output_dir=output_dir,
+        checkpoint_every=checkpoint_every, checkpoints_keep=checkpoints_keep,
+        major_checkpoint_every=major_checkpoint_every, resume=resume, batch_size=batch_size,
+        seq_len=seq_len, total_batch_size=total_batch_size, max_steps=max_steps,
+        lr_scheduler=lr_scheduler, learning_rate=learning_rate, warmup_iters=warmup_iters,
+        final_lr_frac=final_lr_frac, weight_decay=weight_decay, beta1=beta1, beta2=beta2,
+        grad_clip=grad_clip, val_loss_every=val_loss_every, val_max_steps=val_max_steps,
+        sample_every=sample_every, gen_tokens=gen_tokens, overfit_single_batch=overfit_single_batch,
+        hellaswag=run_hellaswag, hellaswag_path=hellaswag_file, hellaswag_limit=hellaswag_limit,
+        seed=seed, threads=threads or None)
+    try:
+        from llmctl.dist.hier import run_train  # across hosts / external launchers / --backend mpi
+
+        handled, _ = run_train(cfg, nproc=nproc, nnodes=nnodes, node_rank=node_rank,
+                               master_addr=master_addr, master_port=master_port, bind_addr=bind_addr,
+                               backend=backend, threads=threads or None, timeout=dist_timeout,
+                               rdzv_timeout=rdzv_timeout, json_out=json_out)
+        if handled:
+            pass
+        elif nproc != 1:  # N ranks, each running train(cfg) on its slice of every batch
+            from llmctl.dist.launcher import launch_train
+
+            launch_train(cfg, nproc, threads=threads or None, timeout=dist_timeout,
+                         master_port=master_port, json_out=json_out)
+        else:
+            train(cfg, display=make_display(json_out=json_out))
+    except TrainInterrupted as e:
+        err_console.print(f"Interrupted: {e.message}", soft_wrap=True, highlight=False, markup=False)
+        raise typer.Exit(130)
+
+
 def main(argv: Optional[List[str]] = None):
     """Entry point: run the typer app, mapping user errors to one line and a non-zero exit."""
     # Standalone mode: typer prints usage errors (exit 2) and maps Ctrl-C to exit 130.
     try:
         app(args=argv, prog_name="llmctl")
     except LlmctlError as e:
-        err_console.print(f"[bold red]Error:[/] {e.message}", soft_wrap=True)
+        err_console.print(f"[bold red]Error:[/] {escape(e.message)}", soft_wrap=True)
         if e.hint:
-            err_console.print(f"[bold]Hint:[/] {e.hint}", soft_wrap=True)
+            err_console.print(f"[bold]Hint:[/] {escape(e.hint)}", soft_wrap=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         err_console.print("Interrupted.")
