@@ -36,3 +36,13 @@ def _no_network(monkeypatch):
     """Tests never reach the internet: tiktoken/datasets must work from local files."""
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(autouse=True)
+def _cwd_outside_the_checkout(tmp_path, monkeypatch):
+    """Run every test (and the `python -m llmctl` processes it starts) from an empty directory.
+
+    From the repo root, `python -m` would import the source tree instead of the installed, built
+    llmctl; a user's relative paths resolve against their own directory, never the checkout.
+    """
+    monkeypatch.chdir(tmp_path)

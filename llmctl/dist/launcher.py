@@ -64,6 +64,20 @@ def _stderr_log(msg):
     sys.stderr.flush()
 
 
+
+def _worker_command():
+    """argv for one rank, importing the same llmctl this launcher runs.
+
+    `python -m llmctl.dist.worker` would put the working directory first on sys.path, so a run
+    started from a source checkout (next to an installed llmctl) would import the unbuilt tree.
+    """
+    import llmctl
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(llmctl.__file__)))
+    code = ("import sys; sys.path[0] = %r; from llmctl.dist.worker import main; sys.exit(main())" % root)
+    return [sys.executable, "-c", code]
+
+
 def launch(target, args, nproc, *, threads=None, timeout=30.0, collective_timeout=None,
            master_addr="127.0.0.1", master_port=0, grace=3.0, log=None, extra_env=None,
            shm_dir=SHM_DIR):
@@ -135,7 +149,7 @@ def launch(target, args, nproc, *, threads=None, timeout=30.0, collective_timeou
         for r in range(nproc):
             env = dict(base_env, RANK=str(r), LOCAL_RANK=str(r))
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "llmctl.dist.worker"], env=env, stdin=subprocess.DEVNULL,
+                _worker_command(), env=env, stdin=subprocess.DEVNULL,
                 start_new_session=True, preexec_fn=_child_setup(me), close_fds=True))
         names = {r: f"rank {r} (pid {p.pid})" for r, p in enumerate(procs)}
         hub = Hub(listener, secret, nproc, timeout, collective_timeout, startup_timeout, log, names)
