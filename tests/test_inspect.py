@@ -277,7 +277,7 @@ def test_fuzz_through_cli_in_process(tmp_path, capsys):
 def run_cli(*args):
     env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="200")
     return subprocess.run([sys.executable, "-m", "llmctl", "inspect-bin", *map(str, args)],
-                          capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+                          capture_output=True, text=True, env=env, timeout=120)
 
 
 def test_cli_valid_files_exit_0(valid_files):
