@@ -34,7 +34,8 @@ class Display:
         pass
 
     def step(self, rec):
-        """rec: step, num_steps, train_loss, lr, grad_norm, ms, tokens_per_s, mfu (+ val_loss)."""
+        """rec: step, num_steps, train_loss, lr, grad_norm, ms, tokens_per_s, mfu (+ val_loss;
+        with -sl/-sg also loss_z, grad_z (None while the window fills) and skipped)."""
 
     def message(self, text):
         pass
@@ -70,10 +71,14 @@ class PlainDisplay(Display):
         self._print(f"Writing checkpoint at step {step}: {path}")
 
     def step(self, rec):
+        # with -sl/-sg, llm.c's `loss %7.6f (%+.2fz)| norm %6.4f (%+.2fz)|` (nan while filling)
+        zl = f" ({_z(rec['loss_z'])}z)" if "loss_z" in rec else ""
+        zg = f" ({_z(rec['grad_z'])}z)" if "grad_z" in rec else ""
         self._print(
-            f"step {rec['step'] + 1:4d}/{rec['num_steps']} | loss {rec['train_loss']:.6f} | "
-            f"norm {rec['grad_norm']:6.4f} | lr {rec['lr']:.2e} | {rec['ms']:.2f} ms | "
-            f"{100 * _nz(rec.get('mfu')):.1f}% fp32 MFU | {rec['tokens_per_s']:.0f} tok/s")
+            f"step {rec['step'] + 1:4d}/{rec['num_steps']} | loss {rec['train_loss']:.6f}{zl} | "
+            f"norm {rec['grad_norm']:6.4f}{zg} | lr {rec['lr']:.2e} | {rec['ms']:.2f} ms | "
+            f"{100 * _nz(rec.get('mfu')):.1f}% fp32 MFU | {rec['tokens_per_s']:.0f} tok/s"
+            + (" | update skipped" if rec.get("skipped") else ""))
 
     def message(self, text):
         self._print(text)
@@ -85,6 +90,10 @@ class PlainDisplay(Display):
 
 def _nz(x):
     return 0.0 if x is None else x
+
+
+def _z(x):
+    return "+nan" if x is None else f"{x:+.2f}"
 
 
 class JsonDisplay(Display):
@@ -135,6 +144,7 @@ class RichDisplay(Display):
         self.last = {}
         self.val_loss = None
         self.t_start = None
+        self.skipped = 0
 
     def _render(self):
         from rich.console import Group
@@ -152,6 +162,10 @@ class RichDisplay(Display):
             _fmt(r.get("tokens_per_s"), ",.0f"),
             "-" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%",
             "-" if not r else f"{r['step'] + 1}")
+        if "skipped" in r:  # -sl/-sg on
+            t.add_row("[dim]loss z", "[dim]norm z", "[dim]skipped", "", "", "", "", "")
+            t.add_row(_fmt(r.get("loss_z"), "+.2f"), _fmt(r.get("grad_z"), "+.2f"),
+                      str(self.skipped), "", "", "", "", "")
         return Group(self.progress, t)
 
     def start(self, info):
@@ -192,6 +206,7 @@ class RichDisplay(Display):
 
     def step(self, rec):
         self.last = rec
+        self.skipped += bool(rec.get("skipped"))
         if self.progress is not None:
             self.progress.update(self.task, completed=rec["step"] + 1)
         self._refresh()

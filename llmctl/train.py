@@ -4,10 +4,12 @@ What it is: `TrainConfig` (one field per llm.c flag, llm.c's defaults) and `trai
 display)`, which runs the loop of train_gpt2.cu in its order, for step = start..N inclusive:
 val loss -> HellaSwag (-h 1) -> sample -> checkpoint -> (stop at the last step) -> micro-steps of
 forward/backward with gradient accumulation -> all-reduce of the flat gradient buffer -> lr
-schedule, grad-norm clip, AdamW -> log `s:%d trl:%.4f lr:%.6f norm:%.2f`. Checkpoints are llm.c's
-`model_%08d.bin` (rank 0), `state_%08d_%05d.bin` (every rank) and an empty `DONE_%08d` written
-last; `-y 1` resumes from the newest DONE and continues bit for bit (fixed thread count). Also
-writes `metrics.jsonl`.
+schedule, grad-norm clip, AdamW (skipped when -sl/-sg's outlier z-score says so, llmctl/outlier.py)
+-> log `s:%d trl:%.4f lr:%.6f norm:%.2f`. Checkpoints are llm.c's `model_%08d.bin` (rank 0),
+`state_%08d_%05d.bin` (every rank; with -sl/-sg also a `state_%08d_%05d.outlier.json` sidecar
+holding the detectors, which llm.c does not save) and an empty `DONE_%08d` written last; `-y 1`
+resumes from the newest DONE and continues bit for bit (fixed thread count). Also writes
+`metrics.jsonl`.
 What it is not: the model math (llmctl/model.py), the data pipeline (llmctl/loader.py), the
 process launcher (llmctl/dist), HellaSwag scoring (llmctl/evaluate.py) or the rendering
 (llmctl/display.py). Differences from llm.c are listed in docs/training.md.
@@ -30,6 +32,7 @@ from llmctl.dist.base import SingleProcessComm
 from llmctl.display import Display
 from llmctl.errors import ConfigError, DataError, FormatError, LlmctlError
 from llmctl.loader import DataLoader
+from llmctl.outlier import OutlierDetector, as_float32, skip_update
 from llmctl.schedulers import SCHEDULERS, LRScheduler
 from llmctl.threads import resolve_threads
 
@@ -69,6 +72,8 @@ class TrainConfig:
     warmup_iters: int = 0  # -u
     final_lr_frac: float = 1.0  # -q
     weight_decay: float = 0.0  # -c
+    skip_update_lossz: float = 0.0  # -sl: skip the update if the loss z-score exceeds it (0 = off)
+    skip_update_gradz: float = 0.0  # -sg: same for the grad-norm z-score (0 = off)
     beta1: float = 0.9  # hard-coded in llm.c
     beta2: float = 0.95  # hard-coded in llm.c
     eps: float = 1e-8  # hard-coded in llm.c
@@ -118,6 +123,11 @@ def checkpoint_paths(output_dir, step, rank=0):
     return (os.path.join(output_dir, f"model_{step:08d}.bin"),
             os.path.join(output_dir, f"state_{step:08d}_{rank:05d}.bin"),
             os.path.join(output_dir, f"DONE_{step:08d}"))
+
+
+def outlier_state_path(output_dir, step, rank=0):
+    """The -sl/-sg detectors' sidecar next to state_%08d_%05d.bin (llmctl only)."""
+    return os.path.join(output_dir, f"state_{step:08d}_{rank:05d}.outlier.json")
 
 
 _PEAK_CACHE = {}
@@ -190,6 +200,14 @@ def _validate(cfg, P):
     if cfg.val_max_steps < -1 or cfg.val_max_steps == 0 and cfg.val_loss_every > 0:
         raise ConfigError(f"val max steps (-m) must be -1 (whole split) or >= 1, got "
                           f"{cfg.val_max_steps}", hint="use -v 0 to skip validation")
+    for name, flag, v in (("--skip-update-lossz", "-sl", cfg.skip_update_lossz),
+                          ("--skip-update-gradz", "-sg", cfg.skip_update_gradz)):
+        try:
+            ok = math.isfinite(float(v)) and float(v) >= 0
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ConfigError(f"{name} ({flag}) must be a z-score >= 0 (0 = off), got {v}")
     if cfg.grad_clip < 0:
         raise ConfigError(f"--grad-clip must be >= 0 (0 disables), got {cfg.grad_clip}")
     if cfg.resume not in (0, 1):
@@ -341,9 +359,14 @@ class Trainer:
         mc = self.model.config
         self.gen_tokens = min(cfg.gen_tokens, mc.max_seq_len)
 
+        # -sl/-sg: llm.c's outlier detectors over the step's loss and grad norm
+        self.detect_outliers = cfg.skip_update_lossz != 0 or cfg.skip_update_gradz != 0
+        self.loss_detector, self.grad_detector = OutlierDetector(), OutlierDetector()
+
         self.scheduler = LRScheduler(cfg.lr_scheduler, cfg.learning_rate, cfg.warmup_iters,
                                      self.num_steps, cfg.final_lr_frac)
         self.start_step = 0
+        self.resume_notes = []
         if self.resume_step >= 0:
             self.start_step = self._load_state(self.resume_step)
             if self.start_step > self.num_steps:
@@ -389,7 +412,29 @@ class Trainer:
         else:
             self.train_loader.should_shuffle = False
             self.train_loader.resume(st.current_shard_idx, st.current_sample_idx)
+        if self.detect_outliers:
+            self._load_outlier_state(step)
         return int(st.step)
+
+    def _load_outlier_state(self, step):
+        path = outlier_state_path(self.out, step, self.rank)
+        if not os.path.isfile(path):
+            self.resume_notes.append(
+                f"note: {os.path.basename(path)} is absent (checkpoint written without -sl/-sg "
+                "or by llm.c): the outlier windows start empty, as llm.c's do on resume")
+            return
+        try:
+            with open(path) as f:
+                d = json.load(f)
+            if d.get("step") != step:
+                raise ValueError(f"says step {d.get('step')}")
+            self.loss_detector.load_state_dict(d["loss"])
+            self.grad_detector.load_state_dict(d["grad_norm"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise FormatError(f"{path}: corrupt outlier-detector state ({e})",
+                              hint=f"delete it to resume with empty windows (as llm.c), or "
+                                   f"delete DONE_{step:08d} to resume from an earlier checkpoint"
+                              ) from None
 
     def write_checkpoint(self, step):
         """model (rank 0), state (every rank), barrier, DONE (rank 0): llm.c write_checkpoint."""
@@ -410,6 +455,11 @@ class Trainer:
                        shard_indices=ld["shard_indices"],
                        intra_shard_indices=ld["intra_shard_indices"], mt_state=ld["rng_state"])
         write_state_file(state_path, st)
+        if self.detect_outliers:
+            d = {"step": step, "loss": self.loss_detector.state_dict(),
+                 "grad_norm": self.grad_detector.state_dict()}
+            _atomic_write_bytes(outlier_state_path(self.out, step, self.rank),
+                                (json.dumps(d) + "\n").encode())
         self.comm.barrier()
         if self.is_master:
             _atomic_write_bytes(done_path, b"")
@@ -419,7 +469,8 @@ class Trainer:
     def delete_checkpoint(self, step):
         model_path, state_path, done_path = checkpoint_paths(self.out, step, self.rank)
         # DONE first: a half-deleted checkpoint must never look complete
-        for p in ((done_path, model_path) if self.is_master else ()) + (state_path,):
+        for p in (((done_path, model_path) if self.is_master else ())
+                  + (state_path, outlier_state_path(self.out, step, self.rank))):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(p)
 
@@ -474,8 +525,10 @@ class Trainer:
             self.allreduce_ms = (time.perf_counter() - t0) * 1000.0
 
     def train_step(self, step):
-        """Micro-steps + all-reduce + clip + AdamW. -> (mean loss over micro-steps and ranks,
-        lr, grad norm). Raises TrainingDiverged (before any update) on a non-finite loss/norm."""
+        """Micro-steps + all-reduce + outlier z-scores + clip + AdamW. -> (mean loss over
+        micro-steps and ranks, lr, grad norm, outlier dict: {} without -sl/-sg, else loss_z,
+        grad_z (None while a window fills) and skipped). Raises TrainingDiverged (before any
+        update) on a non-finite loss/norm."""
         model = self.model
         model.zero_grad()
         loss_sum = 0.0
@@ -490,8 +543,12 @@ class Trainer:
         if self.P > 1:
             loss = self.comm.all_reduce_sum_scalar(loss) / self.P
         self.all_reduce_grads()
+        # llm.c feeds its float mean_loss / grad_norm (as double) and keeps z as float; every
+        # rank sees the same all-reduced values, so every rank makes the same decision
+        zloss = self.loss_detector.update(as_float32(loss))
         lr = self.scheduler.lr_at(step)
         grad_norm = float(model.grad_norm())
+        zgrad = self.grad_detector.update(as_float32(grad_norm))
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             what = "loss" if not math.isfinite(loss) else "gradient norm"
             value = loss if not math.isfinite(loss) else grad_norm
@@ -500,11 +557,25 @@ class Trainer:
             raise TrainingDiverged(
                 f"{what} is {value} at step {step}: training stopped before the update ({where})",
                 hint="lower the learning rate (-l), add warmup (-u) or keep --grad-clip on")
+        outlier = {}
+        skipped = None
+        if self.detect_outliers:
+            if skip_update(zloss, self.cfg.skip_update_lossz):
+                skipped = f"skipping update due to loss z-score of {as_float32(zloss):f}"
+            elif skip_update(zgrad, self.cfg.skip_update_gradz):
+                skipped = f"skipping update due to grad z-score of {as_float32(zgrad):f}"
+            outlier = {"loss_z": None if math.isnan(zloss) else as_float32(zloss),
+                       "grad_z": None if math.isnan(zgrad) else as_float32(zgrad),
+                       "skipped": skipped is not None}
+        if skipped is not None:
+            if self.is_master:
+                self.display.message(skipped)  # llm.c prints it before the step line
+            return loss, lr, grad_norm, outlier
         clip = self.cfg.grad_clip
         grad_scale = clip / grad_norm if clip > 0 and grad_norm > clip else 1.0
         model.update(lr, self.cfg.beta1, self.cfg.beta2, self.cfg.eps, self.cfg.weight_decay,
                      grad_scale, step + 1)
-        return loss, lr, grad_norm
+        return loss, lr, grad_norm, outlier
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -526,6 +597,9 @@ class Trainer:
             "threads": self.n_threads,
             "output_dir": self.out or "-",
         }
+        if self.detect_outliers:
+            info["skip_update"] = (f"loss z > {c.skip_update_lossz:g}, grad norm z > "
+                                   f"{c.skip_update_gradz:g} (0 = off; window 128)")
         if c.hellaswag:
             info["hellaswag"] = f"{c.hellaswag_path} ({self.hellaswag_examples} examples)"
         return info
@@ -576,6 +650,8 @@ class Trainer:
                     f"resuming from the checkpoint at step {self.start_step} in {self.out}"
                     if self.resume_step >= 0 else
                     f"no complete checkpoint in {self.out}: starting from {cfg.init}")
+            for note in self.resume_notes:
+                self.display.message(note)
         summary = {"start_step": self.start_step, "num_steps": N, "steps_run": 0,
                    "train_loss": None, "val_loss": None, "checkpoint": None,
                    "output_dir": self.out}
@@ -622,13 +698,14 @@ class Trainer:
                         break
 
                     t0 = time.perf_counter()
-                    loss, lr, norm = self.train_step(step)
+                    loss, lr, norm, outlier = self.train_step(step)
                     ms = (time.perf_counter() - t0) * 1000.0
                     times.append(ms)
                     tokens = self.P * self.B * self.T * self.grad_accum_steps
                     rec.update(train_loss=loss, lr=lr, grad_norm=norm, ms=ms,
                                tokens_per_s=tokens / (ms / 1000.0),
-                               mfu=self.flops_per_step / (ms / 1000.0) / self.peak_flops)
+                               mfu=self.flops_per_step / (ms / 1000.0) / self.peak_flops,
+                               **outlier)
                     if self.P > 1:
                         rec["allreduce_ms"] = self.allreduce_ms
                     self._log(f"s:{step} trl:{loss:.4f} lr:{lr:.6f} norm:{norm:.2f}")

@@ -700,3 +700,228 @@ def test_rich_display_renders():
     d.finish({"avg_ms": 10.0})
     text = buf.getvalue()
     assert "5.5000" in text and "hello" in text and "1/4" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# -sl / -sg: llm.c's OutlierDetector (llmc/outlier_detector.h) and update skipping
+
+
+def test_outlier_detector_matches_numpy_window():
+    from llmctl.outlier import OutlierDetector
+
+    rs = np.random.default_rng(7)
+    xs = 3.0 + 0.3 * rs.standard_normal(600)
+    xs[[200, 333, 334, 500]] += [4.0, -3.0, 6.0, 50.0]  # spikes enter the window too
+    for W in (128, 5):
+        det = OutlierDetector(W)
+        for i, x in enumerate(xs):
+            z = det.update(x)
+            if i < W:
+                assert math.isnan(z), (W, i)  # NaN until the window is full
+                continue
+            # llm.c: the new value replaces the oldest FIRST, z is against the window holding it,
+            # population std. Running double sums vs NumPy's two-pass float64: the cancellation
+            # in sum_sq/W - mean^2 (values ~3, var >= ~0.05) costs < 4 digits of 16, so 1e-9.
+            win = xs[i - W + 1:i + 1]
+            want = (x - win.mean()) / win.std(ddof=0)
+            assert z == pytest.approx(want, rel=1e-9, abs=1e-9), (W, i)
+            assert abs(z) <= math.sqrt(W - 1) + 1e-9  # a member's z is bounded: not "before adding"
+    const = OutlierDetector(4)
+    assert [const.update(2.5) for _ in range(6)][4:] == [0.0, 0.0]  # std exactly 0 -> 0.0
+
+
+def test_outlier_detector_state_round_trips_bit_exactly():
+    from llmctl.outlier import OutlierDetector
+
+    rs = np.random.default_rng(1)
+    xs = rs.standard_normal(300) * 0.1 + 1.0
+    a, b = OutlierDetector(), OutlierDetector()
+    for x in xs[:150]:
+        a.update(x)
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    za = [a.update(x) for x in xs[150:]]
+    zb = [b.update(x) for x in xs[150:]]
+    assert np.array_equal(np.array(za).view(np.uint64), np.array(zb).view(np.uint64))
+    with pytest.raises(ValueError):
+        OutlierDetector(64).load_state_dict(a.state_dict())
+
+
+def test_skip_update_rule_is_llmcs_float32_test():
+    from llmctl.outlier import skip_update
+
+    assert skip_update(3.5, 3.0) and not skip_update(2.5, 3.0)
+    assert not skip_update(float("nan"), 3.0)  # window still filling: never skip
+    assert not skip_update(50.0, 0.0)  # 0 = off
+    assert not skip_update(3.0000001, 3.0)  # both are float32 in llm.c: 3.0000001f == 3.0f
+
+
+class _Recorder(Display):
+    """Copies the trainer's params and AdamW state after every step; keeps the messages."""
+
+    def __init__(self, trainer=None):
+        self.t, self.after, self.messages, self.recs = trainer, {}, [], []
+
+    def step(self, rec):
+        self.recs.append(rec)
+        if self.t is not None:
+            m = self.t.model
+            self.after[rec["step"]] = (m.params.copy(), m.m.copy(), m.v.copy())
+
+    def message(self, text):
+        self.messages.append(text)
+
+
+def _poisoned_trainer(cfg, poison, display=None, comm=None):
+    """A Trainer whose loss (kind "loss": +5 on the reported loss) or gradients (kind "grad":
+    x1000 after backward) are spiked at the steps in `poison`; comm.step is the loop's step."""
+    from llmctl.train import Trainer
+
+    t = Trainer(cfg, comm, display=display or Display())
+    fwd, bwd = t.model.forward, t.model.backward
+
+    def forward(x, y):
+        loss = fwd(x, y)
+        return loss + 5.0 if poison.get(t.comm.step) == "loss" else loss
+
+    def backward(**kw):
+        bwd(**kw)
+        if poison.get(t.comm.step) == "grad":
+            t.model.grads *= 1000.0
+
+    t.model.forward, t.model.backward = forward, backward
+    return t
+
+
+@pytest.mark.parametrize("kind", ["loss", "grad"])
+def test_spike_skips_the_update(data, tmp_path, kind):
+    out = tmp_path / kind
+    flag = {"skip_update_lossz": 3.0} if kind == "loss" else {"skip_update_gradz": 3.0}
+    cfg = cfg_for(data, out, max_steps=140, val_loss_every=0, **flag)
+    # step 50: the window (128) is not full yet, z is NaN -> updated anyway (as llm.c)
+    t = _poisoned_trainer(cfg, {50: kind, 135: kind})
+    rec = t.display = _Recorder(t)
+    t.run()
+    recs = metrics(out)
+    assert [r["step"] for r in recs] == list(range(140))
+    zkey = "loss_z" if kind == "loss" else "grad_z"
+    assert all(r[zkey] is None for r in recs[:128]) and recs[128][zkey] is not None
+    assert [r["step"] for r in recs if r["skipped"]] == [135]
+    assert recs[135][zkey] > 3.0 and not recs[50]["skipped"]
+    # no AdamW update at step 135: params, m, v bit-identical to after step 134; 136 moves them
+    for a, b in zip(rec.after[134], rec.after[135]):
+        assert np.array_equal(a, b)
+    assert not np.array_equal(rec.after[135][0], rec.after[136][0])
+    assert not np.array_equal(rec.after[49][0], rec.after[50][0])
+    # llm.c's message; main.log still has the step's line (llm.c logs every step)
+    want = "loss z-score" if kind == "loss" else "grad z-score"
+    skips = [m for m in rec.messages if m.startswith("skipping update due to")]
+    assert len(skips) == 1 and want in skips[0]
+    assert f"{recs[135][zkey]:f}" in skips[0]
+    log = (out / "main.log").read_text().splitlines()
+    assert log[135] == (f"s:135 trl:{recs[135]['train_loss']:.4f} lr:{recs[135]['lr']:.6f} "
+                        f"norm:{recs[135]['grad_norm']:.2f}")
+
+
+def test_bit_exact_resume_keeps_outlier_windows(data, tmp_path):
+    kw = dict(max_steps=140, checkpoint_every=140, val_loss_every=0, skip_update_lossz=3.0)
+    poison = {135: "loss"}
+    a, b = tmp_path / "straight", tmp_path / "split"
+    _poisoned_trainer(cfg_for(data, a, **kw), poison).run()
+    with pytest.raises(TrainInterrupted):  # Ctrl-C during step 129: checkpoint at 130, window full
+        _poisoned_trainer(cfg_for(data, b, **kw), poison, display=_StopAfter(129)).run()
+    assert (b / "DONE_00000130").exists() and (b / "state_00000130_00000.outlier.json").exists()
+    c = tmp_path / "no_sidecar"
+    shutil.copytree(b, c)
+    s = _poisoned_trainer(cfg_for(data, b, resume=1, **kw), poison).run()
+    assert s["start_step"] == 130
+    for name in ("model_00000140.bin", "state_00000140_00000.bin", "main.log",
+                 "state_00000140_00000.outlier.json"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    assert no_timing(metrics(a)) == no_timing(metrics(b))
+    assert metrics(a)[135]["skipped"]
+
+    # without the sidecar (llm.c's behaviour) the windows restart empty: step 135 is not skipped
+    (c / "state_00000130_00000.outlier.json").unlink()
+    rec = _Recorder()
+    _poisoned_trainer(cfg_for(data, c, resume=1, **kw), poison, display=rec).run()
+    assert any("outlier windows start empty" in m for m in rec.messages)
+    assert not metrics(c)[135]["skipped"] and metrics(c)[135]["loss_z"] is None
+    assert (a / "model_00000140.bin").read_bytes() != (c / "model_00000140.bin").read_bytes()
+
+
+def test_outlier_sidecar_deleted_with_checkpoint_and_corrupt_is_an_error(data, tmp_path, capsys):
+    out = tmp_path / "k"
+    train(cfg_for(data, out, max_steps=4, checkpoint_every=1, checkpoints_keep=1,
+                  val_loss_every=0, skip_update_gradz=2.5))
+    names = sorted(os.listdir(out))
+    sidecars = [n for n in names if n.endswith(".outlier.json")]
+    assert sidecars == ["state_00000004_00000.outlier.json"]
+    side = json.loads((out / "state_00000004_00000.outlier.json").read_text())
+    assert side["step"] == 4 and side["loss"]["count"] == side["grad_norm"]["count"] == 4
+    (out / "state_00000004_00000.outlier.json").write_text("{not json")
+    rc, _, err = run_cli(_base(data, **{"-o": str(out), "-y": "1", "-x": "4", "-sg": "2.5"}),
+                         capsys)
+    assert rc == 1 and "state_00000004_00000.outlier.json" in err and "Traceback" not in err
+    # without -sl/-sg no sidecar is written (llm.c's file set is unchanged)
+    plain = tmp_path / "plain"
+    train(cfg_for(data, plain, max_steps=2, checkpoint_every=2, val_loss_every=0))
+    assert not [n for n in os.listdir(plain) if "outlier" in n]
+    assert "skipped" not in metrics(plain)[0]
+
+
+@pytest.mark.parametrize("flag,value", [("-sl", "-1"), ("-sg", "-0.5"), ("-sl", "nan")])
+def test_negative_skip_threshold_is_a_usage_error(data, tmp_path, capsys, flag, value):
+    out = tmp_path / "o"
+    rc, stdout, err = run_cli(_base(data, **{"-o": str(out), flag: value}), capsys)
+    assert rc == 2, err
+    errors = [l for l in err.splitlines() if l.startswith("Error:")]
+    assert len(errors) == 1 and flag in errors[0] and ">= 0" in errors[0]
+    assert not out.exists() and stdout == ""
+
+
+def test_plain_display_shows_z_scores_and_skips():
+    import io
+
+    buf = io.StringIO()
+    d = PlainDisplay(buf)
+    base = {"num_steps": 200, "train_loss": 5.5, "lr": 3e-4, "grad_norm": 1.25, "ms": 12.5,
+            "tokens_per_s": 10240.0, "mfu": 0.05}
+    d.step({**base, "step": 3, "loss_z": None, "grad_z": None, "skipped": False})
+    d.step({**base, "step": 150, "loss_z": 4.5, "grad_z": -0.25, "skipped": True})
+    assert buf.getvalue().splitlines() == [
+        "step    4/200 | loss 5.500000 (+nanz) | norm 1.2500 (+nanz) | lr 3.00e-04 | 12.50 ms | "
+        "5.0% fp32 MFU | 10240 tok/s",
+        "step  151/200 | loss 5.500000 (+4.50z) | norm 1.2500 (-0.25z) | lr 3.00e-04 | 12.50 ms | "
+        "5.0% fp32 MFU | 10240 tok/s | update skipped"]
+
+
+def test_two_ranks_skip_the_same_step(data, tmp_path):
+    """Only rank 1's gradients spike; after the all-reduce both ranks see the same norm, make
+    the same decision and stay identical; each rank writes its own detector sidecar."""
+    import threading
+
+    out = tmp_path / "p2"
+    cfg = cfg_for(data, out, batch_size=2, max_steps=132, checkpoint_every=132,
+                  val_loss_every=0, skip_update_gradz=3.0)
+    group, trainers, errors = _ThreadGroup(2), [None, None], []
+
+    def work(r):
+        try:
+            trainers[r] = _poisoned_trainer(cfg, {130: "grad"} if r == 1 else {},
+                                            comm=ThreadComm(r, group))
+            trainers[r].run()
+        except BaseException as e:
+            errors.append(e)
+            group.barrier.abort()
+
+    ts = [threading.Thread(target=work, args=(r,)) for r in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors, errors
+    assert np.array_equal(trainers[0].model.params, trainers[1].model.params)
+    assert [r["step"] for r in metrics(out) if r["skipped"]] == [130]
+    s0, s1 = (json.loads((out / f"state_00000132_0000{r}.outlier.json").read_text())
+              for r in (0, 1))
+    assert s0 == s1 and s0["grad_norm"]["count"] == 128
