@@ -115,11 +115,12 @@ def _offsets(cfg):
     return out
 
 
-def init_llmc_(p, cfg, seed=INIT_SEED, libm=False):
+def init_llmc_(p, cfg, seed=INIT_SEED, libm=None, n_threads=1):
     """llm.c's random init (train_gpt2.cu gpt2_build_from_descriptor) into the views p, which
     must be zero: LN weights 1; one mt19937(seed) drawing normal_ in PyTorch module order: wte
     (first V rows only), wpe, then per layer qkvw, attprojw, fcw, fcprojw; std 0.02, and
-    0.02/sqrt(2L) for the two projections into the residual stream (computed in float)."""
+    0.02/sqrt(2L) for the two projections into the residual stream (computed in float).
+    libm as in Mt19937.normal_: None (default) is bit-exact through llmctl._ext.randinit."""
     from llmctl.rand import Mt19937, release_libm_memo
 
     L, V = cfg.num_layers, cfg.vocab_size
@@ -128,13 +129,14 @@ def init_llmc_(p, cfg, seed=INIT_SEED, libm=False):
     rng = Mt19937(seed)
     std = np.float32(0.02)
     proj_std = std * (np.float32(1.0) / np.sqrt(np.float32(2.0) * np.float32(L)))
-    rng.normal_(p["wte"][:V], 0.0, std, libm=libm)  # padded rows stay zero
-    rng.normal_(p["wpe"], 0.0, std, libm=libm)
+    kw = dict(libm=libm, n_threads=n_threads)
+    rng.normal_(p["wte"][:V], 0.0, std, **kw)  # padded rows stay zero
+    rng.normal_(p["wpe"], 0.0, std, **kw)
     for l in range(L):
-        rng.normal_(p["qkvw"][l], 0.0, std, libm=libm)
-        rng.normal_(p["attprojw"][l], 0.0, proj_std, libm=libm)
-        rng.normal_(p["fcw"][l], 0.0, std, libm=libm)
-        rng.normal_(p["fcprojw"][l], 0.0, proj_std, libm=libm)
+        rng.normal_(p["qkvw"][l], 0.0, std, **kw)
+        rng.normal_(p["attprojw"][l], 0.0, proj_std, **kw)
+        rng.normal_(p["fcw"][l], 0.0, std, **kw)
+        rng.normal_(p["fcprojw"][l], 0.0, proj_std, **kw)
     if libm:
         release_libm_memo()
 
@@ -196,14 +198,16 @@ class GPT2:
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
-    def from_descriptor(cls, desc, seed=INIT_SEED, exact_libm=False, **kw):
+    def from_descriptor(cls, desc, seed=INIT_SEED, exact_libm=None, **kw):
         """Random init exactly as llm.c's gpt2_build_from_descriptor (§6.6): mt19937 seed 42,
         normal_ in PyTorch module order; std 0.02, projections 0.02/sqrt(2L); LN weights 1.
-        exact_libm=True uses the C library's logf/cosf/sinf (bit-identical to llm.c on the same
-        libm; d12 ~30 s instead of ~4 s); the default is correctly rounded math (llmctl/rand.py)."""
+        Bit-identical to llm.c on the same libm by default (llmctl._ext.randinit; d12 ~2 s).
+        exact_libm (kept for compatibility): None = exact, falling back to NumPy math with a
+        warning if the extension is not built; True = exact always (slow ctypes libm if the
+        extension is missing); False = correctly rounded NumPy math (a few ulps off on ~1%)."""
         cfg = GPT2Config.from_descriptor(desc)
         model = cls(cfg, **kw)
-        init_llmc_(model.p, cfg, seed, exact_libm)
+        init_llmc_(model.p, cfg, seed, exact_libm, model.n_threads)  # bits independent of threads
         return model
 
     @classmethod
@@ -219,7 +223,7 @@ class GPT2:
         return model
 
     @classmethod
-    def from_init(cls, spec, seed=INIT_SEED, exact_libm=False, **kw):
+    def from_init(cls, spec, seed=INIT_SEED, exact_libm=None, **kw):
         """What llm.c's -e takes: a checkpoint .bin path or a descriptor (d12, gpt2:d12, gpt3:c768).
         seed/exact_libm apply to descriptors only; **kw go to GPT2()."""
         s = str(spec)

@@ -8,23 +8,31 @@ The integer stream is exact: seeding is MT19937's classic init_genrand, so NumPy
 
 Float math (normal_): every C step is reproduced with the same float32/float64 roundings
 (`1e-12` is a double in rand.h, `2.0 * M_PI * u2` is computed in double, the rest in float).
-`logf`/`cosf`/`sinf` themselves come from the C library in llm.c; by default we use the correctly
-rounded value (float64 NumPy rounded to float32), which agrees with glibc's float functions on
-about 99% of inputs and is otherwise a few float32 ulps away. `normal_(..., libm=True)` calls the
-process's C `logf`/`cosf`/`sinf` through ctypes: bit-identical to llm.c built against the same
-libm. Each distinct input costs one call (~0.3 µs); the 16-block path has only 2^24 distinct
-inputs per function, which are memoised (`release_libm_memo()` frees the tables): d6 ~15 s,
-d12 ~30 s, against ~1 s / ~4 s for the default path.
+`logf`/`cosf`/`sinf` come from the C library in llm.c, and by default here too: the Box-Muller
+transform runs in llmctl._ext.randinit (Cython calling libm, no FMA contraction), fed with the
+uniforms drawn here, so normal_ is bit-identical to rand.h compiled without -ffast-math against
+the same libm (d12 init ~2 s). `libm=` picks the math explicitly:
+  None  (default) the extension; if it is not built, the NumPy path below with a RuntimeWarning
+  True  exact always: the extension, else the process's libm through ctypes (slow: one call per
+        distinct input, memoised over the 2^24 possible uniforms; `release_libm_memo()`)
+  False correctly rounded NumPy math (float64 rounded to float32), which agrees with glibc's
+        float functions on ~99% of inputs and is otherwise a few float32 ulps away
 
 What it is not: a general RNG library. It mirrors rand.h only.
 """
 import ctypes
 import ctypes.util
 import struct
+import warnings
 
 import numpy as np
 
 from llmctl.errors import FormatError
+
+try:
+    from llmctl._ext import randinit as _randinit
+except ImportError:  # not built: normal_ falls back to NumPy math (see _math_for)
+    _randinit = None
 
 N_STATE = 624
 MATRIX_A = 0x9908B0DF
@@ -88,9 +96,11 @@ class Mt19937:
         u = ((w[0::2] << np.uint64(32)) | w[1::2]) & np.uint64((1 << 53) - 1)
         return u.astype(np.float64) * (1.0 / (1 << 53))  # exact: < 2^53
 
-    def normal_(self, x, mean=0.0, std=1.0, libm=False):
+    def normal_(self, x, mean=0.0, std=1.0, libm=None, n_threads=1):
         """rand.h normal_: fill `x` (a float32 array, in place; returned) or, if `x` is an int,
-        a new float32 array of that length, with N(mean, std) draws."""
+        a new float32 array of that length, with N(mean, std) draws. `libm`: see the module
+        docstring (None = exact via llmctl._ext.randinit). n_threads only splits the extension's
+        16-blocks, which are independent: the bits do not depend on it."""
         if isinstance(x, (int, np.integer)):
             out = np.zeros(int(x), dtype=np.float32)
         else:
@@ -102,18 +112,22 @@ class Mt19937:
             raise ValueError("normal_ needs a contiguous array")
         n = flat.size
         mean32, std32 = np.float32(mean), np.float32(std)
-        fn = _LIBM if libm else _NUMPY
+        fn = _math_for(libm)
         if n >= 16:
             nfull = n // 16 * 16
             for i in range(0, nfull, _CHUNK):  # blocks are independent: chunk to bound temporaries
                 k = min(_CHUNK, nfull - i)
                 d = self.randfloat32_array(k).reshape(k // 16, 16)
-                flat[i:i + k] = _box_muller16(d, mean32, std32, fn).reshape(-1)
+                flat[i:i + k] = _box_muller16(d, mean32, std32, fn, n_threads).reshape(-1)
             if n % 16:
                 self.randfloat32_array(n - nfull)  # rand.h draws all n uniforms before the tail redo
-            if n % 16:
                 tail = self.randfloat32_array(16).reshape(1, 16)
-                flat[n - 16:] = _box_muller16(tail, mean32, std32, fn).reshape(-1)
+                flat[n - 16:] = _box_muller16(tail, mean32, std32, fn, 1).reshape(-1)
+        elif fn is _EXT:
+            u = self.randfloat64_array(2 * ((n + 1) // 2))  # (angle, radius) per pair, draw order
+            small = np.empty(n, dtype=np.float32)
+            _randinit.normal_small(u, small, mean32, std32)
+            flat[:] = small
         else:
             # small path: pairs from two randfloat64 (u1 -> angle, u2 -> radius); the sin value
             # is kept (as a double) for the next slot
@@ -226,6 +240,26 @@ class _LibmMath:
 
 _NUMPY = _NumpyMath()
 _LIBM = _LibmMath()
+_EXT = object()  # marker: the transform runs in llmctl._ext.randinit
+_warned_fallback = False
+
+
+def _math_for(libm):
+    """None -> extension (else NumPy + one RuntimeWarning); True -> extension, else ctypes libm;
+    False -> NumPy."""
+    global _warned_fallback
+    if libm is not None and not libm:  # False (or 0)
+        return _NUMPY
+    if _randinit is not None:
+        return _EXT
+    if libm:
+        return _LIBM
+    if not _warned_fallback:
+        _warned_fallback = True
+        warnings.warn("llmctl._ext.randinit is not built: normal_ falls back to correctly rounded "
+                      "NumPy math (a few float32 ulps from llm.c on ~1% of draws); run "
+                      "python setup.py build_ext --inplace", RuntimeWarning, stacklevel=3)
+    return _NUMPY
 
 
 def _radius(u, fn):
@@ -287,7 +321,10 @@ def release_libm_memo():
     _MEMO.tab = None
 
 
-def _box_muller16(d, mean, std, fn):
+def _box_muller16(d, mean, std, fn, n_threads=1):
+    if fn is _EXT:
+        _randinit.box_muller16(d, mean, std, n_threads)  # in place
+        return d
     if fn is _LIBM:
         return _MEMO.box_muller16(d, mean, std)
     radius = _radius(d[:, :8], fn)

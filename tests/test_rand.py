@@ -1,4 +1,9 @@
-"""llmctl.rand vs llm.c's llmc/rand.h: the spec's test vectors (§2) and a gcc-compiled C restatement."""
+"""llmctl.rand vs llm.c's llmc/rand.h: the spec's test vectors (§2) and a gcc-compiled C restatement.
+
+normal_'s math paths: the default (llmctl._ext.randinit, libm through Cython), libm=False (NumPy,
+correctly rounded), the ctypes libm path (libm=True when the extension is missing) and the
+fallback when the extension is missing (simulated by setting llmctl.rand._randinit to None).
+"""
 import shutil
 import struct
 import subprocess
@@ -6,8 +11,17 @@ import subprocess
 import numpy as np
 import pytest
 
+import llmctl.rand as rand_mod
+from llmctl._ext import randinit  # part of the build: a missing extension must fail, not skip
 from llmctl.errors import FormatError
 from llmctl.rand import STATE_STRUCT_BYTES, Mt19937, random_permutation
+
+
+@pytest.fixture
+def no_ext(monkeypatch):
+    """Pretend llmctl._ext.randinit is not built (and the fallback warning not yet given)."""
+    monkeypatch.setattr(rand_mod, "_randinit", None)
+    monkeypatch.setattr(rand_mod, "_warned_fallback", False)
 
 
 def test_randint32_vectors():
@@ -17,10 +31,13 @@ def test_randint32_vectors():
     assert r.randint32_array(5).tolist() == [4053805790, 2173880614, 380293709, 1237255315, 2986595568]
 
 
-@pytest.mark.parametrize("libm", [False, True])
-def test_normal_vectors(libm):
+@pytest.mark.parametrize("libm", [None, False, True, "ctypes"])
+def test_normal_vectors(libm, monkeypatch):
     # llm.c / PyTorch vectors (rand.h header comment, §2); printed with 5-7 digits there, and
     # PyTorch's own float math may differ in the last ulp, hence 1e-6 absolute.
+    if libm == "ctypes":
+        monkeypatch.setattr(rand_mod, "_randinit", None)
+        libm = True
     r = Mt19937(137)
     r.randint32_array(5)
     n8 = r.normal_(8, libm=libm)
@@ -160,30 +177,75 @@ def _python_sequence(libm):
     return lines
 
 
-def test_against_c_libm_exact(c_output):
-    # libm=True calls the same C logf/cosf/sinf gcc links against: bit-identical
-    py = _python_sequence(libm=True)
+def _c_normals(c_output, i):
+    return np.array([int(x) for x in c_output[1 + 2 * i].split()], dtype=np.uint32)
+
+
+def _assert_bit_identical(c_output, py):
     assert [int(x) for x in c_output[0].split()] == py[0]
     for i in range(6):
-        cbits = np.array([int(x) for x in c_output[1 + 2 * i].split()], dtype=np.uint32)
-        assert py[1 + 2 * i].view(np.uint32).tolist() == cbits.tolist(), f"normal_ call {i}"
+        assert py[1 + 2 * i].view(np.uint32).tolist() == _c_normals(c_output, i).tolist(), f"normal_ call {i}"
         assert int(c_output[2 + 2 * i]) == py[2 + 2 * i]
 
 
-def test_against_c_default_within_ulps(c_output):
-    # The default path uses correctly rounded log/cos/sin; glibc's float versions round
-    # differently on ~1% of inputs, which moves a normal draw by a few float32 ulps at most
-    # (one ulp in each of log, sqrt, cos/sin and the products). Most draws must be identical.
-    py = _python_sequence(libm=False)
+def test_against_c_default_exact(c_output):
+    # the default path (llmctl._ext.randinit) calls the same logf/cosf/sinf/sqrtf that gcc links
+    # against, with rand.h's types and operation order: every bit must agree, for both the
+    # 16-block path (incl. the n % 16 tail redo, mean 0.5 so an FMA contraction would show) and
+    # the n < 16 float64 path
+    _assert_bit_identical(c_output, _python_sequence(libm=None))
+
+
+def test_against_c_ctypes_libm_exact(c_output, no_ext):
+    # libm=True without the extension: the ctypes libm path, also bit-identical (slow, memoised)
+    _assert_bit_identical(c_output, _python_sequence(libm=True))
+    rand_mod.release_libm_memo()
+
+
+def _assert_within_ulps(c_output, py):
+    # correctly rounded log/cos/sin vs glibc's float versions, which round differently on ~1% of
+    # inputs; that moves a normal draw by a few float32 ulps at most (one ulp in each of log,
+    # sqrt, cos/sin and the products). Most draws must be identical.
     total = same = 0
     for i in range(6):
-        c = np.array([int(x) for x in c_output[1 + 2 * i].split()], dtype=np.uint32).view(np.float32)
+        c = _c_normals(c_output, i).view(np.float32)
         p = py[1 + 2 * i]
         np.testing.assert_allclose(p, c, rtol=4 * 2.0 ** -23, atol=1e-30)
         total += c.size
         same += int((p.view(np.uint32) == c.view(np.uint32)).sum())
         assert int(c_output[2 + 2 * i]) == py[2 + 2 * i]  # same number of words consumed
     assert same / total > 0.9
+
+
+def test_against_c_numpy_within_ulps(c_output):
+    _assert_within_ulps(c_output, _python_sequence(libm=False))
+
+
+def test_fallback_without_extension(c_output, no_ext):
+    # default math with the extension missing: NumPy math, one RuntimeWarning, same words drawn
+    with pytest.warns(RuntimeWarning, match="randinit is not built"):
+        py = _python_sequence(libm=None)
+    _assert_within_ulps(c_output, py)
+    want = _python_sequence(libm=False)
+    for a, b in zip(py[1::2], want[1::2]):
+        assert a.tobytes() == b.tobytes()
+
+
+def test_extension_threads_and_validation():
+    # 16-blocks are independent: the bits do not depend on n_threads (8192 blocks > the
+    # 4096-block threshold, so the prange path runs)
+    a = Mt19937(3).normal_(8192 * 16 + 5, 0.0, 0.02, n_threads=1)
+    b = Mt19937(3).normal_(8192 * 16 + 5, 0.0, 0.02, n_threads=2)
+    assert a.tobytes() == b.tobytes()
+    with pytest.raises(ValueError, match="rows of 16"):
+        randinit.box_muller16(np.zeros((2, 8), dtype=np.float32), 0.0, 1.0)
+    with pytest.raises(ValueError, match="n_threads"):
+        randinit.box_muller16(np.zeros((2, 16), dtype=np.float32), 0.0, 1.0, 0)
+    with pytest.raises(ValueError, match="need 8 uniforms"):
+        randinit.normal_small(np.zeros(6), np.zeros(7, dtype=np.float32), 0.0, 1.0)
+    d = np.zeros((1, 16), dtype=np.float32)  # u1 = 1 - 0 = 1 -> radius sqrtf(-2 logf(1)) = 0
+    randinit.box_muller16(d, 0.5, 2.0)
+    assert (d == 0.5).all()
 
 
 def test_normal_in_place_and_errors():
