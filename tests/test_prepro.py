@@ -494,6 +494,7 @@ def test_interrupted_write_leaves_no_bin(tmp_path, stories, monkeypatch):
             yield d
 
     src.write_text(text * 40, encoding="utf-8")
+    monkeypatch.setattr(writer_mod, "CHUNK_DOCS", 64)  # several chunks from this small corpus
     with pytest.raises(KeyboardInterrupt):
         writer_mod.write_sharded(docs(), tmp_path / "k", lambda s, i: f"k_{s}_{i:06d}.bin", 500, workers=1)
     names = sorted(os.listdir(tmp_path / "k"))

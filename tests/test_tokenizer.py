@@ -10,6 +10,7 @@ import shutil
 import socket
 import struct
 
+import numpy as np
 import pytest
 
 import llmctl.tokenizer as tkz
@@ -104,6 +105,36 @@ def test_batch_and_numpy_paths_match_serial(shakespeare_path):
     assert tok.encode_batch_ordinary(docs, num_threads=2) == serial
     assert tok.encode_batch_ordinary(docs, num_threads=1) == serial
     assert [tok.encode_ordinary_numpy(d).tolist() for d in docs] == serial
+
+
+def _per_doc_reference(tok, docs):
+    ref = [[tkz.EOT] + tok.encoding.encode_ordinary(d) for d in docs]
+    return [t for r in ref for t in r], [len(r) for r in ref]
+
+
+def test_encode_documents_numpy_matches_per_document_encode(shakespeare_path):
+    """The one-call batch (texts joined by EOT, EOT allowed) must equal [EOT] + encode_ordinary
+    per text, including at the joins: trailing/leading whitespace (the end-of-text and lookahead
+    regex branches), empty texts, non-ASCII; and the fallbacks (marker text, lone surrogate)."""
+    tok = tkz.get_tokenizer()
+    text = shakespeare_path.read_text(encoding="utf-8")[:100_000]
+    docs = text.split("\n\n") + ["", " ", "ends in spaces   ", "\n\n lead", "café 日本 🙂", "x" * 3000]
+    cases = [docs, docs + ["a <|endoftext|> b"], docs + ["lone \ud800 surrogate"], ["<|endoftext|>"], []]
+    for batch in cases:
+        ids, lengths = tok.encode_documents_numpy(batch)
+        want_ids, want_lengths = _per_doc_reference(tok, batch)
+        assert ids.dtype == np.uint32 and ids.tolist() == want_ids
+        assert lengths.tolist() == want_lengths
+    assert 50256 not in tok.encode_documents_numpy(["a <|endoftext|> b"])[0][1:].tolist()
+
+    # worker threads each build a private CoreBPE; results are identical to the shared one
+    from concurrent.futures import ThreadPoolExecutor
+    parts = [docs[i::4] for i in range(4)]
+    with ThreadPoolExecutor(2) as ex:
+        got = list(ex.map(tok.encode_documents_numpy, parts))
+    for part, (ids, lengths) in zip(parts, got):
+        want_ids, want_lengths = _per_doc_reference(tok, part)
+        assert ids.tolist() == want_ids and lengths.tolist() == want_lengths
 
 
 def test_pickles_by_reference():

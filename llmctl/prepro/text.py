@@ -27,7 +27,7 @@ from llmctl.prepro.writer import Progress, tokenize_chunks, write_sharded
 from llmctl.tokenizer import EOT_TEXT
 
 DEFAULT_SHARD_SIZE = 10**8
-_READ_CHUNK = 8 << 20
+_READ_CHUNK = 1 << 20  # small: the main thread holds the GIL while decoding + splitting a chunk
 _BLANK_LINES = re.compile(r"\n[ \t\r\f\v]*\n\s*")
 # Inputs at least this big get a progress bar from the CLI (smaller ones finish in ~1 s).
 PROGRESS_MIN_BYTES = 8 << 20
