@@ -15,6 +15,7 @@ import glob as _glob
 import numpy as np
 
 from llmctl._ext import shards as _shards
+from llmctl._ext import tokens as _tokens
 from llmctl.errors import ConfigError, DataError, FormatError
 from llmctl.formats import open_shard, read_shard_header
 from llmctl.rand import Mt19937
@@ -48,7 +49,8 @@ class DataLoader:
     seed: the shuffle RNG of rank r is seeded with seed + r (llm.c hard-codes 42).
     """
 
-    def __init__(self, pattern, B, T, process_rank=0, num_processes=1, shuffle=True, seed=42):
+    def __init__(self, pattern, B, T, process_rank=0, num_processes=1, shuffle=True, seed=42,
+                 vocab_size=None, n_threads=1):
         if B <= 0 or T <= 0:
             raise ConfigError(f"batch size and sequence length must be positive (B={B}, T={T})")
         if num_processes <= 0 or not 0 <= process_rank < num_processes:
@@ -87,6 +89,8 @@ class DataLoader:
                     hint="use a smaller -b/-t or more data")
             self.shard_tokens.append(n)
         self.num_tokens = sum(self.shard_tokens)
+        if vocab_size is not None:
+            self.check_vocab(vocab_size, n_threads)
 
         self._tokens = None
         self._loaded_file = -1
@@ -94,6 +98,20 @@ class DataLoader:
         self.current_sample_idx = 0
         self.shard_num_samples = 0
         self.reset()
+
+    def check_vocab(self, vocab_size, n_threads=1):
+        """Every token id of every shard must be < vocab_size (the model's V): one pass over
+        the files (~0.13 s per 100M tokens), so a bad id is named before training, not mid-run
+        (llm.c does not check)."""
+        V = int(vocab_size)
+        for path in self.files:
+            st = _tokens.token_stats(open_shard(path), -1, V, max(1, int(n_threads)))
+            if st["out_of_vocab"]:
+                raise DataError(f"shard {path} holds token id {st['max']} (and "
+                                f"{st['out_of_vocab']} id(s) >= {V} in all), but the model's "
+                                f"vocab size V is {V}",
+                                hint="tokenize with the model's tokenizer, or train a model "
+                                     "with a larger V")
 
     # -- llm.c's functions ---------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ import math
 import os
 import re
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -94,6 +95,13 @@ class TrainConfig:
 # helpers
 
 
+def _os_error(path, e):
+    """An OSError on an output path as a one-line DataError naming the path."""
+    return DataError(f"cannot write {path}: {e.strerror or e}",
+                     hint="make sure -o is a writable directory with free space and that "
+                          "no directory occupies this file's name")
+
+
 def _atomic_write_bytes(path, data):
     tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
                        f".{os.path.basename(path)}.tmp-{os.getpid()}")
@@ -101,9 +109,11 @@ def _atomic_write_bytes(path, data):
         with open(tmp, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise _os_error(path, e) from None
         raise
 
 
@@ -170,6 +180,9 @@ class _SigintGuard:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
+        with contextlib.suppress(Exception):
+            sys.stderr.write("stopping after this step (Ctrl-C again to abort)...\n")
+            sys.stderr.flush()
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -190,6 +203,35 @@ def _validate(cfg, P):
 
     positive("micro batch size", "-b", cfg.batch_size)
     positive("sequence length", "-t", cfg.seq_len)
+
+    def real(name, flag, v, lo, hi, lo_open=False, hi_open=False, why=""):
+        """v must be a finite number in [lo, hi] (open ends where asked)."""
+        try:
+            x = float(v)
+        except (TypeError, ValueError):
+            x = math.nan
+        ok = (math.isfinite(x) and (x > lo if lo_open else x >= lo)
+              and (x < hi if hi_open else x <= hi))
+        if not ok:
+            rng = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+            raise ConfigError(f"{name} ({flag}) must be a finite number in {rng}{why}, got {v}")
+
+    real("learning rate", "-l", cfg.learning_rate, 0, math.inf, hi_open=True)
+    real("final lr fraction", "-q", cfg.final_lr_frac, 0, 1)
+    real("weight decay", "-c", cfg.weight_decay, 0, math.inf, hi_open=True)
+    real("AdamW beta1", "--beta1", cfg.beta1, 0, 1, hi_open=True)
+    real("AdamW beta2", "--beta2", cfg.beta2, 0, 1, hi_open=True)
+    real("AdamW eps", "--eps", cfg.eps, 0, math.inf, lo_open=True, hi_open=True)
+    real("gradient clip", "--grad-clip", cfg.grad_clip, 0, math.inf, hi_open=True,
+         why=" (0 disables)")
+    if cfg.threads is not None and cfg.threads > 0:
+        from llmctl.threads import _usable_cores
+
+        cores = _usable_cores()
+        if cfg.threads > 4 * cores:
+            raise ConfigError(f"--threads {cfg.threads} is more than 4x the {cores} usable "
+                              "core(s) of this machine; each step would mostly wait on threads",
+                              hint=f"use --threads {cores} (or leave it unset)")
     if cfg.lr_scheduler not in SCHEDULERS:
         raise ConfigError(f"unknown learning-rate schedule -k {cfg.lr_scheduler!r}",
                           hint=f"use one of: {', '.join(SCHEDULERS)}")
@@ -347,10 +389,19 @@ class Trainer:
         init_spec = (checkpoint_paths(self.out, self.resume_step)[0] if self.resume_step >= 0
                      else cfg.init)
         mc = _peek_model_config(init_spec)
+        for loader in (self.train_loader, self.val_loader):
+            if loader is not None:
+                loader.check_vocab(mc.vocab_size, self.n_threads)
         if T > mc.max_seq_len:
             raise ConfigError(f"sequence length -t {T} exceeds the model's maxT "
                               f"{mc.max_seq_len}", hint=f"use -t {mc.max_seq_len} or less")
         self.hellaswag_examples = _check_hellaswag(cfg, mc) if cfg.hellaswag else 0
+        if self.out and cfg.resume == 0 and find_max_step(self.out) >= 0:
+            k = find_max_step(self.out)
+            raise ConfigError(f"output directory {self.out} already holds checkpoints of an "
+                              f"earlier run (DONE_{k:08d}); -y 0 would mix the two runs' "
+                              "checkpoints (llm.c overwrites silently)",
+                              hint="pass -y 1 to resume from them, or use a new or empty -o")
         if self.out:
             _prepare_output_dir(self.out, self.rank)
 
@@ -378,6 +429,7 @@ class Trainer:
                                               mc.channels, T) * B * T * self.grad_accum_steps
         self.peak_flops = measure_peak_flops(self.n_threads)
         self.last_checkpoint = None
+        self.written_steps = set()  # checkpoints written by this run (not resumed from)
         self.allreduce_ms = 0.0
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -441,8 +493,16 @@ class Trainer:
         from llmctl.formats import StateFile, write_state_file
 
         model_path, state_path, done_path = checkpoint_paths(self.out, step, self.rank)
+        if not np.isfinite(self.model.params).all():  # ~1 ms per 10M parameters
+            raise TrainingDiverged(
+                f"the parameters hold NaN/Inf at step {step}: checkpoint {model_path} was not "
+                f"written ({self._last_good_text()})",
+                hint="lower the learning rate (-l), add warmup (-u) or keep --grad-clip on")
         if self.is_master:
-            self.model.save_checkpoint(model_path)
+            try:
+                self.model.save_checkpoint(model_path)
+            except OSError as e:
+                raise _os_error(model_path, e) from None
         n = self.model.num_parameters
         ld = self.train_loader.state()
         m = self.model.m if self.model.m is not None else np.zeros(n, np.float32)
@@ -454,7 +514,10 @@ class Trainer:
                        current_sample_idx=ld["current_sample_idx"], m=m, v=v,
                        shard_indices=ld["shard_indices"],
                        intra_shard_indices=ld["intra_shard_indices"], mt_state=ld["rng_state"])
-        write_state_file(state_path, st)
+        try:
+            write_state_file(state_path, st)
+        except OSError as e:
+            raise _os_error(state_path, e) from None
         if self.detect_outliers:
             d = {"step": step, "loss": self.loss_detector.state_dict(),
                  "grad_norm": self.grad_detector.state_dict()}
@@ -465,6 +528,39 @@ class Trainer:
             _atomic_write_bytes(done_path, b"")
             self.display.checkpoint(step, model_path)
         self.last_checkpoint = model_path
+        self.written_steps.add(step)
+
+    def _last_good_text(self):
+        """Names the newest complete checkpoint in -o (what -y 1 would resume from)."""
+        if not self.out:
+            return "no -o, nothing saved"
+        k = find_max_step(self.out)
+        if k < 0:
+            return "no complete checkpoint exists"
+        return f"last good checkpoint: {checkpoint_paths(self.out, k)[0]}"
+
+    def rotate_checkpoints(self, step):
+        """-nk after the regular checkpoint at `step`: llm.c deletes step - nk*n unless it is
+        major (-nm). Off-grid checkpoints (Ctrl-C) older than the oldest kept regular one go
+        too, under the same -nm rule (llm.c never deletes them)."""
+        cfg = self.cfg
+        n, nk, nm = cfg.checkpoint_every, cfg.checkpoints_keep, cfg.major_checkpoint_every
+        if nk <= 0:
+            return
+        oldest_kept = step - (nk - 1) * n
+        doomed = set()
+        if step - nk * n > 0:
+            doomed.add(step - nk * n)
+        for name in os.listdir(self.out):
+            m = re.fullmatch(r"(?:DONE|model|state)_(\d{8})(?:_\d{5})?(?:\.bin|\.outlier\.json)?",
+                             name)
+            if m:
+                k = int(m.group(1))
+                if 0 < k < oldest_kept and k % n != 0:
+                    doomed.add(k)
+        for k in sorted(doomed):
+            if nm == 0 or k % nm != 0:
+                self.delete_checkpoint(k)
 
     def delete_checkpoint(self, step):
         model_path, state_path, done_path = checkpoint_paths(self.out, step, self.rank)
@@ -476,14 +572,20 @@ class Trainer:
 
     # -- evaluation / sampling -------------------------------------------------------------------
 
-    def evaluate_val(self):
-        """Mean loss over val_num_batches batches from the start of the val split, all ranks."""
+    def evaluate_val(self, stop=None):
+        """Mean loss over val_num_batches batches from the start of the val split, all ranks.
+        stop: a callable checked between batches (Ctrl-C); when it says so the loop ends early
+        and the mean is over the batches done (the caller then discards it)."""
         self.val_loader.reset()
         total = 0.0
+        done = 0
         for _ in range(self.val_num_batches):
+            if stop is not None and stop():
+                break
             x, y = self.val_loader.next_batch()
             total += float(self.model.forward(x, y))
-        val = total / self.val_num_batches
+            done += 1
+        val = total / max(done, 1)
         return self.comm.all_reduce_sum_scalar(val) / self.P
 
     def evaluate_hellaswag(self):
@@ -552,10 +654,16 @@ class Trainer:
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             what = "loss" if not math.isfinite(loss) else "gradient norm"
             value = loss if not math.isfinite(loss) else grad_norm
-            where = (f"last good checkpoint: {self.last_checkpoint}" if self.last_checkpoint
-                     else "no checkpoint was written")
+            if self.out and step in self.written_steps:
+                # checkpoint `step` holds the weights that just produced the NaN: not good
+                self.delete_checkpoint(step)
+                self.written_steps.discard(step)
+                self.comm.barrier()  # every rank's files are gone before rank 0 names one
+                if self.last_checkpoint == checkpoint_paths(self.out, step, self.rank)[0]:
+                    self.last_checkpoint = None
             raise TrainingDiverged(
-                f"{what} is {value} at step {step}: training stopped before the update ({where})",
+                f"{what} is {value} at step {step + 1}/{self.num_steps}: training stopped "
+                f"before the update ({self._last_good_text()})",
                 hint="lower the learning rate (-l), add warmup (-u) or keep --grad-clip on")
         outlier = {}
         skipped = None
@@ -611,7 +719,17 @@ class Trainer:
         if not (self.out and self.is_master):
             return
         log_path = os.path.join(self.out, "main.log")
-        self.main_log = open(log_path, "a" if self.cfg.resume == 1 else "w")
+        try:
+            self.main_log = open(log_path, "a" if self.cfg.resume == 1 else "w")
+        except OSError as e:
+            raise _os_error(log_path, e) from None
+        try:
+            self._open_metrics()
+        except BaseException:
+            self.main_log.close()
+            raise
+
+    def _open_metrics(self):
         mpath = os.path.join(self.out, "metrics.jsonl")
         keep = []
         if self.start_step > 0 and os.path.isfile(mpath):
@@ -623,7 +741,10 @@ class Trainer:
                     except (ValueError, KeyError, TypeError):
                         continue
         _atomic_write_bytes(mpath, "".join(keep).encode())
-        self.metrics = open(mpath, "a")
+        try:
+            self.metrics = open(mpath, "a")
+        except OSError as e:
+            raise _os_error(mpath, e) from None
 
     def _close_logs(self):
         for f in (self.main_log, self.metrics):
@@ -639,6 +760,28 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.write(json.dumps(rec) + "\n")
             self.metrics.flush()
+
+    def _stop_requested(self, sigint, launcher=True):
+        stop = sigint.requested
+        if self.P > 1:  # every rank must stop at the same step
+            stop = self.comm.all_reduce_sum_scalar(1.0 if stop else 0.0) > 0
+        # a launcher's coordinated Ctrl-C: set on every rank at the same collective; it is
+        # honoured after the step's update only (launcher=False: the check after validation)
+        return stop or (launcher and bool(getattr(self.comm, "stop_requested", False)))
+
+    def _interrupt(self, step, N, summary, resumed_here):
+        """Checkpoint the weights after `step` updates (unless that checkpoint exists) and
+        raise TrainInterrupted."""
+        where = "; no -o, nothing saved"
+        if self.out:
+            path = checkpoint_paths(self.out, step)[0]
+            if resumed_here or step in self.written_steps:
+                where = f"; checkpoint: {path}"
+            else:
+                self.write_checkpoint(step)
+                where = f"; checkpoint written: {path}"
+        summary["checkpoint"] = self.last_checkpoint
+        raise TrainInterrupted(f"interrupted after step {step}/{N}{where}", summary)
 
     def run(self):
         cfg, N = self.cfg, self.num_steps
@@ -666,7 +809,9 @@ class Trainer:
                     self.comm.step = step  # the backends name it in heartbeats and errors
                     rec = {"step": step}
                     if self.val_loader is not None and (step % cfg.val_loss_every == 0 or last):
-                        val = self.evaluate_val()
+                        val = self.evaluate_val(stop=lambda: sigint.requested)
+                        if self._stop_requested(sigint, launcher=False):  # Ctrl-C in val
+                            self._interrupt(step, N, summary, resuming)
                         rec["val_loss"] = summary["val_loss"] = val
                         self._log(f"s:{step} tel:{val:.4f}")
                         if self.is_master:
@@ -686,11 +831,7 @@ class Trainer:
                     if (cfg.checkpoint_every > 0 and self.out and not resuming
                             and ((step > 0 and step % cfg.checkpoint_every == 0) or last)):
                         self.write_checkpoint(step)
-                        step_delete = step - cfg.checkpoints_keep * cfg.checkpoint_every
-                        if (cfg.checkpoints_keep > 0 and step_delete > 0
-                                and (cfg.major_checkpoint_every == 0
-                                     or step_delete % cfg.major_checkpoint_every != 0)):
-                            self.delete_checkpoint(step_delete)
+                        self.rotate_checkpoints(step)
                     resuming = False
                     if last:
                         if len(rec) > 1:
@@ -714,19 +855,13 @@ class Trainer:
                     if self.is_master:
                         self.display.step({**rec, "num_steps": N})
 
-                    stop = sigint.requested
-                    if self.P > 1:  # every rank must stop at the same step
-                        stop = self.comm.all_reduce_sum_scalar(1.0 if stop else 0.0) > 0
-                    # a launcher's coordinated Ctrl-C: set on every rank at the same collective
-                    stop = stop or bool(getattr(self.comm, "stop_requested", False))
-                    if stop:
-                        if self.out:
-                            self.write_checkpoint(step + 1)
-                        summary["checkpoint"] = self.last_checkpoint
-                        where = (f"; checkpoint written: {self.last_checkpoint}"
-                                 if self.out else "; no -o, nothing saved")
-                        raise TrainInterrupted(f"interrupted after step {step + 1}/{N}{where}",
-                                               summary)
+                    if self._stop_requested(sigint):
+                        self._interrupt(step + 1, N, summary, False)
+        except KeyboardInterrupt:
+            # the second Ctrl-C: stop at once; DONE_ is written last, so a checkpoint being
+            # written is incomplete and ignored, the previous complete one is intact
+            raise TrainInterrupted(f"aborted by a second Ctrl-C ({self._last_good_text()})",
+                                   summary) from None
         finally:
             self._close_logs()
             summary["checkpoint"] = self.last_checkpoint

@@ -290,3 +290,22 @@ def test_gather_is_cheap(shakespeare_shards):
     for _ in range(2000):
         dl.next_batch()
     assert (time.perf_counter() - t0) / 2000 < 2e-4
+
+
+def test_out_of_vocab_id_is_named_up_front(tmp_path):
+    """vocab_size=V: a shard holding an id >= V is a DataError naming the shard, the id and V,
+    raised at construction; ids < V pass; vocab_size=None does not look at the tokens."""
+    good = np.arange(1000) % 256
+    bad = good.copy()
+    bad[777] = 60000
+    write_shard(tmp_path / "a_000.bin", good)
+    write_shard(tmp_path / "a_001.bin", bad)
+    pattern = str(tmp_path / "a_*.bin")
+    with pytest.raises(DataError) as e:
+        DataLoader(pattern, 2, 8, vocab_size=256)
+    msg = e.value.message
+    assert "a_001.bin" in msg and "60000" in msg and "256" in msg and "a_000.bin" not in msg
+    DataLoader(pattern, 2, 8)  # no V: no check (llm.c's behaviour)
+    DataLoader(str(tmp_path / "a_000.bin"), 2, 8, vocab_size=256)  # max id 255 < 256
+    with pytest.raises(DataError):  # boundary: id == V is out of range
+        DataLoader(str(tmp_path / "a_000.bin"), 2, 8, vocab_size=255)

@@ -8,6 +8,7 @@ against llm.c's layout with struct/NumPy here, not through llmctl.formats.
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import struct
@@ -257,7 +258,7 @@ def test_bit_exact_resume(data, tmp_path):
 def test_sigint_subprocess_then_resume(data, tmp_path):
     """Ctrl-C on the real CLI: finishes the step, checkpoints, exits 130; -y 1 continues exactly."""
     out = tmp_path / "c"
-    N = 150
+    N = 600  # a few ms a step: seconds of steps left when the signal is sent after step 3
     args = [sys.executable, "-m", "llmctl", "train", "-i", data["train"], "-j", data["val"],
             "-e", data["ckpt"], "-b", "4", "-t", "32", "-x", str(N), "-v", "0", "-s", "0",
             "-l", "1e-3", "--threads", "1", "-o", str(out), "-n", str(N)]
@@ -266,17 +267,18 @@ def test_sigint_subprocess_then_resume(data, tmp_path):
                             cwd=str(tmp_path))
     mfile = out / "metrics.jsonl"
     deadline = time.time() + 60
+    # SIGINT only once 3 steps are logged (the guard is installed) and the run is far from done
     while time.time() < deadline and proc.poll() is None:
         if mfile.exists() and mfile.read_text().count("\n") >= 3:
             break
         time.sleep(0.01)
+    assert proc.poll() is None, "the run ended before it could be interrupted"
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     err = err.decode()
-    if proc.returncode == 0:
-        pytest.skip("the run finished before the signal arrived (machine too fast)")
     assert proc.returncode == 130, err
     assert "Interrupted" in err and "Traceback" not in err
+    assert err.count("stopping after this step (Ctrl-C again to abort)...") == 1, err
     k = max(int(n[5:]) for n in os.listdir(out) if n.startswith("DONE_"))
     assert 3 <= k < N
     assert len(metrics(out)) == k  # steps 0..k-1 were logged, nothing after the checkpoint
@@ -476,17 +478,66 @@ def test_grad_accumulation_is_a_mean(data, tmp_path):
         assert rb["tokens_per_s"] > 0
 
 
-def test_nan_stops_and_keeps_last_good_checkpoint(data, tmp_path):
+def _model_loss(path, data):
+    """Loss of checkpoint `path` on the first val batch (finite for a usable checkpoint)."""
+    from llmctl.loader import DataLoader
+    from llmctl.model import GPT2
+
+    x, y = DataLoader(data["val"], 4, 32, shuffle=False).next_batch()
+    return float(GPT2.from_init(str(path), n_threads=1).forward(x, y))
+
+
+def test_nan_never_names_a_poisoned_checkpoint(data, tmp_path):
+    """The weights that produce a NaN loss at step s are those of checkpoint s, written at the top
+    of the same iteration: it must be removed (DONE, model, state) and the error must name the
+    newest checkpoint that is really complete, or say there is none, and use the display's
+    step numbering (s+1/N)."""
+    kw = dict(learning_rate=1e30, grad_clip=0.0, checkpoint_every=1, val_loss_every=0)
     out = tmp_path / "nan"
     with pytest.raises(TrainingDiverged) as e:
-        train(cfg_for(data, out, learning_rate=1e30, grad_clip=0.0, checkpoint_every=1,
-                      max_steps=10, val_loss_every=0))
-    assert "step" in e.value.message and "model_0000000" in e.value.message
-    dones = sorted(n for n in os.listdir(out) if n.startswith("DONE_"))
-    assert dones  # the checkpoints before the bad step are complete
-    last = dones[-1][5:]
-    assert (out / f"model_{last}.bin").exists() and (out / f"state_{last}_00000.bin").exists()
+        train(cfg_for(data, out, max_steps=10, **kw))
+    msg = e.value.message
+    assert "no complete checkpoint exists" in msg, msg
+    assert not [n for n in os.listdir(out) if n.startswith(("DONE_", "model_", "state_"))]
     assert not [n for n in os.listdir(out) if ".tmp" in n]
+    # the step named is the display's ("step 1/10" is the first): the NaN comes after one update
+    m = re.search(r"at step (\d+)/10", msg)
+    assert m and int(m.group(1)) >= 2, msg
+
+    # good checkpoints 1..3, then a resumed run blows up: it must name model_00000003, which
+    # gives a finite loss, and leave no DONE beyond it (before the fix: "no checkpoint was
+    # written", and DONE_00000004 of a NaN-producing model)
+    out = tmp_path / "resumed"
+    train(cfg_for(data, out, max_steps=3, checkpoint_every=1, val_loss_every=0))
+    with pytest.raises(TrainingDiverged) as e:
+        train(cfg_for(data, out, max_steps=10, resume=1, **kw))
+    msg = e.value.message
+    assert f"last good checkpoint: {out / 'model_00000003.bin'}" in msg, msg
+    dones = sorted(n for n in os.listdir(out) if n.startswith("DONE_"))
+    assert dones == ["DONE_00000001", "DONE_00000002", "DONE_00000003"]
+    assert not (out / "model_00000004.bin").exists()
+    assert not (out / "state_00000004_00000.bin").exists()
+    assert math.isfinite(_model_loss(out / "model_00000003.bin", data))
+
+
+def test_poisoned_weights_are_never_checkpointed(data, tmp_path):
+    """Parameters that are already NaN/Inf (after a finite loss and an overflowing update) are
+    refused at checkpoint time, before any file of that step is written."""
+    from llmctl.train import Trainer
+
+    out = tmp_path / "p"
+    tr = Trainer(cfg_for(data, out, max_steps=4, checkpoint_every=2, val_loss_every=0))
+    real_update = tr.model.update
+
+    def update(*a, **k):
+        real_update(*a, **k)
+        if a[-1] == 2:  # the update of step 1 (AdamW t = step + 1)
+            tr.model.params[5] = np.inf
+    tr.model.update = update
+    with pytest.raises(TrainingDiverged) as e:
+        tr.run()
+    assert "NaN/Inf" in e.value.message and "no complete checkpoint exists" in e.value.message
+    assert not [n for n in os.listdir(out) if n.startswith(("DONE_", "model_", "state_"))]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -925,3 +976,172 @@ def test_two_ranks_skip_the_same_step(data, tmp_path):
     s0, s1 = (json.loads((out / f"state_00000132_0000{r}.outlier.json").read_text())
               for r in (0, 1))
     assert s0 == s1 and s0["grad_norm"]["count"] == 128
+
+
+# ---------------------------------------------------------------------------------------------
+# review fixes: output-path errors, token ids, -y 0 into old checkpoints, absurd flags,
+# rotation of Ctrl-C checkpoints, Ctrl-C during validation
+
+
+def _one_error(err):
+    assert "Traceback" not in err, err
+    errors = [l for l in err.splitlines() if l.startswith("Error:")]
+    assert len(errors) == 1, err
+    return errors[0]
+
+
+@pytest.mark.parametrize("blocker", ["main.log", "metrics.jsonl"])
+def test_output_path_oserror_is_a_one_line_error(data, tmp_path, capsys, blocker):
+    """A directory where llmctl writes a file (main.log: open(); metrics.jsonl: the atomic
+    write's os.replace) is a DataError naming the path, not an IsADirectoryError traceback."""
+    out = tmp_path / "mlog"
+    (out / blocker).mkdir(parents=True)
+    rc, _, err = run_cli(_base(data, **{"-o": str(out)}), capsys)
+    assert rc == 1, err
+    assert str(out / blocker) in _one_error(err) and "Hint:" in err
+    assert not [n for n in os.listdir(out) if ".tmp" in n]
+
+
+def test_atomic_write_oserror_names_the_path(tmp_path):
+    from llmctl.errors import DataError
+    from llmctl.train import _atomic_write_bytes
+
+    p = tmp_path / "missing_dir" / "DONE_00000002"
+    with pytest.raises(DataError) as e:
+        _atomic_write_bytes(str(p), b"")
+    assert str(p) in e.value.message
+
+
+@pytest.mark.parametrize("split", ["-i", "-j"])
+def test_out_of_vocab_token_fails_before_training(data, tmp_path, capsys, split):
+    """One id >= V in a shard: exit 1 before anything is written, naming the shard, id and V
+    (before the fix: an exit-2 error from the model mid-run, shard unnamed)."""
+    b = np.frombuffer((SHARED / "tinyshakespeare" / "input.txt").read_bytes()[:40000],
+                      dtype=np.uint8).astype(np.uint16)
+    b[30000] = 300  # the tiny model's V is 256
+    bad = write_shard(tmp_path / "bad_000.bin", b)
+    out = tmp_path / "o"
+    rc, stdout, err = run_cli(_base(data, **{"-o": str(out), split: bad, "-v": "1"}), capsys)
+    assert rc == 1, err
+    line = _one_error(err)
+    assert bad in line and "300" in line and "V is 256" in line, line
+    assert not out.exists() and stdout == ""
+
+
+def test_y0_refuses_an_output_dir_with_checkpoints(data, tmp_path, capsys):
+    """llm.c overwrites silently and leaves the old run's later checkpoints for a later -y 1;
+    llmctl refuses -y 0 into a directory holding DONE_* (usage error, nothing touched)."""
+    out = tmp_path / "o"
+    train(cfg_for(data, out, max_steps=4, checkpoint_every=2, val_loss_every=0))
+    before = {n: (out / n).read_bytes() for n in os.listdir(out)}
+    rc, _, err = run_cli(_base(data, **{"-o": str(out), "-n": "1"}), capsys)
+    assert rc == 2, err
+    line = _one_error(err)
+    assert str(out) in line and "DONE_00000004" in line
+    assert "-y 1" in err and "new or empty -o" in err
+    assert {n: (out / n).read_bytes() for n in os.listdir(out)} == before
+    # -y 1 still resumes, and an -o without DONE_ (only logs) is fine with -y 0
+    rc, _, err = run_cli(_base(data, **{"-o": str(out), "-y": "1", "-x": "4"}), capsys)
+    assert rc == 0, err
+    logs_only = tmp_path / "logs"
+    train(cfg_for(data, logs_only, max_steps=1, val_loss_every=0))
+    train(cfg_for(data, logs_only, max_steps=1, val_loss_every=0))
+
+
+@pytest.mark.parametrize("flag,value", [
+    ("-l", "nan"), ("-l", "-1"), ("-l", "inf"), ("--beta1", "1.5"), ("--beta1", "-0.1"),
+    ("--beta2", "1"), ("--beta2", "-1"), ("-q", "5"), ("-q", "-0.5"), ("--grad-clip", "-1"),
+    ("--grad-clip", "nan"), ("-u", "-1"), ("-b", "0"), ("-t", "0"), ("-c", "nan"),
+    ("-c", "-1"), ("--threads", "100000")])
+def test_absurd_values_are_usage_errors(data, tmp_path, capsys, flag, value):
+    out = tmp_path / "o"
+    rc, stdout, err = run_cli(_base(data, **{"-o": str(out), flag: value}), capsys)
+    assert rc == 2, err
+    line = _one_error(err)
+    assert flag in line, line
+    assert not out.exists() and stdout == ""
+
+
+def test_validation_accepts_the_edges(data, tmp_path):
+    train(cfg_for(data, max_steps=1, val_loss_every=0, learning_rate=0.0, final_lr_frac=0.0,
+                  beta1=0.0, beta2=0.0, grad_clip=0.0, weight_decay=0.0))
+    train(cfg_for(data, max_steps=1, val_loss_every=0, final_lr_frac=1.0, beta1=0.99,
+                  beta2=0.999))
+
+
+@pytest.mark.parametrize("major,want", [(0, {12}), (3, {6, 12})])
+def test_ctrl_c_checkpoint_is_rotated_by_nk(data, tmp_path, major, want):
+    """-n 4 -nk 1: Ctrl-C after step 6 writes the off-grid checkpoint 6; after -y 1, the regular
+    checkpoint 8 rotates it away with 4 (llm.c never deletes it); -nm keeps it if major."""
+    out = tmp_path / "r"
+    kw = dict(max_steps=12, checkpoint_every=4, checkpoints_keep=1,
+              major_checkpoint_every=major, val_loss_every=0)
+    with pytest.raises(TrainInterrupted):
+        train(cfg_for(data, out, **kw), display=_StopAfter(5))
+    assert (out / "DONE_00000006").exists()
+    train(cfg_for(data, out, resume=1, **kw))
+    steps = lambda prefix: {int(n.split("_")[1][:8]) for n in os.listdir(out)
+                            if n.startswith(prefix)}
+    assert steps("DONE_") == want
+    assert steps("model_") == want and steps("state_") == want
+
+
+class _ValSigint:
+    """Wraps the val loader's next_batch: sends this process `n` SIGINTs on val batch `at` of
+    step `step` and counts the batches read."""
+
+    def __init__(self, trainer, step, at, n=1):
+        self.tr, self.step, self.at, self.n = trainer, step, at, n
+        self.calls = 0
+        self.real = trainer.val_loader.next_batch
+        trainer.val_loader.next_batch = self
+
+    def __call__(self):
+        if self.tr.comm.step == self.step:
+            self.calls += 1
+            if self.calls == self.at:
+                for _ in range(self.n):
+                    os.kill(os.getpid(), signal.SIGINT)
+        return self.real()
+
+
+def test_ctrl_c_during_validation_stops_it_early(data, tmp_path, capsys):
+    """First Ctrl-C: one acknowledgement line at once, the val loop stops between batches, the
+    step checkpoints and TrainInterrupted (exit 130); the partial val loss is not logged."""
+    from llmctl.train import Trainer
+
+    out = tmp_path / "v"
+    tr = Trainer(cfg_for(data, out, max_steps=12, val_loss_every=4, val_max_steps=20,
+                         checkpoint_every=4))
+    spy = _ValSigint(tr, step=8, at=2)
+    with pytest.raises(TrainInterrupted) as e:
+        tr.run()
+    assert spy.calls == 2  # of 20: stopped right after the signal
+    assert e.value.exit_code == 130 and "after step 8/12" in e.value.message
+    assert (out / "DONE_00000008").exists() and not (out / "DONE_00000012").exists()
+    assert [r["step"] for r in metrics(out) if "val_loss" in r] == [0, 4]
+    err = capsys.readouterr().err
+    assert err.count("stopping after this step (Ctrl-C again to abort)...") == 1
+
+
+def test_second_ctrl_c_aborts_at_once(data, tmp_path, capsys):
+    """A second Ctrl-C (during validation, before checkpoint 8) aborts with exit 130 and a
+    one-line message naming the last complete checkpoint, which stays intact."""
+    from llmctl.train import Trainer
+
+    out = tmp_path / "v2"
+    tr = Trainer(cfg_for(data, out, max_steps=12, val_loss_every=4, val_max_steps=20,
+                         checkpoint_every=4))
+    spy = _ValSigint(tr, step=8, at=3, n=2)
+    prev = signal.getsignal(signal.SIGINT)
+    with pytest.raises(TrainInterrupted) as e:
+        try:
+            tr.run()
+        except KeyboardInterrupt:  # would end the pytest session: report it as a failure
+            pytest.fail("a raw KeyboardInterrupt escaped train()")
+    assert signal.getsignal(signal.SIGINT) is prev
+    assert spy.calls == 3
+    msg = e.value.message
+    assert "second Ctrl-C" in msg and str(out / "model_00000004.bin") in msg and "\n" not in msg
+    assert sorted(n for n in os.listdir(out) if n.startswith("DONE_")) == ["DONE_00000004"]
+    assert math.isfinite(_model_loss(out / "model_00000004.bin", data))
