@@ -5,6 +5,7 @@ evaluate, sample); everything a command does is callable from Python without thi
 Exit codes: 0 ok, 1 runtime error (an LlmctlError), 2 usage error, 130 interrupted.
 Messages and progress go to stderr, results to stdout; `--json` prints machine output only.
 """
+import functools
 import sys
 from typing import List, Optional
 
@@ -49,7 +50,35 @@ def _root(
     pass
 
 
+def _interruptible(kept="nothing was written"):
+    """Ctrl-C inside a command -> one line on stderr ("Interrupted." + what was kept) and exit 130.
+
+    typer's core turns a KeyboardInterrupt escaping a command into a silent Exit(130) before
+    main() sees it, so the message has to be printed here, inside the command. An exception may
+    carry its own `kept` text (prepro's ShardsInterrupted names the shards completed)."""
+    def deco(fn):
+        @functools.wraps(fn)  # typer reads the wrapped signature (inspect follows __wrapped__)
+        def wrapper(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except KeyboardInterrupt as e:
+                try:
+                    sys.stdout.flush()
+                except (BrokenPipeError, ValueError):
+                    pass
+                lead = "\n" if sys.stderr.isatty() else ""  # ^C leaves the cursor mid-line
+                sys.stderr.write(f"{lead}Interrupted: {getattr(e, 'kept', None) or kept}.\n")
+                sys.stderr.flush()
+                raise typer.Exit(130)
+        return wrapper
+    return deco
+
+
+_PREPRO_KEPT = "every file is written under a temp name and renamed, so no partial .bin was left"
+
+
 @app.command()
+@_interruptible()
 def info(json_out: bool = typer.Option(False, "--json", help="Print one JSON object.")):
     """Version, OpenMP build, thread count and BLAS in use."""
     import json
@@ -99,10 +128,33 @@ def _prepro_report(summary, json_out):
         err_console.print(f"[yellow]Warning:[/] {summary['warning']}")
 
 
-def _prepro_workers(workers):
-    from llmctl.info import default_threads
+MIN_SHARD_SIZE = 1024
 
-    return workers if workers and workers > 0 else default_threads()
+
+def _prepro_workers(workers):
+    """-w: 0 = the default thread count; negative is an error; more than 4x cores is capped."""
+    from llmctl.errors import ConfigError
+    from llmctl.info import default_threads
+    from llmctl.threads import OVERSUBSCRIBE_LIMIT, _usable_cores
+
+    if workers < 0:
+        raise ConfigError(f"--workers {workers}: must be >= 0", hint="0 = OMP_NUM_THREADS or all cores")
+    if workers == 0:
+        return default_threads()
+    cap = OVERSUBSCRIBE_LIMIT * _usable_cores()
+    if workers > cap:
+        err_console.print(f"[yellow]Warning:[/] --workers {workers} is more than {OVERSUBSCRIBE_LIMIT}x the "
+                          f"{_usable_cores()} usable cores; using {cap}")
+        return cap
+    return workers
+
+
+def _check_shard_size(shard_size):
+    from llmctl.errors import ConfigError
+
+    if shard_size < MIN_SHARD_SIZE:
+        raise ConfigError(f"--shard-size {shard_size}: must be at least {MIN_SHARD_SIZE} tokens "
+                          f"(each shard is one file)", hint="llm.c uses 10**8; try e.g. --shard-size 1000000")
 
 
 _JSON_OPT = typer.Option(False, "--json", help="Print a JSON summary on stdout.")
@@ -111,6 +163,7 @@ _BACKEND_OPT = typer.Option("threads", "--backend", help="Parallel tokenization:
 
 
 @prepro_app.command("tinyshakespeare")
+@_interruptible(_PREPRO_KEPT)
 def prepro_tinyshakespeare_cmd(
     out_dir: str = typer.Option("data/tinyshakespeare", "--out-dir", help="Output (and cache) directory."),
     source: Optional[str] = typer.Option(None, "--source", help="Local input.txt to use instead of cache/datasets/download."),
@@ -128,6 +181,7 @@ def prepro_tinyshakespeare_cmd(
 
 
 @prepro_app.command("hellaswag")
+@_interruptible(_PREPRO_KEPT)
 def prepro_hellaswag_cmd(
     out_dir: str = typer.Option("data/hellaswag", "--out-dir", help="Output (and cache) directory."),
     source: Optional[str] = typer.Option(None, "--source", help="Local hellaswag_{split}.jsonl to use."),
@@ -144,6 +198,7 @@ def prepro_hellaswag_cmd(
 
 
 @prepro_app.command("text")
+@_interruptible(_PREPRO_KEPT)
 def prepro_text_cmd(
     files: List[str] = typer.Argument(..., help="UTF-8 text (docs separated by blank lines or <|endoftext|>), .jsonl/.parquet with a 'text' field."),
     out_dir: Optional[str] = typer.Option(None, "--out-dir", help="Output directory (default: data/NAME)."),
@@ -160,13 +215,16 @@ def prepro_text_cmd(
     from llmctl.prepro import prepro_text
     from llmctl.prepro.text import PROGRESS_MIN_BYTES
 
+    _check_shard_size(shard_size)
+    workers = _prepro_workers(workers)
     big = sum(os.path.getsize(f) for f in files if os.path.isfile(f)) >= PROGRESS_MIN_BYTES
     _prepro_report(prepro_text(files, out_dir=out_dir, val_tokens=val_tokens, shard_size=shard_size, name=name,
-                               workers=_prepro_workers(workers), backend=backend,
+                               workers=workers, backend=backend,
                                progress=big and not json_out), json_out)
 
 
 @prepro_app.command("tinystories")
+@_interruptible(_PREPRO_KEPT)
 def prepro_tinystories_cmd(
     out_dir: str = typer.Option("data/tinystories", "--out-dir", help="Output directory."),
     source: Optional[List[str]] = typer.Option(None, "--source", help="Local file(s): TinyStories data*.json, jsonl, or text with <|endoftext|> (repeatable; default: datasets streaming)."),
@@ -186,6 +244,7 @@ def prepro_tinystories_cmd(
 def _prepro_fineweb(edu, version, out_dir, source, shard_size, max_shards, workers, backend, json_out):
     from llmctl.prepro import prepro_fineweb
 
+    _check_shard_size(shard_size)
     _prepro_report(prepro_fineweb(edu=edu, version=version, out_dir=out_dir, source=source or None,
                                   shard_size=shard_size, max_shards=max_shards, workers=_prepro_workers(workers),
                                   backend=backend, progress=not json_out), json_out)
@@ -198,6 +257,7 @@ _FW_MAX = typer.Option(None, "--max-shards", help="Stop after this many full sha
 
 
 @prepro_app.command("fineweb")
+@_interruptible(_PREPRO_KEPT)
 def prepro_fineweb_cmd(
     version: str = _FW_VERSION,
     out_dir: Optional[str] = typer.Option(None, "--out-dir", help="Output directory (default: data/fineweb10B)."),
@@ -209,6 +269,7 @@ def prepro_fineweb_cmd(
 
 
 @prepro_app.command("fineweb-edu")
+@_interruptible(_PREPRO_KEPT)
 def prepro_fineweb_edu_cmd(
     version: str = _FW_VERSION,
     out_dir: Optional[str] = typer.Option(None, "--out-dir", help="Output directory (default: data/edu_fineweb10B)."),
@@ -220,6 +281,7 @@ def prepro_fineweb_edu_cmd(
 
 
 @prepro_app.command("tokenizer")
+@_interruptible(_PREPRO_KEPT)
 def prepro_tokenizer_cmd(
     out: str = typer.Option("gpt2_tokenizer.bin", "--out", help="Where to write llm.c's tokenizer file."),
     json_out: bool = _JSON_OPT,
@@ -231,6 +293,7 @@ def prepro_tokenizer_cmd(
 
 
 @app.command("inspect-bin")
+@_interruptible()
 def inspect_bin_cmd(
     files: List[str] = typer.Argument(
         ..., show_default=False, metavar="FILES",
@@ -302,10 +365,20 @@ def _rate_progress(unit):
                     disable=not err_console.is_terminal)
 
 
+def _check_threads(threads, nproc=1):
+    """Per-process threads as the command will use them; ConfigError if nproc x threads is absurd."""
+    from llmctl.threads import _usable_cores, check_oversubscription, resolve_threads
+
+    per = resolve_threads(threads) if threads else (resolve_threads(None) if nproc == 1
+                                                     else max(1, _usable_cores() // nproc))
+    check_oversubscription(nproc, per, "--nproc x --threads" if nproc > 1 else "--threads")
+
+
 _THREADS_OPT = typer.Option(0, "--threads", help="Kernel/BLAS threads (0 = OMP_NUM_THREADS or all cores; -1 = all cores). On a busy machine 1 is often fastest.")
 
 
 @eval_app.command("hellaswag")
+@_interruptible("no result")
 def eval_hellaswag_cmd(
     checkpoint: str = typer.Option(..., "--checkpoint", "-e", help="Model: llm.c .bin checkpoint or descriptor (d6, d12, ...) (llm.c: -e)."),
     input_file: str = typer.Option("data/hellaswag/hellaswag_val.bin", "--input", "-i", help="llm.c eval file (written by `llmctl prepro hellaswag`)."),
@@ -326,6 +399,7 @@ def eval_hellaswag_cmd(
 
     if norm not in ("tokens", "chars"):
         raise ConfigError(f"--norm must be 'tokens' or 'chars', got {norm!r}")
+    _check_threads(threads, nproc)
     t0 = time.time()
     if nproc > 1:
         if per_example:
@@ -351,6 +425,7 @@ def eval_hellaswag_cmd(
 
 
 @eval_app.command("loss")
+@_interruptible("no result")
 def eval_loss_cmd(
     checkpoint: str = typer.Option(..., "--checkpoint", "-e", help="Model: llm.c .bin checkpoint or descriptor (llm.c: -e)."),
     pattern: str = typer.Option("data/tinyshakespeare/tiny_shakespeare_val.bin", "--val", "-j", help="Token shard glob, quoted (llm.c: -j)."),
@@ -363,14 +438,21 @@ def eval_loss_cmd(
     """Mean next-token loss and perplexity of a checkpoint over token shards (llm.c's val loss)."""
     import json
 
+    import math
+
+    from llmctl.errors import DataError
     from llmctl.evaluate import eval_loss
 
+    _check_threads(threads)
     model = _load_model(checkpoint, threads)
     with _rate_progress("batch") as progress:
         task = progress.add_task("loss", total=None)
         res = eval_loss(model, pattern, B=batch_size, T=seq_len, max_batches=max_batches,
                         on_start=lambda n: progress.update(task, total=n),
                         on_progress=lambda d: progress.update(task, completed=d))
+    if not math.isfinite(res["loss"]):
+        raise DataError(f"{checkpoint}: the mean loss over {pattern} is {res['loss']} (not finite)",
+                        hint="the checkpoint's weights are probably corrupt (NaN/inf) or diverged")
     if json_out:
         print(json.dumps(res))
         return
@@ -380,6 +462,7 @@ def eval_loss_cmd(
 
 
 @app.command("sample")
+@_interruptible("the text above is what was generated")
 def sample_cmd(
     checkpoint: str = typer.Option(..., "--checkpoint", "-e", help="Model: llm.c .bin checkpoint or descriptor (llm.c: -e)."),
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text (<|endoftext|> is the EOT token). Default: start from EOT like llm.c."),
@@ -399,9 +482,11 @@ def sample_cmd(
     import time
 
     from llmctl.errors import ConfigError
-    from llmctl.sample import _escape_controls, check_sample_length, sample
+    from llmctl.sample import _escape_controls, check_sample_length, check_sampling, default_start, sample
     from llmctl.tokenizer import get_tokenizer
 
+    check_sampling(temperature, top_k, top_p)
+    _check_threads(threads)
     if prompt is not None and prompt_file is not None:
         raise ConfigError("give --prompt or --prompt-file, not both")
     if prompt_file is not None:
@@ -411,8 +496,13 @@ def sample_cmd(
         except (OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"{prompt_file}: cannot read the prompt: {e}")
     tok = get_tokenizer()
-    prompt_tokens = (tok.encoding.encode(prompt, allowed_special={"<|endoftext|>"}) if prompt else []) or [tok.eot]
+    prompt_tokens = tok.encoding.encode(prompt, allowed_special={"<|endoftext|>"}) if prompt else []
     model = _load_model(checkpoint, threads)
+    if not prompt_tokens:  # llm.c starts from EOT; a model whose vocabulary lacks it starts from 0
+        start, note = default_start(model.config.vocab_size, tok.eot)
+        if note:
+            err_console.print(f"[dim]{escape(note)}[/]", soft_wrap=True)
+        prompt_tokens = [start]
     n, msg = check_sample_length(model.config, len(prompt_tokens), num_tokens)
     if msg:
         err_console.print(f"[yellow]Warning:[/] {msg}")
@@ -549,7 +639,8 @@ def train_cmd(
 
 def main(argv: Optional[List[str]] = None):
     """Entry point: run the typer app, mapping user errors to one line and a non-zero exit."""
-    # Standalone mode: typer prints usage errors (exit 2) and maps Ctrl-C to exit 130.
+    # Standalone mode: typer prints usage errors (exit 2) and maps Ctrl-C to a silent exit 130,
+    # so each command prints its own "Interrupted: ..." line (@_interruptible; train: train.py).
     try:
         app(args=argv, prog_name="llmctl")
     except LlmctlError as e:

@@ -219,6 +219,14 @@ def summarize(scores, norm="tokens", per_example=False):
     return out
 
 
+def _check_eval_file(path):
+    if os.path.isdir(path):
+        raise DataError(f"{path}: is a directory, not an eval file",
+                        hint="pass the .bin inside it, e.g. -i DIR/hellaswag_val.bin")
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: eval file not found", hint="create it with `llmctl prepro hellaswag`")
+
+
 def eval_hellaswag(model, path, limit=None, norm="tokens", per_example=False, n_threads=None,
                    batch_tokens=2048, on_progress=None, on_start=None, comm=None):
     """Score an llm.c eval file (e.g. hellaswag_val.bin). model: a GPT2 (or anything with
@@ -229,8 +237,7 @@ def eval_hellaswag(model, path, limit=None, norm="tokens", per_example=False, n_
     local ones. Called from training, log `s:%d eval:%.4f` with the returned acc_norm."""
     from llmctl.formats import read_evalfile
 
-    if not os.path.isfile(path):
-        raise DataError(f"{path}: eval file not found", hint="create it with `llmctl prepro hellaswag`")
+    _check_eval_file(path)
     examples = read_evalfile(path)
     if limit is not None:
         if limit < 1:
@@ -271,8 +278,7 @@ def eval_hellaswag_multiproc(checkpoint, path, nproc, threads=None, limit=None, 
     """eval_hellaswag split over `nproc` local processes (llmctl.dist.launcher); -> the result dict."""
     from llmctl.dist.launcher import launch
 
-    if not os.path.isfile(path):  # fail before spawning anything
-        raise DataError(f"{path}: eval file not found", hint="create it with `llmctl prepro hellaswag`")
+    _check_eval_file(path)  # fail before spawning anything
     out = launch("llmctl.evaluate:hellaswag_entry",
                  {"checkpoint": str(checkpoint), "path": str(path), "limit": limit, "norm": norm,
                   "batch_tokens": batch_tokens}, nproc, threads=threads, timeout=timeout)

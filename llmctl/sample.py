@@ -20,6 +20,7 @@ fc, GELU, fcproj, residual; final LN; logits = lnf @ wte^T over the first V rows
 llmc/rand.h-style xorshift (`random_u32`/`random_f32` in train_gpt2.c).
 """
 import codecs
+import math
 import unicodedata
 
 import numpy as np
@@ -28,6 +29,10 @@ from llmctl.errors import ConfigError
 from llmctl.info import default_threads
 
 EOT = 50256
+# Temperatures below this are greedy (argmax, no coin drawn). Any logit gap above ~1e-4 already
+# gives the runner-up < exp(-100) at T = 1e-6, and a subnormal T (1e-320) made z / T overflow
+# to inf - inf = NaN, which used to sample the last id (EOT) instead of the best one.
+GREEDY_BELOW = 1e-6
 _MIN_PARALLEL = 1 << 16   # floats of element-wise work below which kernels run on one thread
 
 
@@ -237,7 +242,7 @@ def sample_token(logits, coin, temperature=1.0, top_k=None, top_p=None):
 
     logits = np.ascontiguousarray(logits, dtype=np.float32)
     V = logits.shape[0]
-    if temperature == 0:
+    if temperature < GREEDY_BELOW:
         return int(np.argmax(logits))
     k = int(top_k) if top_k else 0
     if k >= V:
@@ -245,7 +250,8 @@ def sample_token(logits, coin, temperature=1.0, top_k=None, top_p=None):
     p_top = float(top_p) if top_p is not None else 1.0
     if temperature == 1.0 and k == 0 and p_top >= 1.0:
         return int(sample_softmax(logits, float(coin)))
-    z = logits.astype(np.float64) / float(temperature)
+    z = logits.astype(np.float64)
+    z = (z - z.max()) / float(temperature)  # <= 0 everywhere: exp never overflows
     keep = np.arange(V)
     if k > 0:
         keep = np.argpartition(-z, k - 1)[:k]
@@ -266,6 +272,26 @@ def sample_token(logits, coin, temperature=1.0, top_k=None, top_p=None):
     if i >= V or probs[i] == 0.0:  # rounding at the top end: take the last kept id
         i = int(np.max(keep))
     return i
+
+
+def check_sampling(temperature=1.0, top_k=None, top_p=None):
+    """ConfigError (exit 2) unless temperature is finite and >= 0, top_p in (0, 1], top_k >= 0."""
+    if not (math.isfinite(float(temperature)) and temperature >= 0):
+        raise ConfigError(f"--temperature {temperature}: must be a finite number >= 0",
+                          hint="0 = greedy, 1 = the model's distribution")
+    if top_p is not None and not (math.isfinite(float(top_p)) and 0.0 < top_p <= 1.0):
+        raise ConfigError(f"--top-p {top_p}: must be in (0, 1]", hint="1 = off")
+    if top_k is not None and top_k < 0:
+        raise ConfigError(f"--top-k {top_k}: must be >= 0", hint="0 = off")
+
+
+def default_start(vocab_size, eot=EOT):
+    """The token a prompt-less sample starts from, as train's sampler does: EOT if the vocabulary
+    has it, else token 0. -> (token, note or None); the note says why token 0 was used."""
+    if eot < vocab_size:
+        return eot, None
+    return 0, (f"the model's vocabulary has {vocab_size} tokens, so it has no <|endoftext|> "
+               f"({eot}); starting from token 0 instead")
 
 
 def check_sample_length(config, n_prompt, max_new_tokens):
@@ -295,18 +321,14 @@ def generate(model, prompt_tokens, max_new_tokens, temperature=1.0, top_k=None, 
     forward over all positions at every step (llm.c's way; for benchmarks and tests).
     Raises ConfigError if prompt + max_new_tokens exceeds the model's maxT."""
     cfg = model.config
-    prompt = [int(t) for t in prompt_tokens] or [eot]
+    prompt = [int(t) for t in prompt_tokens] or [default_start(cfg.vocab_size, eot)[0]]
     if any(t < 0 or t >= cfg.vocab_size for t in prompt):
-        raise ConfigError(f"prompt token ids must be in [0, {cfg.vocab_size})")
+        raise ConfigError(f"prompt token ids must be in [0, {cfg.vocab_size})",
+                          hint="this model's vocabulary is smaller than GPT-2's; use a shorter/plainer prompt")
     n, msg = check_sample_length(cfg, len(prompt), int(max_new_tokens))
     if msg is not None:
         raise ConfigError(msg, hint="lower -n or shorten the prompt")
-    if temperature < 0:
-        raise ConfigError(f"temperature must be >= 0, got {temperature}")
-    if top_p is not None and not (0.0 < top_p <= 1.0):
-        raise ConfigError(f"top-p must be in (0, 1], got {top_p}")
-    if top_k is not None and top_k < 0:
-        raise ConfigError(f"top-k must be >= 0, got {top_k}")
+    check_sampling(temperature, top_k, top_p)
     rng = rng if rng is not None else Xorshift(seed)
     out = []
     if use_cache:
@@ -318,7 +340,7 @@ def generate(model, prompt_tokens, max_new_tokens, temperature=1.0, top_k=None, 
         seq = list(prompt)
         logits = _full_forward_last_logits(model, seq, cfg.vocab_size)
     for i in range(n):
-        if temperature == 0:
+        if temperature < GREEDY_BELOW:  # greedy; no coin drawn, as for temperature 0
             tok = int(np.argmax(logits))
         else:
             tok = sample_token(logits, rng.random_f32(), temperature, top_k, top_p)
@@ -402,7 +424,8 @@ def sample(model, prompt_tokens, num_samples=1, max_new_tokens=64, temperature=1
         if tail and on_text is not None:
             on_text(s, tail)
         text_ids = ids[:-1] if ids and ids[-1] == tok.eot else ids
-        results.append({"prompt_tokens": [int(t) for t in prompt_tokens] or [tok.eot],
+        start = [default_start(model.config.vocab_size, tok.eot)[0]]
+        results.append({"prompt_tokens": [int(t) for t in prompt_tokens] or start,
                         "tokens": ids, "text": tok.decode(text_ids)})
         if on_sample_end is not None:
             on_sample_end(s, results[-1])

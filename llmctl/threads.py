@@ -47,6 +47,22 @@ def resolve_threads(n=None):
     return n
 
 
+OVERSUBSCRIBE_LIMIT = 4  # processes x threads beyond this many per usable core is a typo, not a plan
+
+
+def check_oversubscription(nproc, threads, what="--nproc x --threads"):
+    """ConfigError if `nproc` processes of `threads` threads each exceed OVERSUBSCRIBE_LIMIT x
+    the usable cores (e.g. --threads 100000 on 2 cores): such runs crawl or exhaust memory."""
+    cores = _usable_cores()
+    total = int(nproc) * int(threads)
+    if total > OVERSUBSCRIBE_LIMIT * cores:
+        said = f"{what} {threads}" if int(nproc) == 1 else f"{what} = {nproc} x {threads} = {total} threads"
+        raise ConfigError(f"{said}: too many for {cores} usable cores "
+                          f"(at most {OVERSUBSCRIBE_LIMIT * cores} in total)",
+                          hint=f"use at most {cores} in total; 0 picks a good default")
+    return total
+
+
 def _blas_controllers():
     """threadpoolctl controllers of the BLAS libraries loaded after importing scipy's cython_blas."""
     import scipy.linalg.cython_blas  # noqa: F401  (loads the OpenBLAS that matmul's sgemm uses)

@@ -449,8 +449,8 @@ def _params(path):
 
 
 def _losses(out):
-    with open(out / "metrics.jsonl") as f:
-        return [json.loads(ln)["train_loss"] for ln in f if "train_loss" in ln]
+    with open(out / "metrics.jsonl") as f:  # polled while training appends: skip a partial last line
+        return [json.loads(ln)["train_loss"] for ln in f if "train_loss" in ln and ln.endswith("\n")]
 
 
 def _children(pid):
@@ -610,3 +610,35 @@ def test_bad_input_under_nproc_is_one_line_with_the_ranks_hint(tiny_run):
     r = _cli(["train", "-i", str(d / "missing_*.bin"), "-j", str(d / "val.bin"), "-e", str(d / "init.bin"),
               "-b", str(B), "-t", str(T), "-x", "2", "-v", "0", "-s", "0", "--nproc", "2"])
     assert r.returncode == 1 and "failed: no file matches" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, 0.0])
+def test_non_finite_or_non_positive_timeouts_are_config_errors(bad):
+    # NaN passes a plain `<= 0` check; each entry point must reject it before spawning/joining.
+    from llmctl.dist.hier import launch_multinode, run_train
+    from llmctl.dist.rendezvous import NodeEnv, rendezvous
+
+    with pytest.raises(ConfigError, match="--dist-timeout"):
+        launch(TOY, {}, 2, timeout=bad)
+    env = {"LLMCTL_SECRET": "x" * 32}
+    with pytest.raises(ConfigError, match="--rdzv-timeout"):
+        run_train(None, nproc=1, nnodes=2, node_rank=0, rdzv_timeout=bad, environ=env)
+    with pytest.raises(ConfigError, match="--dist-timeout"):
+        run_train(None, nproc=2, timeout=bad, environ=env)
+    with pytest.raises(ConfigError, match="--rdzv-timeout"):
+        rendezvous(0, 2, "127.0.0.1", 1, b"k" * 32, {}, bad)
+    node = NodeEnv(nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=1, bind_addr="127.0.0.1")
+    with pytest.raises(ConfigError, match="--rdzv-timeout"):
+        launch_multinode(TOY, {}, 1, node, b"k" * 32, rdzv_timeout=bad)
+
+
+def test_cli_rejects_nan_rdzv_timeout_fast(tmp_path):
+    # used to hang forever in the rendezvous; now a usage error (exit 2) before anything starts
+    env = dict(os.environ, LLMCTL_SECRET="x" * 32)
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "llmctl", "train", "--nnodes", "2", "--node-rank", "0",
+                        "--rdzv-timeout", "nan", "-e", "d6"], capture_output=True, text=True,
+                       env=env, timeout=60, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert "--rdzv-timeout" in r.stderr and "Traceback" not in r.stderr
+    assert time.monotonic() - t0 < 30

@@ -259,3 +259,42 @@ def test_nproc_2_sums_ranks(tiny, real_bin, capsys):
     assert res["nproc"] == 2
     for k in ("num_examples", "correct", "correct_norm", "acc", "acc_norm"):
         assert res[k] == want[k]
+
+
+# ----------------------------------------------------------------------------------------------
+# reviewer's findings: directories, non-finite loss, absurd parallelism
+
+def test_eval_file_that_is_a_directory_says_so(tiny, tmp_path, capsys):
+    model, _, _, ckpt = tiny
+    d = tmp_path / "d"
+    d.mkdir()
+    with pytest.raises(DataError, match="d: is a directory"):
+        eval_hellaswag(model, str(d))
+    code, out, err = _run(["eval", "hellaswag", "--threads", "1", "-e", ckpt, "-i", str(d)], capsys)
+    assert code == 1 and "is a directory" in err and "not found" not in err
+
+
+def test_eval_loss_of_a_nan_model_is_an_error_naming_the_checkpoint(tmp_path, capsys):
+    cfg = dict(max_seq_len=16, vocab_size=V, padded_vocab_size=Vp, num_layers=1, num_heads=2, channels=16)
+    P = ref.random_params(cfg, seed=3, std=0.1)
+    P["lnfw"] = P["lnfw"] * np.nan  # every logit NaN
+    ckpt = tmp_path / "nan_model.bin"
+    formats.write_checkpoint(str(ckpt), cfg, ref.params_to_flat(P, cfg))
+    formats.write_datafile(str(tmp_path / "v.bin"), np.arange(40) % 50)
+    for extra in ([], ["--json"]):
+        code, out, err = _run(["eval", "loss", "--threads", "1", "-e", str(ckpt), "-j", str(tmp_path / "v.bin"),
+                               "-b", "2", "-t", "8"] + extra, capsys)
+        assert code == 1 and "nan_model.bin" in err and "not finite" in err and "loss:" not in out
+
+
+def test_absurd_nproc_or_threads_are_refused_before_any_work(tiny, capsys):
+    from llmctl.threads import _usable_cores
+
+    ckpt = tiny[3]
+    many = str(4 * _usable_cores() + 1)
+    for args in (["eval", "hellaswag", "-e", ckpt, "--nproc", many], ["eval", "hellaswag", "-e", ckpt, "--threads", many],
+                 ["eval", "hellaswag", "-e", ckpt, "--nproc", "2", "--threads", many],
+                 ["eval", "loss", "-e", ckpt, "--threads", "100000"],
+                 ["sample", "-e", ckpt, "--threads", "100000"]):
+        code, out, err = _run(args, capsys)
+        assert code == 2 and "usable cores" in err, (args, err)

@@ -510,7 +510,7 @@ def test_cli_text_json(tmp_path, stories, capsys):
     src.write_text(text, encoding="utf-8")
     with pytest.raises(SystemExit) as e:
         main(["prepro", "text", str(src), "--out-dir", str(tmp_path / "o"), "--val-tokens", "300",
-              "--shard-size", "400", "--name", "c", "-w", "2", "--json"])
+              "--shard-size", "1024", "--name", "c", "-w", "2", "--json"])
     assert e.value.code == 0
     s = json.loads(capsys.readouterr().out)
     assert s["tokens"] == sum(map(len, toks)) and s["shards"][0]["tokens"] == 300
@@ -601,3 +601,119 @@ def test_fineweb_datasets_streaming(tmp_path, stories, monkeypatch):
     assert seen == {"path": "HuggingFaceFW/fineweb", "name": "sample-10BT", "split": "train", "streaming": True}
     assert s["origin"] == "datasets"
     assert read_shard(tmp_path / "o" / "fineweb_val_000000.bin") == [t for d in toks for t in d]
+
+
+# ------------------------------------------------------------------------------------------------
+# bad output directories, bad inputs, absurd numbers, Ctrl-C (reviewer's findings)
+
+
+def _cli(args, capsys):
+    from llmctl.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
+
+
+def test_out_dir_that_cannot_be_made_is_a_data_error(tmp_path, capsys):
+    afile = tmp_path / "existing_file.bin"
+    afile.write_bytes(b"x")
+    src = tmp_path / "c.txt"
+    src.write_text("hello world\n\nsecond doc\n", encoding="utf-8")
+    hs = tmp_path / "h.jsonl"
+    hs.write_text(json.dumps({"ctx": "He", "label": 1, "endings": ["a", "b", "c", "d"]}) + "\n")
+    calls = [lambda d: prepro_tinyshakespeare(out_dir=d, source=src),
+             lambda d: prepro_hellaswag(out_dir=d, source=hs),
+             lambda d: prepro_text([src], out_dir=d, shard_size=1024),
+             lambda d: prepro_tinystories(out_dir=d, source=str(src), val_tokens=1),
+             lambda d: prepro_fineweb(out_dir=d, source=[str(src)], shard_size=1024)]
+    for call in calls:
+        for bad, why in ((afile / "x", "is not a directory"), (afile, "exists and is not a directory")):
+            with pytest.raises(DataError, match=f"--out-dir {bad}: .*{why}"):
+                call(bad)
+    # and at the CLI: one line, no traceback (was NotADirectoryError / FileExistsError)
+    for cmd in (["prepro", "text", str(src)], ["prepro", "hellaswag", "--source", str(hs)],
+                ["prepro", "tinyshakespeare", "--source", str(src)],
+                ["prepro", "tinystories", "--source", str(src)]):
+        code, out, err = _cli(cmd + ["--out-dir", str(afile / "x")], capsys)
+        assert code == 1 and "Error: --out-dir" in err and "Traceback" not in err
+    # make_out_dir itself: a file in the way at creation time
+    with pytest.raises(DataError, match="existing_file.bin"):
+        writer_mod.make_out_dir(afile / "a" / "b")
+
+
+def test_hellaswag_undecodable_malformed_or_incomplete_lines_name_file_and_line(tmp_path, capsys):
+    good = json.dumps({"ctx": "He", "label": 1, "endings": ["a", "b", "c", "d"]})
+    bad = tmp_path / "bad.jsonl"
+    cases = [(good.encode() + b"\n" + bytes(range(128, 256)) + b"\n", r"bad.jsonl:2: not UTF-8"),
+             (good.encode() + b"\n" + b'{"ctx": "x", "label": \n', r"bad.jsonl:2: not valid JSON"),
+             (b'{"ctx": "x", "endings": ["a", "b", "c", "d"]}\n', r"bad.jsonl:1: missing or bad field"),
+             (b'[1, 2, 3]\n', r"bad.jsonl:1: missing or bad field"),
+             (b'{"ctx": "x", "label": 1e999, "endings": ["a", "b", "c", "d"]}\n', r"bad.jsonl:1: ")]
+    for data, msg in cases:
+        bad.write_bytes(data)
+        with pytest.raises(DataError, match=msg):
+            prepro_hellaswag(out_dir=tmp_path / "o", source=bad)
+    rnd = tmp_path / "random_bytes.bin"
+    rnd.write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    code, out, err = _cli(["prepro", "hellaswag", "--source", str(rnd), "--out-dir", str(tmp_path / "p3")], capsys)
+    assert code == 1 and "random_bytes.bin:" in err and "Traceback" not in err
+
+
+def test_directory_input_says_is_a_directory(tmp_path, capsys):
+    d = tmp_path / "d"
+    d.mkdir()
+    with pytest.raises(DataError, match="d: is a directory"):
+        prepro_text([d], out_dir=tmp_path / "o")
+    with pytest.raises(DataError, match="--source .*d: is a directory"):
+        prepro_tinystories(out_dir=tmp_path / "o", source=str(d))
+    code, out, err = _cli(["prepro", "text", str(d), "--out-dir", str(tmp_path / "o")], capsys)
+    assert code == 1 and "is a directory" in err and "no such file" not in err
+    with pytest.raises(DataError, match="--source .*d: is a directory"):
+        prepro_hellaswag(out_dir=tmp_path / "o", source=d)
+
+
+def test_cli_rejects_bad_workers_and_tiny_shards(tmp_path, capsys, monkeypatch):
+    src = tmp_path / "c.txt"
+    src.write_text("hello world\n\nsecond doc\n", encoding="utf-8")
+    base = ["prepro", "text", str(src), "--out-dir", str(tmp_path / "o")]
+    code, out, err = _cli(base + ["-w", "-1"], capsys)
+    assert code == 2 and "--workers -1" in err
+    code, out, err = _cli(base + ["--shard-size", "10"], capsys)
+    assert code == 2 and "--shard-size 10" in err and "Hint:" in err
+    assert not (tmp_path / "o").exists()
+    code, out, err = _cli(["prepro", "fineweb", "--source", str(src), "-s", "1000", "--out-dir",
+                           str(tmp_path / "f")], capsys)
+    assert code == 2 and "--shard-size 1000" in err
+    # -w 10000 is capped to 4x the usable cores, with a message, and still works
+    from llmctl import cli
+    from llmctl.threads import _usable_cores
+
+    assert cli._prepro_workers(10000) == 4 * _usable_cores()
+    assert "using" in capsys.readouterr().err
+    code, out, err = _cli(base + ["-w", "10000", "--json"], capsys)
+    assert code in (0, None) and "Warning: --workers 10000" in err
+
+
+def test_interrupted_sharding_names_the_complete_shards(tmp_path, monkeypatch):
+    monkeypatch.setattr(writer_mod, "CHUNK_DOCS", 1)  # one document per tokenizer call
+
+    def docs():
+        for i in range(40):
+            yield "word " * 100  # 101 tokens + its EOT
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt) as e:
+        writer_mod.write_sharded(docs(), tmp_path, lambda s, i: f"x_{s}_{i:06d}.bin", 1024)
+    written = sorted(os.listdir(tmp_path))
+    assert len(written) == 3 and not no_partial_files(tmp_path)  # 40 * 102 // 1024 complete shards
+    assert "kept 3 complete shard(s): x_val_000000.bin .. x_train_000002.bin" in e.value.kept
+
+    def nothing():
+        raise KeyboardInterrupt
+        yield
+
+    with pytest.raises(KeyboardInterrupt) as e:
+        writer_mod.write_sharded(nothing(), tmp_path / "n", lambda s, i: f"x_{s}_{i:06d}.bin", 1024)
+    assert "nothing was written" in e.value.kept

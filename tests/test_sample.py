@@ -298,3 +298,51 @@ def test_cli_prompt_file_and_eot_text(tiny, tmp_path, capsys):
     assert code == 2 and "not both" in err
     code, out, err = _run(["sample", "--threads", "1", "-e", path, "--prompt-file", str(tmp_path / "nope.txt")], capsys)
     assert code == 2 and "nope.txt" in err
+
+
+# ----------------------------------------------------------------------------------------------
+# extreme temperatures, non-finite settings, small vocabularies (reviewer's findings)
+
+def test_tiny_temperature_is_greedy_and_non_finite_settings_are_rejected(tiny):
+    rng = np.random.default_rng(5)
+    logits = rng.normal(0, 2, size=V).astype(np.float32)
+    best = int(np.argmax(logits))
+    assert best != V - 1  # the old NaN path fell through to the last id (EOT)
+    for t in (1e-320, 5e-324, 1e-12, 1e-7):  # 1e-320 / 1e-12: z / T overflowed to inf - inf = NaN
+        for kw in ({}, {"top_k": 5}, {"top_p": 0.9}):
+            assert {sample_token(logits, c, temperature=t, **kw) for c in (0.01, 0.5, 0.99)} == {best}
+    # just above the greedy cut-off, max-subtracted float64 logits stay finite: a gap of 1e-3 over
+    # T = 1e-5 puts exp(-100) ~ 4e-44 on the runner-up, so every coin picks the best id
+    two = np.full(8, -5.0, np.float32)
+    two[3], two[6] = 1.0, 0.999
+    assert {sample_token(two, c, temperature=1e-5) for c in (0.0, 0.5, 0.999999)} == {3}
+    model = tiny[0]
+    for bad in ({"temperature": float("inf")}, {"temperature": float("nan")}, {"temperature": -1.0},
+                {"top_p": float("nan")}, {"top_p": float("inf")}):
+        with pytest.raises(ConfigError):
+            generate(model, [1, 2], 2, **bad)
+    # generation at T = 1e-320 equals greedy (T = 0)
+    assert generate(model, [1, 2], 4, temperature=1e-320) == generate(model, [1, 2], 4, temperature=0)
+
+
+def test_cli_rejects_non_finite_temperature(tiny, capsys):
+    path = tiny[3]
+    for flag in (["--temperature", "inf"], ["--temperature", "nan"], ["--top-p", "nan"]):
+        code, out, err = _run(["sample", "--threads", "1", "-e", path, "-n", "2"] + flag, capsys)
+        assert code == 2 and "Traceback" not in err, (flag, err)
+
+
+def test_sample_without_prompt_on_a_small_vocabulary_starts_from_token_0(tmp_path, capsys):
+    cfg = dict(max_seq_len=16, vocab_size=1000, padded_vocab_size=1024, num_layers=1, num_heads=2, channels=16)
+    P = ref.random_params(cfg, seed=4, std=0.1)
+    path = tmp_path / "small.bin"
+    formats.write_checkpoint(str(path), cfg, ref.params_to_flat(P, cfg))
+    model = GPT2.from_checkpoint(str(path), n_threads=1)
+    want = ref.gpt2_greedy(P, [0], 3, cfg)[1:]
+    assert generate(model, [], 3, temperature=0) == want
+    code, out, err = _run(["sample", "--threads", "1", "-e", str(path), "-n", "3", "--temperature", "0",
+                           "--json", "--num-samples", "2"], capsys)
+    assert code in (0, None), err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["prompt_tokens"] for r in rows] == [[0], [0]] and rows[0]["tokens"] == want
+    assert err.count("starting from token 0") == 1

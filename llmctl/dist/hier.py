@@ -205,7 +205,10 @@ def launch_multinode(target, args, nproc, node, secret, *, threads=None, timeout
     the ranks through their environment. Returns F's launch() info (rank 0's result on node 0).
     """
     from llmctl.dist.launcher import launch
+    from llmctl.dist.rendezvous import check_seconds
 
+    rdzv_timeout = check_seconds("--rdzv-timeout", rdzv_timeout)
+    check_seconds("--dist-timeout", timeout)
     wrapped = {"node": {"nnodes": node.nnodes, "node_rank": node.node_rank,
                         "master_addr": node.master_addr, "master_port": node.master_port,
                         "bind_addr": node.bind_addr, "rdzv_timeout": float(rdzv_timeout)},
@@ -235,10 +238,12 @@ def run_train(cfg, *, nproc=1, nnodes=None, node_rank=None, master_addr=None, ma
     (False, None) for a job this module does not handle (one process, or single-host --nproc N,
     which F's launch_train runs). Only node 0's launcher gets rank 0's summary."""
     from llmctl.dist.env import resolve_env
-    from llmctl.dist.rendezvous import choose_backend, resolve_node, resolve_secret
+    from llmctl.dist.rendezvous import check_seconds, choose_backend, resolve_node, resolve_secret
 
     env = os.environ if environ is None else environ
     choose_backend(backend, 1, env)  # validates the name before anything else
+    timeout = check_seconds("--dist-timeout", timeout)  # before anything is spawned or joined
+    rdzv_timeout = check_seconds("--rdzv-timeout", rdzv_timeout)
     if int(nproc) < 1:
         raise ConfigError(f"--nproc {nproc} must be >= 1")
     launcher_form = int(nproc) > 1 or (nnodes is not None and int(nnodes) > 1)

@@ -89,11 +89,12 @@ def launch(target, args, nproc, *, threads=None, timeout=30.0, collective_timeou
     """
     if int(nproc) < 1:
         raise ConfigError(f"--nproc {nproc} must be >= 1")
-    if float(timeout) <= 0:
-        raise ConfigError(f"--dist-timeout {timeout} must be > 0")
+    from llmctl.dist.rendezvous import check_seconds
+
+    timeout = check_seconds("--dist-timeout", timeout)
     nproc = int(nproc)
-    timeout = float(timeout)
-    collective_timeout = float(collective_timeout) if collective_timeout else max(300.0, 10 * timeout)
+    collective_timeout = (check_seconds("collective timeout", collective_timeout) if collective_timeout
+                          else max(300.0, 10 * timeout))
     startup_timeout = max(60.0, 2 * timeout)
     log = log or _stderr_log
     threads = threads_per_rank(nproc, threads)

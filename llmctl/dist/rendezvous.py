@@ -27,6 +27,7 @@ import hashlib
 import hmac
 import ipaddress
 import json
+import math
 import os
 import queue
 import socket
@@ -41,6 +42,20 @@ from llmctl.errors import ConfigError, DistError
 DEFAULT_PORT = 29500  # torchrun's default MASTER_PORT
 HANDSHAKE_TIMEOUT = 5.0
 MIN_SECRET_CHARS = 16
+
+
+def check_seconds(flag, value):
+    """`value` as a float number of seconds, or ConfigError unless it is finite and > 0.
+
+    NaN slips through a plain `<= 0` test (every comparison with NaN is false) and then makes
+    deadlines that never pass or select() calls that raise, so test finiteness explicitly."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{flag} {value!r} is not a number of seconds") from None
+    if not (math.isfinite(v) and v > 0):
+        raise ConfigError(f"{flag} {value} must be a finite number of seconds > 0", hint=f"e.g. {flag} 30")
+    return v
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,6 +369,7 @@ def rendezvous(rank, world, master_addr, master_port, secret, record, timeout, l
     joined or `timeout` s passed; the others retry connecting until then. On failure every rank
     that joined is told why, and all raise DistError naming the missing ranks or the rejection.
     """
+    timeout = check_seconds("--rdzv-timeout", timeout)
     record = dict(record, rank=rank)
     check_record(record, world)
     if world == 1:

@@ -11,6 +11,7 @@ import os
 
 from llmctl.errors import ConfigError, DataError
 from llmctl.prepro import sources
+from llmctl.prepro.writer import check_out_dir, make_out_dir
 from llmctl.tokenizer import get_tokenizer
 
 URLS = {
@@ -37,11 +38,16 @@ def read_examples(path):
     """Parse and validate the jsonl; return [(line_no, ctx, label, endings)]."""
     out = []
     try:
-        f = open(path, "r", encoding="utf-8")
+        f = open(path, "rb")
     except OSError as e:
         raise DataError(f"{path}: cannot read ({e.strerror})")
     with f:
-        for no, line in enumerate(f, 1):
+        for no, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{no}: not UTF-8 text ({e.reason} at byte {e.start} of the line)",
+                                hint="is this a HellaSwag .jsonl file?") from None
             if not line.strip():
                 continue
             try:
@@ -49,7 +55,7 @@ def read_examples(path):
                 ctx, label, endings = ex["ctx"], int(ex["label"]), ex["endings"]
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{no}: not valid JSON ({e.msg})", hint="is this a HellaSwag .jsonl file?")
-            except (KeyError, TypeError, ValueError) as e:
+            except (KeyError, TypeError, ValueError, OverflowError) as e:
                 raise DataError(f"{path}:{no}: missing or bad field {e} (need ctx, label, endings)",
                                 hint="is this a HellaSwag .jsonl file with labels (not the test split)?")
             if not isinstance(ctx, str) or not isinstance(endings, list) or len(endings) != 4 \
@@ -94,7 +100,7 @@ def prepro_hellaswag(out_dir="data/hellaswag", source=None, split="val", cache_d
     if split not in URLS:
         raise ConfigError(f"--split {split!r}: only 'val' and 'train' have labels",
                         hint="use --split val (what llm.c writes)")
-    out_dir = os.fspath(out_dir)
+    out_dir = check_out_dir(out_dir)
     cache_dir = os.fspath(cache_dir) if cache_dir is not None else out_dir
     got = sources.obtain(f"HellaSwag {split}", source=source,
                          cache_path=os.path.join(cache_dir, f"hellaswag_{split}.jsonl"),
@@ -102,7 +108,7 @@ def prepro_hellaswag(out_dir="data/hellaswag", source=None, split="val", cache_d
                          timeout=timeout, log=log)
     rows = read_examples(got["path"])
     examples = tokenize_examples(rows, got["path"])
-    os.makedirs(out_dir, exist_ok=True)
+    make_out_dir(out_dir)
     path = os.path.join(out_dir, f"hellaswag_{split}.bin")
     write_evalfile(path, examples)
     return {"source": got["path"], "origin": got["origin"], "notes": got["notes"], "path": path,

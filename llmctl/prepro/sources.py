@@ -84,6 +84,9 @@ def obtain(what, *, source=None, cache_path, url=None, from_datasets=None,
         source = os.fspath(source)
         if not os.path.exists(source):
             raise DataError(f"--source {source}: no such file", hint=f"pass the path of a local copy of {what}")
+        if os.path.isdir(source):
+            raise DataError(f"--source {source}: is a directory, not a file",
+                            hint=f"pass the path of a local copy of {what}")
         if not _usable_file(source):
             raise DataError(f"--source {source}: not a regular non-empty file",
                             hint=f"pass the path of a local copy of {what}")

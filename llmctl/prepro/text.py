@@ -23,7 +23,7 @@ import re
 import numpy as np
 
 from llmctl.errors import ConfigError, DataError
-from llmctl.prepro.writer import Progress, tokenize_chunks, write_sharded
+from llmctl.prepro.writer import Progress, check_out_dir, make_out_dir, tokenize_chunks, write_sharded
 from llmctl.tokenizer import EOT_TEXT
 
 DEFAULT_SHARD_SIZE = 10**8
@@ -111,8 +111,7 @@ def iter_documents(paths, field="text", strip=False):
     """Documents from local files, in the given order; the reader is chosen by extension."""
     for p in paths:
         p = os.fspath(p)
-        if not os.path.isfile(p):
-            raise DataError(f"{p}: no such file", hint="check the path(s) given to --source / FILES")
+        _check_input(p)
         if p.endswith((".jsonl", ".json")):
             docs = iter_json_documents(p, field)
         elif p.endswith(".parquet"):
@@ -123,6 +122,15 @@ def iter_documents(paths, field="text", strip=False):
             if strip:
                 d = d.strip()
             yield d
+
+
+def _check_input(p, flag=""):
+    """DataError unless p is an existing regular file (a directory is named as one)."""
+    if os.path.isdir(p):
+        raise DataError(f"{flag}{p}: is a directory, not a file",
+                        hint="pass the file(s) inside it, e.g. DIR/*.txt")
+    if not os.path.isfile(p):
+        raise DataError(f"{flag}{p}: no such file", hint="check the path(s) given to --source / FILES")
 
 
 def _input_bytes(paths):
@@ -164,10 +172,9 @@ def prepro_text(files, out_dir=None, val_tokens=None, shard_size=DEFAULT_SHARD_S
     if not files:
         raise DataError("no input files", hint="llmctl prepro text FILE [FILE ...]")
     for f in files:
-        if not os.path.isfile(f):
-            raise DataError(f"{f}: no such file")
+        _check_input(f)
     name = _safe_name(name or os.path.splitext(os.path.basename(files[0]))[0])
-    out_dir = out_dir or os.path.join("data", name)
+    out_dir = check_out_dir(out_dir or os.path.join("data", name))
     summary = write_sharded(iter_documents(files), out_dir, lambda s, i: f"{name}_{s}_{i:06d}.bin",
                             shard_size, val_tokens=val_tokens, workers=workers, backend=backend,
                             progress=progress, description=f"tokenizing {name}")
@@ -201,12 +208,11 @@ def prepro_tinystories(out_dir="data/tinystories", source=None, val_tokens=32768
     """
     from llmctl.formats import write_datafile
 
-    out_dir = os.fspath(out_dir)
+    out_dir = check_out_dir(out_dir)
     if source:
         files = [os.fspath(s) for s in ([source] if isinstance(source, (str, os.PathLike)) else source)]
         for f in files:
-            if not os.path.isfile(f):
-                raise DataError(f"--source {f}: no such file")
+            _check_input(f, "--source ")
 
         def docs(fs):
             for f in fs:  # llm.c's json shards keep the text in "story"; other json(l) in "text"
@@ -232,7 +238,7 @@ def prepro_tinystories(out_dir="data/tinystories", source=None, val_tokens=32768
         val, train = arrays[0][:val_tokens], arrays[0][val_tokens:]
     if len(val) == 0 or len(train) == 0:
         raise DataError("TinyStories: an empty split (val or train has no tokens)")
-    os.makedirs(out_dir, exist_ok=True)
+    make_out_dir(out_dir)
     files_out = []
     for split, arr in (("val", val), ("train", train)):
         path = os.path.join(out_dir, f"TinyStories_{split}.bin")
@@ -260,7 +266,7 @@ def prepro_fineweb(edu=False, version="10B", out_dir=None, source=None, shard_si
     if version not in ("10B", "100B"):
         raise ConfigError(f"--version {version!r}: use 10B or 100B")
     prefix = "edu_fineweb" if edu else "fineweb"
-    out_dir = out_dir or os.path.join("data", f"{prefix}{version}")
+    out_dir = check_out_dir(out_dir or os.path.join("data", f"{prefix}{version}"))
     if source:
         files = [os.fspath(s) for s in ([source] if isinstance(source, (str, os.PathLike)) else source)]
         docs = iter_documents(files, field="text")

@@ -14,6 +14,7 @@ import numpy as np
 
 from llmctl.errors import DataError
 from llmctl.prepro import sources
+from llmctl.prepro.writer import check_out_dir, make_out_dir
 from llmctl.tokenizer import get_tokenizer
 
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -71,7 +72,7 @@ def prepro_tinyshakespeare(out_dir="data/tinyshakespeare", source=None, cache_di
     """
     from llmctl.formats import write_datafile
 
-    out_dir = os.fspath(out_dir)
+    out_dir = check_out_dir(out_dir)
     cache_dir = os.fspath(cache_dir) if cache_dir is not None else out_dir
     got = sources.obtain("Tiny Shakespeare", source=source, cache_path=os.path.join(cache_dir, CACHE_NAME),
                          url=url, from_datasets=_from_datasets, timeout=timeout, log=log)
@@ -81,7 +82,7 @@ def prepro_tinyshakespeare(out_dir="data/tinyshakespeare", source=None, cache_di
         raise DataError(f"{got['path']}: only {len(tokens):,} tokens; Tiny Shakespeare's split needs more "
                         f"than {VAL_TOKENS:,} (the first {VAL_TOKENS:,} are val)",
                         hint="use `llmctl prepro text` for small corpora")
-    os.makedirs(out_dir, exist_ok=True)
+    make_out_dir(out_dir)
     val_path = os.path.join(out_dir, "tiny_shakespeare_val.bin")
     train_path = os.path.join(out_dir, "tiny_shakespeare_train.bin")
     write_datafile(val_path, tokens[:VAL_TOKENS], kind="gpt2")

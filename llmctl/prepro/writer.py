@@ -38,6 +38,55 @@ CHUNK_DOCS = 256
 CHUNK_CHARS = 1 << 18
 
 
+def check_out_dir(path):
+    """DataError unless `path` is a directory or can be created (nothing is created here).
+
+    Called before any slow work, so a typo'd --out-dir fails in a second, not after tokenizing."""
+    path = os.fspath(path)
+    p = os.path.abspath(path)
+    while not os.path.exists(p):
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    if os.path.exists(p) and not os.path.isdir(p):
+        what = "exists and is not a directory" if p == os.path.abspath(path) else f"{p} is not a directory"
+        raise DataError(f"--out-dir {path}: {what}", hint="pass a directory path for --out-dir")
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise DataError(f"--out-dir {path}: {p} is not writable", hint="pass a directory you can write to")
+    return path
+
+
+def make_out_dir(path):
+    """Create the output directory `path` (and parents) or raise one DataError naming it."""
+    path = check_out_dir(path)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise DataError(f"--out-dir {path}: a path component is a file, not a directory",
+                        hint="pass a directory path for --out-dir") from None
+    except OSError as e:
+        raise DataError(f"--out-dir {path}: cannot create the directory ({e.strerror})",
+                        hint="pass a directory you can write to") from None
+    return path
+
+
+class ShardsInterrupted(KeyboardInterrupt):
+    """Ctrl-C during write_sharded; `kept` says which complete shards are on disk."""
+
+    def __init__(self, kept):
+        super().__init__(kept)
+        self.kept = kept
+
+
+def _kept_shards(written):
+    if not written:
+        return "no shard was complete, nothing was written"
+    names = [os.path.basename(w["path"]) for w in written]
+    span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+    return f"kept {len(names)} complete shard(s): {span} (the rest of the input was not written)"
+
+
 def _encode_docs(texts):
     """Worker body (module-level so it pickles under spawn): one flat uint16 array + lengths."""
     ids, lengths = get_tokenizer().encode_documents_numpy(texts)
@@ -58,6 +107,11 @@ def _chunks(docs):
 
 
 def _warm_worker():
+    import signal
+
+    # Ctrl-C reaches the whole process group: let the parent stop the pool (its `with` block
+    # terminates the workers) instead of every worker printing a KeyboardInterrupt traceback
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     get_tokenizer()
 
 
@@ -226,14 +280,17 @@ def write_sharded(docs, out_dir, name_fn, shard_size, val_tokens=None, workers=1
     max_shards: stop once that many full shards are written (the partial rest is dropped)."""
     writer = ShardWriter(out_dir, name_fn, shard_size, val_tokens=val_tokens, max_shards=max_shards)
     chunks = tokenize_chunks(docs, workers=workers, backend=backend)
-    os.makedirs(out_dir, exist_ok=True)
-    with Progress(description, progress) as prog:
-        for flat, lengths in chunks:
-            if not writer.add(flat, n_docs=len(lengths)):
-                break
-            prog.update(len(lengths), len(flat))
-        shards = writer.close()
-        seconds = prog.seconds
+    make_out_dir(out_dir)
+    try:
+        with Progress(description, progress) as prog:
+            for flat, lengths in chunks:
+                if not writer.add(flat, n_docs=len(lengths)):
+                    break
+                prog.update(len(lengths), len(flat))
+            shards = writer.close()
+            seconds = prog.seconds
+    except KeyboardInterrupt:
+        raise ShardsInterrupted(_kept_shards(writer.written)) from None
     if not shards:
         raise DataError("no documents: nothing to write", hint="check the input is non-empty text")
     return {"out_dir": os.fspath(out_dir), "documents": writer.n_docs, "tokens": writer.total_tokens,

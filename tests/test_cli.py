@@ -1,0 +1,94 @@
+"""Tests for llmctl/cli.py's shared behaviour: Ctrl-C in any command (other than train, which
+llmctl/train.py handles) prints one "Interrupted" line saying what was kept and exits 130.
+
+The commands run as real subprocesses and get a real SIGINT once they are visibly busy (text on
+stdout, a first shard on disk), since typer's own KeyboardInterrupt handling is what hid the message."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+def _start(args, cwd):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "llmctl"] + args, cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _maps(pid):
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _interrupt(p):
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    return p.returncode, out.decode(errors="replace"), err.decode(errors="replace")
+
+
+def test_ctrl_c_during_sample_says_interrupted(tmp_path):
+    # d6 is a seeded random init and the sampler seed is fixed, so this output is deterministic;
+    # 1000 tokens take far longer than the moment we wait for the first one
+    p = _start(["sample", "-e", "d6", "-n", "1000", "--threads", "1"], tmp_path)
+    try:
+        assert p.stdout.read(1)  # generating
+    except BaseException:
+        p.kill()
+        raise
+    code, out, err = _interrupt(p)
+    assert code == 130, err
+    assert "Interrupted" in err and "Traceback" not in err
+    assert len([ln for ln in err.splitlines() if "Interrupted" in ln]) == 1
+
+
+def test_ctrl_c_during_prepro_text_names_the_kept_shards(tmp_path):
+    from conftest import shared_file
+
+    text = shared_file("tinyshakespeare/input.txt").read_text(encoding="utf-8")
+    src = tmp_path / "big.txt"
+    src.write_text(text * 40, encoding="utf-8")  # ~13M tokens: tens of seconds to tokenize on 2 cores
+    out_dir = tmp_path / "o"
+    p = _start(["prepro", "text", str(src), "--out-dir", str(out_dir), "--shard-size", "100000",
+                "-w", "2", "--json"], tmp_path)
+    try:
+        t0 = time.monotonic()
+        while not (out_dir.is_dir() and any(n.endswith(".bin") for n in os.listdir(out_dir))):
+            assert p.poll() is None and time.monotonic() - t0 < 60, "no shard appeared"
+            time.sleep(0.02)
+    except BaseException:
+        p.kill()
+        raise
+    code, out, err = _interrupt(p)
+    assert code == 130, err
+    assert "Traceback" not in err and out == ""
+    line = [ln for ln in err.splitlines() if "Interrupted" in ln]
+    assert len(line) == 1 and "complete shard(s): big_val_000000.bin" in line[0], err
+    shards = sorted(n for n in os.listdir(out_dir) if n.endswith(".bin"))
+    n_kept = int(line[0].split("kept ")[1].split(" ")[0])
+    assert len(shards) == n_kept and not [n for n in os.listdir(out_dir) if not n.endswith(".bin")]
+
+
+@pytest.mark.parametrize("cmd", [["eval", "loss", "-e", "d6", "-j", "v.bin", "-b", "1", "-t", "1024"]])
+def test_ctrl_c_during_eval_says_interrupted(tmp_path, cmd):
+    import numpy as np
+
+    from llmctl import formats
+
+    formats.write_datafile(str(tmp_path / "v.bin"), np.arange(1024 * 200 + 1) % 50000)
+    p = _start(cmd + ["--threads", "1"], tmp_path)
+    try:  # scoring has begun once the shard is mapped (200 forwards of 1024 tokens take far longer)
+        t0 = time.monotonic()
+        while "v.bin" not in _maps(p.pid):
+            assert p.poll() is None and time.monotonic() - t0 < 60, "never started scoring"
+            time.sleep(0.02)
+    except BaseException:
+        p.kill()
+        raise
+    code, out, err = _interrupt(p)
+    assert code == 130 and "Interrupted: no result." in err and "Traceback" not in err, err
