@@ -558,12 +558,13 @@ def is_loopback(addr):
     return addr in ("localhost", "::1") or addr.startswith("127.")
 
 
-def bind_listener(addr, port, allow_remote=False):
-    """A listening TCP socket on `addr:port` (port 0: the OS picks a free one).
+def bind_listener(addr, port, allow_remote=False, what="control", blocking=False):
+    """A listening TCP socket on exactly `addr:port` (port 0: the OS picks a free one).
 
-    Loopback only unless allow_remote (multi-host: the user named the address explicitly)."""
+    Loopback only unless allow_remote (multi-host: the user named the address explicitly); never
+    a wildcard address unless `addr` is one. `what` names the listener in error messages."""
     if not allow_remote and not is_loopback(addr):
-        raise DistError(f"refusing to bind the control hub to {addr}: only loopback addresses are "
+        raise DistError(f"refusing to bind the {what} listener to {addr}: only loopback addresses are "
                         "allowed on one host", hint="use 127.0.0.1 (the default)")
     s = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
     # REUSEADDR only skips TIME_WAIT leftovers of an earlier run; a live listener still conflicts
@@ -573,9 +574,13 @@ def bind_listener(addr, port, allow_remote=False):
     except OSError as e:
         s.close()
         if e.errno == errno.EADDRINUSE:
-            raise DistError(f"control port {port} on {addr} is already in use",
+            raise DistError(f"{what} port {port} on {addr} is already in use",
                             hint="pass another --master-port, or 0 to let the OS pick a free one") from None
-        raise DistError(f"cannot bind the control hub to {addr}:{port}: {e.strerror}") from None
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise DistError(f"cannot bind the {what} listener to {addr}: no local interface has that address",
+                            hint="pass this host's own address as --bind-addr "
+                                 "(and --master-addr must be node 0's)") from None
+        raise DistError(f"cannot bind the {what} listener to {addr}:{port}: {e.strerror}") from None
     s.listen(128)
-    s.setblocking(False)
+    s.setblocking(blocking)
     return s

@@ -79,24 +79,9 @@ class HierComm(Comm):
         if shm.world_size == 1:
             self.ring.all_reduce_mean(buf)
         else:
-            # F's ShmComm.all_reduce_mean with the cross-host ring between its reduce-scatter and
-            # its all-gather (same segment, same slices, same kernels)
-            n = buf.shape[0]
-            shm._ensure(n)
-            slots = shm.seg.slots
-            result = slots[shm.world_size]
-            mine = slots[shm.rank]
-            lo, hi = shm._slice(n)
-            k, nt = shm._k, shm.n_threads
-            k.copy_floats(mine[:lo], buf[:lo], nt)
-            k.copy_floats(mine[hi:n], buf[hi:n], nt)
-            shm._collective("allreduce", n)
-            k.reduce_mean_slice(result, slots[:shm.world_size], lo, hi, nt, buf, shm.rank)
-            self.ring.all_reduce_mean(buf[lo:hi])
-            k.copy_floats(result[lo:hi], buf[lo:hi], nt)
-            shm._collective("allgather", n)
-            k.copy_floats(buf[:lo], result[:lo], nt)
-            k.copy_floats(buf[hi:n], result[hi:n], nt)
+            # shm reduce-scatter inside the host, the ring across hosts on this rank's slice,
+            # then the shm all-gather
+            shm.all_reduce_copy(buf, between=self.ring.all_reduce_mean)
         self.allreduce_calls += 1
         self.allreduce_seconds += time.perf_counter() - t0
 

@@ -340,26 +340,12 @@ def _fmt(addr, port):
 
 
 def bind_listener(addr, port=0, what="ring"):
-    """A listening socket on exactly `addr` (never a wildcard unless `addr` is one)."""
+    """A blocking listening socket on exactly `addr` (a name is resolved first), any interface."""
+    from llmctl.dist import control
+
     if not _is_ip(addr):
         addr = resolve_addr(addr)
-    s = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        s.bind((addr, port))
-    except OSError as e:
-        s.close()
-        import errno
-        if e.errno == errno.EADDRINUSE:
-            raise DistError(f"{what} port {port} on {addr} is already in use",
-                            hint="pass another --master-port") from None
-        if e.errno == errno.EADDRNOTAVAIL:
-            raise DistError(f"cannot bind the {what} listener to {addr}: no local interface has "
-                            "that address", hint="pass this host's own address as --bind-addr "
-                            "(and --master-addr must be node 0's)") from None
-        raise DistError(f"cannot bind the {what} listener to {_fmt(addr, port)}: {e.strerror}") from None
-    s.listen(128)
-    return s
+    return control.bind_listener(addr, port, allow_remote=True, what=what, blocking=True)
 
 
 def rendezvous(rank, world, master_addr, master_port, secret, record, timeout, log=None):

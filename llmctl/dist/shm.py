@@ -358,6 +358,17 @@ class ShmComm(HubComm):
             self.allreduce_calls += 1
             self.allreduce_seconds += time.perf_counter() - t0
             return
+        self.all_reduce_copy(buf)
+        self.allreduce_calls += 1
+        self.allreduce_seconds += time.perf_counter() - t0
+
+    def all_reduce_copy(self, buf, between=None):
+        """The copy-in/copy-out all-reduce of a private `buf` (world_size > 1).
+
+        `between(slice)`, if given, runs on this rank's reduced slice after the reduce-scatter and
+        before the all-gather: the hierarchical backend reduces that slice across hosts there.
+        """
+        n = buf.shape[0]
         self._ensure(n)
         slots = self.seg.slots
         result = slots[self.world_size]
@@ -370,12 +381,13 @@ class ShmComm(HubComm):
         self._collective("allreduce", n)
         # 2. reduce-scatter: our slice, summed over ranks 0..N-1 in order, into result and buf
         k.reduce_mean_slice(result, slots[:self.world_size], lo, hi, nt, buf, self.rank)
+        if between is not None:
+            between(buf[lo:hi])
+            k.copy_floats(result[lo:hi], buf[lo:hi], nt)
         self._collective("allgather", n)
         # 3. all-gather: everyone else's slices
         k.copy_floats(buf[:lo], result[:lo], nt)
         k.copy_floats(buf[hi:n], result[hi:n], nt)
-        self.allreduce_calls += 1
-        self.allreduce_seconds += time.perf_counter() - t0
 
     def all_reduce_sum_scalar(self, x):
         x = float(x)
