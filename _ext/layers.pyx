@@ -408,18 +408,24 @@ cdef int _check_ids(str name, const int[::1] ids, long upper) except -1:
     return 0
 
 
+def _check_encoder(str act, Py_ssize_t act_len, str te, Py_ssize_t te_len, str pe, Py_ssize_t pe_len,
+                   const int[::1] inp, int B, int T, int C, int n_threads):
+    """Shared argument checks of encoder_forward/backward (names as the caller calls them)."""
+    check_threads(n_threads)
+    check_positive("B", B); check_positive("T", T); check_positive("C", C)
+    check_len(act, act_len, <Py_ssize_t>B * T * C)
+    check_len("inp", inp.shape[0], <Py_ssize_t>B * T)
+    if te_len == 0 or te_len % C:
+        raise ValueError(f"{te} has {te_len} elements, not a positive multiple of C={C}")
+    if pe_len < <Py_ssize_t>T * C or pe_len % C:
+        raise ValueError(f"{pe} has {pe_len} elements, need a multiple of C={C} and >= T*C={T * C}")
+    _check_ids("inp", inp, te_len // C)
+
+
 def encoder_forward(float[::1] out, const int[::1] inp, const float[::1] wte, const float[::1] wpe,
                     int B, int T, int C, int n_threads=1):
     """out (B,T,C) = wte (Vp,C)[inp (B,T)] + wpe (>=T,C)[t]. Overwrites out."""
-    check_threads(n_threads)
-    check_positive("B", B); check_positive("T", T); check_positive("C", C)
-    check_len("out", out.shape[0], <Py_ssize_t>B * T * C)
-    check_len("inp", inp.shape[0], <Py_ssize_t>B * T)
-    if wte.shape[0] == 0 or wte.shape[0] % C:
-        raise ValueError(f"wte has {wte.shape[0]} elements, not a positive multiple of C={C}")
-    if wpe.shape[0] < <Py_ssize_t>T * C or wpe.shape[0] % C:
-        raise ValueError(f"wpe has {wpe.shape[0]} elements, need a multiple of C={C} and >= T*C={T * C}")
-    _check_ids("inp", inp, wte.shape[0] // C)
+    _check_encoder("out", out.shape[0], "wte", wte.shape[0], "wpe", wpe.shape[0], inp, B, T, C, n_threads)
     n_threads = eff_threads(n_threads, <Py_ssize_t>B * T * C, _grain)
     with nogil:
         _encoder_forward(&out[0], &inp[0], &wte[0], &wpe[0], B, T, C, n_threads)
@@ -428,15 +434,7 @@ def encoder_forward(float[::1] out, const int[::1] inp, const float[::1] wte, co
 def encoder_backward(float[::1] dwte, float[::1] dwpe, const float[::1] dout, const int[::1] inp,
                      int B, int T, int C, int n_threads=1):
     """Accumulate: dwte[inp[b,t]] += dout[b,t]; dwpe[t] += dout[b,t]. Deterministic at any n_threads."""
-    check_threads(n_threads)
-    check_positive("B", B); check_positive("T", T); check_positive("C", C)
-    check_len("dout", dout.shape[0], <Py_ssize_t>B * T * C)
-    check_len("inp", inp.shape[0], <Py_ssize_t>B * T)
-    if dwte.shape[0] == 0 or dwte.shape[0] % C:
-        raise ValueError(f"dwte has {dwte.shape[0]} elements, not a positive multiple of C={C}")
-    if dwpe.shape[0] < <Py_ssize_t>T * C or dwpe.shape[0] % C:
-        raise ValueError(f"dwpe has {dwpe.shape[0]} elements, need a multiple of C={C} and >= T*C={T * C}")
-    _check_ids("inp", inp, dwte.shape[0] // C)
+    _check_encoder("dout", dout.shape[0], "dwte", dwte.shape[0], "dwpe", dwpe.shape[0], inp, B, T, C, n_threads)
     n_threads = eff_threads(n_threads, <Py_ssize_t>B * T * C, _grain)
     with nogil:
         _encoder_backward(&dwte[0], &dwpe[0], &dout[0], &inp[0], B, T, C, n_threads)
