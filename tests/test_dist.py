@@ -21,6 +21,7 @@ from llmctl.dist.env import resolve_env, threads_per_rank
 from llmctl.dist.launcher import launch
 from llmctl.dist.shm import PREFIX, SHM_DIR, sweep_segments
 from llmctl.errors import ConfigError, DistError
+from tinyrun import tiny_train_args, write_tiny_run
 
 reduce = pytest.importorskip("llmctl._ext.reduce")
 
@@ -419,24 +420,11 @@ def tiny_run(dist_clean):
     of samples per shard), so the token sets would not match; with one sample per epoch the P = 2
     permutation is empty and the P = 1 permutation only swaps the two micro-steps (same tokens).
     """
-    from llmctl.formats import write_datafile
-    from llmctl.model import GPT2, GPT2Config
-
-    cfg = GPT2Config(max_seq_len=16, vocab_size=64, padded_vocab_size=128, num_layers=2,
-                     num_heads=2, channels=32)
-    m = GPT2(cfg, n_threads=1)
-    rng = np.random.default_rng(0)
-    m.params[:] = (rng.standard_normal(m.num_parameters) * 0.05).astype(np.float32)
-    m.save_checkpoint(str(dist_clean / "init.bin"))
-    write_datafile(str(dist_clean / "train.bin"), rng.integers(0, 64, 2 * B * T + 6).astype(np.uint16))
-    write_datafile(str(dist_clean / "val.bin"), rng.integers(0, 64, 200).astype(np.uint16))
-    return dist_clean
+    return write_tiny_run(dist_clean, 2 * B * T + 6)
 
 
 def _train_args(d, out, *extra):
-    return ["train", "-i", str(d / "train.bin"), "-j", str(d / "val.bin"), "-e", str(d / "init.bin"),
-            "-b", str(B), "-t", str(T), "-l", "1e-3", "-v", "0", "-s", "0", "--threads", "1",
-            "-o", str(d / out), *extra]
+    return tiny_train_args(d, out, B, T, *extra)
 
 
 def _cli(args, env=None, **kw):

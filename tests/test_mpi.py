@@ -20,6 +20,7 @@ import pytest
 pytest.importorskip("mpi4py", reason="mpi4py is not installed: pip install 'llmctl[mpi]'")
 
 from llmctl.dist.selftest import rank_data  # noqa: E402
+from tinyrun import tiny_train_args, write_tiny_run
 
 U32 = 2.0 ** -24
 
@@ -109,23 +110,10 @@ def test_mpiexec_train_equals_gradient_accumulation(tmp_path):
     only fp32 summation order differs, ~1e-7 relative, so losses to 1e-6 relative and
     parameters to 1e-6 absolute (1/1000 of one lr=1e-3 step), with training moving them ~1000x
     more; parameters are compared across ranks bit-for-bit every step (CHECK_PARAMS)."""
-    from llmctl.formats import write_datafile
-    from llmctl.model import GPT2, GPT2Config
-
-    d = tmp_path
-    cfg = GPT2Config(max_seq_len=16, vocab_size=64, padded_vocab_size=128, num_layers=2,
-                     num_heads=2, channels=32)
-    m = GPT2(cfg, n_threads=1)
-    rng = np.random.default_rng(0)
-    m.params[:] = (rng.standard_normal(m.num_parameters) * 0.05).astype(np.float32)
-    m.save_checkpoint(str(d / "init.bin"))
-    write_datafile(str(d / "train.bin"), rng.integers(0, 64, 2 * B * T + 6).astype(np.uint16))
-    write_datafile(str(d / "val.bin"), rng.integers(0, 64, 200).astype(np.uint16))
+    d = write_tiny_run(tmp_path, 2 * B * T + 6)
 
     def args(out, *extra):
-        return ["train", "-i", str(d / "train.bin"), "-j", str(d / "val.bin"), "-e", str(d / "init.bin"),
-                "-b", str(B), "-t", str(T), "-l", "1e-3", "-v", "0", "-s", "0", "--threads", "1",
-                "-x", "6", "-n", "6", "-o", str(d / out), *extra]
+        return tiny_train_args(d, out, B, T, "-x", "6", "-n", "6", *extra)
 
     r1 = subprocess.run([sys.executable, "-m", "llmctl.cli", *args("p1", "-d", str(2 * B * T))],
                         capture_output=True, text=True, timeout=120)

@@ -21,6 +21,7 @@ from llmctl.dist import rendezvous as rdzv
 from llmctl.dist.ring import RingComm, init_ring, ring_connect
 from llmctl.dist.selftest import rank_data
 from llmctl.errors import ConfigError, DistError
+from tinyrun import tiny_train_args, write_tiny_run
 
 pytest.importorskip("llmctl._ext.reduce")
 
@@ -440,23 +441,10 @@ def test_2_hosts_x_2_procs_train_equals_gradient_accumulation(procs, tmp_path):
     and parameters to 1e-6 absolute (1/1000 of one step at lr 1e-3), and check training moved
     them ~1000x more. Every rank's parameters are compared bit-for-bit after every step
     (LLMCTL_DIST_CHECK_PARAMS=1: the job would fail with "ranks disagree on parameters")."""
-    from llmctl.formats import write_datafile
-    from llmctl.model import GPT2, GPT2Config
-
-    d = tmp_path
-    cfg = GPT2Config(max_seq_len=16, vocab_size=64, padded_vocab_size=128, num_layers=2,
-                     num_heads=2, channels=32)
-    m = GPT2(cfg, n_threads=1)
-    rng = np.random.default_rng(0)
-    m.params[:] = (rng.standard_normal(m.num_parameters) * 0.05).astype(np.float32)
-    m.save_checkpoint(str(d / "init.bin"))
-    write_datafile(str(d / "train.bin"), rng.integers(0, 64, 4 * B * T + 6).astype(np.uint16))
-    write_datafile(str(d / "val.bin"), rng.integers(0, 64, 200).astype(np.uint16))
+    d = write_tiny_run(tmp_path, 4 * B * T + 6)
 
     def args(out, *extra):
-        return ["train", "-i", str(d / "train.bin"), "-j", str(d / "val.bin"), "-e", str(d / "init.bin"),
-                "-b", str(B), "-t", str(T), "-l", "1e-3", "-v", "0", "-s", "0", "--threads", "1",
-                "-x", "6", "-n", "6", "-o", str(d / out), *extra]
+        return tiny_train_args(d, out, B, T, "-x", "6", "-n", "6", *extra)
 
     port = _free_port()
     nodes = [procs.start([sys.executable, "-m", "llmctl.cli", *args(

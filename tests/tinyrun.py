@@ -1,0 +1,30 @@
+"""A tiny training setup shared by the distributed tests (dist, ring, mpi).
+
+A 30k-parameter llm.c checkpoint `init.bin` plus `train.bin` / `val.bin` shards in a directory,
+and the `llmctl train` arguments that run on them, so every backend's equivalence test trains the
+same model on the same tokens.
+"""
+import numpy as np
+
+
+def write_tiny_run(d, train_tokens, seed=0):
+    """Write init.bin (L=2, C=32, V=64), train.bin (train_tokens ids) and val.bin (200 ids) into d."""
+    from llmctl.formats import write_datafile
+    from llmctl.model import GPT2, GPT2Config
+
+    cfg = GPT2Config(max_seq_len=16, vocab_size=64, padded_vocab_size=128, num_layers=2,
+                     num_heads=2, channels=32)
+    m = GPT2(cfg, n_threads=1)
+    rng = np.random.default_rng(seed)
+    m.params[:] = (rng.standard_normal(m.num_parameters) * 0.05).astype(np.float32)
+    m.save_checkpoint(str(d / "init.bin"))
+    write_datafile(str(d / "train.bin"), rng.integers(0, 64, train_tokens).astype(np.uint16))
+    write_datafile(str(d / "val.bin"), rng.integers(0, 64, 200).astype(np.uint16))
+    return d
+
+
+def tiny_train_args(d, out, B, T, *extra):
+    """`llmctl train` arguments for the tiny run in d, writing to d/out, 1 thread, no val/samples."""
+    return ["train", "-i", str(d / "train.bin"), "-j", str(d / "val.bin"), "-e", str(d / "init.bin"),
+            "-b", str(B), "-t", str(T), "-l", "1e-3", "-v", "0", "-s", "0", "--threads", "1",
+            "-o", str(d / out), *extra]
