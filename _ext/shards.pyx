@@ -1,7 +1,7 @@
 """The shard reader's two tight loops: gather one (B,T) batch from a token shard, and permute.
 
 What it is: `shards_gather` copies B*T+1 consecutive uint16 tokens (usually from a read-only
-memory map of an llm.c `.bin` shard, §1.1) into int32 inputs and targets shifted by one, as
+memory map of an llm.c `.bin` shard, `dev/data/data_common.py` `write_datafile`) into int32 inputs and targets shifted by one, as
 llm.c's `dataloader_load_batch` does after its fread; `shards_permute` is llm.c's
 `random_permutation` (rand.h) driven by a block of precomputed mt19937 outputs, so a 400k-sample
 shard is shuffled in C instead of a Python loop.

@@ -1,6 +1,6 @@
 """Benchmark: the TCP ring all-reduce across loopback "hosts" vs MPI's Allreduce, same buffer, one run.
 
-issue 6 (engineer H).
+issue 6.
 
 What it measures: all_reduce_mean of an --mb MB float32 buffer (default 500 MB) by
 - the ring backend (llmctl/dist/ring.py) in P = 2 and 4 processes, each bound to its own

@@ -1,7 +1,7 @@
 """Benchmark `llmctl eval hellaswag`: examples/s on real HellaSwag examples with a d12 model.
 
 What it reports: examples/s (and the implied time for the full 10,042-example validation set)
-for the first --examples examples of ../shared/data/hellaswag/hellaswag_val.jsonl (prepro'd to a
+for the first --examples examples of the HellaSwag validation jsonl (prepro'd to a
 temporary llm.c eval file), with random-init weights (speed does not depend on their values),
 plus the positions actually computed vs. llm.c's 4 rows x T=1024 per example.
 What it is not: an accuracy figure (random weights score ~25%).

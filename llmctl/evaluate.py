@@ -1,9 +1,9 @@
 """Evaluate a GPT-2 model: multiple-choice accuracy (HellaSwag, scored as llm.c does) and mean loss.
 
 What it is:
-- `score_examples` / `eval_hellaswag`: every example of an llm.c eval file (§1.2) becomes 4 rows
+- `score_examples` / `eval_hellaswag`: every example of an llm.c eval file (`data_common.py` `write_evalfile`) becomes 4 rows
   context + completion; a completion's loss is the per-token cross-entropy at the positions that
-  predict its tokens (n_ctx-1 .. n_ctx+n_c-2), exactly the mask of llm.c's EvalLoader (§3).
+  predict its tokens (n_ctx-1 .. n_ctx+n_c-2), exactly the mask of llm.c's EvalLoader (`llmc/dataloader.h`).
   acc_norm = argmin of the MEAN loss per row (llm.c's figure; ties go to the lowest index, as its
   strict '<'), acc = argmin of the SUMMED loss (hellaswag.py's `acc`); `norm="chars"` divides by
   the completion's decoded character length instead (lm-evaluation-harness's acc_norm).

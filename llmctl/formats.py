@@ -1,7 +1,7 @@
 """Every llm.c binary file format in one place: read, write, validate.
 
 What it is: readers and writers for the files karpathy/llm.c reads and writes (spec:
-../shared/docs/llmc-reference.md §1), byte for byte where llm.c defines the bytes:
+llm.c's `dev/data/data_common.py`, `train_gpt2.py`, `train_gpt2.cu`), byte for byte where llm.c defines the bytes:
   token shards     magic 20240520 v1 uint16 / llama-3 20240801 v7 uint32  (dev/data/data_common.py write_datafile,
                                                                            llmc/dataloader.h)
   eval files       magic 20240522 v1                                       (data_common.write_evalfile, EvalLoader)
@@ -735,7 +735,7 @@ def _state_header_bytes(s):
 
 
 def write_state_file(path, state):
-    """Write a train_gpt2.cu state file (§1.5 layout, atomic)."""
+    """Write a train_gpt2.cu state file (`save_state`'s layout, atomic)."""
     s = state
     m = np.asarray(s.m).reshape(-1)
     v = np.asarray(s.v).reshape(-1)

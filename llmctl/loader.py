@@ -1,14 +1,14 @@
 """The training DataLoader: llm.c's `llmc/dataloader.h`, batch for batch.
 
-What it is: a sorted glob of llm.c token shards (§1.1), every shard validated up front, each rank
+What it is: a sorted glob of llm.c token shards (`data_common.py` `write_datafile`), every shard validated up front, each rank
 reading its own B*T+1 slice of every P*B*T-token sample (targets = inputs shifted by one), and the
 two-level shuffle: shard order permuted in place at every epoch (permutations compose), samples
 inside a shard permuted from identity each time a shard is entered, with an mt19937 seeded 42+rank
 (PyTorch's generator, llmctl.rand). Given the same files, B, T, rank and world size, the sequence
 of batches is identical to llm.c's. Reads go through a memory map; the gather is nogil Cython
-(llmctl._ext.shards). `state()`/`load_state()` carry exactly what llm.c's state file holds (§1.5).
+(llmctl._ext.shards). `state()`/`load_state()` carry exactly what llm.c's state file holds (`train_gpt2.cu` `save_state`).
 What it is not: the EvalLoader (HellaSwag) or train_gpt2.py's simpler Python loader.
-Reference: ../shared/docs/llmc-reference.md §2 (and §1.5 for the saved state).
+Reference: llm.c's `llmc/dataloader.h` (`dataloader_init`, `dataloader_next_batch`, `dataloader_resume`).
 """
 import glob as _glob
 
@@ -186,7 +186,7 @@ class DataLoader:
         self.current_sample_idx += 1
         return batch
 
-    # -- checkpointed state (llm.c state file, §1.5) -------------------------------------------
+    # -- checkpointed state (llm.c state file) -------------------------------------------
 
     def state(self):
         """What llm.c's save_state writes for the loader (arrays are copies)."""

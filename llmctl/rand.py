@@ -2,7 +2,7 @@
 
 What it is: `Mt19937` with the same seeding, output stream, float conversions, Box-Muller `normal_`
 (16-block path with the n % 16 tail redo, and the n < 16 float64 path), `random_permutation`, and
-the raw 2520-byte `mt19937_state` struct that llm.c's state files embed (§1.5 of the spec).
+the raw 2520-byte `mt19937_state` struct that llm.c's state files embed (`train_gpt2.cu` `save_state`).
 The integer stream is exact: seeding is MT19937's classic init_genrand, so NumPy's
 `MT19937()._legacy_seeding(seed)` + `random_raw()` produces the same words, vectorised.
 

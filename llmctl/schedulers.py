@@ -4,7 +4,7 @@ What it is: `get_learning_rate(kind, step, lr, warmup, num_steps, final_frac)` a
 `LRScheduler` holding those settings, computed in float32 like llm.c's C floats so the `lr:` values
 in main.log match llm.c's to the printed digits.
 What it is not: an optimizer, or a schedule llm.c does not have.
-Reference: ../shared/docs/llmc-reference.md §6.5.
+Reference: llm.c's `llmc/schedulers.h`.
 """
 import math
 

@@ -10,7 +10,7 @@ download). Tokenizing never touches the network.
 What it is not: a BPE implementation (tiktoken's Rust core does the work) or a llama-3 tokenizer.
 
 Mirrors: llm.c `dev/data/*.py` (`tiktoken.get_encoding("gpt2")`, EOT 50256) and `train_gpt2.py`'s
-`write_tokenizer` (the gpt2_tokenizer.bin layout, llmc-reference §1.4).
+`write_tokenizer` (the gpt2_tokenizer.bin layout).
 """
 import hashlib
 import json

@@ -9,10 +9,10 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 
 
 def shared_file(rel):
-    """Path to a file under ../shared/data, or skip the test saying exactly what is missing."""
+    """Path to a file under the shared data directory beside the repo, or skip the test saying exactly what is missing."""
     p = SHARED_DATA / rel
     if not p.is_file():
-        pytest.skip(f"real data {p} is absent (see ../shared/data/README.md)")
+        pytest.skip(f"real data {p} is absent (see the README of the shared data directory)")
     return p
 
 

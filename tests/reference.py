@@ -38,7 +38,7 @@ def cfg_dims(cfg):
 
 
 def param_shapes(cfg):
-    """[(name, shape)] in llm.c's checkpoint order (§1.3)."""
+    """[(name, shape)] in llm.c's checkpoint order (`train_gpt2.py` `write_model`)."""
     maxT, V, Vp, L, NH, C = cfg_dims(cfg)
     return [("wte", (Vp, C)), ("wpe", (maxT, C)), ("ln1w", (L, C)), ("ln1b", (L, C)),
             ("qkvw", (L, 3 * C, C)), ("qkvb", (L, 3 * C)), ("attprojw", (L, C, C)),
@@ -232,7 +232,7 @@ def softmax_crossentropy_backward(probs, targets, dlosses, V):
 
 
 def adamw_step(p, g, m, v, lr, b1, b2, eps, wd, t, grad_scale=1.0):
-    """llm.c CU AdamW (§6.4) on arrays; t is 1-based. -> (p, m, v) new arrays."""
+    """llm.c CU AdamW (`llmc/adamw.cuh`) on arrays; t is 1-based. -> (p, m, v) new arrays."""
     g = grad_scale * g
     m = b1 * m + (1.0 - b1) * g
     v = b2 * v + (1.0 - b2) * g * g

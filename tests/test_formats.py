@@ -1,7 +1,7 @@
 """llmctl.formats and the tokens extension against independent references.
 
 References: headers and payloads built here with struct.pack from llm.c's documented layouts
-(../shared/docs/llmc-reference.md §1), llm.c's documented sizes (d6/d12 parameter counts, the
+(llm.c's `data_common.py`, `train_gpt2.py`, `train_gpt2.cu`), llm.c's documented sizes (d6/d12 parameter counts, the
 372,108-byte GPT-2 tokenizer file), bf16 rounding computed in float64 from its definition, and
 NumPy for token statistics.
 """

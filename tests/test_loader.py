@@ -1,6 +1,6 @@
 """DataLoader (llmctl/loader.py) against llm.c's documented vectors and an independent re-implementation.
 
-The reference below is written from ../shared/docs/llmc-reference.md §2 alone: its own pure-Python
+The reference below is written from llm.c's `llmc/dataloader.h` alone: its own pure-Python
 mt19937 (init_genrand + twist + tempering), its own permutation and its own batch arithmetic. It
 does not import llmctl.rand or llmctl._ext, so a shared mistake cannot hide.
 """
@@ -21,7 +21,7 @@ SHARED = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
 
 
 class RefMT19937:
-    """The classic MT19937 (PyTorch CPU generator / llm.c rand.h), straight from the spec."""
+    """The classic MT19937 (PyTorch CPU generator / llm.c rand.h), straight from the algorithm's definition."""
 
     def __init__(self, seed):
         mt = [seed & 0xFFFFFFFF]
@@ -54,7 +54,7 @@ class RefMT19937:
 
 
 class RefLoader:
-    """§2's DataLoader over in-memory token arrays (one per file, in sorted-glob order)."""
+    """`llmc/dataloader.h`'s DataLoader over in-memory token arrays (one per file, in sorted-glob order)."""
 
     def __init__(self, shards, B, T, r=0, P=1, shuffle=True):
         self.shards, self.B, self.T, self.r, self.P, self.shuffle = shards, B, T, r, P, shuffle
@@ -119,7 +119,7 @@ def test_reference_rng_matches_spec_vectors():
 
 
 # ---------------------------------------------------------------------------------------------
-# llm.c's vectors on the real Tiny Shakespeare shards (§2, §4.1)
+# llm.c's vectors on the real Tiny Shakespeare shards (`llmc/dataloader.h`, `dev/data/tinyshakespeare.py`)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Tests for the MPI backend (issue 6, engineer H): `mpiexec -n 2` runs of the Comm collectives
+"""Tests for the MPI backend (issue 6): `mpiexec -n 2` runs of the Comm collectives
 and of `llmctl train --backend auto` (which must pick mpi under mpiexec), compared with the
 float64 mean and with one process accumulating gradients over the same tokens.
 

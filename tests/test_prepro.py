@@ -58,7 +58,7 @@ def ref_datafile(tokens):
 
 
 def ref_tinyshakespeare_tokens(enc, text):
-    """llm.c tinyshakespeare.py (§4.1), restated."""
+    """llm.c dev/data/tinyshakespeare.py, restated."""
     sections = text.split("\n\n")
     out = []
     for i, s in enumerate(sections):
@@ -165,7 +165,7 @@ def test_tinyshakespeare_byte_exact(shakespeare_out, ref_enc):
     train = (out / "tiny_shakespeare_train.bin").read_bytes()
     assert val == ref_datafile(ref[:32768])
     assert train == ref_datafile(ref[32768:])
-    # the numbers llm.c documents (§4.1)
+    # the numbers llm.c documents (`dev/data/tinyshakespeare.py`)
     assert len(ref) == 338028 and summary["tokens"] == 338028
     assert read_shard(out / "tiny_shakespeare_val.bin")[:8] == [50256, 5962, 22307, 25, 198, 8421, 356, 5120]
     assert len(val) == 66560 and len(train) == 611544
@@ -284,7 +284,7 @@ def test_cli_all_fail_prints_error_and_hint(tmp_path, http_server, no_datasets, 
 
 
 def ref_eval_example(enc, index, ex):
-    """data_common.write_evalfile's uint16 stream for one example (§1.2, §4.2), restated."""
+    """data_common.write_evalfile's uint16 stream for one example (as `dev/data/hellaswag.py` calls it), restated."""
     ctx = enc.encode(ex["ctx"])
     ends = [enc.encode(" " + e) for e in ex["endings"]]
     body = [index, ex["label"], 4, len(ctx), *ctx]

@@ -1,4 +1,4 @@
-"""llmctl.rand vs llm.c's llmc/rand.h: the spec's test vectors (§2) and a gcc-compiled C restatement.
+"""llmctl.rand vs llm.c's llmc/rand.h: its documented test vectors and a gcc-compiled C restatement.
 
 normal_'s math paths: the default (llmctl._ext.randinit, libm through Cython), libm=False (NumPy,
 correctly rounded), the ctypes libm path (libm=True when the extension is missing) and the
@@ -33,7 +33,7 @@ def test_randint32_vectors():
 
 @pytest.mark.parametrize("libm", [None, False, True, "ctypes"])
 def test_normal_vectors(libm, monkeypatch):
-    # llm.c / PyTorch vectors (rand.h header comment, §2); printed with 5-7 digits there, and
+    # llm.c / PyTorch vectors (rand.h header comment); printed with 5-7 digits there, and
     # PyTorch's own float math may differ in the last ulp, hence 1e-6 absolute.
     if libm == "ctypes":
         monkeypatch.setattr(rand_mod, "_randinit", None)
@@ -51,7 +51,7 @@ def test_normal_vectors(libm, monkeypatch):
 
 
 def test_permutation_vectors():
-    # §2: tinyshakespeare train, B=4, T=64: 1192 samples; seed 42 (rank 0) and 43 (rank 1 of 2, 596)
+    # llmc/dataloader.h: tinyshakespeare train, B=4, T=64: 1192 samples; seed 42 (rank 0) and 43 (rank 1 of 2, 596)
     a = np.arange(1192, dtype=np.int32)
     r = Mt19937(42)
     random_permutation(a, r)

@@ -1,4 +1,4 @@
-"""Tests for training across hosts (issue 6, engineer H): the TCP ring all-reduce, rendezvous,
+"""Tests for training across hosts (issue 6): the TCP ring all-reduce, rendezvous,
 the hierarchical shm + ring backend, their fault handling, and `llmctl train --nnodes 2`.
 
 "Hosts" are processes bound to distinct loopback addresses 127.0.0.2, 127.0.0.3, ... (Linux

@@ -1,8 +1,8 @@
-"""llmctl.tokenizer: offline GPT-2 BPE == tiktoken's gpt2, hash checks, gpt2_tokenizer.bin (§1.4).
+"""llmctl.tokenizer: offline GPT-2 BPE == tiktoken's gpt2, hash checks, gpt2_tokenizer.bin (`train_gpt2.py` `write_tokenizer`).
 
 The independent reference is tiktoken's own loader (`data_gym_to_mergeable_bpe_ranks`, the code
 `tiktoken.get_encoding("gpt2")` runs) pointed at the same local files with caching disabled,
-and token ids / byte counts documented in llmc-reference §1.4 and §4.1.
+and token ids / byte counts documented by llm.c (`train_gpt2.py` `write_tokenizer`, `dev/data/tinyshakespeare.py`).
 """
 import os
 import pickle
@@ -16,7 +16,7 @@ import pytest
 import llmctl.tokenizer as tkz
 from llmctl.errors import DataError, FormatError
 
-SHAKESPEARE_FIRST = [5962, 22307, 25, 198, 8421, 356, 5120]  # "First Citizen:\nBefore we proceed" (§4.1)
+SHAKESPEARE_FIRST = [5962, 22307, 25, 198, 8421, 356, 5120]  # "First Citizen:\nBefore we proceed"
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +181,7 @@ def test_missing_files_fall_back_to_tiktoken_then_explain(fresh, monkeypatch, re
 
 
 def _parse_llmc_tokenizer(raw):
-    """Independent reader of llm.c's tokenizer file (§1.4)."""
+    """Independent reader of llm.c's tokenizer file."""
     header = struct.unpack("<256I", raw[:1024])
     toks, p = [], 1024
     for _ in range(header[2]):
@@ -196,7 +196,7 @@ def test_write_gpt2_tokenizer_bin(tmp_path, ref_enc):
     path = tmp_path / "gpt2_tokenizer.bin"
     summary = tkz.write_gpt2_tokenizer_bin(path)
     raw = path.read_bytes()
-    assert len(raw) == 372108 == summary["bytes"]  # §1.4 [verified]
+    assert len(raw) == 372108 == summary["bytes"]  # llm.c's gpt2_tokenizer.bin size
     header, toks = _parse_llmc_tokenizer(raw)
     assert header[:4] == (20240328, 2, 50257, 50256) and not any(header[4:])
     assert toks == [ref_enc.decode_single_token_bytes(i) for i in range(50257)]

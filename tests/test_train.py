@@ -35,7 +35,7 @@ def n_params(maxT, V, Vp, L, NH, C):
 
 
 def write_llmc_checkpoint(path, params, version=3, **cfg):
-    """train_gpt2.py's write_model layout (§1.3), written independently of llmctl.formats."""
+    """train_gpt2.py's write_model layout, written independently of llmctl.formats."""
     c = {**TINY, **cfg}
     header = np.zeros(256, dtype="<i4")
     header[:8] = [20240326, version, c["maxT"], c["V"], c["L"], c["NH"], c["C"], c["Vp"]]
@@ -107,7 +107,7 @@ def no_timing(recs):
 
 
 # ---------------------------------------------------------------------------------------------
-# learning-rate schedules (§6.5), against float64 formulas
+# learning-rate schedules (`llmc/schedulers.h`), against float64 formulas
 
 
 @pytest.mark.parametrize("kind", ["cosine", "linear", "constant", "wsd"])
@@ -189,7 +189,7 @@ def test_run_writes_llmc_files(data, tmp_path):
     assert m.num_parameters == N and np.isfinite(m.params).all()
     assert not np.array_equal(m.params, tiny_params())  # it trained
 
-    # state_%08d_%05d.bin: llm.c's §1.5 layout
+    # state_%08d_%05d.bin: llm.c's save_state layout
     sp = out / "state_00000008_00000.bin"
     raw = sp.read_bytes()
     h = np.frombuffer(raw[:1024], dtype="<i4")
@@ -294,7 +294,7 @@ def test_sigint_subprocess_then_resume(data, tmp_path):
 
 
 def write_llmc_state(path, step, m, v, loader_state, master=None):
-    """train_gpt2.cu save_state's layout (§1.5), by hand: header, m, v, [master], shuffle state."""
+    """train_gpt2.cu save_state's layout, by hand: header, m, v, [master], shuffle state."""
     h = np.zeros(256, dtype="<i4")
     h[:6] = [20240527, 1, 1, 0, int(master is not None), 1]
     h[10] = step

@@ -1,7 +1,7 @@
 """`llmctl prepro hellaswag`: HellaSwag jsonl -> hellaswag_val.bin in llm.c's eval format.
 
 What it is: a byte-exact re-statement of the .bin writing in llm.c's `dev/data/hellaswag.py`
-(llmc-reference §4.2, format §1.2): examples in jsonl order; ctx = example["ctx"] verbatim,
+(llm.c's `dev/data/hellaswag.py`, format `data_common.py` `write_evalfile`): examples in jsonl order; ctx = example["ctx"] verbatim,
 ctx_tokens = encode(ctx) (tiktoken `encode`: special-token text is an error, not a token);
 each of the 4 endings -> encode(" " + ending); label = example["label"].
 What it is not: the evaluator (llmctl/evaluate.py) or a HellaSwag test-split writer (no labels).

@@ -1,7 +1,7 @@
 """`llmctl prepro tinyshakespeare`: Tiny Shakespeare -> tiny_shakespeare_{val,train}.bin.
 
 What it is: a byte-exact re-statement of llm.c's `dev/data/tinyshakespeare.py` for GPT-2
-(llmc-reference §4.1): read the text (Python universal newlines, UTF-8), split on "\n\n", emit
+(llm.c's `dev/data/tinyshakespeare.py`): read the text (Python universal newlines, UTF-8), split on "\n\n", emit
 EOT then encode_ordinary(section + "\n\n") for every section but the last (which gets no "\n\n"),
 val = the first 32,768 tokens, train = the rest. For the canonical input: 338,028 tokens,
 val 32,768, train 305,260, stream starting 50256 5962 22307 25 198 8421 356 5120.

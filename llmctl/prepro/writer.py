@@ -8,7 +8,7 @@ What it is:
   Backends: "threads" (tiktoken releases the GIL while encoding; a bounded window of chunk
   futures keeps memory flat and order fixed) or "processes" (a spawn-safe multiprocessing Pool,
   `imap` over chunks, order preserved, like fineweb.py's `pool.imap(tokenize, ..., chunksize=16)`).
-- `ShardWriter`: llm.c fineweb.py's rule (llmc-reference §4.3): shard 0 is "val", later shards
+- `ShardWriter`: llm.c `dev/data/fineweb.py`'s rule: shard 0 is "val", later shards
   "train"; a document is appended while `count + len(doc) < capacity` (strict); otherwise the
   shard is filled to exactly `capacity` with the document's head, written, and the remainder
   starts the next shard. The last partial shard is written if non-empty. The net effect is
