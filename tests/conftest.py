@@ -1,5 +1,4 @@
 """Shared test fixtures: where the repo and the shared real data are."""
-import os
 from pathlib import Path
 
 import pytest

@@ -221,7 +221,7 @@ def test_eval_header_problems(tmp_path):
     ]
     for i, (data, frag) in enumerate(cases):
         p = write(tmp_path / f"h{i}.bin", data)
-        expect_problem(lambda: F.read_evalfile(p), p, frag)
+        expect_problem(lambda p=p: F.read_evalfile(p), p, frag)
 
 
 def test_eval_writer_asserts(tmp_path):
@@ -405,7 +405,7 @@ def test_tokenizer_problems(tmp_path):
     ]
     for i, (data, frag) in enumerate(cases):
         p = write(tmp_path / f"t{i}.bin", data)
-        expect_problem(lambda: F.read_tokenizer_file(p), p, frag)
+        expect_problem(lambda p=p: F.read_tokenizer_file(p), p, frag)
 
 
 # ---------------------------------------------------------------------------------------------

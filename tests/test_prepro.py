@@ -700,7 +700,7 @@ def test_interrupted_sharding_names_the_complete_shards(tmp_path, monkeypatch):
     monkeypatch.setattr(writer_mod, "CHUNK_DOCS", 1)  # one document per tokenizer call
 
     def docs():
-        for i in range(40):
+        for _ in range(40):
             yield "word " * 100  # 101 tokens + its EOT
         raise KeyboardInterrupt
 

@@ -40,7 +40,7 @@ def read_examples(path):
     try:
         f = open(path, "rb")
     except OSError as e:
-        raise DataError(f"{path}: cannot read ({e.strerror})")
+        raise DataError(f"{path}: cannot read ({e.strerror})") from None
     with f:
         for no, raw in enumerate(f, 1):
             try:
@@ -54,10 +54,10 @@ def read_examples(path):
                 ex = json.loads(line)
                 ctx, label, endings = ex["ctx"], int(ex["label"]), ex["endings"]
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{no}: not valid JSON ({e.msg})", hint="is this a HellaSwag .jsonl file?")
+                raise DataError(f"{path}:{no}: not valid JSON ({e.msg})", hint="is this a HellaSwag .jsonl file?") from None
             except (KeyError, TypeError, ValueError, OverflowError) as e:
                 raise DataError(f"{path}:{no}: missing or bad field {e} (need ctx, label, endings)",
-                                hint="is this a HellaSwag .jsonl file with labels (not the test split)?")
+                                hint="is this a HellaSwag .jsonl file with labels (not the test split)?") from None
             if not isinstance(ctx, str) or not isinstance(endings, list) or len(endings) != 4 \
                     or not all(isinstance(e, str) for e in endings):
                 raise DataError(f"{path}:{no}: need a ctx string and exactly 4 ending strings")
@@ -78,7 +78,7 @@ def tokenize_examples(rows, path="<jsonl>"):
             ctx_tokens = tok.encode(ctx)
             ending_tokens = [tok.encode(" " + e) for e in endings]
         except ValueError as e:  # tiktoken refuses special-token text under `encode`
-            raise DataError(f"{path}:{no}: {_first_line(e)}")
+            raise DataError(f"{path}:{no}: {_first_line(e)}") from None
         examples.append({"label": label, "ctx_tokens": ctx_tokens, "ending_tokens": ending_tokens})
     return examples
 

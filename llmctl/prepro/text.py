@@ -60,7 +60,7 @@ def iter_text_documents(path, sep=None):
                         yield p
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start} of a chunk)",
-                        hint="convert the file to UTF-8 (e.g. iconv -t utf-8)")
+                        hint="convert the file to UTF-8 (e.g. iconv -t utf-8)") from None
     tail = tail.strip()
     if tail:
         yield tail
@@ -78,7 +78,7 @@ def iter_json_documents(path, field):
             with open(path, "r", encoding="utf-8") as f:
                 data = json.load(f)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise DataError(f"{path}: not valid JSON ({e})")
+            raise DataError(f"{path}: not valid JSON ({e})") from None
         if not isinstance(data, list):
             raise DataError(f"{path}: expected a JSON array of objects")
         for i, obj in enumerate(data):
@@ -91,7 +91,7 @@ def iter_json_documents(path, field):
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{no}: not valid JSON ({e.msg})")
+                raise DataError(f"{path}:{no}: not valid JSON ({e.msg})") from None
             yield get(obj, f"{path}:{no}")
 
 
@@ -99,7 +99,7 @@ def iter_parquet_documents(path, field):
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise DataError(f"{path}: reading parquet needs pyarrow", hint="pip install pyarrow")
+        raise DataError(f"{path}: reading parquet needs pyarrow", hint="pip install pyarrow") from None
     pf = pq.ParquetFile(path)
     if field not in pf.schema_arrow.names:
         raise DataError(f"{path}: no column {field!r} (columns: {', '.join(pf.schema_arrow.names)})")
@@ -142,7 +142,7 @@ def _datasets_or_error(what):
         import datasets
     except ImportError:
         raise DataError(f"{what}: no local files given and the `datasets` library is not installed",
-                        hint="pip install datasets, or pass local files with --source")
+                        hint="pip install datasets, or pass local files with --source") from None
     return datasets
 
 

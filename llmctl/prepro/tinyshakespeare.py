@@ -42,9 +42,9 @@ def read_text(path):
             return f.read()
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})",
-                        hint="pass a UTF-8 text file with --source")
+                        hint="pass a UTF-8 text file with --source") from None
     except OSError as e:
-        raise DataError(f"{path}: cannot read ({e.strerror})")
+        raise DataError(f"{path}: cannot read ({e.strerror})") from None
 
 
 def tokenize_tinyshakespeare(text, workers=1):
