@@ -8,7 +8,7 @@ result gets the same bits no matter how many threads did the work (each element 
 exactly one thread, the thread split only decides *which* thread). `copy_floats` is a parallel
 memcpy used to move a rank's gradients into and out of the shared segment.
 
-What it is not: no communication, no synchronisation -- the caller (llmctl/dist/shm.py) puts
+What it is not: no communication, no synchronisation -- the caller (llmctl/distributed/shm.py) puts
 barriers between the copy-in, the reduce-scatter and the all-gather. It plays the role of NCCL's
 ncclAvg reduction in llm.c's multi_gpu_cpu_float_sum / ncclAllReduce path, on CPU memory.
 """

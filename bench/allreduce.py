@@ -29,10 +29,10 @@ D12_PARAMS = 124_475_904
 
 
 def bench_allreduce(n, nproc, repeat, threads, shared):
-    from llmctl.dist.launcher import launch
+    from llmctl.distributed.launcher import launch
 
     with tempfile.TemporaryDirectory() as d:
-        launch("llmctl.dist.selftest:bench_allreduce",
+        launch("llmctl.distributed.selftest:bench_allreduce",
                {"dir": d, "n": n, "iters": repeat, "shared": shared}, nproc, threads=threads, timeout=60)
         res = [json.load(open(os.path.join(d, f"bench_{r}.json"))) for r in range(nproc)]
     # a collective is as slow as its slowest rank

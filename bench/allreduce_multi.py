@@ -3,9 +3,9 @@
 issue 6.
 
 What it measures: all_reduce_mean of an --mb MB float32 buffer (default 500 MB) by
-- the ring backend (llmctl/dist/ring.py) in P = 2 and 4 processes, each bound to its own
+- the ring backend (llmctl/distributed/ring.py) in P = 2 and 4 processes, each bound to its own
   loopback address 127.0.0.2, 127.0.0.3, ... (a "host");
-- the MPI backend (llmctl/dist/mpi.py: in-place Allreduce + divide) under `mpiexec -n P` on the
+- the MPI backend (llmctl/distributed/mpi.py: in-place Allreduce + divide) under `mpiexec -n P` on the
   same buffer size, twice: MPICH as it runs by default (it sees one machine and uses shared
   memory) and with MPIR_CVAR_NOLOCAL=1 (every rank treated as remote: its network path, the
   fair comparison for a TCP ring);
@@ -38,15 +38,15 @@ def _worker(a):
     """One rank: time `repeat` all_reduce_mean calls (after a warm-up) and write the times."""
     n = a["mb"] * 1_000_000 // 4
     if a["kind"] == "ring":
-        from llmctl.dist.rendezvous import resolve_secret
-        from llmctl.dist.ring import init_ring
+        from llmctl.distributed.rendezvous import resolve_secret
+        from llmctl.distributed.ring import init_ring
 
         comm = init_ring(a["rank"], a["world"], master_addr="127.0.0.2", master_port=a["port"],
                          bind_addr=f"127.0.0.{2 + a['rank']}",
                          secret=resolve_secret({"LLMCTL_SECRET": SECRET_TEXT}), timeout=60,
                          rdzv_timeout=120, chunk_bytes=a["chunk"])
     else:
-        from llmctl.dist.mpi import MpiComm
+        from llmctl.distributed.mpi import MpiComm
 
         comm = MpiComm()
     buf = np.full(n, comm.rank + 1.0, dtype=np.float32)

@@ -617,7 +617,7 @@ def train_cmd(
         hellaswag=run_hellaswag, hellaswag_path=hellaswag_file, hellaswag_limit=hellaswag_limit,
         seed=seed, threads=threads or None)
     try:
-        from llmctl.dist.hier import run_train  # across hosts / external launchers / --backend mpi
+        from llmctl.distributed.hier import run_train  # across hosts / external launchers / --backend mpi
 
         handled, _ = run_train(cfg, nproc=nproc, nnodes=nnodes, node_rank=node_rank,
                                master_addr=master_addr, master_port=master_port, bind_addr=bind_addr,
@@ -626,7 +626,7 @@ def train_cmd(
         if handled:
             pass
         elif nproc != 1:  # N ranks, each running train(cfg) on its slice of every batch
-            from llmctl.dist.launcher import launch_train
+            from llmctl.distributed.launcher import launch_train
 
             launch_train(cfg, nproc, threads=threads or None, timeout=dist_timeout,
                          master_port=master_port, json_out=json_out)

@@ -232,7 +232,7 @@ def eval_hellaswag(model, path, limit=None, norm="tokens", per_example=False, n_
     """Score an llm.c eval file (e.g. hellaswag_val.bin). model: a GPT2 (or anything with
     .config and .p). limit: only the first N examples. on_start(num_local_examples) before scoring.
 
-    With a `comm` (llmctl.dist Comm) of P ranks, rank r scores examples [r*ceil(N/P), ...) as llm.c's
+    With a `comm` (llmctl.distributed Comm) of P ranks, rank r scores examples [r*ceil(N/P), ...) as llm.c's
     EvalLoader splits them and the counts are summed over ranks; per-example results are the
     local ones. Called from training, log `s:%d eval:%.4f` with the returned acc_norm."""
     from llmctl.formats import read_evalfile
@@ -263,7 +263,7 @@ def eval_hellaswag(model, path, limit=None, norm="tokens", per_example=False, n_
 
 
 def hellaswag_entry(args, comm):
-    """One rank of `llmctl eval hellaswag --nproc N` (run by llmctl.dist.launcher): loads the
+    """One rank of `llmctl eval hellaswag --nproc N` (run by llmctl.distributed.launcher): loads the
     model with the rank's thread count, scores its slice, returns the summed result (rank 0's
     return value is what the launcher hands back)."""
     from llmctl.model import GPT2
@@ -275,8 +275,8 @@ def hellaswag_entry(args, comm):
 
 def eval_hellaswag_multiproc(checkpoint, path, nproc, threads=None, limit=None, norm="tokens",
                              batch_tokens=2048, timeout=30.0):
-    """eval_hellaswag split over `nproc` local processes (llmctl.dist.launcher); -> the result dict."""
-    from llmctl.dist.launcher import launch
+    """eval_hellaswag split over `nproc` local processes (llmctl.distributed.launcher); -> the result dict."""
+    from llmctl.distributed.launcher import launch
 
     _check_eval_file(path)  # fail before spawning anything
     out = launch("llmctl.evaluate:hellaswag_entry",

@@ -11,7 +11,7 @@ pools disagree (OpenBLAS defaults to every core) they oversubscribe the cores. S
 (OMP_NUM_THREADS, else the usable cores); negative n counts back from the core count (-1 = all).
 `blas_threads(n)` is a context manager for temporary limits (benchmarks, tests).
 
-What it is not: process-level parallelism (llmctl.dist) or OpenMP runtime configuration.
+What it is not: process-level parallelism (llmctl.distributed) or OpenMP runtime configuration.
 """
 import contextlib
 import ctypes

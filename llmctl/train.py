@@ -11,7 +11,7 @@ holding the detectors, which llm.c does not save) and an empty `DONE_%08d` writt
 resumes from the newest DONE and continues bit for bit (fixed thread count). Also writes
 `metrics.jsonl`.
 What it is not: the model math (llmctl/model.py), the data pipeline (llmctl/loader.py), the
-process launcher (llmctl/dist), HellaSwag scoring (llmctl/evaluate.py) or the rendering
+process launcher (llmctl/distributed), HellaSwag scoring (llmctl/evaluate.py) or the rendering
 (llmctl/display.py). Differences from llm.c are listed in docs/training.md.
 Reference: ../shared/docs/llmc-reference.md §6 (loop, flags), §1.3/§1.5 (files), §2 (loader).
 """
@@ -29,7 +29,7 @@ from typing import Optional
 
 import numpy as np
 
-from llmctl.dist.base import SingleProcessComm
+from llmctl.distributed.base import SingleProcessComm
 from llmctl.display import Display
 from llmctl.errors import ConfigError, DataError, FormatError, LlmctlError
 from llmctl.loader import DataLoader
@@ -876,7 +876,7 @@ class Trainer:
 def train(cfg, comm=None, display=None):
     """Run llm.c's training loop for `cfg` (a TrainConfig); returns a summary dict.
 
-    comm: a llmctl.dist Comm (default: one process). display: a llmctl.display.Display.
+    comm: a llmctl.distributed Comm (default: one process). display: a llmctl.display.Display.
     Raises ConfigError/DataError/FormatError for bad input (before any file is written),
     TrainingDiverged on a NaN/Inf loss, TrainInterrupted (exit code 130) after Ctrl-C.
     """

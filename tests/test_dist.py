@@ -1,4 +1,4 @@
-"""Tests for llmctl.dist: the shm all-reduce kernel, the control protocol, the launcher's fault
+"""Tests for llmctl.distributed: the shm all-reduce kernel, the control protocol, the launcher's fault
 handling, and `llmctl train --nproc N` equivalence with gradient accumulation.
 
 Every test that launches ranks checks that no llmctl segment is left in /dev/shm and no rank
@@ -16,16 +16,16 @@ import time
 import numpy as np
 import pytest
 
-from llmctl.dist import control
-from llmctl.dist.env import resolve_env, threads_per_rank
-from llmctl.dist.launcher import launch
-from llmctl.dist.shm import PREFIX, SHM_DIR, sweep_segments
+from llmctl.distributed import control
+from llmctl.distributed.env import resolve_env, threads_per_rank
+from llmctl.distributed.launcher import launch
+from llmctl.distributed.shm import PREFIX, SHM_DIR, sweep_segments
 from llmctl.errors import ConfigError, DistError
 from tinyrun import tiny_train_args, write_tiny_run
 
 reduce = pytest.importorskip("llmctl._ext.reduce")
 
-TOY = "llmctl.dist.selftest:collectives"
+TOY = "llmctl.distributed.selftest:collectives"
 
 
 def _segments():
@@ -305,11 +305,11 @@ def test_stale_segment_of_a_dead_launcher_is_swept(dist_clean):
 
 _LAUNCH_SCRIPT = """
 import json, sys
-from llmctl.dist.launcher import launch
+from llmctl.distributed.launcher import launch
 from llmctl.errors import DistError
 args = json.loads(sys.argv[1]); kw = json.loads(sys.argv[2])
 try:
-    launch("llmctl.dist.selftest:collectives", args, 2, threads=1, **kw)
+    launch("llmctl.distributed.selftest:collectives", args, 2, threads=1, **kw)
 except KeyboardInterrupt:
     sys.exit(130)
 except DistError as e:
@@ -559,7 +559,7 @@ def test_adopted_gradient_buffer_is_what_backward_writes(tiny_run):
     """The worker moves model.grads (and the named views model.g) into the comm's shared row;
     zero_grad, backward, grad_norm and update must then all use it (the model reads
     model.grads/model.g at call time), giving exactly the steps of an untouched model."""
-    from llmctl.dist.worker import _adopt_grads
+    from llmctl.distributed.worker import _adopt_grads
     from llmctl.model import GPT2
 
     class FakeComm:
@@ -603,8 +603,8 @@ def test_bad_input_under_nproc_is_one_line_with_the_ranks_hint(tiny_run):
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, 0.0])
 def test_non_finite_or_non_positive_timeouts_are_config_errors(bad):
     # NaN passes a plain `<= 0` check; each entry point must reject it before spawning/joining.
-    from llmctl.dist.hier import launch_multinode, run_train
-    from llmctl.dist.rendezvous import NodeEnv, rendezvous
+    from llmctl.distributed.hier import launch_multinode, run_train
+    from llmctl.distributed.rendezvous import NodeEnv, rendezvous
 
     with pytest.raises(ConfigError, match="--dist-timeout"):
         launch(TOY, {}, 2, timeout=bad)

@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("mpi4py", reason="mpi4py is not installed: pip install 'llmctl[mpi]'")
 
-from llmctl.dist.selftest import rank_data  # noqa: E402
+from llmctl.distributed.selftest import rank_data  # noqa: E402
 from tinyrun import tiny_train_args, write_tiny_run
 
 U32 = 2.0 ** -24
@@ -77,8 +77,8 @@ def _run(n, argv, timeout=120, env=None):
 
 _COLL = """
 import json, sys
-from llmctl.dist.mpi import MpiComm
-from llmctl.dist.hier import check_collectives
+from llmctl.distributed.mpi import MpiComm
+from llmctl.distributed.hier import check_collectives
 a = json.loads(sys.argv[1])
 comm = MpiComm()
 check_collectives(a, comm)
@@ -143,7 +143,7 @@ def test_mpiexec_train_equals_gradient_accumulation(tmp_path):
 _FAIL = """
 import sys, numpy as np
 import llmctl.train
-from llmctl.dist import hier
+from llmctl.distributed import hier
 from llmctl.errors import DataError
 
 class FakeTrainer:

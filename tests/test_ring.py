@@ -17,9 +17,9 @@ import time
 import numpy as np
 import pytest
 
-from llmctl.dist import rendezvous as rdzv
-from llmctl.dist.ring import RingComm, init_ring, ring_connect
-from llmctl.dist.selftest import rank_data
+from llmctl.distributed import rendezvous as rdzv
+from llmctl.distributed.ring import RingComm, init_ring, ring_connect
+from llmctl.distributed.selftest import rank_data
 from llmctl.errors import ConfigError, DistError
 from tinyrun import tiny_train_args, write_tiny_run
 
@@ -118,9 +118,9 @@ def _check_results(d, world, sizes, iters=1, nsum=1):
 
 _RANK = """
 import json, sys
-from llmctl.dist.ring import init_ring
-from llmctl.dist.hier import check_collectives
-from llmctl.dist.rendezvous import resolve_secret
+from llmctl.distributed.ring import init_ring
+from llmctl.distributed.hier import check_collectives
+from llmctl.distributed.rendezvous import resolve_secret
 from llmctl.errors import DistError
 a = json.loads(sys.argv[1])
 try:
@@ -362,13 +362,13 @@ def test_peer_sending_garbage_after_authenticating():
 
 _NODE = """
 import json, sys
-from llmctl.dist.hier import launch_multinode
-from llmctl.dist.rendezvous import NodeEnv, resolve_secret
+from llmctl.distributed.hier import launch_multinode
+from llmctl.distributed.rendezvous import NodeEnv, resolve_secret
 from llmctl.errors import DistError
 a = json.loads(sys.argv[1])
 node = NodeEnv(a["nnodes"], a["node_rank"], a["master"], a["port"], a["bind"])
 try:
-    launch_multinode("llmctl.dist.hier:check_collectives", a["args"], a["nproc"], node,
+    launch_multinode("llmctl.distributed.hier:check_collectives", a["args"], a["nproc"], node,
                      resolve_secret(), threads=1, timeout=a["timeout"], rdzv_timeout=20, grace=1)
 except DistError as e:
     print("Error:", e.message, file=sys.stderr)

@@ -400,10 +400,10 @@ def run_ranks(cfg, P=2):
 
 
 def test_loop_sets_comm_step_and_honours_stop_requested(data, tmp_path):
-    """The hooks llmctl.dist relies on: comm.step is the loop's step from the top of each
+    """The hooks llmctl.distributed relies on: comm.step is the loop's step from the top of each
     iteration (heartbeats and errors name it), and comm.stop_requested (a launcher's coordinated
     Ctrl-C) ends the run after the current step with a checkpoint, as TrainInterrupted."""
-    from llmctl.dist.base import SingleProcessComm
+    from llmctl.distributed.base import SingleProcessComm
 
     class Recorder(SingleProcessComm):
         def __init__(self):

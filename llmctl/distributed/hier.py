@@ -13,7 +13,7 @@ What it is:
   A mean of equal-sized node means is the global mean. Scalars: local sum, then a ring sum that
   also carries each node's "stop requested" flag, so a Ctrl-C on one node stops every node at
   the same step. Broadcast: ring from the root's node, then the local shm broadcast.
-- `launch_multinode(...)`: the node launcher: F's `launch` (llmctl/dist/launcher.py) starts the
+- `launch_multinode(...)`: the node launcher: F's `launch` (llmctl/distributed/launcher.py) starts the
   N local ranks with their control hub; each rank then runs `run_entry`, which joins the
   cross-host rendezvous (rendezvous.py), builds its HierComm and calls the real target.
 - `run_train(...)`: what `llmctl train` calls for every distributed form except single-host
@@ -32,7 +32,7 @@ import sys
 
 import numpy as np
 
-from llmctl.dist.base import Comm
+from llmctl.distributed.base import Comm
 from llmctl.errors import ConfigError, DistError, LlmctlError
 
 _SECRET_VAR = "LLMCTL_RING_KEY"
@@ -123,8 +123,8 @@ class HierComm(Comm):
 
 def run_entry(args, shm):
     """Launcher target on each node: join the cross-host ring, then call args["target"]."""
-    from llmctl.dist.ring import init_ring
-    from llmctl.dist.worker import _import_target
+    from llmctl.distributed.ring import init_ring
+    from llmctl.distributed.worker import _import_target
 
     node = args["node"]
     key = os.environ.pop(_SECRET_VAR, None)
@@ -154,7 +154,7 @@ def check_collectives(args, comm):
 
     args: dir, sizes, iters. Writes <dir>/<rank>_<it>_<n>.npy and <dir>/result_<rank>.txt with
     the scalar sum and broadcast checks; raises on a wrong scalar or broadcast."""
-    from llmctl.dist.selftest import rank_data
+    from llmctl.distributed.selftest import rank_data
 
     d = args["dir"]
     with open(os.path.join(d, f"{comm.rank}.pid"), "w") as f:
@@ -189,8 +189,8 @@ def launch_multinode(target, args, nproc, node, secret, *, threads=None, timeout
     node: a rendezvous.NodeEnv; secret: 32 key bytes (rendezvous.resolve_secret()), handed to
     the ranks through their environment. Returns F's launch() info (rank 0's result on node 0).
     """
-    from llmctl.dist.launcher import launch
-    from llmctl.dist.rendezvous import check_seconds
+    from llmctl.distributed.launcher import launch
+    from llmctl.distributed.rendezvous import check_seconds
 
     rdzv_timeout = check_seconds("--rdzv-timeout", rdzv_timeout)
     check_seconds("--dist-timeout", timeout)
@@ -198,7 +198,7 @@ def launch_multinode(target, args, nproc, node, secret, *, threads=None, timeout
                         "master_addr": node.master_addr, "master_port": node.master_port,
                         "bind_addr": node.bind_addr, "rdzv_timeout": float(rdzv_timeout)},
                "target": target, "args": args}
-    return launch("llmctl.dist.hier:run_entry", wrapped, nproc, threads=threads, timeout=timeout,
+    return launch("llmctl.distributed.hier:run_entry", wrapped, nproc, threads=threads, timeout=timeout,
                   collective_timeout=collective_timeout, log=log, grace=grace,
                   extra_env={_SECRET_VAR: secret.hex()})
 
@@ -222,8 +222,8 @@ def run_train(cfg, *, nproc=1, nnodes=None, node_rank=None, master_addr=None, ma
     """Route `llmctl train` to a backend: (True, summary-or-None) when it ran the job here, or
     (False, None) for a job this module does not handle (one process, or single-host --nproc N,
     which F's launch_train runs). Only node 0's launcher gets rank 0's summary."""
-    from llmctl.dist.env import resolve_env
-    from llmctl.dist.rendezvous import check_seconds, choose_backend, resolve_node, resolve_secret
+    from llmctl.distributed.env import resolve_env
+    from llmctl.distributed.rendezvous import check_seconds, choose_backend, resolve_node, resolve_secret
 
     env = os.environ if environ is None else environ
     choose_backend(backend, 1, env)  # validates the name before anything else
@@ -257,7 +257,7 @@ def run_train(cfg, *, nproc=1, nnodes=None, node_rank=None, master_addr=None, ma
     secret = resolve_secret(env)
     _log(f"node {node.node_rank} of {node.nnodes}: {nproc} rank(s), ring on {node.bind_addr}, "
          f"rendezvous at {node.master_addr}:{node.master_port}")
-    info = launch_multinode("llmctl.dist.worker:train_entry", _train_args(cfg, json_out, check_params),
+    info = launch_multinode("llmctl.distributed.worker:train_entry", _train_args(cfg, json_out, check_params),
                             int(nproc), node, secret, threads=threads or cfg.threads,
                             timeout=timeout, rdzv_timeout=rdzv_timeout)
     return True, info["result"]
@@ -268,10 +268,10 @@ def _train_per_rank(cfg, backend, ring_kw, json_out, check_params):
     from llmctl.display import Display, make_display
     from llmctl.train import Trainer
 
-    from llmctl.dist.env import threads_per_rank
+    from llmctl.distributed.env import threads_per_rank
 
     if backend == "mpi":
-        from llmctl.dist.mpi import MpiComm
+        from llmctl.distributed.mpi import MpiComm
 
         comm = MpiComm()
     else:
@@ -306,9 +306,9 @@ def _train_per_rank(cfg, backend, ring_kw, json_out, check_params):
 
 def _flat_ring(master_addr, master_port, bind_addr, timeout, rdzv_timeout, environ):
     """One ring of every rank (each process its own member), addresses from flags or env."""
-    from llmctl.dist.env import resolve_env
-    from llmctl.dist.rendezvous import DEFAULT_PORT, local_addr_for, resolve_addr, resolve_secret
-    from llmctl.dist.ring import init_ring
+    from llmctl.distributed.env import resolve_env
+    from llmctl.distributed.rendezvous import DEFAULT_PORT, local_addr_for, resolve_addr, resolve_secret
+    from llmctl.distributed.ring import init_ring
 
     ident = resolve_env(environ=environ)
     addr = master_addr or environ.get("MASTER_ADDR", "127.0.0.1")

@@ -9,8 +9,8 @@ sends parsed. After the handshake, messages are length-prefixed (4-byte big-endi
 objects, at most MAX_MSG bytes, checked against a strict schema (known type, exactly the known
 fields, right JSON types). Nothing received is ever unpickled, evaluated or used as a path.
 
-What it is not: no data plane (gradients go through shared memory, llmctl/dist/shm.py) and no
-process management (llmctl/dist/launcher.py). It plays the part of llm.c's NCCL-id exchange over
+What it is not: no data plane (gradients go through shared memory, llmctl/distributed/shm.py) and no
+process management (llmctl/distributed/launcher.py). It plays the part of llm.c's NCCL-id exchange over
 a socket (`-pi tcp`) plus NCCL's own error propagation.
 
 Handshake (fixed-size binary, so unauthenticated bytes are never parsed as JSON):

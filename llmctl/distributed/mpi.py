@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from llmctl.dist.base import Comm
+from llmctl.distributed.base import Comm
 from llmctl.errors import ConfigError, DistError
 
 

@@ -8,7 +8,7 @@ What it is: `ShmComm`, a `Comm` for N processes on one machine. One segment per 
                  the result slot and into its own buffer;                               barrier
   3. all-gather  every rank copies the other ranks' slices of the result slot into its buffer.
 Every rank ends with the same bits. Barriers go through the authenticated control hub
-(llmctl/dist/control.py), blocking in recv with a timeout -- no spinning on shared flags.
+(llmctl/distributed/control.py), blocking in recv with a timeout -- no spinning on shared flags.
 
 Zero-copy variant: `shared_buffer(n)` hands out this rank's row of a separate segment (the
 training worker moves the model's gradients there), and all_reduce_mean on that array skips
@@ -34,7 +34,7 @@ import time
 
 import numpy as np
 
-from llmctl.dist.base import Comm
+from llmctl.distributed.base import Comm
 from llmctl.errors import DistError
 
 SHM_DIR = "/dev/shm"

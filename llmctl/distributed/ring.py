@@ -38,9 +38,9 @@ import time
 
 import numpy as np
 
-from llmctl.dist.base import Comm
-from llmctl.dist.control import ProtocolError
-from llmctl.dist.rendezvous import (_fmt, auth_client, auth_server, bind_listener, local_addr_for,
+from llmctl.distributed.base import Comm
+from llmctl.distributed.control import ProtocolError
+from llmctl.distributed.rendezvous import (_fmt, auth_client, auth_server, bind_listener, local_addr_for,
                                     rendezvous, resolve_addr)
 from llmctl.errors import DistError
 

@@ -1,8 +1,8 @@
 """Start N ranks on this host, run their control hub, and make sure none outlives a failure.
 
-What it is: `launch(target, args, nproc, ...)` spawns N `python -m llmctl.dist.worker`
+What it is: `launch(target, args, nproc, ...)` spawns N `python -m llmctl.distributed.worker`
 processes (rank 0..N-1, threads per rank = cores // N unless given), serves their
-authenticated control hub (llmctl/dist/control.py) from its own single-threaded select loop,
+authenticated control hub (llmctl/distributed/control.py) from its own single-threaded select loop,
 and watches them. The first failure -- a rank that exits non-zero or is killed by a signal,
 sends no heartbeat for `timeout` s (hung or SIGSTOPped), does not reach a collective within
 `collective_timeout` s, reports an error, or misbehaves on the control channel -- aborts the
@@ -27,9 +27,9 @@ import tempfile
 import threading
 import time
 
-from llmctl.dist.control import Hub, bind_listener
-from llmctl.dist.env import threads_per_rank
-from llmctl.dist.shm import SHM_DIR, sweep_segments
+from llmctl.distributed.control import Hub, bind_listener
+from llmctl.distributed.env import threads_per_rank
+from llmctl.distributed.shm import SHM_DIR, sweep_segments
 from llmctl.errors import ConfigError, DistError
 
 _PR_SET_PDEATHSIG = 1
@@ -68,13 +68,13 @@ def _stderr_log(msg):
 def _worker_command():
     """argv for one rank, importing the same llmctl this launcher runs.
 
-    `python -m llmctl.dist.worker` would put the working directory first on sys.path, so a run
+    `python -m llmctl.distributed.worker` would put the working directory first on sys.path, so a run
     started from a source checkout (next to an installed llmctl) would import the unbuilt tree.
     """
     import llmctl
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(llmctl.__file__)))
-    code = ("import sys; sys.path[0] = %r; from llmctl.dist.worker import main; sys.exit(main())" % root)
+    code = ("import sys; sys.path[0] = %r; from llmctl.distributed.worker import main; sys.exit(main())" % root)
     return [sys.executable, "-c", code]
 
 
@@ -89,7 +89,7 @@ def launch(target, args, nproc, *, threads=None, timeout=30.0, collective_timeou
     """
     if int(nproc) < 1:
         raise ConfigError(f"--nproc {nproc} must be >= 1")
-    from llmctl.dist.rendezvous import check_seconds
+    from llmctl.distributed.rendezvous import check_seconds
 
     timeout = check_seconds("--dist-timeout", timeout)
     nproc = int(nproc)
@@ -306,7 +306,7 @@ def launch_train(cfg, nproc, *, threads=None, timeout=30.0, master_port=0, json_
     if check_params is None:
         check_params = os.environ.get("LLMCTL_DIST_CHECK_PARAMS", "") not in ("", "0")
     args = {"config": asdict(cfg), "json_out": bool(json_out), "check_params": bool(check_params)}
-    info = launch("llmctl.dist.worker:train_entry", args, nproc,
+    info = launch("llmctl.distributed.worker:train_entry", args, nproc,
                   threads=threads if threads else cfg.threads, timeout=timeout,
                   master_port=master_port, **kw)
     return info["result"]

@@ -7,14 +7,14 @@ What it is:
   --master-addr A --master-port P [--bind-addr H]`. Explicit flags win over the environment;
   then NNODES/NODE_RANK (or torchrun's GROUP_RANK), then Slurm (SLURM_NNODES/SLURM_NODEID,
   only inside an `srun` step with one task per node). Per-rank identity (RANK, WORLD_SIZE, ...
-  OMPI_*, PMI_*, SLURM_PROCID) stays in llmctl/dist/env.py's `resolve_env`.
+  OMPI_*, PMI_*, SLURM_PROCID) stays in llmctl/distributed/env.py's `resolve_env`.
 - `choose_backend(...)`: `--backend auto` = mpi under mpiexec (when mpi4py is installed), shm on
   one host, ring across hosts.
 - `resolve_secret()`: the job secret every host must share (LLMCTL_SECRET or LLMCTL_SECRET_FILE;
   never a command-line flag, so it does not show in `ps`).
 - `rendezvous(...)`: a one-shot, torchrun-style TCP store. Global rank 0 listens on
   MASTER_ADDR:MASTER_PORT; every other rank connects (retrying until the deadline), proves it
-  holds the secret (mutual HMAC-SHA256, the same construction as llmctl/dist/control.py's, with
+  holds the secret (mutual HMAC-SHA256, the same construction as llmctl/distributed/control.py's, with
   a different magic and tag so the two protocols cannot be confused), sends one JOIN record
   (its ring listener's address and port, node, host name), and gets back the table of all ranks.
   Then every socket is closed: nothing stays listening on the master port.
@@ -36,7 +36,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from llmctl.dist.control import MAC, NONCE, ProtocolError, _mac, _recv_exact
+from llmctl.distributed.control import MAC, NONCE, ProtocolError, _mac, _recv_exact
 from llmctl.errors import ConfigError, DistError
 
 DEFAULT_PORT = 29500  # torchrun's default MASTER_PORT
@@ -341,7 +341,7 @@ def _fmt(addr, port):
 
 def bind_listener(addr, port=0, what="ring"):
     """A blocking listening socket on exactly `addr` (a name is resolved first), any interface."""
-    from llmctl.dist import control
+    from llmctl.distributed import control
 
     if not _is_ip(addr):
         addr = resolve_addr(addr)
