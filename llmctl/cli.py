@@ -135,16 +135,17 @@ def _prepro_workers(workers):
     """-w: 0 = the default thread count; negative is an error; more than 4x cores is capped."""
     from llmctl.errors import ConfigError
     from llmctl.info import default_threads
-    from llmctl.threads import OVERSUBSCRIBE_LIMIT, _usable_cores
+    from llmctl.info import usable_cores
+    from llmctl.threads import OVERSUBSCRIBE_LIMIT
 
     if workers < 0:
         raise ConfigError(f"--workers {workers}: must be >= 0", hint="0 = OMP_NUM_THREADS or all cores")
     if workers == 0:
         return default_threads()
-    cap = OVERSUBSCRIBE_LIMIT * _usable_cores()
+    cap = OVERSUBSCRIBE_LIMIT * usable_cores()
     if workers > cap:
         err_console.print(f"[yellow]Warning:[/] --workers {workers} is more than {OVERSUBSCRIBE_LIMIT}x the "
-                          f"{_usable_cores()} usable cores; using {cap}")
+                          f"{usable_cores()} usable cores; using {cap}")
         return cap
     return workers
 
@@ -367,10 +368,11 @@ def _rate_progress(unit):
 
 def _check_threads(threads, nproc=1):
     """Per-process threads as the command will use them; ConfigError if nproc x threads is absurd."""
-    from llmctl.threads import _usable_cores, check_oversubscription, resolve_threads
+    from llmctl.info import usable_cores
+    from llmctl.threads import check_oversubscription, resolve_threads
 
     per = resolve_threads(threads) if threads else (resolve_threads(None) if nproc == 1
-                                                     else max(1, _usable_cores() // nproc))
+                                                     else max(1, usable_cores() // nproc))
     check_oversubscription(nproc, per, "--nproc x --threads" if nproc > 1 else "--threads")
 
 

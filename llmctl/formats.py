@@ -19,7 +19,6 @@ FormatError("<path>: <problem>", hint). Headers are parsed with Python ints, so 
 fields can never overflow a size computation. Writers go to a temp file in the same directory and
 os.replace it into place, so an interrupted write never leaves a valid-looking partial file.
 """
-import contextlib
 import os
 import stat
 import struct
@@ -28,6 +27,7 @@ from typing import List, Optional
 
 import numpy as np
 
+from llmctl.atomic import atomic_open
 from llmctl.errors import DataError, FormatError
 
 HEADER_INTS = 256
@@ -137,29 +137,6 @@ def _header(*values):
     return h.tobytes()
 
 
-@contextlib.contextmanager
-def _atomic_open(path):
-    """Open a temp file next to `path` for binary writing; os.replace it into place on success."""
-    path = os.fspath(path)
-    d, base = os.path.split(os.path.abspath(path))
-    tmp = os.path.join(d, f".{base}.tmp-{os.getpid()}")
-    try:
-        f = open(tmp, "wb")
-    except OSError as e:
-        raise DataError(f"{path}: cannot write file: {e.strerror or e}",
-                        "check that the directory exists and is writable") from None
-    try:
-        with f:
-            yield f
-        os.replace(tmp, path)
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(e, OSError):  # disk full, I/O error: one line, not a traceback
-            raise DataError(f"{path}: cannot write file: {e.strerror or e}") from e
-        raise
-
-
 def _write_array(f, a, dtype):
     """Write a 1-D array as `dtype` (little-endian) in chunks, without a full-size temp copy."""
     a = np.asarray(a).reshape(-1)
@@ -234,7 +211,7 @@ def write_datafile(path, tokens, kind="gpt2"):
         if lo_v < 0 or hi_v >= hi:
             raise DataError(f"{path}: token ids must be in [0, {_n(hi)}) for a {kind} shard, "
                             f"found {lo_v if lo_v < 0 else hi_v}")
-    with _atomic_open(path) as f:
+    with atomic_open(path) as f:
         f.write(_header(magic, version, n))
         _write_array(f, a, dt)
 
@@ -339,7 +316,7 @@ def write_evalfile(path, examples):
             raise DataError(f"{path}: more than 65,535 examples; an eval file holds < 65,536")
     if count == 0:
         raise DataError(f"{path}: no examples to write")
-    with _atomic_open(path) as f:
+    with atomic_open(path) as f:
         f.write(_header(EVAL_MAGIC, EVAL_VERSION, count, longest))
         f.write(np.asarray(stream, dtype="<u2").tobytes())
 
@@ -489,6 +466,13 @@ class CheckpointHeader:
     def file_bytes(self):
         return HEADER_BYTES + self.itemsize * self.num_params
 
+    def config(self):
+        """The model's GPT2Config (llmctl/model.py), from this header alone."""
+        from llmctl.model import GPT2Config
+
+        return GPT2Config(self.max_seq_len, self.vocab_size, self.padded_vocab_size,
+                          self.num_layers, self.num_heads, self.channels)
+
     def param_shapes(self):
         return checkpoint_param_shapes(self.max_seq_len, self.vocab_size, self.num_layers, self.num_heads,
                                        self.channels, self.padded_vocab_size)
@@ -613,7 +597,7 @@ def write_checkpoint(path, header_or_config, params, dtype="float32"):
     p = np.asarray(params).reshape(-1)
     if p.size != hdr.num_params:
         raise ValueError(f"params has {_n(p.size)} values but the config needs {_n(hdr.num_params)}")
-    with _atomic_open(path) as f:
+    with atomic_open(path) as f:
         f.write(hdr.to_bytes())
         if version == 3:
             _write_array(f, p, "<f4")
@@ -647,7 +631,7 @@ def write_tokenizer_file(path, token_bytes, eot=GPT2_EOT, version=2):
     for i, b in enumerate(token_bytes):
         if not 0 < len(b) < 256:
             raise DataError(f"{path}: token {i} is {len(b)} bytes; must be 1..255")
-    with _atomic_open(path) as f:
+    with atomic_open(path) as f:
         f.write(_header(TOKENIZER_MAGIC, version, n, eot) if version == 2 else _header(TOKENIZER_MAGIC, 1, n))
         f.write(b"".join(bytes([len(b)]) + bytes(b) for b in token_bytes))
 
@@ -752,7 +736,7 @@ def write_state_file(path, state):
             raise ValueError(f"mt_state must be {MT19937_STATE_BYTES} bytes, not {len(s.mt_state)}")
     if not 0 <= s.process_rank < s.num_processes:
         raise ValueError(f"process_rank {s.process_rank} is not in [0, {s.num_processes})")
-    with _atomic_open(path) as f:
+    with atomic_open(path) as f:
         f.write(_state_header_bytes(s))
         _write_array(f, m, "<f4")
         _write_array(f, v, "<f4")

@@ -4,15 +4,20 @@ import os
 from llmctl import __version__
 
 
+def usable_cores():
+    """Cores this process may run on (its CPU affinity mask; else all the machine's cores)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
 def default_threads():
     """Threads a kernel uses unless told otherwise: OMP_NUM_THREADS, else the usable cores."""
     env = os.environ.get("OMP_NUM_THREADS", "").strip()
     if env.isdigit() and int(env) > 0:
         return int(env)
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
+    return usable_cores()
 
 
 def runtime_info():

@@ -216,9 +216,7 @@ class GPT2:
         from llmctl import formats
 
         hdr = formats.read_checkpoint_header(path)
-        cfg = GPT2Config(hdr.max_seq_len, hdr.vocab_size, hdr.padded_vocab_size,
-                         hdr.num_layers, hdr.num_heads, hdr.channels)
-        model = cls(cfg, **kw)
+        model = cls(hdr.config(), **kw)
         model.load_checkpoint(path)
         return model
 

@@ -26,9 +26,9 @@ import unicodedata
 import numpy as np
 
 from llmctl.errors import ConfigError
+from llmctl.formats import GPT2_EOT as EOT
 from llmctl.info import default_threads
 
-EOT = 50256
 # Temperatures below this are greedy (argmax, no coin drawn). Any logit gap above ~1e-4 already
 # gives the runner-up < exp(-100) at T = 1e-6, and a subnormal T (1e-320) made z / T overflow
 # to inf - inf = NaN, which used to sample the last id (EOT) instead of the best one.

@@ -18,16 +18,9 @@ import ctypes
 import os
 
 from llmctl.errors import ConfigError
-from llmctl.info import default_threads
+from llmctl.info import default_threads, usable_cores
 
 _state = {"registered": False}
-
-
-def _usable_cores():
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def resolve_threads(n=None):
@@ -39,7 +32,7 @@ def resolve_threads(n=None):
     except (TypeError, ValueError):
         raise ConfigError(f"threads must be an integer, got {n!r}", hint="pass e.g. --threads 2") from None
     if n < 0:
-        cores = _usable_cores()
+        cores = usable_cores()
         if cores + 1 + n < 1:
             raise ConfigError(f"threads {n} leaves no cores to run on",
                               hint=f"this machine has {cores} usable cores; use -1 for all of them")
@@ -53,7 +46,7 @@ OVERSUBSCRIBE_LIMIT = 4  # processes x threads beyond this many per usable core 
 def check_oversubscription(nproc, threads, what="--nproc x --threads"):
     """ConfigError if `nproc` processes of `threads` threads each exceed OVERSUBSCRIBE_LIMIT x
     the usable cores (e.g. --threads 100000 on 2 cores): such runs crawl or exhaust memory."""
-    cores = _usable_cores()
+    cores = usable_cores()
     total = int(nproc) * int(threads)
     if total > OVERSUBSCRIBE_LIMIT * cores:
         said = f"{what} {threads}" if int(nproc) == 1 else f"{what} = {nproc} x {threads} = {total} threads"

@@ -21,9 +21,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from llmctl.errors import DataError, FormatError
+from llmctl.formats import GPT2_EOT as EOT
 
 EOT_TEXT = "<|endoftext|>"
-EOT = 50256
 N_VOCAB = 50257
 
 # sha256 pinned by tiktoken for the OpenAI gpt-2 files (tiktoken_ext/openai_public.py, gpt2()).

@@ -29,6 +29,7 @@ from typing import Optional
 
 import numpy as np
 
+from llmctl.atomic import atomic_write
 from llmctl.distributed.base import SingleProcessComm
 from llmctl.display import Display
 from llmctl.errors import ConfigError, DataError, FormatError, LlmctlError
@@ -95,26 +96,13 @@ class TrainConfig:
 # helpers
 
 
+OUTPUT_HINT = ("make sure -o is a writable directory with free space and that no directory "
+               "occupies this file's name")
+
+
 def _os_error(path, e):
     """An OSError on an output path as a one-line DataError naming the path."""
-    return DataError(f"cannot write {path}: {e.strerror or e}",
-                     hint="make sure -o is a writable directory with free space and that "
-                          "no directory occupies this file's name")
-
-
-def _atomic_write_bytes(path, data):
-    tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
-                       f".{os.path.basename(path)}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(e, OSError):
-            raise _os_error(path, e) from None
-        raise
+    return DataError(f"cannot write {path}: {e.strerror or e}", hint=OUTPUT_HINT)
 
 
 def find_max_step(output_dir):
@@ -225,9 +213,9 @@ def _validate(cfg, P):
     real("gradient clip", "--grad-clip", cfg.grad_clip, 0, math.inf, hi_open=True,
          why=" (0 disables)")
     if cfg.threads is not None and cfg.threads > 0:
-        from llmctl.threads import _usable_cores
+        from llmctl.info import usable_cores
 
-        cores = _usable_cores()
+        cores = usable_cores()
         if cfg.threads > 4 * cores:
             raise ConfigError(f"--threads {cfg.threads} is more than 4x the {cores} usable "
                               "core(s) of this machine; each step would mostly wait on threads",
@@ -308,9 +296,7 @@ def _peek_model_config(spec):
 
     s = str(spec)
     if os.path.exists(s):
-        h = read_checkpoint_header(s)
-        return GPT2Config(h.max_seq_len, h.vocab_size, h.padded_vocab_size, h.num_layers,
-                          h.num_heads, h.channels)
+        return read_checkpoint_header(s).config()
     if s.endswith(".bin") or os.sep in s:
         raise FormatError(f"{s}: checkpoint file not found",
                           hint="pass an llm.c checkpoint .bin, or a descriptor such as -e d6 or "
@@ -521,11 +507,11 @@ class Trainer:
         if self.detect_outliers:
             d = {"step": step, "loss": self.loss_detector.state_dict(),
                  "grad_norm": self.grad_detector.state_dict()}
-            _atomic_write_bytes(outlier_state_path(self.out, step, self.rank),
-                                (json.dumps(d) + "\n").encode())
+            atomic_write(outlier_state_path(self.out, step, self.rank), json.dumps(d) + "\n",
+                         hint=OUTPUT_HINT)
         self.comm.barrier()
         if self.is_master:
-            _atomic_write_bytes(done_path, b"")
+            atomic_write(done_path, b"", hint=OUTPUT_HINT)
             self.display.checkpoint(step, model_path)
         self.last_checkpoint = model_path
         self.written_steps.add(step)
@@ -599,10 +585,10 @@ class Trainer:
     def generate_sample(self):
         """llm.c's training-time sample: from <|endoftext|>, gen_tokens-1 tokens, coins from
         xorshift seeded 1337 afresh each time, no temperature. Returns the text (or ids)."""
-        from llmctl.sample import generate
+        from llmctl.sample import default_start, generate
 
         V = self.model.config.vocab_size
-        eot = 50256 if V > 50256 else 0
+        eot = default_start(V)[0]  # EOT, or 0 for a vocabulary without it
         n = self.gen_tokens - 1
         if n <= 0:
             return ""
@@ -740,7 +726,7 @@ class Trainer:
                             keep.append(line if line.endswith("\n") else line + "\n")
                     except (ValueError, KeyError, TypeError):
                         continue
-        _atomic_write_bytes(mpath, "".join(keep).encode())
+        atomic_write(mpath, "".join(keep), hint=OUTPUT_HINT)
         try:
             self.metrics = open(mpath, "a")
         except OSError as e:

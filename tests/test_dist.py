@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from llmctl.distributed import control
-from llmctl.distributed.env import resolve_env, threads_per_rank
+from llmctl.distributed.env import parse_int, resolve_env, threads_per_rank
 from llmctl.distributed.launcher import launch
 from llmctl.distributed.shm import PREFIX, SHM_DIR, sweep_segments
 from llmctl.errors import ConfigError, DistError
@@ -219,6 +219,21 @@ def test_resolve_env_precedence_and_validation():
     assert threads_per_rank(2, 3) == 3 and threads_per_rank(1000) == 1
     with pytest.raises(ConfigError):
         threads_per_rank(2, 0)
+
+
+def test_env_integers_read_slurm_compressed_counts():
+    """Slurm writes per-node counts compressed ("2(x3)": 2 on each of 3 nodes); the rank-level
+    and the node-level resolution read them alike, as the first count."""
+    from llmctl.distributed.rendezvous import resolve_node
+
+    assert parse_int("SLURM_NTASKS_PER_NODE", "2(x3)") == 2
+    assert parse_int("SLURM_NTASKS_PER_NODE", " 4 ") == 4
+    for bad in ("x", "(x3)", "-1"):
+        with pytest.raises(ConfigError, match="SLURM_NTASKS_PER_NODE"):
+            parse_int("SLURM_NTASKS_PER_NODE", bad)
+    node = resolve_node(environ={"NNODES": "2(x3)", "NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+                                 "MASTER_PORT": "29500", "LLMCTL_BIND_ADDR": "127.0.0.1"})
+    assert (node.nnodes, node.node_rank) == (2, 1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -288,10 +288,10 @@ def test_eval_loss_of_a_nan_model_is_an_error_naming_the_checkpoint(tmp_path, ca
 
 
 def test_absurd_nproc_or_threads_are_refused_before_any_work(tiny, capsys):
-    from llmctl.threads import _usable_cores
+    from llmctl.info import usable_cores
 
     ckpt = tiny[3]
-    many = str(4 * _usable_cores() + 1)
+    many = str(4 * usable_cores() + 1)
     for args in (["eval", "hellaswag", "-e", ckpt, "--nproc", many], ["eval", "hellaswag", "-e", ckpt, "--threads", many],
                  ["eval", "hellaswag", "-e", ckpt, "--nproc", "2", "--threads", many],
                  ["eval", "loss", "-e", ckpt, "--threads", "100000"],

@@ -620,7 +620,7 @@ def test_resolve_threads(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert threads.resolve_threads(None) == 3 and threads.resolve_threads(0) == 3
     assert threads.resolve_threads(5) == 5
-    cores = threads._usable_cores()
+    cores = threads.usable_cores()
     assert threads.resolve_threads(-1) == cores
     with pytest.raises(ConfigError, match="leaves no cores"):
         threads.resolve_threads(-cores - 1)

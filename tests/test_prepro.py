@@ -688,9 +688,9 @@ def test_cli_rejects_bad_workers_and_tiny_shards(tmp_path, capsys, monkeypatch):
     assert code == 2 and "--shard-size 1000" in err
     # -w 10000 is capped to 4x the usable cores, with a message, and still works
     from llmctl import cli
-    from llmctl.threads import _usable_cores
+    from llmctl.info import usable_cores
 
-    assert cli._prepro_workers(10000) == 4 * _usable_cores()
+    assert cli._prepro_workers(10000) == 4 * usable_cores()
     assert "using" in capsys.readouterr().err
     code, out, err = _cli(base + ["-w", "10000", "--json"], capsys)
     assert code in (0, None) and "Warning: --workers 10000" in err

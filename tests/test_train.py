@@ -1004,11 +1004,11 @@ def test_output_path_oserror_is_a_one_line_error(data, tmp_path, capsys, blocker
 
 def test_atomic_write_oserror_names_the_path(tmp_path):
     from llmctl.errors import DataError
-    from llmctl.train import _atomic_write_bytes
+    from llmctl.atomic import atomic_write
 
     p = tmp_path / "missing_dir" / "DONE_00000002"
     with pytest.raises(DataError) as e:
-        _atomic_write_bytes(str(p), b"")
+        atomic_write(str(p), b"")
     assert str(p) in e.value.message
 
 

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 
 from llmctl.errors import ConfigError
+from llmctl.info import usable_cores
 
 
 @dataclass(frozen=True)
@@ -35,9 +36,12 @@ _SOURCES = [
 ]
 
 
-def _int(name, value, lo=0):
+def parse_int(name, value, lo=0):
+    """An integer >= lo from a flag or environment variable `name`; ConfigError naming it.
+    Slurm's compressed counts read as their first value: SLURM_NTASKS_PER_NODE="2(x3)" is 2
+    (two tasks on each of three nodes)."""
     try:
-        v = int(str(value).strip().split("(")[0])  # SLURM_NTASKS_PER_NODE may read "2(x3)"
+        v = int(str(value).strip().split("(")[0])
     except ValueError:
         raise ConfigError(f"{name}={value!r} is not an integer") from None
     if v < lo:
@@ -63,9 +67,9 @@ def resolve_env(rank=None, world_size=None, local_rank=None, local_world_size=No
 
     def pick(key, explicit, default, lo=0):
         if explicit is not None:
-            return _int(f"--{key.replace('_', '-')}", explicit, lo)
+            return parse_int(f"--{key.replace('_', '-')}", explicit, lo)
         if key in found:
-            return _int(*found[key], lo)
+            return parse_int(*found[key], lo)
         return default
 
     if rank is not None or world_size is not None:
@@ -80,17 +84,10 @@ def resolve_env(rank=None, world_size=None, local_rank=None, local_world_size=No
         raise ConfigError(f"local rank {lr} is not below the local world size {lw}")
     addr = master_addr if master_addr is not None else env.get("MASTER_ADDR", "127.0.0.1")
     port = master_port if master_port is not None else env.get("MASTER_PORT", 0)
-    port = _int("MASTER_PORT", port)
+    port = parse_int("MASTER_PORT", port)
     if port > 65535:
         raise ConfigError(f"master port {port} is not a TCP port (0..65535)")
     return DistEnv(r, w, lr, lw, str(addr), port, source)
-
-
-def usable_cores():
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def threads_per_rank(nproc, threads=None):

@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass
 
 from llmctl.distributed.control import MAC, NONCE, ProtocolError, _mac, _recv_exact
+from llmctl.distributed.env import parse_int
 from llmctl.errors import ConfigError, DistError
 
 DEFAULT_PORT = 29500  # torchrun's default MASTER_PORT
@@ -69,16 +70,6 @@ class NodeEnv:
     master_port: int = DEFAULT_PORT
     bind_addr: str = "127.0.0.1"
     source: str = "default"
-
-
-def _int(name, value, lo=0):
-    try:
-        v = int(str(value).strip())
-    except ValueError:
-        raise ConfigError(f"{name}={value!r} is not an integer") from None
-    if v < lo:
-        raise ConfigError(f"{name}={v} must be >= {lo}")
-    return v
 
 
 def _is_ip(addr):
@@ -133,8 +124,8 @@ def resolve_node(nnodes=None, node_rank=None, master_addr=None, master_port=None
         e_nn, source = ("SLURM_NNODES", env["SLURM_NNODES"]), "slurm"
         if e_nr is None and "SLURM_NODEID" in env:
             e_nr = ("SLURM_NODEID", env["SLURM_NODEID"])
-    nn = _int("--nnodes", nnodes, 1) if nnodes is not None else (_int(*e_nn, 1) if e_nn else 1)
-    nr = _int("--node-rank", node_rank) if node_rank is not None else (_int(*e_nr) if e_nr else 0)
+    nn = parse_int("--nnodes", nnodes, 1) if nnodes is not None else (parse_int(*e_nn, 1) if e_nn else 1)
+    nr = parse_int("--node-rank", node_rank) if node_rank is not None else (parse_int(*e_nr) if e_nr else 0)
     if nnodes is not None or node_rank is not None:
         source = "flags"
     if nr >= nn:
@@ -142,7 +133,7 @@ def resolve_node(nnodes=None, node_rank=None, master_addr=None, master_port=None
                           hint="--node-rank counts from 0 to --nnodes - 1")
     addr = master_addr if master_addr else env.get("MASTER_ADDR", "127.0.0.1")
     port = master_port if master_port else env.get("MASTER_PORT", DEFAULT_PORT)
-    port = _int("MASTER_PORT", port, 1)
+    port = parse_int("MASTER_PORT", port, 1)
     if port > 65535:
         raise ConfigError(f"master port {port} is not a TCP port (1..65535)")
     bind = bind_addr or env.get("LLMCTL_BIND_ADDR")

@@ -14,15 +14,12 @@ import time
 
 import numpy as np
 
+from llmctl.atomic import atomic_write
 from llmctl.errors import DataError
 
 
 def _write(args, name, obj):
-    path = os.path.join(args["dir"], name)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)
+    atomic_write(os.path.join(args["dir"], name), json.dumps(obj))
 
 
 def rank_data(rank, it, n):

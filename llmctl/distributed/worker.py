@@ -17,6 +17,7 @@ import signal
 import sys
 import traceback
 
+from llmctl.atomic import atomic_write
 from llmctl.errors import DistError, LlmctlError
 
 ENV_PREFIX = "LLMCTL_DIST_"
@@ -71,10 +72,7 @@ def _write_result(path, result):
         body = json.dumps(result, default=str)
     except (TypeError, ValueError):
         return
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(body)
-    os.replace(tmp, path)
+    atomic_write(path, body)
 
 
 def _report(client, msg, step, hint=None):

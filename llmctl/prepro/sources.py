@@ -13,6 +13,7 @@ import tempfile
 import urllib.error
 import urllib.request
 
+from llmctl.atomic import atomic_write
 from llmctl.errors import DataError
 
 DEFAULT_TIMEOUT = 30.0
@@ -21,19 +22,6 @@ _CHUNK = 1 << 20
 
 def _usable_file(path):
     return os.path.isfile(path) and os.path.getsize(path) > 0
-
-
-def _atomic_write_bytes(path, data):
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=d)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def download(url, path, timeout=DEFAULT_TIMEOUT):
@@ -107,7 +95,8 @@ def obtain(what, *, source=None, cache_path, url=None, from_datasets=None,
                 data = from_datasets(ds)
                 if not data:
                     raise ValueError("it returned no data")
-                _atomic_write_bytes(cache_path, data)
+                os.makedirs(os.path.dirname(os.path.abspath(cache_path)), exist_ok=True)
+                atomic_write(cache_path, data)
                 return {"path": cache_path, "origin": "datasets", "notes": notes}
             except Exception as e:  # datasets raises many types (ConnectionError, FileNotFoundError, ...)
                 note(f"datasets: failed ({type(e).__name__}: {_first_line(e)})")

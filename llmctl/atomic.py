@@ -1,0 +1,51 @@
+"""Write a file so that a reader never sees half of it: a temp file next to it, then os.replace.
+
+What it is: `atomic_open(path)` (a context manager yielding a binary file) and
+`atomic_write(path, data)` (bytes or str). On success the temp file `.NAME.tmp-PID` is renamed
+onto `path` in one step; on any failure it is removed and `path` is untouched, so an interrupted
+or failed write never leaves a valid-looking partial file (a checkpoint, shard or DONE_ marker).
+An OSError (missing directory, disk full, a directory in the file's place) becomes one DataError
+naming the path.
+
+What it is not: durable against power loss (no fsync), and it creates no directories.
+"""
+import contextlib
+import os
+
+from llmctl.errors import DataError
+
+WRITE_HINT = "check that the directory exists and is writable"
+
+
+def _error(path, e, hint):
+    return DataError(f"{path}: cannot write file: {e.strerror or e}", hint)
+
+
+@contextlib.contextmanager
+def atomic_open(path, hint=WRITE_HINT):
+    """Open a temp file next to `path` for binary writing; os.replace it into place on success."""
+    path = os.fspath(path)
+    d, base = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(d, f".{base}.tmp-{os.getpid()}")
+    try:
+        f = open(tmp, "wb")
+    except OSError as e:
+        raise _error(path, e, hint) from None
+    try:
+        with f:
+            yield f
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(e, OSError):  # disk full, I/O error: one line, not a traceback
+            raise _error(path, e, hint) from None
+        raise
+
+
+def atomic_write(path, data, hint=WRITE_HINT):
+    """Write `data` (bytes, or str as UTF-8) to `path` atomically."""
+    if isinstance(data, str):
+        data = data.encode()
+    with atomic_open(path, hint) as f:
+        f.write(data)
