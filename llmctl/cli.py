@@ -541,56 +541,10 @@ def sample_cmd(
         err_console.print(f"[dim]{ntok} tokens in {dt:.2f} s ({ntok / max(dt, 1e-9):.1f} tokens/s)[/]")
 
 
-# --- train (llmctl/train.py) -----------------------------------------------------------------
+# --- train (llmctl/train.py; its settings: llmctl/train_config.py) ---------------------------
 
 
-@app.command("train", context_settings={"help_option_names": ["--help"]})
-def train_cmd(
-    train_data: str = typer.Option("dev/data/tinyshakespeare/tiny_shakespeare_train.bin", "-i", "--train-data",
-                                   help="Train shards glob (quote it)."),
-    val_data: str = typer.Option("dev/data/tinyshakespeare/tiny_shakespeare_val.bin", "-j", "--val-data",
-                                 help="Val shards glob (quote it)."),
-    init: str = typer.Option("gpt2_124M_bf16.bin", "-e", "--init",
-                             help="Start from an llm.c checkpoint .bin or a descriptor: d6, d12, gpt3:c768 (random init, seed 42)."),
-    output_dir: Optional[str] = typer.Option(None, "-o", "--output-dir",
-                                             help="Directory for main.log, metrics.jsonl and checkpoints (default: none)."),
-    batch_size: int = typer.Option(4, "-b", "--batch-size", help="Micro batch size B per process."),
-    seq_len: int = typer.Option(1024, "-t", "--seq-len", help="Sequence length T (<= the model's maxT)."),
-    total_batch_size: int = typer.Option(-1, "-d", "--total-batch-size",
-                                         help="Tokens per step; a multiple of B*T*P gives gradient accumulation (-1 = B*T*P)."),
-    max_steps: int = typer.Option(-1, "-x", "--max-steps", help="Optimization steps (-1 = one epoch of the train data)."),
-    lr_scheduler: str = typer.Option("cosine", "-k", "--lr-scheduler", help="cosine, linear, constant or wsd."),
-    learning_rate: float = typer.Option(3e-4, "-l", "--learning-rate", help="Peak learning rate."),
-    warmup_iters: int = typer.Option(0, "-u", "--warmup-iters", help="Linear warmup steps."),
-    final_lr_frac: float = typer.Option(1.0, "-q", "--final-lr-frac",
-                                        help="Final lr as a fraction of -l (1.0 = no decay)."),
-    weight_decay: float = typer.Option(0.0, "-c", "--weight-decay", help="AdamW weight decay (2-D tensors only)."),
-    skip_update_lossz: float = typer.Option(0.0, "-sl", "--skip-update-lossz",
-                                            help="Skip the update when the loss z-score over the last 128 steps exceeds this (0 = off)."),
-    skip_update_gradz: float = typer.Option(0.0, "-sg", "--skip-update-gradz",
-                                            help="Skip the update when the grad-norm z-score over the last 128 steps exceeds this (0 = off)."),
-    beta1: float = typer.Option(0.9, "--beta1", help="AdamW beta1."),
-    beta2: float = typer.Option(0.95, "--beta2", help="AdamW beta2."),
-    grad_clip: float = typer.Option(1.0, "--grad-clip", help="Clip the global grad norm to this (0 disables)."),
-    val_loss_every: int = typer.Option(20, "-v", "--val-loss-every", help="Evaluate val loss every N steps (0 = never)."),
-    val_max_steps: int = typer.Option(20, "-m", "--val-max-steps", help="Val batches per evaluation (-1 = whole split)."),
-    sample_every: int = typer.Option(20, "-s", "--sample-every", help="Generate a sample every N steps (0 = never)."),
-    gen_tokens: int = typer.Option(64, "-g", "--gen-tokens", help="Sample length in tokens, including the start token."),
-    checkpoint_every: int = typer.Option(0, "-n", "--checkpoint-every", help="Write a checkpoint every N steps (0 = never; needs -o)."),
-    checkpoints_keep: int = typer.Option(0, "-nk", "--checkpoints-keep", help="Keep only the last N checkpoints (0 = all)."),
-    major_checkpoint_every: int = typer.Option(0, "-nm", "--major-checkpoint-every",
-                                               help="Checkpoints at multiples of N steps are never deleted (0 = none)."),
-    resume: int = typer.Option(0, "-y", "--resume", help="1 = resume from the newest checkpoint in -o; 0 = start over."),
-    overfit_single_batch: int = typer.Option(0, "-a", "--overfit-single-batch",
-                                             help="1 = train on one val batch over and over (debugging)."),
-    run_hellaswag: int = typer.Option(0, "-h", "--run-hellaswag",
-                                      help="1 = HellaSwag accuracy (llm.c's acc_norm) every -v steps and at the last step."),
-    hellaswag_file: str = typer.Option("dev/data/hellaswag/hellaswag_val.bin", "--hellaswag",
-                                       help="llm.c eval file for -h 1 (written by `llmctl prepro hellaswag`)."),
-    hellaswag_limit: Optional[int] = typer.Option(None, "--hellaswag-limit", min=1,
-                                                  help="With -h 1: score only the first N examples (default: all)."),
-    seed: int = typer.Option(42, "--seed", help="Shuffle seed: rank r uses seed + r (llm.c: 42)."),
-    threads: int = typer.Option(0, "--threads", help="Kernel threads (0 = OMP_NUM_THREADS or all cores)."),
+def _train_launch_options(
     json_out: bool = typer.Option(False, "--json", help="Machine output: one JSON object per event on stdout."),
     nproc: int = typer.Option(1, "--nproc", help="Data-parallel processes on this host (llm.c -pn); threads per process = cores / N unless --threads."),
     dist_timeout: float = typer.Option(30.0, "--dist-timeout", help="Seconds without a heartbeat before a rank counts as dead or hung and the job stops (--nproc > 1)."),
@@ -602,41 +556,45 @@ def train_cmd(
     backend: str = typer.Option("auto", "--backend", help="auto, shm, ring or mpi (auto: mpi under mpiexec, shm on one host, ring across hosts; llm.c -pi)."),
     rdzv_timeout: float = typer.Option(300.0, "--rdzv-timeout", help="Seconds to wait for every host to join the rendezvous."),
 ):
+    """The launch options of `llmctl train` (after TrainConfig's settings in --help)."""
+
+
+def _train_signature():
+    """`llmctl train`'s parameters: one option per TrainConfig field (its flags, default and help
+    live in llmctl/train_config.py), then the launch options above."""
+    import inspect
+
+    from llmctl.train_config import cli_options
+
+    params = []
+    for f, opt in cli_options():
+        option = typer.Option(opt.pop("default"), *opt.pop("param_decls"), **opt)
+        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option,
+                                        annotation=f.type))
+    params += [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+               for p in inspect.signature(_train_launch_options).parameters.values()]
+    return inspect.Signature(params)
+
+
+def train_cmd(**options):
     """Train GPT-2 with llm.c's loop (train_gpt2.cu flags); checkpoints llm.c can load; -y 1 resumes bit-exactly."""
-    from llmctl.display import make_display
-    from llmctl.train import TrainConfig, TrainInterrupted, train
+    import inspect
 
-    cfg = TrainConfig(
-        train_data=train_data, val_data=val_data, init=init, output_dir=output_dir,
-        checkpoint_every=checkpoint_every, checkpoints_keep=checkpoints_keep,
-        major_checkpoint_every=major_checkpoint_every, resume=resume, batch_size=batch_size,
-        seq_len=seq_len, total_batch_size=total_batch_size, max_steps=max_steps,
-        lr_scheduler=lr_scheduler, learning_rate=learning_rate, warmup_iters=warmup_iters,
-        final_lr_frac=final_lr_frac, weight_decay=weight_decay, beta1=beta1, beta2=beta2,
-        skip_update_lossz=skip_update_lossz, skip_update_gradz=skip_update_gradz,
-        grad_clip=grad_clip, val_loss_every=val_loss_every, val_max_steps=val_max_steps,
-        sample_every=sample_every, gen_tokens=gen_tokens, overfit_single_batch=overfit_single_batch,
-        hellaswag=run_hellaswag, hellaswag_path=hellaswag_file, hellaswag_limit=hellaswag_limit,
-        seed=seed, threads=threads or None)
+    from llmctl.distributed.run import run_train
+    from llmctl.train import TrainConfig, TrainInterrupted
+
+    launch = {k: options.pop(k) for k in inspect.signature(_train_launch_options).parameters}
+    cfg = TrainConfig.from_cli(**options)
+    launch["timeout"] = launch.pop("dist_timeout")
     try:
-        from llmctl.distributed.hier import run_train  # across hosts / external launchers / --backend mpi
-
-        handled, _ = run_train(cfg, nproc=nproc, nnodes=nnodes, node_rank=node_rank,
-                               master_addr=master_addr, master_port=master_port, bind_addr=bind_addr,
-                               backend=backend, threads=threads or None, timeout=dist_timeout,
-                               rdzv_timeout=rdzv_timeout, json_out=json_out)
-        if handled:
-            pass
-        elif nproc != 1:  # N ranks, each running train(cfg) on its slice of every batch
-            from llmctl.distributed.launcher import launch_train
-
-            launch_train(cfg, nproc, threads=threads or None, timeout=dist_timeout,
-                         master_port=master_port, json_out=json_out)
-        else:
-            train(cfg, display=make_display(json_out=json_out))
+        run_train(cfg, threads=cfg.threads, **launch)
     except TrainInterrupted as e:
         err_console.print(f"Interrupted: {e.message}", soft_wrap=True, highlight=False, markup=False)
         raise typer.Exit(130)
+
+
+train_cmd.__signature__ = _train_signature()
+app.command("train", context_settings={"help_option_names": ["--help"]})(train_cmd)
 
 
 def main(argv: Optional[List[str]] = None):

@@ -1,7 +1,8 @@
 """`llmctl train`: llm.c's training loop (train_gpt2.cu) on the CPU, with llm.c's files.
 
-What it is: `TrainConfig` (one field per llm.c flag, llm.c's defaults) and `train(cfg, comm,
-display)`, which runs the loop of train_gpt2.cu in its order, for step = start..N inclusive:
+What it is: `Trainer`, which wires one run together (config, loaders, model, checkpoints, comm,
+display), and `train(cfg, comm, display)`, which runs the loop of train_gpt2.cu in its order,
+for step = start..N inclusive:
 val loss -> HellaSwag (-h 1) -> sample -> checkpoint -> (stop at the last step) -> micro-steps of
 forward/backward with gradient accumulation -> all-reduce of the flat gradient buffer -> lr
 schedule, grad-norm clip, AdamW (skipped when -sl/-sg's outlier z-score says so, llmctl/outlier.py)
@@ -10,33 +11,36 @@ schedule, grad-norm clip, AdamW (skipped when -sl/-sg's outlier z-score says so,
 holding the detectors, which llm.c does not save) and an empty `DONE_%08d` written last; `-y 1`
 resumes from the newest DONE and continues bit for bit (fixed thread count). Also writes
 `metrics.jsonl`.
-What it is not: the model math (llmctl/model.py), the data pipeline (llmctl/loader.py), the
-process launcher (llmctl/distributed), HellaSwag scoring (llmctl/evaluate.py) or the rendering
-(llmctl/display.py). Differences from llm.c are listed in docs/training.md.
+What it is not: the settings and their checks (llmctl/train_config.py), the checkpoint files
+(llmctl/checkpoints.py), the model math (llmctl/model.py), the data pipeline (llmctl/loader.py),
+building the comm and launching ranks (llmctl/distributed/run.py), HellaSwag scoring
+(llmctl/evaluate.py) or the rendering (llmctl/display.py). Differences from llm.c are listed in
+docs/training.md.
 Reference: ../shared/docs/llmc-reference.md §6 (loop, flags), §1.3/§1.5 (files), §2 (loader).
 """
 import contextlib
 import json
 import math
 import os
-import re
 import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 
 from llmctl.atomic import atomic_write
+from llmctl.checkpoints import OUTPUT_HINT, Checkpoints, os_error
 from llmctl.distributed.base import SingleProcessComm
 from llmctl.display import Display
 from llmctl.errors import ConfigError, DataError, FormatError, LlmctlError
 from llmctl.loader import DataLoader
 from llmctl.outlier import OutlierDetector, as_float32, skip_update
-from llmctl.schedulers import SCHEDULERS, LRScheduler
+from llmctl.schedulers import LRScheduler
 from llmctl.threads import resolve_threads
+from llmctl.train_config import TrainConfig
+
+__all__ = ["TrainConfig", "Trainer", "TrainInterrupted", "TrainingDiverged", "train"]
 
 
 class TrainInterrupted(LlmctlError):
@@ -53,79 +57,9 @@ class TrainingDiverged(LlmctlError):
     """The loss (or gradient norm) became NaN/Inf; no update was applied."""
 
 
-@dataclass
-class TrainConfig:
-    """Every `llmctl train` setting; field comments give llm.c's flag. Defaults are llm.c's CU."""
-
-    train_data: str = "dev/data/tinyshakespeare/tiny_shakespeare_train.bin"  # -i
-    val_data: str = "dev/data/tinyshakespeare/tiny_shakespeare_val.bin"  # -j
-    init: str = "gpt2_124M_bf16.bin"  # -e: checkpoint path or descriptor (d6, d12, gpt3:c768)
-    output_dir: Optional[str] = None  # -o
-    checkpoint_every: int = 0  # -n
-    checkpoints_keep: int = 0  # -nk (0 = keep all)
-    major_checkpoint_every: int = 0  # -nm (never deleted)
-    resume: int = 0  # -y
-    batch_size: int = 4  # -b (per process, micro batch)
-    seq_len: int = 1024  # -t
-    total_batch_size: int = -1  # -d in tokens (-1 = B*T*P, no accumulation)
-    max_steps: int = -1  # -x (-1 = one epoch)
-    lr_scheduler: str = "cosine"  # -k
-    learning_rate: float = 3e-4  # -l
-    warmup_iters: int = 0  # -u
-    final_lr_frac: float = 1.0  # -q
-    weight_decay: float = 0.0  # -c
-    skip_update_lossz: float = 0.0  # -sl: skip the update if the loss z-score exceeds it (0 = off)
-    skip_update_gradz: float = 0.0  # -sg: same for the grad-norm z-score (0 = off)
-    beta1: float = 0.9  # hard-coded in llm.c
-    beta2: float = 0.95  # hard-coded in llm.c
-    eps: float = 1e-8  # hard-coded in llm.c
-    grad_clip: float = 1.0  # hard-coded in llm.c; 0 disables
-    val_loss_every: int = 20  # -v (0 = never)
-    val_max_steps: int = 20  # -m (-1 = whole val split)
-    sample_every: int = 20  # -s (0 = never)
-    gen_tokens: int = 64  # -g
-    overfit_single_batch: int = 0  # -a
-    hellaswag: int = 0  # -h: HellaSwag accuracy at every val-loss step and the last step
-    hellaswag_path: str = "dev/data/hellaswag/hellaswag_val.bin"  # the eval file llm.c reads
-    hellaswag_limit: Optional[int] = None  # only the first N examples (None = all)
-    seed: int = 42  # shuffle RNG of rank r = seed + r (llm.c: 42)
-    threads: Optional[int] = None  # kernel threads (default: OMP_NUM_THREADS or all cores)
-
 
 # ---------------------------------------------------------------------------------------------
 # helpers
-
-
-OUTPUT_HINT = ("make sure -o is a writable directory with free space and that no directory "
-               "occupies this file's name")
-
-
-def _os_error(path, e):
-    """An OSError on an output path as a one-line DataError naming the path."""
-    return DataError(f"cannot write {path}: {e.strerror or e}", hint=OUTPUT_HINT)
-
-
-def find_max_step(output_dir):
-    """The largest N with a DONE_%08d file in output_dir, or -1 (llm.c find_max_step)."""
-    best = -1
-    if not output_dir or not os.path.isdir(output_dir):
-        return best
-    for name in os.listdir(output_dir):
-        m = re.fullmatch(r"DONE_(\d{8})", name)
-        if m:
-            best = max(best, int(m.group(1)))
-    return best
-
-
-def checkpoint_paths(output_dir, step, rank=0):
-    return (os.path.join(output_dir, f"model_{step:08d}.bin"),
-            os.path.join(output_dir, f"state_{step:08d}_{rank:05d}.bin"),
-            os.path.join(output_dir, f"DONE_{step:08d}"))
-
-
-def outlier_state_path(output_dir, step, rank=0):
-    """The -sl/-sg detectors' sidecar next to state_%08d_%05d.bin (llmctl only)."""
-    return os.path.join(output_dir, f"state_{step:08d}_{rank:05d}.outlier.json")
 
 
 _PEAK_CACHE = {}
@@ -184,111 +118,6 @@ class _SigintGuard:
         return False
 
 
-def _validate(cfg, P):
-    def positive(name, flag, v):
-        if v <= 0:
-            raise ConfigError(f"{name} ({flag}) must be positive, got {v}")
-
-    positive("micro batch size", "-b", cfg.batch_size)
-    positive("sequence length", "-t", cfg.seq_len)
-
-    def real(name, flag, v, lo, hi, lo_open=False, hi_open=False, why=""):
-        """v must be a finite number in [lo, hi] (open ends where asked)."""
-        try:
-            x = float(v)
-        except (TypeError, ValueError):
-            x = math.nan
-        ok = (math.isfinite(x) and (x > lo if lo_open else x >= lo)
-              and (x < hi if hi_open else x <= hi))
-        if not ok:
-            rng = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
-            raise ConfigError(f"{name} ({flag}) must be a finite number in {rng}{why}, got {v}")
-
-    real("learning rate", "-l", cfg.learning_rate, 0, math.inf, hi_open=True)
-    real("final lr fraction", "-q", cfg.final_lr_frac, 0, 1)
-    real("weight decay", "-c", cfg.weight_decay, 0, math.inf, hi_open=True)
-    real("AdamW beta1", "--beta1", cfg.beta1, 0, 1, hi_open=True)
-    real("AdamW beta2", "--beta2", cfg.beta2, 0, 1, hi_open=True)
-    real("AdamW eps", "--eps", cfg.eps, 0, math.inf, lo_open=True, hi_open=True)
-    real("gradient clip", "--grad-clip", cfg.grad_clip, 0, math.inf, hi_open=True,
-         why=" (0 disables)")
-    if cfg.threads is not None and cfg.threads > 0:
-        from llmctl.info import usable_cores
-
-        cores = usable_cores()
-        if cfg.threads > 4 * cores:
-            raise ConfigError(f"--threads {cfg.threads} is more than 4x the {cores} usable "
-                              "core(s) of this machine; each step would mostly wait on threads",
-                              hint=f"use --threads {cores} (or leave it unset)")
-    if cfg.lr_scheduler not in SCHEDULERS:
-        raise ConfigError(f"unknown learning-rate schedule -k {cfg.lr_scheduler!r}",
-                          hint=f"use one of: {', '.join(SCHEDULERS)}")
-    if cfg.warmup_iters < 0:
-        raise ConfigError(f"warmup iterations (-u) must be >= 0, got {cfg.warmup_iters}")
-    if cfg.max_steps < -1:
-        raise ConfigError(f"max steps (-x) must be -1 (one epoch) or >= 0, got {cfg.max_steps}")
-    if cfg.val_max_steps < -1 or cfg.val_max_steps == 0 and cfg.val_loss_every > 0:
-        raise ConfigError(f"val max steps (-m) must be -1 (whole split) or >= 1, got "
-                          f"{cfg.val_max_steps}", hint="use -v 0 to skip validation")
-    for name, flag, v in (("--skip-update-lossz", "-sl", cfg.skip_update_lossz),
-                          ("--skip-update-gradz", "-sg", cfg.skip_update_gradz)):
-        try:
-            ok = math.isfinite(float(v)) and float(v) >= 0
-        except (TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise ConfigError(f"{name} ({flag}) must be a z-score >= 0 (0 = off), got {v}")
-    if cfg.grad_clip < 0:
-        raise ConfigError(f"--grad-clip must be >= 0 (0 disables), got {cfg.grad_clip}")
-    if cfg.resume not in (0, 1):
-        raise ConfigError(f"-y must be 0 or 1, got {cfg.resume}")
-    if cfg.overfit_single_batch not in (0, 1):
-        raise ConfigError(f"-a must be 0 or 1, got {cfg.overfit_single_batch}")
-    if cfg.hellaswag not in (0, 1):
-        raise ConfigError(f"-h must be 0 or 1, got {cfg.hellaswag}")
-    if cfg.hellaswag_limit is not None and cfg.hellaswag_limit < 1:
-        raise ConfigError(f"--hellaswag-limit must be >= 1, got {cfg.hellaswag_limit}")
-    if cfg.resume == 1 and not cfg.output_dir:
-        raise ConfigError("-y 1 resumes from the checkpoints in -o, but no -o was given")
-    if cfg.gen_tokens < 1 and cfg.sample_every > 0:
-        raise ConfigError(f"gen tokens (-g) must be >= 1, got {cfg.gen_tokens}")
-    for name, flag, v in (("checkpoint every", "-n", cfg.checkpoint_every),
-                          ("checkpoints keep", "-nk", cfg.checkpoints_keep),
-                          ("major checkpoint every", "-nm", cfg.major_checkpoint_every),
-                          ("val loss every", "-v", cfg.val_loss_every),
-                          ("sample every", "-s", cfg.sample_every)):
-        if v < 0:
-            raise ConfigError(f"{name} ({flag}) must be >= 0, got {v}")
-    tokens_per_fwdbwd = cfg.batch_size * cfg.seq_len * P
-    total = tokens_per_fwdbwd if cfg.total_batch_size == -1 else cfg.total_batch_size
-    if total <= 0 or total % tokens_per_fwdbwd:
-        raise ConfigError(
-            f"total batch size -d {total} is not a positive multiple of B*T*P = "
-            f"{cfg.batch_size}*{cfg.seq_len}*{P} = {tokens_per_fwdbwd}",
-            hint=f"use -d {tokens_per_fwdbwd * max(1, round(total / tokens_per_fwdbwd))} or -1")
-    return total, total // tokens_per_fwdbwd
-
-
-def _prepare_output_dir(path, rank=0):
-    """Create -o and prove it is writable before anything is trained; no file is left behind."""
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        raise LlmctlError(f"cannot create output directory {path}: {e.strerror or e}",
-                          hint="choose a writable -o") from None
-    if not os.path.isdir(path):
-        raise LlmctlError(f"output path {path} exists and is not a directory",
-                          hint="choose another -o")
-    probe = os.path.join(path, f".llmctl-write-test-{os.getpid()}-{rank}")
-    try:
-        with open(probe, "wb") as f:
-            f.write(b"x")
-        os.unlink(probe)
-    except OSError as e:
-        raise LlmctlError(f"output directory {path} is not writable: {e.strerror or e}",
-                          hint="choose a writable -o") from None
-
-
 def _peek_model_config(spec):
     """The GPT2Config that `-e spec` will build, from a checkpoint header or a descriptor."""
     from llmctl.formats import read_checkpoint_header
@@ -345,9 +174,49 @@ class Trainer:
         self.B, self.T = B, T
 
         # 1. flags that cannot work, before touching any file
-        self.total_batch_size, self.grad_accum_steps = _validate(cfg, self.P)
+        self.total_batch_size, self.grad_accum_steps = cfg.validate(self.P)
 
         # 2. data (llm.c: -a 1 overfits the first batch of the VAL split)
+        self._open_data()
+
+        # 3. the model's shape (header or descriptor only), then the output directory: all
+        # cheap checks happen before anything is written or a large model is initialised
+        self.out = cfg.output_dir
+        self.checkpoints = Checkpoints(self.out, self.comm)
+        self.resume_step = self.checkpoints.newest() if cfg.resume == 1 else -1
+        init_spec = (self.checkpoints.paths(self.resume_step)[0] if self.resume_step >= 0
+                     else cfg.init)
+        self.hellaswag_examples = self._check_fits(_peek_model_config(init_spec))
+        self.checkpoints.claim(cfg.resume)
+
+        # 4. model, optimizer schedule, -sl/-sg's outlier detectors over loss and grad norm
+        self.model = _build_model(init_spec, self.n_threads)
+        mc = self.model.config
+        self.gen_tokens = min(cfg.gen_tokens, mc.max_seq_len)
+        self.detect_outliers = cfg.skip_update_lossz != 0 or cfg.skip_update_gradz != 0
+        self.loss_detector, self.grad_detector = OutlierDetector(), OutlierDetector()
+        self.scheduler = LRScheduler(cfg.lr_scheduler, cfg.learning_rate, cfg.warmup_iters,
+                                     self.num_steps, cfg.final_lr_frac)
+
+        # 5. -y 1: optimizer, loader and detector state from the newest complete checkpoint
+        self.start_step = 0
+        self.resume_notes = []
+        if self.resume_step >= 0:
+            self.start_step, self.resume_notes = self.checkpoints.load(
+                self.resume_step, self.model, self.train_loader, self._detectors(),
+                restore_loader=not cfg.overfit_single_batch)  # -a 1: its batch is taken
+            if self.start_step > self.num_steps:
+                raise ConfigError(f"the checkpoint in {self.out} is at step {self.start_step}, "
+                                  f"beyond the {self.num_steps} steps of this run",
+                                  hint="pass the -x of the original run")
+
+        self.flops_per_step = flops_per_token(self.model.num_parameters, mc.num_layers,
+                                              mc.channels, T) * B * T * self.grad_accum_steps
+        self.peak_flops = measure_peak_flops(self.n_threads)
+        self.allreduce_ms = 0.0
+
+    def _open_data(self):
+        cfg, B, T = self.cfg, self.B, self.T
         train_pattern = cfg.val_data if cfg.overfit_single_batch else cfg.train_data
         self.train_loader = DataLoader(train_pattern, B, T, self.rank, self.P, shuffle=True,
                                        seed=cfg.seed)
@@ -368,193 +237,43 @@ class Trainer:
             self.val_num_batches = (cfg.val_max_steps if cfg.val_max_steps != -1 else
                                     self.val_loader.num_tokens // (B * T * self.P))
 
-        # 3. the model's shape (header or descriptor only), then the output directory: all
-        # cheap checks happen before anything is written or a large model is initialised
-        self.out = cfg.output_dir
-        self.resume_step = find_max_step(self.out) if cfg.resume == 1 else -1
-        init_spec = (checkpoint_paths(self.out, self.resume_step)[0] if self.resume_step >= 0
-                     else cfg.init)
-        mc = _peek_model_config(init_spec)
+    def _check_fits(self, mc):
+        """The data, -t and the -h 1 eval file fit model config mc. -> HellaSwag examples."""
         for loader in (self.train_loader, self.val_loader):
             if loader is not None:
                 loader.check_vocab(mc.vocab_size, self.n_threads)
-        if T > mc.max_seq_len:
-            raise ConfigError(f"sequence length -t {T} exceeds the model's maxT "
+        if self.T > mc.max_seq_len:
+            raise ConfigError(f"sequence length -t {self.T} exceeds the model's maxT "
                               f"{mc.max_seq_len}", hint=f"use -t {mc.max_seq_len} or less")
-        self.hellaswag_examples = _check_hellaswag(cfg, mc) if cfg.hellaswag else 0
-        if self.out and cfg.resume == 0 and find_max_step(self.out) >= 0:
-            k = find_max_step(self.out)
-            raise ConfigError(f"output directory {self.out} already holds checkpoints of an "
-                              f"earlier run (DONE_{k:08d}); -y 0 would mix the two runs' "
-                              "checkpoints (llm.c overwrites silently)",
-                              hint="pass -y 1 to resume from them, or use a new or empty -o")
-        if self.out:
-            _prepare_output_dir(self.out, self.rank)
+        return _check_hellaswag(self.cfg, mc) if self.cfg.hellaswag else 0
 
-        # 4. model
-        self.model = _build_model(init_spec, self.n_threads)
-        mc = self.model.config
-        self.gen_tokens = min(cfg.gen_tokens, mc.max_seq_len)
+    def _detectors(self):
+        return (self.loss_detector, self.grad_detector) if self.detect_outliers else None
 
-        # -sl/-sg: llm.c's outlier detectors over the step's loss and grad norm
-        self.detect_outliers = cfg.skip_update_lossz != 0 or cfg.skip_update_gradz != 0
-        self.loss_detector, self.grad_detector = OutlierDetector(), OutlierDetector()
+    # -- checkpoints (llmctl/checkpoints.py) ------------------------------------------------
 
-        self.scheduler = LRScheduler(cfg.lr_scheduler, cfg.learning_rate, cfg.warmup_iters,
-                                     self.num_steps, cfg.final_lr_frac)
-        self.start_step = 0
-        self.resume_notes = []
-        if self.resume_step >= 0:
-            self.start_step = self._load_state(self.resume_step)
-            if self.start_step > self.num_steps:
-                raise ConfigError(f"the checkpoint in {self.out} is at step {self.start_step}, "
-                                  f"beyond the {self.num_steps} steps of this run",
-                                  hint="pass the -x of the original run")
-
-        self.flops_per_step = flops_per_token(self.model.num_parameters, mc.num_layers,
-                                              mc.channels, T) * B * T * self.grad_accum_steps
-        self.peak_flops = measure_peak_flops(self.n_threads)
-        self.last_checkpoint = None
-        self.written_steps = set()  # checkpoints written by this run (not resumed from)
-        self.allreduce_ms = 0.0
-
-    # -- checkpoints -------------------------------------------------------------------------
-
-    def _load_state(self, step):
-        from llmctl.formats import read_state_file
-
-        path = checkpoint_paths(self.out, step, self.rank)[1]
-        if not os.path.isfile(path):
-            raise FormatError(f"{path}: missing (DONE_{step:08d} exists but this rank's state "
-                              "file does not)", hint="resume with the same number of processes, "
-                              "or delete the incomplete checkpoint")
-        st = read_state_file(path, num_parameters=self.model.num_parameters)
-        if st.step != step:
-            raise FormatError(f"{path}: says step {st.step} but belongs to checkpoint {step}",
-                              hint="the checkpoint directory is inconsistent; delete DONE_"
-                                   f"{step:08d} to resume from an earlier one")
-        if st.num_processes != self.P or st.process_rank != self.rank:
-            raise ConfigError(f"{path}: written by rank {st.process_rank} of {st.num_processes} "
-                              f"processes, but this is rank {self.rank} of {self.P}",
-                              hint="resume with the same number of processes")
-        self.model.m = np.array(st.m, dtype=np.float32)
-        self.model.v = np.array(st.v, dtype=np.float32)
-        if st.use_master_weights and st.master is not None:
-            # llm.c (bf16 builds) keeps fp32 master weights: those are the real parameters
-            self.model.params[:] = np.asarray(st.master, dtype=np.float32)
-        if self.cfg.overfit_single_batch:
-            pass  # the single batch was taken at start-up; the loader is never read again
-        elif st.should_shuffle:
-            self.train_loader.load_state(st.shard_indices, st.intra_shard_indices, st.mt_state,
-                                         st.current_shard_idx, st.current_sample_idx, source=path)
-        else:
-            self.train_loader.should_shuffle = False
-            self.train_loader.resume(st.current_shard_idx, st.current_sample_idx)
-        if self.detect_outliers:
-            self._load_outlier_state(step)
-        return int(st.step)
-
-    def _load_outlier_state(self, step):
-        path = outlier_state_path(self.out, step, self.rank)
-        if not os.path.isfile(path):
-            self.resume_notes.append(
-                f"note: {os.path.basename(path)} is absent (checkpoint written without -sl/-sg "
-                "or by llm.c): the outlier windows start empty, as llm.c's do on resume")
-            return
-        try:
-            with open(path) as f:
-                d = json.load(f)
-            if d.get("step") != step:
-                raise ValueError(f"says step {d.get('step')}")
-            self.loss_detector.load_state_dict(d["loss"])
-            self.grad_detector.load_state_dict(d["grad_norm"])
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise FormatError(f"{path}: corrupt outlier-detector state ({e})",
-                              hint=f"delete it to resume with empty windows (as llm.c), or "
-                                   f"delete DONE_{step:08d} to resume from an earlier checkpoint"
-                              ) from None
+    @property
+    def last_checkpoint(self):
+        """The newest model_%08d.bin this run wrote, or None."""
+        return self.checkpoints.last
 
     def write_checkpoint(self, step):
-        """model (rank 0), state (every rank), barrier, DONE (rank 0): llm.c write_checkpoint."""
-        from llmctl.formats import StateFile, write_state_file
-
-        model_path, state_path, done_path = checkpoint_paths(self.out, step, self.rank)
+        """model (rank 0), state (every rank), barrier, DONE (rank 0): llm.c write_checkpoint.
+        Weights that hold NaN/Inf are never written."""
+        model_path = self.checkpoints.paths(step)[0]
         if not np.isfinite(self.model.params).all():  # ~1 ms per 10M parameters
             raise TrainingDiverged(
                 f"the parameters hold NaN/Inf at step {step}: checkpoint {model_path} was not "
-                f"written ({self._last_good_text()})",
+                f"written ({self.checkpoints.last_good_text()})",
                 hint="lower the learning rate (-l), add warmup (-u) or keep --grad-clip on")
+        self.checkpoints.write(step, self.model, self.train_loader.state(), self._detectors())
         if self.is_master:
-            try:
-                self.model.save_checkpoint(model_path)
-            except OSError as e:
-                raise _os_error(model_path, e) from None
-        n = self.model.num_parameters
-        ld = self.train_loader.state()
-        m = self.model.m if self.model.m is not None else np.zeros(n, np.float32)
-        v = self.model.v if self.model.v is not None else np.zeros(n, np.float32)
-        st = StateFile(num_processes=self.P, process_rank=self.rank, use_master_weights=False,
-                       should_shuffle=ld["should_shuffle"], step=step,
-                       rng_state=13371337 + self.rank, rng_state_last_update=13371337 + self.rank,
-                       current_shard_idx=ld["current_shard_idx"],
-                       current_sample_idx=ld["current_sample_idx"], m=m, v=v,
-                       shard_indices=ld["shard_indices"],
-                       intra_shard_indices=ld["intra_shard_indices"], mt_state=ld["rng_state"])
-        try:
-            write_state_file(state_path, st)
-        except OSError as e:
-            raise _os_error(state_path, e) from None
-        if self.detect_outliers:
-            d = {"step": step, "loss": self.loss_detector.state_dict(),
-                 "grad_norm": self.grad_detector.state_dict()}
-            atomic_write(outlier_state_path(self.out, step, self.rank), json.dumps(d) + "\n",
-                         hint=OUTPUT_HINT)
-        self.comm.barrier()
-        if self.is_master:
-            atomic_write(done_path, b"", hint=OUTPUT_HINT)
             self.display.checkpoint(step, model_path)
-        self.last_checkpoint = model_path
-        self.written_steps.add(step)
-
-    def _last_good_text(self):
-        """Names the newest complete checkpoint in -o (what -y 1 would resume from)."""
-        if not self.out:
-            return "no -o, nothing saved"
-        k = find_max_step(self.out)
-        if k < 0:
-            return "no complete checkpoint exists"
-        return f"last good checkpoint: {checkpoint_paths(self.out, k)[0]}"
 
     def rotate_checkpoints(self, step):
-        """-nk after the regular checkpoint at `step`: llm.c deletes step - nk*n unless it is
-        major (-nm). Off-grid checkpoints (Ctrl-C) older than the oldest kept regular one go
-        too, under the same -nm rule (llm.c never deletes them)."""
-        cfg = self.cfg
-        n, nk, nm = cfg.checkpoint_every, cfg.checkpoints_keep, cfg.major_checkpoint_every
-        if nk <= 0:
-            return
-        oldest_kept = step - (nk - 1) * n
-        doomed = set()
-        if step - nk * n > 0:
-            doomed.add(step - nk * n)
-        for name in os.listdir(self.out):
-            m = re.fullmatch(r"(?:DONE|model|state)_(\d{8})(?:_\d{5})?(?:\.bin|\.outlier\.json)?",
-                             name)
-            if m:
-                k = int(m.group(1))
-                if 0 < k < oldest_kept and k % n != 0:
-                    doomed.add(k)
-        for k in sorted(doomed):
-            if nm == 0 or k % nm != 0:
-                self.delete_checkpoint(k)
-
-    def delete_checkpoint(self, step):
-        model_path, state_path, done_path = checkpoint_paths(self.out, step, self.rank)
-        # DONE first: a half-deleted checkpoint must never look complete
-        for p in (((done_path, model_path) if self.is_master else ())
-                  + (state_path, outlier_state_path(self.out, step, self.rank))):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(p)
+        c = self.cfg
+        self.checkpoints.rotate(step, c.checkpoint_every, c.checkpoints_keep,
+                                c.major_checkpoint_every)
 
     # -- evaluation / sampling -------------------------------------------------------------------
 
@@ -640,16 +359,11 @@ class Trainer:
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             what = "loss" if not math.isfinite(loss) else "gradient norm"
             value = loss if not math.isfinite(loss) else grad_norm
-            if self.out and step in self.written_steps:
-                # checkpoint `step` holds the weights that just produced the NaN: not good
-                self.delete_checkpoint(step)
-                self.written_steps.discard(step)
-                self.comm.barrier()  # every rank's files are gone before rank 0 names one
-                if self.last_checkpoint == checkpoint_paths(self.out, step, self.rank)[0]:
-                    self.last_checkpoint = None
+            # checkpoint `step` holds the weights that just produced the NaN: not good
+            self.checkpoints.discard(step)
             raise TrainingDiverged(
                 f"{what} is {value} at step {step + 1}/{self.num_steps}: training stopped "
-                f"before the update ({self._last_good_text()})",
+                f"before the update ({self.checkpoints.last_good_text()})",
                 hint="lower the learning rate (-l), add warmup (-u) or keep --grad-clip on")
         outlier = {}
         skipped = None
@@ -708,7 +422,7 @@ class Trainer:
         try:
             self.main_log = open(log_path, "a" if self.cfg.resume == 1 else "w")
         except OSError as e:
-            raise _os_error(log_path, e) from None
+            raise os_error(log_path, e) from None
         try:
             self._open_metrics()
         except BaseException:
@@ -730,7 +444,7 @@ class Trainer:
         try:
             self.metrics = open(mpath, "a")
         except OSError as e:
-            raise _os_error(mpath, e) from None
+            raise os_error(mpath, e) from None
 
     def _close_logs(self):
         for f in (self.main_log, self.metrics):
@@ -760,8 +474,8 @@ class Trainer:
         raise TrainInterrupted."""
         where = "; no -o, nothing saved"
         if self.out:
-            path = checkpoint_paths(self.out, step)[0]
-            if resumed_here or step in self.written_steps:
+            path = self.checkpoints.paths(step)[0]
+            if resumed_here or step in self.checkpoints.written:
                 where = f"; checkpoint: {path}"
             else:
                 self.write_checkpoint(step)
@@ -846,7 +560,7 @@ class Trainer:
         except KeyboardInterrupt:
             # the second Ctrl-C: stop at once; DONE_ is written last, so a checkpoint being
             # written is incomplete and ignored, the previous complete one is intact
-            raise TrainInterrupted(f"aborted by a second Ctrl-C ({self._last_good_text()})",
+            raise TrainInterrupted(f"aborted by a second Ctrl-C ({self.checkpoints.last_good_text()})",
                                    summary) from None
         finally:
             self._close_logs()
@@ -859,11 +573,37 @@ class Trainer:
         return summary
 
 
-def train(cfg, comm=None, display=None):
+def train(cfg, comm=None, display=None, *, check_params=False):
     """Run llm.c's training loop for `cfg` (a TrainConfig); returns a summary dict.
 
-    comm: a llmctl.distributed Comm (default: one process). display: a llmctl.display.Display.
+    comm: a llmctl.distributed Comm (default: one process); when its all-reduce is zero-copy on
+    its own memory (Comm.shares_memory) the model's gradients are placed there. display: a
+    llmctl.display.Display. check_params: every scalar collective first checks that all ranks
+    hold bit-identical parameters (Comm.watch; a debug mode).
     Raises ConfigError/DataError/FormatError for bad input (before any file is written),
     TrainingDiverged on a NaN/Inf loss, TrainInterrupted (exit code 130) after Ctrl-C.
     """
-    return Trainer(cfg, comm, display).run()
+    comm = comm if comm is not None else SingleProcessComm()
+    trainer = Trainer(cfg, comm, display)  # its loop sets comm.step, checks comm.stop_requested
+    if comm.world_size > 1 and comm.shares_memory:
+        _adopt_grads(comm, trainer.model)
+    if check_params:
+        comm.watch(trainer.model.params, "parameters")
+    return trainer.run()
+
+
+def _adopt_grads(comm, model):
+    """Move the model's flat gradient buffer (and its named views) into comm.shared_buffer(n),
+    so the per-step all-reduce is zero-copy. Uses only model.grads / model.g, which the model
+    reads at call time; the private buffer is dropped."""
+    old = model.grads
+    buf = comm.shared_buffer(old.shape[0])
+    buf[:] = old
+    base = old.__array_interface__["data"][0]
+    views = {}
+    for name, v in model.g.items():
+        off = (v.__array_interface__["data"][0] - base) // old.itemsize
+        if not (0 <= off and off + v.size <= old.shape[0]) or not v.flags.c_contiguous:
+            return  # not a flat-buffer view as expected: keep the private buffer (copy path)
+        views[name] = buf[off:off + v.size].reshape(v.shape)
+    model.grads, model.g = buf, views

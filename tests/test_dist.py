@@ -530,7 +530,7 @@ def test_killed_rank_stops_the_job_and_the_checkpoint_resumes(tiny_run):
     assert p.returncode == 1
     assert f"rank 1 (pid {kids[1]}) was killed by SIGKILL" in err, err
     assert "Traceback" not in err
-    from llmctl.train import find_max_step
+    from llmctl.checkpoints import find_max_step
     S = find_max_step(str(d / "run"))
     assert S >= 6 and S % 3 == 0
     # a different N is refused with a clear message (usage error)
@@ -562,7 +562,7 @@ def test_sigint_checkpoints_every_rank_and_exits_130(tiny_run):
         if p.poll() is None:
             p.kill()
     assert p.returncode == 130, err
-    from llmctl.train import find_max_step
+    from llmctl.checkpoints import find_max_step
     S = find_max_step(str(d / "run"))
     assert S >= 3, err
     for f in (f"model_{S:08d}.bin", f"state_{S:08d}_00000.bin", f"state_{S:08d}_00001.bin"):
@@ -574,7 +574,7 @@ def test_adopted_gradient_buffer_is_what_backward_writes(tiny_run):
     """The worker moves model.grads (and the named views model.g) into the comm's shared row;
     zero_grad, backward, grad_norm and update must then all use it (the model reads
     model.grads/model.g at call time), giving exactly the steps of an untouched model."""
-    from llmctl.distributed.worker import _adopt_grads
+    from llmctl.train import _adopt_grads
     from llmctl.model import GPT2
 
     class FakeComm:
@@ -618,7 +618,8 @@ def test_bad_input_under_nproc_is_one_line_with_the_ranks_hint(tiny_run):
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, 0.0])
 def test_non_finite_or_non_positive_timeouts_are_config_errors(bad):
     # NaN passes a plain `<= 0` check; each entry point must reject it before spawning/joining.
-    from llmctl.distributed.hier import launch_multinode, run_train
+    from llmctl.distributed.hier import launch_multinode
+    from llmctl.distributed.run import run_train
     from llmctl.distributed.rendezvous import NodeEnv, rendezvous
 
     with pytest.raises(ConfigError, match="--dist-timeout"):

@@ -143,7 +143,7 @@ def test_mpiexec_train_equals_gradient_accumulation(tmp_path):
 _FAIL = """
 import sys, numpy as np
 import llmctl.train
-from llmctl.distributed import hier
+from llmctl.distributed import run
 from llmctl.errors import DataError
 
 class FakeTrainer:
@@ -155,7 +155,7 @@ class FakeTrainer:
         self.comm.all_reduce_mean(np.zeros(10, np.float32))  # would wait for rank 1 forever
 
 llmctl.train.Trainer = FakeTrainer
-hier._train_per_rank(llmctl.train.TrainConfig(threads=1), "mpi", None, False, False)
+run._train_per_rank(llmctl.train.TrainConfig(threads=1), "mpi", None, False, False)
 """
 
 

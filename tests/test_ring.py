@@ -493,7 +493,7 @@ def test_ctrl_c_on_one_host_stops_every_host_at_the_same_step(procs, tmp_path):
     files, DONE); node 0 exits 130, node 1 exits 0 (its part finished as asked)."""
     from llmctl.formats import write_datafile
     from llmctl.model import GPT2, GPT2Config
-    from llmctl.train import find_max_step
+    from llmctl.checkpoints import find_max_step
 
     d = tmp_path
     cfg = GPT2Config(max_seq_len=16, vocab_size=64, padded_vocab_size=128, num_layers=1,

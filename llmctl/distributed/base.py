@@ -1,8 +1,9 @@
 """The interface between the training loop and a communication backend.
 
-A backend owns process-group membership (rank, world_size) and three collectives over flat
-float32 NumPy buffers. `SingleProcessComm` is the world of one; shm (one host), ring (TCP across
-hosts) and mpi backends implement the same methods.
+A backend owns process-group membership (rank, world_size), the threads each rank may use and
+the collectives over flat float32 NumPy buffers; the defaults here fit the world of one.
+`SingleProcessComm` is that world; shm (one host), ring (TCP across hosts), hier (shm + ring)
+and mpi backends implement the same methods.
 """
 import numpy as np
 
@@ -17,6 +18,12 @@ class Comm:
     # Becomes True on every rank at the same collective when the launcher asks the job to stop
     # (Ctrl-C): the loop checks it after the gradient all-reduce, checkpoints and returns.
     stop_requested: bool = False
+    # Kernel threads each rank uses (the launcher splits the host's cores); None: the process's
+    # default (--threads, else OMP_NUM_THREADS or all cores).
+    n_threads = None
+    # True when shared_buffer() hands out memory that all_reduce_mean reduces in place (shm):
+    # the training loop then keeps its gradients there.
+    shares_memory: bool = False
 
     def all_reduce_mean(self, buf: np.ndarray) -> None:
         """Replace buf (1-D, contiguous float32) on every rank with the element-wise mean over ranks."""
@@ -32,6 +39,15 @@ class Comm:
     def broadcast(self, buf: np.ndarray, root: int = 0) -> None:
         """Copy root's buf into buf on every rank."""
         raise NotImplementedError
+
+    def shared_buffer(self, n: int) -> np.ndarray:
+        """n zeroed float32 for this rank's gradient buffer. A backend with shared memory returns
+        its row of a shared segment (shares_memory = True); this default is private memory."""
+        return np.zeros(n, dtype=np.float32)
+
+    def watch(self, buf: np.ndarray, what: str = "buffer") -> None:
+        """Check buf with assert_identical before every scalar collective (a debug mode); the
+        world of one has nothing to compare."""
 
     def close(self) -> None:
         pass

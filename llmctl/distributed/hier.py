@@ -16,9 +16,7 @@ What it is:
 - `launch_multinode(...)`: the node launcher: F's `launch` (llmctl/distributed/launcher.py) starts the
   N local ranks with their control hub; each rank then runs `run_entry`, which joins the
   cross-host rendezvous (rendezvous.py), builds its HierComm and calls the real target.
-- `run_train(...)`: what `llmctl train` calls for every distributed form except single-host
-  --nproc: the launcher form (--nnodes K > 1), the per-rank form (RANK/WORLD_SIZE from torchrun,
-  srun or mpiexec: one flat ring or MPI), and `--backend mpi`.
+(`llmctl train --nnodes K` gets here through llmctl/distributed/run.py's `run_train`.)
 
 Faults: a ring error on any rank is reported to its node's hub, F's launcher kills that node's
 ranks, their ring sockets close, and every other node's ranks fail within a few hops, each
@@ -28,12 +26,11 @@ What it is not: no new transport (ring.py, shm.py) and no process management (la
 It plays the role of NCCL's hierarchical (intra-node + inter-node ring) all-reduce in llm.c.
 """
 import os
-import sys
 
 import numpy as np
 
 from llmctl.distributed.base import Comm
-from llmctl.errors import ConfigError, DistError, LlmctlError
+from llmctl.errors import DistError, LlmctlError
 
 _SECRET_VAR = "LLMCTL_RING_KEY"
 
@@ -201,121 +198,3 @@ def launch_multinode(target, args, nproc, node, secret, *, threads=None, timeout
     return launch("llmctl.distributed.hier:run_entry", wrapped, nproc, threads=threads, timeout=timeout,
                   collective_timeout=collective_timeout, log=log, grace=grace,
                   extra_env={_SECRET_VAR: secret.hex()})
-
-
-def _train_args(cfg, json_out, check_params):
-    from dataclasses import asdict
-
-    if check_params is None:
-        check_params = os.environ.get("LLMCTL_DIST_CHECK_PARAMS", "") not in ("", "0")
-    return {"config": asdict(cfg), "json_out": bool(json_out), "check_params": bool(check_params)}
-
-
-def _log(msg):
-    sys.stderr.write(f"llmctl dist: {msg}\n")
-    sys.stderr.flush()
-
-
-def run_train(cfg, *, nproc=1, nnodes=None, node_rank=None, master_addr=None, master_port=None,
-              bind_addr=None, backend="auto", threads=None, timeout=30.0, rdzv_timeout=300.0,
-              json_out=False, check_params=None, environ=None):
-    """Route `llmctl train` to a backend: (True, summary-or-None) when it ran the job here, or
-    (False, None) for a job this module does not handle (one process, or single-host --nproc N,
-    which F's launch_train runs). Only node 0's launcher gets rank 0's summary."""
-    from llmctl.distributed.env import resolve_env
-    from llmctl.distributed.rendezvous import check_seconds, choose_backend, resolve_node, resolve_secret
-
-    env = os.environ if environ is None else environ
-    choose_backend(backend, 1, env)  # validates the name before anything else
-    timeout = check_seconds("--dist-timeout", timeout)  # before anything is spawned or joined
-    rdzv_timeout = check_seconds("--rdzv-timeout", rdzv_timeout)
-    if int(nproc) < 1:
-        raise ConfigError(f"--nproc {nproc} must be >= 1")
-    launcher_form = int(nproc) > 1 or (nnodes is not None and int(nnodes) > 1)
-    if backend == "mpi" or (backend == "auto" and not launcher_form
-                            and choose_backend("auto", 1, env) == "mpi"):
-        if launcher_form:
-            raise ConfigError("--backend mpi runs one process per rank under mpiexec; drop --nproc/"
-                              "--nnodes and use `mpiexec -n N llmctl train --backend mpi`")
-        return True, _train_per_rank(cfg, "mpi", None, json_out, check_params)
-    if not launcher_form:
-        ident = resolve_env(environ=env)
-        if ident.world_size == 1:
-            return False, None
-        choose_backend(backend, 1, env)
-        if backend == "shm":
-            raise ConfigError(f"this process is rank {ident.rank} of {ident.world_size} started by "
-                              f"{ident.source}, but --backend shm needs llmctl's own launcher",
-                              hint="use --backend ring (or auto), or `llmctl train --nproc N`")
-        return True, _train_per_rank(cfg, "ring", dict(master_addr=master_addr, master_port=master_port,
-                                                 bind_addr=bind_addr, timeout=timeout,
-                                                 rdzv_timeout=rdzv_timeout, environ=env),
-                               json_out, check_params)
-    node = resolve_node(nnodes, node_rank, master_addr, master_port, bind_addr, environ=env)
-    if choose_backend(backend, node.nnodes, env) == "shm" or node.nnodes == 1:
-        return False, None  # one host: F's launch_train
-    secret = resolve_secret(env)
-    _log(f"node {node.node_rank} of {node.nnodes}: {nproc} rank(s), ring on {node.bind_addr}, "
-         f"rendezvous at {node.master_addr}:{node.master_port}")
-    info = launch_multinode("llmctl.distributed.worker:train_entry", _train_args(cfg, json_out, check_params),
-                            int(nproc), node, secret, threads=threads or cfg.threads,
-                            timeout=timeout, rdzv_timeout=rdzv_timeout)
-    return True, info["result"]
-
-
-def _train_per_rank(cfg, backend, ring_kw, json_out, check_params):
-    """This process is one rank (torchrun/srun/mpiexec started it): build the comm, train."""
-    from llmctl.display import Display, make_display
-    from llmctl.train import Trainer
-
-    from llmctl.distributed.env import threads_per_rank
-
-    if backend == "mpi":
-        from llmctl.distributed.mpi import MpiComm
-
-        comm = MpiComm()
-    else:
-        comm = _flat_ring(**ring_kw)
-    if not cfg.threads:  # ranks on one host share its cores, as with --nproc
-        cfg.threads = threads_per_rank(comm.local_world_size)
-    comm.n_threads = cfg.threads
-    display = make_display(json_out=json_out) if comm.rank == 0 else Display()
-    if check_params is None:
-        check_params = os.environ.get("LLMCTL_DIST_CHECK_PARAMS", "") not in ("", "0")
-    try:
-        trainer = Trainer(cfg, comm, display)
-        if check_params:
-            comm.watch(trainer.model.params, "parameters")
-        return trainer.run()
-    except BaseException as e:
-        stop = isinstance(e, KeyboardInterrupt) or getattr(e, "exit_code", 1) == 130
-        if backend == "mpi" and not stop and comm.world_size > 1:
-            # the other ranks would wait in the next Allreduce forever: end the MPI job
-            if not isinstance(e, LlmctlError):
-                import traceback
-
-                traceback.print_exc()
-            msg = e.message if isinstance(e, LlmctlError) else f"{type(e).__name__}: {e}"
-            sys.stderr.write(f"Error: rank {comm.rank}: {msg}\n")
-            sys.stderr.flush()
-            comm.abort(getattr(e, "exit_code", 1))
-        raise
-    finally:
-        comm.close()
-
-
-def _flat_ring(master_addr, master_port, bind_addr, timeout, rdzv_timeout, environ):
-    """One ring of every rank (each process its own member), addresses from flags or env."""
-    from llmctl.distributed.env import resolve_env
-    from llmctl.distributed.rendezvous import DEFAULT_PORT, local_addr_for, resolve_addr, resolve_secret
-    from llmctl.distributed.ring import init_ring
-
-    ident = resolve_env(environ=environ)
-    addr = master_addr or environ.get("MASTER_ADDR", "127.0.0.1")
-    port = int(master_port or environ.get("MASTER_PORT", DEFAULT_PORT))
-    bind = bind_addr or environ.get("LLMCTL_BIND_ADDR") or (
-        resolve_addr(addr) if ident.rank == 0 else local_addr_for(addr))
-    return init_ring(ident.rank, ident.world_size, master_addr=addr, master_port=port,
-                     bind_addr=resolve_addr(bind), secret=resolve_secret(environ), timeout=timeout,
-                     rdzv_timeout=rdzv_timeout, local_rank=ident.local_rank,
-                     local_world_size=ident.local_world_size, log=_log)

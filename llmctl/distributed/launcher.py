@@ -292,21 +292,3 @@ def _shutdown(hub, procs, failure, grace):
             time.sleep(0.05)
         if all(p.poll() is not None for p in procs):
             return
-
-
-def launch_train(cfg, nproc, *, threads=None, timeout=30.0, master_port=0, json_out=False,
-                 check_params=None, **kw):
-    """`llmctl train --nproc N`: run llmctl.train's loop data-parallel in `nproc` ranks.
-
-    Returns rank 0's training summary. threads: per rank (default cores // nproc).
-    check_params (default: env LLMCTL_DIST_CHECK_PARAMS=1): verify after every step that all
-    ranks hold bit-identical parameters (costs a hash of the parameters per step)."""
-    from dataclasses import asdict
-
-    if check_params is None:
-        check_params = os.environ.get("LLMCTL_DIST_CHECK_PARAMS", "") not in ("", "0")
-    args = {"config": asdict(cfg), "json_out": bool(json_out), "check_params": bool(check_params)}
-    info = launch("llmctl.distributed.worker:train_entry", args, nproc,
-                  threads=threads if threads else cfg.threads, timeout=timeout,
-                  master_port=master_port, **kw)
-    return info["result"]

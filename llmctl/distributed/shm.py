@@ -275,6 +275,8 @@ class HubComm(Comm):
 class ShmComm(HubComm):
     """N processes on one host: shared-memory data plane + control hub for synchronisation."""
 
+    shares_memory = True
+
     def __init__(self, client, rank, world_size, job, launcher_pid, n_threads=1,
                  timeout=30.0, collective_timeout=300.0, local_rank=None, local_world_size=None,
                  shm_dir=SHM_DIR):

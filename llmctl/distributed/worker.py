@@ -30,43 +30,6 @@ def _import_target(spec):
     return getattr(importlib.import_module(mod), fn)
 
 
-def train_entry(args, comm):
-    """The `llmctl train --nproc N` worker: rebuild the TrainConfig, run llmctl.train's loop.
-
-    Each rank uses the launcher's per-rank thread count; only rank 0 displays progress.
-    args["check_params"]: verify through the hub that every rank holds bit-identical parameters
-    before every scalar collective (i.e. after every step) -- a debug/test mode."""
-    from llmctl.display import Display, make_display
-    from llmctl.train import TrainConfig, Trainer
-
-    cfg = TrainConfig(**args["config"])
-    cfg.threads = comm.n_threads
-    display = make_display(json_out=args.get("json_out", False)) if comm.rank == 0 else Display()
-    trainer = Trainer(cfg, comm, display)  # its loop sets comm.step and checks comm.stop_requested
-    if hasattr(comm, "shared_buffer") and comm.world_size > 1:
-        _adopt_grads(comm, trainer.model)
-    if args.get("check_params"):
-        comm.watch(trainer.model.params, "parameters")
-    return trainer.run()
-
-
-def _adopt_grads(comm, model):
-    """Move the model's flat gradient buffer (and its named views) into this rank's row of shared
-    memory, so the per-step all-reduce is zero-copy. Uses only model.grads / model.g, which the
-    model reads at call time; the private buffer is dropped."""
-    old = model.grads
-    buf = comm.shared_buffer(old.shape[0])
-    buf[:] = old
-    base = old.__array_interface__["data"][0]
-    views = {}
-    for name, v in model.g.items():
-        off = (v.__array_interface__["data"][0] - base) // old.itemsize
-        if not (0 <= off and off + v.size <= old.shape[0]) or not v.flags.c_contiguous:
-            return  # not a flat-buffer view as expected: keep the private buffer (copy path)
-        views[name] = buf[off:off + v.size].reshape(v.shape)
-    model.grads, model.g = buf, views
-
-
 def _write_result(path, result):
     try:
         body = json.dumps(result, default=str)
