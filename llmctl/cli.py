@@ -590,7 +590,7 @@ def train_cmd(**options):
         run_train(cfg, threads=cfg.threads, **launch)
     except TrainInterrupted as e:
         err_console.print(f"Interrupted: {e.message}", soft_wrap=True, highlight=False, markup=False)
-        raise typer.Exit(130)
+        raise typer.Exit(130) from None
 
 
 train_cmd.__signature__ = _train_signature()

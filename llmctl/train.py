@@ -16,7 +16,8 @@ What it is not: the settings and their checks (llmctl/train_config.py), the chec
 building the comm and launching ranks (llmctl/distributed/run.py), HellaSwag scoring
 (llmctl/evaluate.py) or the rendering (llmctl/display.py). Differences from llm.c are listed in
 docs/training.md.
-Reference: ../shared/docs/llmc-reference.md §6 (loop, flags), §1.3/§1.5 (files), §2 (loader).
+Reference: llm.c train_gpt2.cu (`main`: the loop and its flags; `write_checkpoint`,
+`find_max_step`), llmc/dataloader.h (the loader state a checkpoint carries), docs/formats.md.
 """
 import contextlib
 import json
