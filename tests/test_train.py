@@ -142,6 +142,50 @@ def test_unknown_schedule():
         get_learning_rate("exp", 0, 1e-3, 0, 10, 1.0)
 
 
+def test_config_defaults_pass_and_every_range_check_names_its_flag():
+    """TrainConfig's field metadata drive validate(): the defaults pass, and a value outside a
+    field's range is a ConfigError (exit 2) naming that field's llm.c flag."""
+    from dataclasses import fields, replace
+
+    from llmctl.train_config import Range
+
+    assert TrainConfig().validate(P=1) == (4 * 1024, 1)
+    bad = {"positive": 0, "nonnegative": -1, "zscore": -0.5, "bool01": 2}
+    checked = 0
+    for f in fields(TrainConfig):
+        check = f.metadata["check"]
+        if check is None:
+            continue
+        v = math.nan if isinstance(check, Range) else bad[check]
+        with pytest.raises(ConfigError) as e:
+            replace(TrainConfig(), **{f.name: v}).validate(P=1)
+        flag = f.metadata["flags"][0] if f.metadata["flags"] else f.metadata["long"]
+        assert flag in e.value.message and e.value.exit_code == 2, (f.name, e.value.message)
+        checked += 1
+    assert checked == 20
+
+
+def test_train_command_has_one_option_per_config_flag():
+    """`llmctl train` is built from TrainConfig: each exposed field is an option with the
+    field's flags (llm.c's short one first) and default, shown in --help."""
+    from dataclasses import fields
+
+    import typer
+
+    from llmctl.cli import app
+
+    cmd = typer.main.get_command(app).commands["train"]
+    opts = {p.name: p for p in cmd.params}
+    for f in fields(TrainConfig):
+        m = f.metadata
+        if not m["flags"]:
+            assert f.name not in opts  # AdamW eps: hard-coded in llm.c, no flag
+            continue
+        o = opts[f.name]
+        assert tuple(o.opts) == m["flags"] and o.help == m["help"], f.name
+        assert o.default == m.get("cli_default", f.default), f.name
+
+
 # ---------------------------------------------------------------------------------------------
 # files: main.log, metrics.jsonl, checkpoints in llm.c's layout
 
