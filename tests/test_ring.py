@@ -358,7 +358,7 @@ def test_peer_sending_garbage_after_authenticating():
 
 
 # ---------------------------------------------------------------------------------------------
-# hierarchical: 2 hosts x 2 processes through F's launcher
+# hierarchical: 2 hosts x 2 processes through the launcher
 
 _NODE = """
 import json, sys

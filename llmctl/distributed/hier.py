@@ -1,10 +1,10 @@
 """Training across hosts: shm inside each host + TCP rings across hosts, and the `train` routing.
 
-issue 6 (engineer H).
+issue 6.
 
 What it is:
 - `HierComm`: the Comm of one rank of a K-node x N-process job. all_reduce_mean(buf):
-    1. local reduce-scatter over shared memory (F's ShmComm segment and kernels): local rank i
+    1. local reduce-scatter over shared memory (ShmComm's segment and kernels): local rank i
        ends with the node's mean of slice i of buf;
     2. ring across hosts: local rank i all-reduces its slice with local rank i of every other node
        (N rings in parallel, ring.py), so each host sends ~2(K-1)/K of the buffer in total,
@@ -13,12 +13,12 @@ What it is:
   A mean of equal-sized node means is the global mean. Scalars: local sum, then a ring sum that
   also carries each node's "stop requested" flag, so a Ctrl-C on one node stops every node at
   the same step. Broadcast: ring from the root's node, then the local shm broadcast.
-- `launch_multinode(...)`: the node launcher: F's `launch` (llmctl/distributed/launcher.py) starts the
+- `launch_multinode(...)`: the node launcher: `launch` (llmctl/distributed/launcher.py) starts the
   N local ranks with their control hub; each rank then runs `run_entry`, which joins the
   cross-host rendezvous (rendezvous.py), builds its HierComm and calls the real target.
 (`llmctl train --nnodes K` gets here through llmctl/distributed/run.py's `run_train`.)
 
-Faults: a ring error on any rank is reported to its node's hub, F's launcher kills that node's
+Faults: a ring error on any rank is reported to its node's hub, the launcher kills that node's
 ranks, their ring sockets close, and every other node's ranks fail within a few hops, each
 launcher exiting 1 with a message naming the peer's rank, host and address.
 
@@ -184,7 +184,7 @@ def launch_multinode(target, args, nproc, node, secret, *, threads=None, timeout
     """Run `target(args, comm)` in `nproc` ranks on this node of a `node.nnodes`-node job.
 
     node: a rendezvous.NodeEnv; secret: 32 key bytes (rendezvous.resolve_secret()), handed to
-    the ranks through their environment. Returns F's launch() info (rank 0's result on node 0).
+    the ranks through their environment. Returns launch()'s info (rank 0's result on node 0).
     """
     from llmctl.distributed.launcher import launch
     from llmctl.distributed.rendezvous import check_seconds

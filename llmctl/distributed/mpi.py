@@ -1,6 +1,6 @@
 """The MPI backend: the Comm interface on mpi4py, for clusters that already run MPI.
 
-issue 6 (engineer H).
+issue 6.
 
 What it is: `MpiComm`, launched as `mpiexec -n N llmctl train --backend mpi ...` (every process
 is one rank; MPI's launcher, not llmctl's, starts and places them). all_reduce_mean is one

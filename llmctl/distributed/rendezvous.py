@@ -1,6 +1,6 @@
 """Across-host rendezvous: who the nodes are, the shared secret, and the address-table exchange.
 
-issue 6 (engineer H).
+issue 6.
 
 What it is:
 - `resolve_node(...)`: the launcher form `llmctl train --nnodes K --node-rank R --nproc N
@@ -20,7 +20,7 @@ What it is:
   Then every socket is closed: nothing stays listening on the master port.
 - `auth_client` / `auth_server`: that handshake, also used by the ring's data connections.
 
-What it is not: no data plane (ring.py) and no process spawning (F's launcher.py). It mirrors
+What it is not: no data plane (ring.py) and no process spawning (launcher.py). It mirrors
 llm.c's `-pi tcp` NCCL-id exchange (multi_gpu_config_init) and torchrun's c10d rendezvous.
 """
 import hashlib

@@ -1,6 +1,6 @@
 """The TCP ring backend: a bandwidth-optimal ring all-reduce between hosts.
 
-issue 6 (engineer H).
+issue 6.
 
 What it is: `RingComm`, a `Comm` whose members form a ring of TCP connections (each member
 sends only to the next and receives only from the previous one). all_reduce_mean(buf) of n
