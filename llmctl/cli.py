@@ -347,9 +347,9 @@ def inspect_bin_cmd(
 
 def _load_model(spec, threads):
     """A GPT2 from a checkpoint path or descriptor (-e); threads resolved as llmctl.threads does."""
-    from llmctl.model import GPT2
+    from llmctl.model import load
 
-    return GPT2.from_init(spec, n_threads=threads or None)
+    return load(spec, n_threads=threads or None)
 
 
 def _rate_progress(unit):

@@ -25,7 +25,7 @@ from typing import List, Optional
 import numpy as np
 
 from llmctl.errors import ConfigError, DataError, FormatError
-from llmctl.sample import _weights, block_forward, embed, final_norm, lm_logits
+from llmctl.model.cached import block_forward, embed, final_norm, lm_logits, weights
 
 NUM_COMPLETIONS = 4
 
@@ -97,7 +97,7 @@ def _token_losses(w, h, targets, n_threads, chunk=256):
 
 def _score_batch(model, batch, n_threads):
     """-> (losses_sum (E,4), num_tokens (E,4)) for a list of EvalExample."""
-    w = _weights(model)
+    w = weights(model)
     E = len(batch)
     n_ctx = np.array([len(ex.context) for ex in batch], dtype=np.int32)
     comps = [[np.asarray(e, dtype=np.int64) for e in ex.endings] for ex in batch]
@@ -178,7 +178,7 @@ def score_examples(model, examples, norm="tokens", tokenizer=None, n_threads=Non
         raise ConfigError(f"--norm must be 'tokens' or 'chars', got {norm!r}")
     examples = list(examples)
     check_examples(examples, model.config, path)
-    n_threads = int(n_threads or _weights(model).n_threads)
+    n_threads = int(n_threads or weights(model).n_threads)
     if norm == "chars":
         if tokenizer is None:
             from llmctl.tokenizer import get_tokenizer
@@ -266,9 +266,9 @@ def hellaswag_entry(args, comm):
     """One rank of `llmctl eval hellaswag --nproc N` (run by llmctl.distributed.launcher): loads the
     model with the rank's thread count, scores its slice, returns the summed result (rank 0's
     return value is what the launcher hands back)."""
-    from llmctl.model import GPT2
+    from llmctl.model import load
 
-    model = GPT2.from_init(args["checkpoint"], n_threads=comm.n_threads)
+    model = load(args["checkpoint"], n_threads=comm.n_threads)
     return eval_hellaswag(model, args["path"], limit=args.get("limit"), norm=args.get("norm", "tokens"),
                           per_example=False, batch_tokens=args.get("batch_tokens", 2048), comm=comm)
 
@@ -293,7 +293,8 @@ def eval_hellaswag_multiproc(checkpoint, path, nproc, threads=None, limit=None, 
 def eval_loss(model, pattern, B=4, T=None, max_batches=-1, on_progress=None, on_start=None):
     """Mean next-token loss over token shards matching `pattern` (sorted), read like llm.c's
     unshuffled loader: each shard gives (N-1) // (B*T) windows of B*T inputs + shifted targets.
-    max_batches > 0 stops early (llm.c's -m). -> dict(loss, perplexity, num_batches, num_tokens, files)."""
+    max_batches > 0 stops early (llm.c's -m). The forward keeps no activations (one layer of buffers,
+    not L). -> dict(loss, perplexity, num_batches, num_tokens, files)."""
     from llmctl.formats import open_shard
 
     cfg = model.config
@@ -328,7 +329,7 @@ def eval_loss(model, pattern, B=4, T=None, max_batches=-1, on_progress=None, on_
                               hint="is this a llama-3 shard? llmctl models are GPT-2")
         x = buf[:-1].reshape(B, T).astype(np.int32)
         y = buf[1:].reshape(B, T).astype(np.int32)
-        total += float(model.forward(x, y))
+        total += float(model.forward(x, y, keep_activations=False))
         if on_progress is not None:
             on_progress(i + 1)
     loss = total / len(plan)

@@ -29,6 +29,7 @@ import numpy as np
 
 from llmctl.atomic import atomic_open
 from llmctl.errors import DataError, FormatError
+from llmctl.model.config import GPT2Config, num_parameters, param_shapes
 
 HEADER_INTS = 256
 HEADER_BYTES = 1024
@@ -420,22 +421,14 @@ CHECKPOINT_VERSIONS = {3: "float32", 5: "bfloat16"}
 
 
 def checkpoint_param_shapes(maxT, V, L, NH, C, Vp):
-    """The 16 tensors of a GPT-2 checkpoint, in file order: list of (name, shape)."""
-    return [
-        ("wte", (Vp, C)), ("wpe", (maxT, C)),
-        ("ln1w", (L, C)), ("ln1b", (L, C)),
-        ("qkvw", (L, 3 * C, C)), ("qkvb", (L, 3 * C)),
-        ("attprojw", (L, C, C)), ("attprojb", (L, C)),
-        ("ln2w", (L, C)), ("ln2b", (L, C)),
-        ("fcw", (L, 4 * C, C)), ("fcb", (L, 4 * C)),
-        ("fcprojw", (L, C, 4 * C)), ("fcprojb", (L, C)),
-        ("lnfw", (C,)), ("lnfb", (C,)),
-    ]
+    """The 16 tensors of a GPT-2 checkpoint, in file order: list of (name, shape)
+    (llmctl.model.config's table, the only one)."""
+    return param_shapes(GPT2Config(maxT, V, Vp, L, NH, C))
 
 
 def checkpoint_num_params(maxT, V, L, NH, C, Vp):
     """Vp*C + maxT*C + L*(12C^2 + 13C) + 2C (V and NH do not change the count)."""
-    return Vp * C + maxT * C + L * (12 * C * C + 13 * C) + 2 * C
+    return num_parameters(GPT2Config(maxT, V, Vp, L, NH, C))
 
 
 @dataclass
@@ -467,9 +460,7 @@ class CheckpointHeader:
         return HEADER_BYTES + self.itemsize * self.num_params
 
     def config(self):
-        """The model's GPT2Config (llmctl/model.py), from this header alone."""
-        from llmctl.model import GPT2Config
-
+        """The model's GPT2Config (llmctl/model/config.py), from this header alone."""
         return GPT2Config(self.max_seq_len, self.vocab_size, self.padded_vocab_size,
                           self.num_layers, self.num_heads, self.channels)
 

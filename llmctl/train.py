@@ -36,6 +36,7 @@ from llmctl.distributed.base import SingleProcessComm
 from llmctl.display import Display
 from llmctl.errors import ConfigError, DataError, FormatError, LlmctlError
 from llmctl.loader import DataLoader
+from llmctl.model import load as load_model, peek_config
 from llmctl.outlier import OutlierDetector, as_float32, skip_update
 from llmctl.schedulers import LRScheduler
 from llmctl.threads import resolve_threads
@@ -119,21 +120,6 @@ class _SigintGuard:
         return False
 
 
-def _peek_model_config(spec):
-    """The GPT2Config that `-e spec` will build, from a checkpoint header or a descriptor."""
-    from llmctl.formats import read_checkpoint_header
-    from llmctl.model import GPT2Config
-
-    s = str(spec)
-    if os.path.exists(s):
-        return read_checkpoint_header(s).config()
-    if s.endswith(".bin") or os.sep in s:
-        raise FormatError(f"{s}: checkpoint file not found",
-                          hint="pass an llm.c checkpoint .bin, or a descriptor such as -e d6 or "
-                               "-e d12 for llm.c's random init")
-    return GPT2Config.from_descriptor(s)
-
-
 def _check_hellaswag(cfg, model_config):
     """-h 1: the eval file must exist, be valid and fit the model; -> examples scored per eval."""
     from llmctl.evaluate import check_examples
@@ -149,12 +135,6 @@ def _check_hellaswag(cfg, model_config):
     examples = read_evalfile(path)[:cfg.hellaswag_limit]
     check_examples(examples, model_config, path)
     return len(examples)
-
-
-def _build_model(spec, n_threads):
-    from llmctl.model import GPT2
-
-    return GPT2.from_init(spec, n_threads=n_threads)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,11 +167,11 @@ class Trainer:
         self.resume_step = self.checkpoints.newest() if cfg.resume == 1 else -1
         init_spec = (self.checkpoints.paths(self.resume_step)[0] if self.resume_step >= 0
                      else cfg.init)
-        self.hellaswag_examples = self._check_fits(_peek_model_config(init_spec))
+        self.hellaswag_examples = self._check_fits(peek_config(init_spec))
         self.checkpoints.claim(cfg.resume)
 
         # 4. model, optimizer schedule, -sl/-sg's outlier detectors over loss and grad norm
-        self.model = _build_model(init_spec, self.n_threads)
+        self.model = load_model(init_spec, n_threads=self.n_threads)
         mc = self.model.config
         self.gen_tokens = min(cfg.gen_tokens, mc.max_seq_len)
         self.detect_outliers = cfg.skip_update_lossz != 0 or cfg.skip_update_gradz != 0
@@ -594,17 +574,6 @@ def train(cfg, comm=None, display=None, *, check_params=False):
 
 
 def _adopt_grads(comm, model):
-    """Move the model's flat gradient buffer (and its named views) into comm.shared_buffer(n),
-    so the per-step all-reduce is zero-copy. Uses only model.grads / model.g, which the model
-    reads at call time; the private buffer is dropped."""
-    old = model.grads
-    buf = comm.shared_buffer(old.shape[0])
-    buf[:] = old
-    base = old.__array_interface__["data"][0]
-    views = {}
-    for name, v in model.g.items():
-        off = (v.__array_interface__["data"][0] - base) // old.itemsize
-        if not (0 <= off and off + v.size <= old.shape[0]) or not v.flags.c_contiguous:
-            return  # not a flat-buffer view as expected: keep the private buffer (copy path)
-        views[name] = buf[off:off + v.size].reshape(v.shape)
-    model.grads, model.g = buf, views
+    """Place the model's gradients in comm.shared_buffer(n), so the per-step all-reduce is
+    zero-copy (GPT2.bind_grads copies them in; the private buffer is dropped)."""
+    model.bind_grads(comm.shared_buffer(model.grads.shape[0]))

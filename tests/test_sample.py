@@ -11,8 +11,8 @@ import reference as ref
 from llmctl import formats
 from llmctl.errors import ConfigError
 from llmctl.model import GPT2
-from llmctl.sample import (KVCache, StreamDecoder, Xorshift, check_sample_length, forward_cached,
-                           generate, logits_from_hidden, sample_token)
+from llmctl.model.cached import KVCache, forward_cached, logits_from_hidden
+from llmctl.sample import StreamDecoder, Xorshift, check_sample_length, generate, sample_token
 from llmctl.tokenizer import get_tokenizer
 
 V, Vp = 50257, 50304

@@ -1,13 +1,14 @@
-"""GPT-2 over llmctl's Cython kernels: parameters, activations, forward, backward, AdamW.
+"""The training GPT-2 over llmctl's Cython kernels: parameters, activations, forward, backward, AdamW.
 
 What it is: the `gpt2_*` half of llm.c's `train_gpt2.c` written in Python. One contiguous float32
-parameter buffer with named views in llm.c's checkpoint order (§1.3 of the spec), gradients in the
+parameter buffer with named views in llm.c's checkpoint order (train_gpt2.c `fill_in_parameter_sizes`), gradients in the
 same layout (one buffer: checkpoint I/O is one read/write, the all-reduce one call), AdamW m/v the
 same way, and activations allocated once and reused. The layer loop, shapes, validation and
 memory plan live here; every arithmetic loop is a kernel in `llmctl._ext` (matmul, layers,
 attention, adamw), called with flat views and explicit sizes.
 What it is not: a kernel (no per-element math in Python), a trainer (no schedule, data or
-logging: see llmctl/train.py) or a sampler (llmctl/sample.py).
+logging: see llmctl/train.py), the KV-cached inference forward (llmctl/model/cached.py),
+a sampler (llmctl/sample.py), or the shape table (llmctl/model/config.py).
 
 Differences from train_gpt2.c, on purpose:
 - Attention is flash-style: only the per-row log-sum-exp (B,NH,T) is kept, never (B,NH,T,T).
@@ -15,104 +16,20 @@ Differences from train_gpt2.c, on purpose:
   kept per layer only while that is small (<= 256 MiB), else recomputed in backward from fch;
   activation gradients exist for ONE layer at a time; the logits buffer is reused in place as
   probs and then as dlogits.
-- AdamW is llm.c's GPU trainer's (§6.4): weight decay only on the 2-D tensors, grad_scale for
-  clipping, t 1-based.
+- AdamW is llm.c's GPU trainer's (llmc/adamw.cuh `adamw_kernel3`): weight decay only on the
+  2-D tensors, grad_scale for clipping, t 1-based.
 - forward accepts any B, T with T <= maxT; buffers grow only when B*T grows.
 See docs/model.md for the byte count.
 """
 import math
-import os
-import re
-from dataclasses import dataclass
 
 import numpy as np
 
-from llmctl.errors import ConfigError, FormatError
+from llmctl.errors import ConfigError
+from llmctl.model.config import PARAM_NAMES, GPT2Config, num_parameters, param_offsets
 
-PARAM_NAMES = ("wte", "wpe", "ln1w", "ln1b", "qkvw", "qkvb", "attprojw", "attprojb",
-               "ln2w", "ln2b", "fcw", "fcb", "fcprojw", "fcprojb", "lnfw", "lnfb")
 DECAY_PARAMS = {"wte", "wpe", "qkvw", "attprojw", "fcw", "fcprojw"}
-
-# llm.c's gpt2_set_hyperparameters / gpt3_set_hyperparameters (§6.6)
-GPT2_DEPTHS = {6: (384, 6), 12: (768, 12), 24: (1024, 16), 36: (1280, 20), 48: (1600, 25),
-               60: (1920, 30), 72: (2880, 30), 84: (3456, 36)}            # L -> (C, NH)
-GPT3_CHANNELS = {384: (6, 64), 768: (12, 64), 1024: (24, 64), 1536: (24, 96), 2048: (24, 128),
-                 2560: (32, 80), 4096: (32, 128), 5140: (40, 128), 12288: (96, 128)}  # C -> (L, hs)
 INIT_SEED = 42
-
-
-# ----------------------------------------------------------------------------------------------
-# config
-
-@dataclass
-class GPT2Config:
-    max_seq_len: int = 1024
-    vocab_size: int = 50257
-    padded_vocab_size: int = 50304
-    num_layers: int = 12
-    num_heads: int = 12
-    channels: int = 768
-
-    @classmethod
-    def from_descriptor(cls, desc):
-        """llm.c's -e descriptors: "d12", "gpt2:d12", "gpt3:c768". Unknown -> ConfigError."""
-        d = str(desc).strip()
-        hint = (f"use dN with N in {sorted(GPT2_DEPTHS)}, gpt2:dN, or gpt3:cC with C in "
-                f"{sorted(GPT3_CHANNELS)}, or a checkpoint .bin file")
-        m = re.fullmatch(r"(?:gpt2:)?d(\d+)", d)
-        if m:
-            L = int(m.group(1))
-            if L not in GPT2_DEPTHS:
-                raise ConfigError(f"unsupported model depth in descriptor {desc!r}", hint)
-            C, NH = GPT2_DEPTHS[L]
-            return cls(1024, 50257, 50304, L, NH, C)
-        m = re.fullmatch(r"gpt3:c(\d+)", d)
-        if m:
-            C = int(m.group(1))
-            if C not in GPT3_CHANNELS:
-                raise ConfigError(f"unsupported GPT-3 channel count in descriptor {desc!r}", hint)
-            L, hs = GPT3_CHANNELS[C]
-            cfg = cls(2048, 50257, 50304, L, C // hs, C)
-            cfg.validate(what=f"descriptor {desc!r}")
-            return cfg
-        raise ConfigError(f"unsupported model descriptor {desc!r}", hint)
-
-    @property
-    def head_size(self):
-        return self.channels // self.num_heads
-
-    def validate(self, what="model config"):
-        for k in ("max_seq_len", "vocab_size", "padded_vocab_size", "num_layers", "num_heads", "channels"):
-            if int(getattr(self, k)) <= 0:
-                raise ConfigError(f"{what}: {k} = {getattr(self, k)} must be positive")
-        if self.padded_vocab_size < self.vocab_size:
-            raise ConfigError(f"{what}: padded_vocab_size {self.padded_vocab_size} < vocab_size {self.vocab_size}")
-        if self.channels % self.num_heads:
-            raise ConfigError(f"{what}: channels {self.channels} not divisible by num_heads {self.num_heads}"
-                              + (" (llm.c's gpt3:c5140 table entry has this problem)" if self.channels == 5140 else ""))
-        return self
-
-
-def param_shapes(cfg):
-    """[(name, shape)] of the 16 parameter tensors in checkpoint order."""
-    maxT, Vp, L, C = cfg.max_seq_len, cfg.padded_vocab_size, cfg.num_layers, cfg.channels
-    return [("wte", (Vp, C)), ("wpe", (maxT, C)), ("ln1w", (L, C)), ("ln1b", (L, C)),
-            ("qkvw", (L, 3 * C, C)), ("qkvb", (L, 3 * C)), ("attprojw", (L, C, C)), ("attprojb", (L, C)),
-            ("ln2w", (L, C)), ("ln2b", (L, C)), ("fcw", (L, 4 * C, C)), ("fcb", (L, 4 * C)),
-            ("fcprojw", (L, C, 4 * C)), ("fcprojb", (L, C)), ("lnfw", (C,)), ("lnfb", (C,))]
-
-
-def num_parameters(cfg):
-    return sum(math.prod(s) for _, s in param_shapes(cfg))
-
-
-def _offsets(cfg):
-    out, off = {}, 0
-    for name, shape in param_shapes(cfg):
-        n = math.prod(shape)
-        out[name] = (off, n, shape)
-        off += n
-    return out
 
 
 def init_llmc_(p, cfg, seed=INIT_SEED, libm=None, n_threads=1):
@@ -178,7 +95,7 @@ class GPT2:
         self.n_threads = configure_threads(n_threads)
         self.matmul_backend = matmul
         self._k_matmul, self._k_layers, self._k_attention, self._k_adamw = _kernels()
-        self._offs = _offsets(config)
+        self._offs = param_offsets(config)
         self.num_parameters = num_parameters(config)
         self.params = np.zeros(self.num_parameters, dtype=np.float32)
         self.grads = np.zeros(self.num_parameters, dtype=np.float32)
@@ -199,7 +116,7 @@ class GPT2:
     # -- construction ---------------------------------------------------------------------------
     @classmethod
     def from_descriptor(cls, desc, seed=INIT_SEED, exact_libm=None, **kw):
-        """Random init exactly as llm.c's gpt2_build_from_descriptor (§6.6): mt19937 seed 42,
+        """Random init exactly as llm.c's gpt2_build_from_descriptor (train_gpt2.cu): mt19937 seed 42,
         normal_ in PyTorch module order; std 0.02, projections 0.02/sqrt(2L); LN weights 1.
         Bit-identical to llm.c on the same libm by default (llmctl._ext.randinit; d12 ~2 s).
         exact_libm (kept for compatibility): None = exact, falling back to NumPy math with a
@@ -215,31 +132,23 @@ class GPT2:
         """Load an llm.c checkpoint (v3 fp32, or v5 bf16 widened exactly to fp32)."""
         from llmctl import formats
 
-        hdr = formats.read_checkpoint_header(path)
-        model = cls(hdr.config(), **kw)
+        model = cls(formats.read_checkpoint_header(path).config(), **kw)
         model.load_checkpoint(path)
         return model
 
     @classmethod
     def from_init(cls, spec, seed=INIT_SEED, exact_libm=None, **kw):
-        """What llm.c's -e takes: a checkpoint .bin path or a descriptor (d12, gpt2:d12, gpt3:c768).
-        seed/exact_libm apply to descriptors only; **kw go to GPT2()."""
-        s = str(spec)
-        if os.path.exists(s):
-            return cls.from_checkpoint(s, **kw)
-        if s.endswith(".bin") or os.sep in s:
-            raise FormatError(f"{s}: checkpoint file not found",
-                              "pass an existing llm.c checkpoint .bin or a descriptor such as d12")
-        return cls.from_descriptor(s, seed=seed, exact_libm=exact_libm, **kw)
+        """What llm.c's -e takes: see llmctl.model.load (the one resolver of that spec)."""
+        from llmctl.model.spec import load
+
+        return load(spec, seed=seed, exact_libm=exact_libm, **kw)
 
     def load_checkpoint(self, path):
         """Read a checkpoint's parameters into this model; its config must match exactly."""
         from llmctl import formats
 
         hdr, data = formats.read_checkpoint(path)
-        c = self.config
-        got = (hdr.max_seq_len, hdr.vocab_size, hdr.padded_vocab_size, hdr.num_layers, hdr.num_heads, hdr.channels)
-        want = (c.max_seq_len, c.vocab_size, c.padded_vocab_size, c.num_layers, c.num_heads, c.channels)
+        got, want = hdr.config().as_tuple(), self.config.as_tuple()
         if got != want:
             names = ("maxT", "V", "Vp", "L", "NH", "C")
             diff = ", ".join(f"{n} {g} vs {w}" for n, g, w in zip(names, got, want) if g != w)
@@ -398,6 +307,23 @@ class GPT2:
         return self._acts["logits"][:BT * Vp].reshape(self._B, self._T, Vp)
 
     # -- backward -------------------------------------------------------------------------------
+    def bind_grads(self, buf):
+        """Keep the gradients in `buf` from now on (e.g. a rank's row of shared memory, so the
+        all-reduce needs no copy): buf is a 1-D C-contiguous float32 array of num_parameters.
+        The current gradients are copied in; `grads` and the named views `g` then point into buf.
+        -> buf."""
+        b = buf
+        if (not isinstance(b, np.ndarray) or b.dtype != np.float32 or b.ndim != 1
+                or b.shape[0] != self.num_parameters or not b.flags.c_contiguous or not b.flags.writeable):
+            got = f"{b.dtype} {b.shape}" if isinstance(b, np.ndarray) else type(b).__name__
+            raise ValueError(f"bind_grads needs a writable 1-D C-contiguous float32 array of "
+                             f"{self.num_parameters} (num_parameters), got {got}")
+        if b is not self.grads:
+            b[:] = self.grads
+        self.grads = b
+        self.g = _views(b, self._offs)
+        return b
+
     def zero_grad(self):
         self.grads.fill(0.0)
 
@@ -481,7 +407,7 @@ class GPT2:
         return runs
 
     def update(self, lr, beta1, beta2, eps, weight_decay, grad_scale, step):
-        """One AdamW step (llm.c CU, §6.4): t = step is 1-based; weight decay only on DECAY_PARAMS."""
+        """One AdamW step (train_gpt2.cu `gpt2_update`): t = step is 1-based; weight decay only on DECAY_PARAMS."""
         if step < 1:
             raise ValueError(f"AdamW step t is 1-based, got {step}")
         if self.m is None:
