@@ -248,6 +248,24 @@ def test_eval_loss_matches_reference(tiny, tmp_path, capsys):
     assert json.loads(out)["loss"] == pytest.approx(np.mean(want), rel=1e-5)
 
 
+def test_eval_loss_allocates_one_layer_of_activations(tiny, tmp_path):
+    _, _, _, ckpt = tiny
+    toks = np.random.default_rng(3).integers(0, V, size=40)
+    formats.write_datafile(str(tmp_path / "y_val_000000.bin"), toks)
+    B, T = 2, 8
+    m = GPT2.from_checkpoint(ckpt, n_threads=1)
+    eval_loss(m, str(tmp_path / "y_val_*.bin"), B=B, T=T)
+    x, y = toks[:B * T].reshape(B, T), toks[1:B * T + 1].reshape(B, T)
+    one_layer = GPT2.from_checkpoint(ckpt, n_threads=1)
+    one_layer.forward(x, y, keep_activations=False)
+    training = GPT2.from_checkpoint(ckpt, n_threads=1)
+    training.forward(x, y)
+    # the tiny model has L = 2 layers: the training forward keeps both, eval loss only one
+    assert m.activation_bytes() == one_layer.activation_bytes() < training.activation_bytes()
+    with pytest.raises(RuntimeError, match="keep_activations=True"):
+        m.backward()
+
+
 def test_nproc_2_sums_ranks(tiny, real_bin, capsys):
     # two local processes, each scoring a contiguous half (llm.c's split), counts summed
     model, _, _, ckpt = tiny

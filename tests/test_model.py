@@ -502,3 +502,58 @@ def test_against_pytorch_if_installed():
     assert abs(loss - tloss.item()) <= REL * tloss.item()
     for name in PARAM_NAMES:
         _close(m.g[name], P[name].grad.numpy(), f"grad {name} vs torch")
+
+
+def test_bind_grads_moves_gradients_into_the_given_buffer():
+    m, _ = _model(1, seed=12)
+    twin, _ = _model(1, seed=12)
+    x, y = _batch(2, 8, seed=4)
+    for model in (m, twin):
+        model.forward(x, y)
+        model.backward()
+    buf = np.full(m.num_parameters, np.nan, dtype=np.float32)
+    assert m.bind_grads(buf) is buf
+    assert m.grads is buf
+    np.testing.assert_array_equal(buf, twin.grads)  # the current grads were copied in
+    for name in PARAM_NAMES:
+        assert np.shares_memory(m.g[name], buf) and m.g[name].shape == twin.g[name].shape
+    # the next backward accumulates into buf, exactly as into the model's own buffer
+    for model in (m, twin):
+        model.forward(x, y)
+        model.backward()
+    np.testing.assert_array_equal(buf, twin.grads)
+    assert m.grad_norm() == twin.grad_norm()
+    m.update(1e-3, 0.9, 0.95, 1e-8, 0.1, 1.0, 1)
+    twin.update(1e-3, 0.9, 0.95, 1e-8, 0.1, 1.0, 1)
+    np.testing.assert_array_equal(m.params, twin.params)
+    m.zero_grad()
+    assert not buf.any()
+    for bad in (np.zeros(m.num_parameters - 1, np.float32), np.zeros(m.num_parameters, np.float64),
+                np.zeros((2, m.num_parameters), np.float32)[:, 0], [0.0] * m.num_parameters):
+        with pytest.raises(ValueError, match="num_parameters"):
+            m.bind_grads(bad)
+    assert m.grads is buf
+
+
+def test_load_and_peek_config_resolve_checkpoints_and_descriptors(tmp_path):
+    from llmctl.model import load, peek_config
+
+    m, _ = _model(1, seed=13)
+    p3, p5 = tmp_path / "m3.bin", tmp_path / "m5.bin"
+    m.save_checkpoint(p3)
+    m.save_checkpoint(p5, dtype="bfloat16")
+    assert peek_config(str(p3)) == peek_config(p5) == CFG
+    m3 = load(str(p3), n_threads=1)
+    assert m3.config == CFG and m3.params.tobytes() == m.params.tobytes()
+    assert load(p5, n_threads=1).params.tobytes() == GPT2.from_checkpoint(p5).params.tobytes()
+    assert peek_config("d6") == GPT2Config.from_descriptor("d6") == GPT2Config(1024, 50257, 50304, 6, 6, 384)
+    assert peek_config("gpt3:c768") == GPT2Config(2048, 50257, 50304, 12, 12, 768)
+    for missing in (str(tmp_path / "missing.bin"), str(tmp_path / "sub" / "d12")):
+        with pytest.raises(FormatError, match="checkpoint file not found"):
+            peek_config(missing)
+        with pytest.raises(FormatError, match="checkpoint file not found"):
+            load(missing)
+    with pytest.raises(ConfigError, match="unsupported model depth"):
+        peek_config("d5")
+    with pytest.raises(ConfigError, match="unsupported model descriptor"):
+        load("gpt9")
