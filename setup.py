@@ -119,6 +119,8 @@ def main():
             Extension(
                 f"llmctl._ext.{name}",
                 [pyx],
+                # shared .pxd/.h: a change rebuilds every extension, and sdists carry them
+                depends=sorted(glob.glob(os.path.join("_ext", "*.pxd")) + glob.glob(os.path.join("_ext", "*.h"))),
                 include_dirs=[np.get_include(), "_ext"],
                 define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"),
                                ("LLMCTL_OPENMP_BUILD", "1" if openmp else "0")],

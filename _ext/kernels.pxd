@@ -1,4 +1,4 @@
-# Shared declarations for llmctl's GPT-2 kernels (matmul.pyx, layers.pyx, adamw.pyx).
+# Shared declarations for llmctl's GPT-2 kernels (matmul.pyx, layers.pyx, adamw.pyx, attention.pyx).
 #
 # What it is: the dimension legend every kernel signature uses, plus small `static inline` C
 # helpers (a vectorisable expf, the tanh/sech^2 pair GELU needs) and the argument checks every
@@ -77,9 +77,10 @@ cdef inline int check_threads(int n_threads) except -1:
     return 0
 
 
-cdef inline int check_len(str name, Py_ssize_t got, Py_ssize_t want) except -1:
+cdef inline int check_len(str name, Py_ssize_t got, Py_ssize_t want, str shape=None) except -1:
+    # shape, if given, says where `want` comes from, e.g. "B*T*C = 2*5*8"
     if got != want:
-        raise ValueError(f"{name} has {got} elements, expected {want}")
+        raise ValueError(f"{name} has {got} elements, expected {want}" + (f" = {shape}" if shape else ""))
     return 0
 
 
@@ -110,5 +111,5 @@ cdef inline int check_disjoint(str a, const float* pa, Py_ssize_t na, str b, con
     # for kernels whose output must not share memory with an input (BLAS, accumulations that
     # read the other operand after writing): raise instead of silently computing garbage
     if pa < pb + nb and pb < pa + na:
-        raise ValueError(f"{a} and {b} overlap in memory; pass separate buffers")
+        raise ValueError(f"{a} and {b} overlap in memory; they must not overlap: pass separate buffers")
     return 0
