@@ -1,9 +1,10 @@
 """The training GPT-2 over llmctl's Cython kernels: parameters, activations, forward, backward, AdamW.
 
 What it is: the `gpt2_*` half of llm.c's `train_gpt2.c` written in Python. One contiguous float32
-parameter buffer with named views in llm.c's checkpoint order (train_gpt2.c `fill_in_parameter_sizes`), gradients in the
-same layout (one buffer: checkpoint I/O is one read/write, the all-reduce one call), AdamW m/v the
-same way, and activations allocated once and reused. The layer loop, shapes, validation and
+parameter buffer with named views in llm.c's checkpoint order (train_gpt2.c
+`fill_in_parameter_sizes`), gradients in the same layout (one buffer: checkpoint I/O is one
+read/write, the all-reduce one call), AdamW m/v the same way, and activations allocated once and
+reused. The layer loop, shapes, validation and
 memory plan live here; every arithmetic loop is a kernel in `llmctl._ext` (matmul, layers,
 attention, adamw), called with flat views and explicit sizes.
 What it is not: a kernel (no per-element math in Python), a trainer (no schedule, data or
