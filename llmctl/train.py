@@ -34,7 +34,7 @@ from llmctl.atomic import atomic_write
 from llmctl.checkpoints import OUTPUT_HINT, Checkpoints, os_error
 from llmctl.distributed.base import SingleProcessComm
 from llmctl.display import Display
-from llmctl.errors import ConfigError, DataError, FormatError, LlmctlError
+from llmctl.errors import ConfigError, DataError, LlmctlError
 from llmctl.loader import DataLoader
 from llmctl.model import load as load_model, peek_config
 from llmctl.outlier import OutlierDetector, as_float32, skip_update
