@@ -13,7 +13,6 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from llmctl import __version__
 from llmctl.errors import LlmctlError
 
 err_console = Console(stderr=True, highlight=False)
@@ -69,7 +68,7 @@ def _interruptible(kept="nothing was written"):
                 lead = "\n" if sys.stderr.isatty() else ""  # ^C leaves the cursor mid-line
                 sys.stderr.write(f"{lead}Interrupted: {getattr(e, 'kept', None) or kept}.\n")
                 sys.stderr.flush()
-                raise typer.Exit(130)
+                raise typer.Exit(130) from None
         return wrapper
     return deco
 
@@ -496,7 +495,7 @@ def sample_cmd(
             with open(prompt_file, encoding="utf-8") as f:
                 prompt = f.read()
         except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{prompt_file}: cannot read the prompt: {e}")
+            raise ConfigError(f"{prompt_file}: cannot read the prompt: {e}") from None
     tok = get_tokenizer()
     prompt_tokens = tok.encoding.encode(prompt, allowed_special={"<|endoftext|>"}) if prompt else []
     model = _load_model(checkpoint, threads)
