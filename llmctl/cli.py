@@ -462,6 +462,57 @@ def eval_loss_cmd(
                       f"from {len(res['files'])} file(s)[/]")
 
 
+@app.command("plot")
+@_interruptible()
+def plot_cmd(
+    runs: List[str] = typer.Argument(..., help="Runs: `llmctl train -o` directories (metrics.jsonl, else main.log), metrics.jsonl or llm.c main.log files; NAME=PATH names a run in the legend (default: its directory)."),
+    output: Optional[str] = typer.Option(None, "--output", "-o", help="Image file, type by extension: .png, .svg or .pdf (default: runs.png; with --terminal: none)."),
+    x: str = typer.Option("step", "--x", help="x axis: step, or tokens (tokens seen = step x tokens per step)."),
+    tokens_per_step: Optional[int] = typer.Option(None, "--tokens-per-step", min=1, help="For --x tokens, the tokens per step of runs that do not record it (an llm.c main.log): llm.c's -d total batch size."),
+    logy: bool = typer.Option(False, "--logy", help="Log-scale y axis on the loss panels."),
+    baseline: Optional[List[str]] = typer.Option(None, "--baseline", help="[PANEL:]NAME=VALUE: a dashed horizontal line on panel train, val or hellaswag (no PANEL: both loss panels), e.g. 'hellaswag:GPT-2 124M=0.2955'. Repeatable."),
+    smooth: float = typer.Option(None, "--smooth", min=0.0, max=0.999, help="EMA weight of the past for the smoothed train-loss line; 0 = off. [default: 0.9]"),
+    terminal: bool = typer.Option(False, "--terminal", help="Draw the panels in the terminal (braille characters; no matplotlib needed)."),
+    width: int = typer.Option(0, "--width", min=0, help="--terminal: chart width in columns (0 = the terminal's)."),
+    height: int = typer.Option(14, "--height", min=6, help="--terminal: lines per panel."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object (the image written, per run its series' points, last/min/max)."),
+):
+    """Plot training curves: train loss (raw + EMA), val loss, HellaSwag acc_norm; runs overlaid (as llm.c's dev/vislog.ipynb)."""
+    import json
+
+    from llmctl.errors import ConfigError
+    from llmctl.plot import DEFAULT_OUTPUT, panels_of, parse_baseline, save_plot, terminal_panels
+    from llmctl.runlog import EMA_ALPHA, SERIES_TITLES, read_runs
+
+    if terminal and json_out:
+        raise ConfigError("--terminal and --json both print to stdout", hint="use one of them")
+    baselines = [parse_baseline(b) for b in baseline or []]
+    loaded = read_runs(runs)
+    for r in loaded:
+        if r.partial_line:
+            err_console.print(f"[dim]{escape(r.path)}: last line unfinished (run still writing?): "
+                              f"read up to the last complete line[/]")
+    shown = panels_of(loaded)
+    for b in baselines:
+        if not any(p in shown for p in b.panel):
+            err_console.print(f"Note: no {' or '.join(SERIES_TITLES[p] for p in b.panel)} points: "
+                              f"baseline {escape(b.name)!r} is not drawn")
+    kw = dict(x=x, logy=logy, baselines=baselines, tokens_per_step=tokens_per_step,
+              smooth=EMA_ALPHA if smooth is None else smooth)
+    if terminal:
+        w = width or out_console.width
+        for block in terminal_panels(loaded, width=w, height=height, **kw):
+            out_console.print(block, no_wrap=True, crop=True)
+        if output is None:
+            return
+    res = save_plot(loaded, output or DEFAULT_OUTPUT, **kw)
+    if json_out:
+        print(json.dumps(res))
+    else:
+        err_console.print(f"wrote {escape(res['output'])} ({', '.join(res['panels'])}; "
+                          f"{len(loaded)} run{'s' if len(loaded) != 1 else ''})")
+
+
 @app.command("sample")
 @_interruptible("the text above is what was generated")
 def sample_cmd(

@@ -3,7 +3,9 @@
 What it is: four interchangeable sinks for the training loop's events (start, val, sample,
 checkpoint, step, message, finish). `make_display()` picks one: `--json` -> JSON lines on stdout;
 stderr is a terminal -> a rich live panel (progress bar with ETA, loss, val loss, lr, grad norm,
-ms/step, tokens/s, MFU; samples printed above it as text); otherwise plain lines in the spirit of
+ms/step, tokens/s, MFU, and a braille chart of train loss (raw + EMA) and val loss that grows each
+step, drawn by llmctl/termchart.py as `llmctl plot --terminal` draws it; samples printed above it
+as text); otherwise plain lines in the spirit of
 llm.c's `step %4d/%d | loss ...` prints. `Display` itself ignores everything (library callers).
 What it is not: the log files (main.log and metrics.jsonl are written by llmctl/train.py whatever
 the display) or any part of the training logic. A display never raises into the loop.
@@ -131,8 +133,54 @@ class JsonDisplay(Display):
         self._emit({"event": "summary", **summary})
 
 
+class LossChart:
+    """The live panel's chart: train loss (faint raw + EMA line) and val loss against step.
+
+    A rich renderable, drawn at the Live refresh rate (not per step) at the console's width; the
+    curves are binned to the chart's columns, so a long run costs one NumPy pass per redraw."""
+
+    def __init__(self, height=8, xrange=None):
+        self.height = height
+        self.xrange = xrange  # (first, last step): the curves grow across a fixed axis
+        self.train = []  # (step, loss): one list append is atomic for the refresh thread
+        self.val = []
+
+    def render(self, width):
+        """The chart (height x width cells) and its legend line, as one rich Text."""
+        import numpy as np
+        from rich.text import Text
+
+        from llmctl.runlog import EMA_ALPHA, ema
+        from llmctl.termchart import Curve, chart
+
+        curves = []
+        if self.train:
+            x, y = np.array(self.train[:], dtype=np.float64).T
+            ok = np.isfinite(y)
+            x, y = x[ok], y[ok]
+            curves += [Curve(x, y, "dim cyan", band=True), Curve(x, ema(y), "bold cyan")]
+        if self.val:
+            x, y = np.array(self.val[:], dtype=np.float64).T
+            curves.append(Curve(x, y, "bold magenta"))
+        t = chart(curves, width, self.height, xrange=self.xrange)
+        legend = Text("\n")
+        legend.append("■ ", style="bold cyan")
+        legend.append(f"train loss (EMA {EMA_ALPHA:g})  ", style="dim")
+        legend.append("■ ", style="bold magenta")
+        legend.append("val loss", style="dim")
+        return t + legend
+
+    def __rich_console__(self, console, options):
+        if self.train or self.val:
+            try:
+                yield self.render(max(12, min(options.max_width, 100)))
+            except Exception:  # a display never raises into the loop (or rich's refresh thread)
+                return
+
+
 class RichDisplay(Display):
-    """A live panel on a terminal: progress bar + latest metrics; samples and notes scroll above."""
+    """A live panel on a terminal: progress bar + latest metrics + loss chart; samples and notes
+    scroll above."""
 
     def __init__(self, console=None):
         from rich.console import Console
@@ -145,6 +193,7 @@ class RichDisplay(Display):
         self.val_loss = None
         self.t_start = None
         self.skipped = 0
+        self.chart = LossChart()
 
     def _render(self):
         from rich.console import Group
@@ -166,7 +215,7 @@ class RichDisplay(Display):
             t.add_row("[dim]loss z", "[dim]norm z", "[dim]skipped", "", "", "", "", "")
             t.add_row(_fmt(r.get("loss_z"), "+.2f"), _fmt(r.get("grad_z"), "+.2f"),
                       str(self.skipped), "", "", "", "", "")
-        return Group(self.progress, t)
+        return Group(self.progress, t, self.chart)
 
     def start(self, info):
         from rich.live import Live
@@ -183,6 +232,8 @@ class RichDisplay(Display):
                                  console=self.console)
         self.task = self.progress.add_task("train", total=info.get("num_steps") or None,
                                            completed=info.get("start_step", 0))
+        if info.get("num_steps"):
+            self.chart.xrange = (info.get("start_step", 0), info["num_steps"])
         self.live = Live(self._render(), console=self.console, refresh_per_second=4,
                          transient=False)
         self.live.start()
@@ -193,6 +244,7 @@ class RichDisplay(Display):
 
     def val(self, step, val_loss):
         self.val_loss = val_loss
+        self.chart.val.append((step, val_loss))
         self._refresh()
 
     def sample(self, step, text):
@@ -206,6 +258,7 @@ class RichDisplay(Display):
 
     def step(self, rec):
         self.last = rec
+        self.chart.train.append((rec["step"], rec["train_loss"]))
         self.skipped += bool(rec.get("skipped"))
         if self.progress is not None:
             self.progress.update(self.task, completed=rec["step"] + 1)

@@ -1,0 +1,221 @@
+"""Training logs -> series: llmctl's metrics.jsonl and llm.c's main.log, read for plotting.
+
+What it is: `read_run(path)` turns a run (an `llmctl train -o DIR` directory, its metrics.jsonl,
+or an llm.c main.log as llmc/logger.h writes it: `s:%d trl:%.4f lr:%.6f norm:%.2f`,
+`s:%d tel:%.4f`, `s:%d eval:%.4f`) into a `RunLog` of three series against step: train loss,
+val loss and HellaSwag acc_norm. A run still being written is read up to its last complete line.
+A restarted run that re-logs older steps (llm.c appends to main.log on resume) is handled as
+dev/vislog.ipynb's `parse_logfile` intends: later records replace earlier ones, here by rewinding
+the series to the repeated step. Also `ema()`, the smoothing the plots and the live panel share.
+What it is not: drawing (llmctl/plot.py, llmctl/termchart.py) or writing logs (llmctl/train.py).
+"""
+import bisect
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from llmctl.errors import DataError
+
+SERIES = ("train", "val", "hellaswag")
+SERIES_TITLES = {"train": "train loss", "val": "val loss", "hellaswag": "HellaSwag acc_norm"}
+MAINLOG_KEYS = {"trl": "train", "tel": "val", "eval": "hellaswag"}  # llmc/logger.h
+METRICS_KEYS = {"train_loss": "train", "val_loss": "val", "hellaswag_acc_norm": "hellaswag"}
+EMA_ALPHA = 0.9  # weight of the past in the smoothed train loss (0 = no smoothing)
+
+_HINT = ("pass an `llmctl train -o DIR` output directory, its metrics.jsonl, or an llm.c main.log "
+         "(lines like `s:100 trl:3.2811`)")
+
+
+@dataclass
+class Series:
+    """One curve: steps (int64, increasing) and values (float64)."""
+    step: np.ndarray
+    value: np.ndarray
+
+    def __len__(self):
+        return len(self.step)
+
+
+@dataclass
+class RunLog:
+    name: str  # the legend name
+    path: str  # the file read
+    kind: str  # "metrics.jsonl" or "main.log"
+    series: dict  # SERIES name -> Series (empty when the run never logged it)
+    tokens_per_step: Optional[int] = None  # recorded in metrics.jsonl (tokens_per_s * ms)
+    partial_line: bool = False  # an unfinished last line was left out
+
+    def summary(self):
+        """A JSON-ready dict: per series the number of points, first/last step, last/min/max."""
+        out = {"name": self.name, "path": self.path, "kind": self.kind,
+               "tokens_per_step": self.tokens_per_step, "partial_line": self.partial_line}
+        for k in SERIES:
+            s = self.series[k]
+            v = s.value[np.isfinite(s.value)]
+            out[k] = None if not len(s) else {
+                "points": len(s), "first_step": int(s.step[0]), "last_step": int(s.step[-1]),
+                "last": float(s.value[-1]),
+                "min": float(v.min()) if len(v) else None, "max": float(v.max()) if len(v) else None}
+        return out
+
+
+class _Stream:
+    """(step, value) pairs in step order; a step at or before the last one rewinds (a restart)."""
+
+    def __init__(self):
+        self.steps, self.values = [], []
+
+    def add(self, step, value):
+        if self.steps and step <= self.steps[-1]:
+            i = bisect.bisect_left(self.steps, step)
+            del self.steps[i:], self.values[i:]
+        self.steps.append(step)
+        self.values.append(value)
+
+    def series(self):
+        return Series(np.array(self.steps, dtype=np.int64), np.array(self.values, dtype=np.float64))
+
+
+def _complete_lines(path):
+    """The file's complete lines (1-based numbers) and whether an unfinished last line was left."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file", hint=_HINT) from None
+    except IsADirectoryError:
+        raise DataError(f"{path}: is a directory without metrics.jsonl or main.log", hint=_HINT) from None
+    except OSError as e:
+        raise DataError(f"{path}: cannot read: {e.strerror or e}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise DataError(f"{path}: not a text log (binary data)", hint=_HINT) from None
+    lines = text.split("\n")
+    partial = lines[-1] != ""  # the writer is mid-line (or died there): wait for the rest
+    return list(enumerate(lines[:-1], 1)), partial
+
+
+def _parse_mainlog(path, lines, streams):
+    for n, line in lines:
+        parts = line.split()
+        if not parts:
+            continue
+        try:
+            key0, step = parts[0].split(":")
+            key, value = parts[1].split(":")
+            if key0 != "s":
+                raise ValueError
+            step, value = int(step), float(value)
+        except (ValueError, IndexError):
+            raise DataError(f"{path}:{n}: not a main.log line: {line[:60]!r}", hint=_HINT) from None
+        if key in MAINLOG_KEYS:  # other streams are not plotted
+            streams[MAINLOG_KEYS[key]].add(step, value)
+
+
+def _parse_metrics(path, lines, streams):
+    tokens_per_step = None
+    for n, line in lines:
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            step = rec["step"]
+            if not isinstance(step, int) or isinstance(step, bool):
+                raise TypeError
+        except (ValueError, KeyError, TypeError):
+            raise DataError(f"{path}:{n}: not a metrics.jsonl record (a JSON object with an "
+                            f"integer step): {line[:60]!r}", hint=_HINT) from None
+        for k, name in METRICS_KEYS.items():
+            v = rec.get(k)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                streams[name].add(step, float(v))
+        if tokens_per_step is None:
+            tps, ms = rec.get("tokens_per_s"), rec.get("ms")
+            if isinstance(tps, (int, float)) and isinstance(ms, (int, float)) and tps > 0 and ms > 0:
+                tokens_per_step = round(tps * ms / 1000.0)  # train.py: tokens / (ms / 1000)
+    return tokens_per_step
+
+
+def _resolve(path):
+    """A directory -> its metrics.jsonl (full precision) else its main.log; a file -> itself."""
+    if os.path.isdir(path):
+        for name in ("metrics.jsonl", "main.log"):
+            p = os.path.join(path, name)
+            if os.path.isfile(p):
+                return p
+        raise DataError(f"{path}: no metrics.jsonl or main.log in this directory", hint=_HINT)
+    return path
+
+
+def _default_name(arg, file):
+    d = arg if os.path.isdir(arg) else (os.path.dirname(file) if os.path.basename(file) in
+                                        ("metrics.jsonl", "main.log") else None)
+    if d is None:
+        return os.path.splitext(os.path.basename(file))[0]
+    return os.path.basename(os.path.abspath(d))
+
+
+def read_run(path, name=None):
+    """Read one run: a directory (metrics.jsonl, else main.log), a metrics.jsonl or a main.log.
+
+    A file is metrics.jsonl if its name ends in .jsonl or its first character is `{`. Raises
+    DataError naming the file when it is missing, empty, binary or has a malformed complete line.
+    """
+    path = os.fspath(path)
+    file = _resolve(path)
+    lines, partial = _complete_lines(file)
+    first = next((ln for _, ln in lines if ln.strip()), "")
+    is_metrics = file.endswith(".jsonl") or first.lstrip().startswith("{")
+    streams = {k: _Stream() for k in SERIES}
+    tokens_per_step = None
+    if is_metrics:
+        tokens_per_step = _parse_metrics(file, lines, streams)
+    else:
+        _parse_mainlog(file, lines, streams)
+    series = {k: s.series() for k, s in streams.items()}
+    if not any(len(s) for s in series.values()):
+        what = "no complete line yet" if partial else "empty" if not first else "no loss records"
+        raise DataError(f"{file}: {what}: nothing to plot",
+                        hint="wait until the run has logged a step, or " + _HINT)
+    return RunLog(name or _default_name(path, file), file,
+                  "metrics.jsonl" if is_metrics else "main.log", series, tokens_per_step, partial)
+
+
+def read_runs(args):
+    """read_run for each argument; `NAME=PATH` (when the whole argument is not a path) names the
+    run. Runs that would share a legend name are named by the path given instead."""
+    runs = []
+    for a in args:
+        a = os.fspath(a)
+        name = None
+        if "=" in a and not os.path.exists(a):
+            name, a = a.split("=", 1)
+        runs.append(read_run(a, name=name or None))
+    names = [r.name for r in runs]
+    for r, a in zip(runs, args):
+        if names.count(r.name) > 1:
+            r.name = os.fspath(a)
+    return runs
+
+
+def ema(values, alpha=EMA_ALPHA):
+    """Bias-corrected exponential moving average: m_t = alpha m_{t-1} + (1 - alpha) x_t, m_0 = 0,
+    divided by 1 - alpha^t (so the first point is x_1, not (1 - alpha) x_1). alpha 0 = no smoothing."""
+    x = np.asarray(values, dtype=np.float64)
+    if alpha <= 0 or len(x) == 0:
+        return x.copy()
+    from scipy.signal import lfilter
+
+    m = lfilter([1.0 - alpha], [1.0, -alpha], x)
+    return m / (1.0 - alpha ** np.arange(1, len(x) + 1))
+
+
+def finite(step, value):
+    """The points with a finite value (a NaN loss leaves a gap, never a line to infinity)."""
+    ok = np.isfinite(value)
+    return step[ok], value[ok]
+
