@@ -466,12 +466,12 @@ def eval_loss_cmd(
 @_interruptible()
 def plot_cmd(
     runs: List[str] = typer.Argument(..., help="Runs: `llmctl train -o` directories (metrics.jsonl, else main.log), metrics.jsonl or llm.c main.log files; NAME=PATH names a run in the legend (default: its directory)."),
-    output: Optional[str] = typer.Option(None, "--output", "-o", help="Image file, type by extension: .png, .svg or .pdf (default: runs.png; with --terminal: none)."),
+    output: Optional[str] = typer.Option(None, "--output", "-o", show_default="runs.png; none with --terminal", help="Image file, type by extension: .png, .svg or .pdf."),
     x: str = typer.Option("step", "--x", help="x axis: step, or tokens (tokens seen = step x tokens per step)."),
     tokens_per_step: Optional[int] = typer.Option(None, "--tokens-per-step", min=1, help="For --x tokens, the tokens per step of runs that do not record it (an llm.c main.log): llm.c's -d total batch size."),
     logy: bool = typer.Option(False, "--logy", help="Log-scale y axis on the loss panels."),
     baseline: Optional[List[str]] = typer.Option(None, "--baseline", help="[PANEL:]NAME=VALUE: a dashed horizontal line on panel train, val or hellaswag (no PANEL: both loss panels), e.g. 'hellaswag:GPT-2 124M=0.2955'. Repeatable."),
-    smooth: float = typer.Option(None, "--smooth", min=0.0, max=0.999, help="EMA weight of the past for the smoothed train-loss line; 0 = off. [default: 0.9]"),
+    smooth: Optional[float] = typer.Option(None, "--smooth", min=0.0, max=0.999, show_default="0.9", help="EMA weight of the past for the smoothed train-loss line; 0 = off."),
     terminal: bool = typer.Option(False, "--terminal", help="Draw the panels in the terminal (braille characters; no matplotlib needed)."),
     width: int = typer.Option(0, "--width", min=0, help="--terminal: chart width in columns (0 = the terminal's)."),
     height: int = typer.Option(14, "--height", min=6, help="--terminal: lines per panel."),
