@@ -121,7 +121,11 @@ def make_figure(runs, x="step", logy=False, baselines=(), smooth=EMA_ALPHA, toke
             ax.axhline(b.value, color=("red", "green", "purple", "black")[i % 4], linestyle="--",
                        linewidth=1.0, label=f"{b.name} ({b.value:g})")
         if logy and k in LOSS_PANELS:
-            ax.set_yscale("log")
+            from matplotlib.ticker import LogFormatter
+
+            ax.set_yscale("log")  # plain numbers (3, 4) at the ticks, not 3x10^0
+            ax.yaxis.set_major_formatter(LogFormatter(labelOnlyBase=False))
+            ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
         ax.set_title(SERIES_TITLES[k] + (" (EMA %g)" % smooth if k == "train" and smooth > 0 else ""))
         ax.set_xlabel(_xlabel(x))
         ax.set_ylabel("accuracy" if k == "hellaswag" else "loss")
