@@ -25,6 +25,7 @@ LOSS_PANELS = ("train", "val")
 PANEL_SIZE = (5.0, 3.8)  # inches per panel
 DPI = 100
 TERM_STYLES = ("cyan", "magenta", "green", "yellow", "blue", "red", "bright_white")
+MIN_TERM_WIDTH = 20
 RAW_ALPHA = 0.25  # the raw train loss under its EMA line
 
 
@@ -176,6 +177,8 @@ def terminal_panels(runs, width=80, height=14, x="step", logy=False, baselines=(
 
     from llmctl.termchart import Curve, HLine, chart
 
+    if width < MIN_TERM_WIDTH:
+        raise ConfigError(f"--width {width}: a terminal chart needs at least {MIN_TERM_WIDTH} columns")
     panels = curves(runs, x, tokens_per_step, smooth)
     if not panels:
         raise DataError("no run has any point to plot")

@@ -57,7 +57,7 @@ class RunLog:
             v = s.value[np.isfinite(s.value)]
             out[k] = None if not len(s) else {
                 "points": len(s), "first_step": int(s.step[0]), "last_step": int(s.step[-1]),
-                "last": float(s.value[-1]),
+                "last": float(s.value[-1]) if np.isfinite(s.value[-1]) else None,
                 "min": float(v.min()) if len(v) else None, "max": float(v.max()) if len(v) else None}
         return out
 

@@ -170,6 +170,20 @@ def test_bad_inputs_name_the_file(tmp_path, case):
     assert str(p) in e.value.message and want in e.value.message and e.value.hint
 
 
+def test_nan_loss_leaves_a_gap(tmp_path):
+    from llmctl.plot import curves
+
+    log = tmp_path / "main.log"
+    log.write_text("s:0 trl:4.0000 lr:0.000600 norm:1.00\ns:1 trl:3.5000 lr:0.000600 norm:1.00\n"
+                   "s:2 trl:nan lr:0.000600 norm:nan\n")  # llm.c prints a NaN loss as nan
+    r = read_run(log)
+    assert r.series["train"].step.tolist() == [0, 1, 2] and math.isnan(r.series["train"].value[2])
+    s = r.summary()["train"]
+    assert (s["points"], s["last"], s["min"], s["max"]) == (3, None, 3.5, 4.0)
+    ((_, xs, ys, sm),) = curves([r])["train"]
+    assert xs.tolist() == [0, 1] and ys.tolist() == [4.0, 3.5] and np.isfinite(sm).all()
+
+
 def test_names_from_arguments(tmp_path, run_dir):
     log = write_mainlog(tmp_path / "llmc" / "main.log")
     runs = read_runs([f"baseline={log}", str(run_dir), str(run_dir / "main.log")])
@@ -376,6 +390,8 @@ def test_terminal_panels_of_two_runs(tmp_path, run_dir):
         assert sum(c in BRAILLE for r in rows[1:10] for c in r) > 20
         assert rows[-1].startswith("■ run") or rows[-1].startswith("■ llmc")
     assert _rows(blocks[0])[-1].split() == ["■", "run", "■", "llmc"]
+    with pytest.raises(ConfigError, match="at least"):
+        terminal_panels(runs, width=10)
     assert _rows(blocks[2])[-1].split() == ["■", "llmc", "┄", "GPT-2", "(0.2955)"]
 
 
