@@ -415,18 +415,19 @@ def test_cli_terminal_works_without_matplotlib(tmp_path, run_dir):
 
 
 def test_cli_png_and_json(tmp_path, run_dir):
+    from PIL import Image
+
     log = write_mainlog(tmp_path / "main.log")
-    p = _llmctl(["plot", str(run_dir), f"llm.c={log}", "-o", "cmp.svg", "--json", "--logy",
+    p = _llmctl(["plot", str(run_dir), f"llm.c={log}", "--json", "--logy",
                  "--baseline", "hellaswag:GPT-2 124M=0.2955"], tmp_path)
     assert p.returncode == 0, p.stderr
-    res = json.loads(p.stdout)
-    assert res["output"] == "cmp.svg" and res["panels"] == ["train", "val", "hellaswag"]
+    res = json.loads(p.stdout)  # stdout is the JSON object only
+    assert res["output"] == "runs.png" and res["format"] == "png"  # the default -o
+    assert res["panels"] == ["train", "val", "hellaswag"]
     assert [r["name"] for r in res["runs"]] == ["run", "llm.c"]
-    assert res["runs"][0]["val"]["points"] == 4 and res["runs"][1]["hellaswag"]["last"] == 0.31
-    assert (tmp_path / "cmp.svg").read_text().startswith("<?xml")
-    p = _llmctl(["plot", str(run_dir)], tmp_path)
-    assert p.returncode == 0 and (tmp_path / "runs.png").is_file()
-    assert "wrote runs.png" in p.stderr
+    assert res["runs"][0]["val"]["points"] == 4 and res["runs"][0]["tokens_per_step"] == B * T
+    assert res["runs"][1]["hellaswag"]["last"] == 0.31 and res["runs"][0]["hellaswag"] is None
+    assert Image.open(tmp_path / "runs.png").format == "PNG"
 
 
 def test_cli_bad_log_is_one_error_line(tmp_path):
