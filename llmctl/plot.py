@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from llmctl.atomic import atomic_write
 from llmctl.errors import ConfigError, DataError
 from llmctl.runlog import EMA_ALPHA, SERIES, SERIES_TITLES, ema, finite
 
@@ -157,14 +158,11 @@ def output_format(path):
 def save_plot(runs, out=DEFAULT_OUTPUT, **kw):
     """Draw make_figure(runs, **kw) into `out` (type from its extension), via a temp file and a
     rename; returns a JSON-ready summary (output, format, panels, runs)."""
-    from llmctl.formats import _atomic_open
-
     fmt = output_format(out)
     fig = make_figure(runs, **kw)
     buf = io.BytesIO()
     fig.savefig(buf, format=fmt)
-    with _atomic_open(out) as f:
-        f.write(buf.getvalue())
+    atomic_write(out, buf.getvalue())
     return {"output": os.fspath(out), "format": fmt, "panels": [ax.get_label() for ax in fig.axes],
             "runs": [r.summary() for r in runs]}
 
