@@ -2,7 +2,7 @@
 
 What it is: `read_run(path)` turns a run (an `llmctl train -o DIR` directory, its metrics.jsonl,
 or an llm.c main.log as llmc/logger.h writes it: `s:%d trl:%.4f lr:%.6f norm:%.2f`,
-`s:%d tel:%.4f`, `s:%d eval:%.4f`) into a `RunLog` of three series against step: train loss,
+`s:%d tel:%.4f`, `s:%d eval:%.4f`, also read as `s:%d hsa:%f`) into a `RunLog` of three series against step: train loss,
 val loss and HellaSwag acc_norm. A run still being written is read up to its last complete line.
 A restarted run that re-logs older steps (llm.c appends to main.log on resume) is handled as
 dev/vislog.ipynb's `parse_logfile` intends: later records replace earlier ones, here by rewinding
@@ -21,7 +21,8 @@ from llmctl.errors import DataError
 
 SERIES = ("train", "val", "hellaswag")
 SERIES_TITLES = {"train": "train loss", "val": "val loss", "hellaswag": "HellaSwag acc_norm"}
-MAINLOG_KEYS = {"trl": "train", "tel": "val", "eval": "hellaswag"}  # llmc/logger.h
+# llmc/logger.h writes HellaSwag as `eval:`; `hsa:` is the key of other llm.c-style loggers
+MAINLOG_KEYS = {"trl": "train", "tel": "val", "eval": "hellaswag", "hsa": "hellaswag"}
 METRICS_KEYS = {"train_loss": "train", "val_loss": "val", "hellaswag_acc_norm": "hellaswag"}
 EMA_ALPHA = 0.9  # weight of the past in the smoothed train loss (0 = no smoothing)
 

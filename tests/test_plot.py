@@ -108,6 +108,14 @@ def test_read_llmc_mainlog(tmp_path):
     assert r.series["hellaswag"].value.tolist() == [0.28, 0.31]
 
 
+def test_read_mainlog_with_hsa_lines(tmp_path):
+    p = tmp_path / "main.log"
+    p.write_text("s:0 tel:4.0000\ns:0 trl:4.1000 lr:0.000300 norm:1.00\ns:10 hsa:0.2955\n")
+    r = read_run(p)
+    assert r.series["hellaswag"].step.tolist() == [10]
+    assert r.series["hellaswag"].value.tolist() == [0.2955]
+
+
 def test_restarted_mainlog_rewinds_to_the_repeated_step(tmp_path):
     r = read_run(write_mainlog(tmp_path / "main.log", restart_at=40))
     tr = r.series["train"]
