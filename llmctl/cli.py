@@ -292,6 +292,59 @@ def prepro_tokenizer_cmd(
     _prepro_report(write_gpt2_tokenizer_bin(out), json_out)
 
 
+# --- pretrained GPT-2 in and out (llmctl/hf/, llmctl/prepro/gpt2.py) --------------------------
+
+
+def _pretrained_log(json_out):
+    return None if json_out else (lambda msg: err_console.print(f"[dim]{escape(msg)}[/]", soft_wrap=True))
+
+
+@prepro_app.command("gpt2")
+@_interruptible(_PREPRO_KEPT)
+def prepro_gpt2_cmd(
+    model: str = typer.Option("gpt2", "--model", help="gpt2, gpt2-medium, gpt2-large, gpt2-xl (Hugging Face Hub, cached), or a directory with config.json + model.safetensors (llm.c train_gpt2.py: --model)."),
+    out_dir: str = typer.Option(".", "--out-dir", help="Output directory (llm.c writes into the working directory, where train_gpt2.c looks)."),
+    debug_state: bool = typer.Option(False, "--debug-state", help="Also write gpt2_<size>_debug_state.bin for llm.c's test_gpt2.c."),
+    input_bin: str = typer.Option("data/tiny_shakespeare_val.bin", "--input-bin", "-i", help="With --debug-state: token shard whose first B*T+1 tokens are the batch (llm.c: --input_bin)."),
+    batch_size: int = typer.Option(4, "--batch-size", "-b", help="With --debug-state: B (llm.c: --batch_size)."),
+    seq_len: int = typer.Option(64, "--seq-len", "-t", help="With --debug-state: T (llm.c: --sequence_length)."),
+    offline: bool = typer.Option(False, "--offline", help="Use only the Hugging Face cache (as HF_HUB_OFFLINE=1)."),
+    threads: int = typer.Option(0, "--threads", help="Kernel threads for --debug-state (0 = OMP_NUM_THREADS or all cores)."),
+    json_out: bool = _JSON_OPT,
+):
+    """Pretrained GPT-2 -> gpt2_<size>.bin (fp32), gpt2_<size>_bf16.bin, gpt2_tokenizer.bin: llm.c's train_gpt2.py files, no PyTorch."""
+    from llmctl.prepro.gpt2 import prepro_gpt2
+
+    _prepro_report(prepro_gpt2(model=model, out_dir=out_dir, debug_state=debug_state, input_bin=input_bin,
+                               batch_size=batch_size, seq_len=seq_len, local_files_only=True if offline else None,
+                               progress=not json_out, threads=threads or None, log=_pretrained_log(json_out)),
+                   json_out)
+
+
+@app.command("export")
+@_interruptible("the output directory was not created (the export is written under a temp name)")
+def export_cmd(
+    checkpoint: str = typer.Argument(..., help="llm.c checkpoint .bin (v3 fp32 or v5 bf16)."),
+    out_dir: str = typer.Argument(..., help="New Hugging Face model directory to write."),
+    force: bool = typer.Option(False, "--force", help="Replace OUT_DIR if it holds an earlier export (and nothing else)."),
+    json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
+):
+    """An llm.c checkpoint -> a Hugging Face GPT-2 directory (config.json, model.safetensors, tokenizer files) that transformers loads."""
+    import json
+
+    from llmctl.hf import export_checkpoint
+
+    res = export_checkpoint(checkpoint, out_dir, force=force)
+    if json_out:
+        print(json.dumps(res))
+        return
+    for f in res["files"]:
+        err_console.print(f"wrote {escape(res['out_dir'])}/{escape(f)}")
+    if not res["tokenizer"]:
+        err_console.print(f"[yellow]Warning:[/] vocab_size {res['config']['vocab_size']} is not GPT-2's 50257: "
+                          "no tokenizer files written")
+
+
 @app.command("inspect-bin")
 @_interruptible()
 def inspect_bin_cmd(

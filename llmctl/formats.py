@@ -598,6 +598,33 @@ def write_checkpoint(path, header_or_config, params, dtype="float32"):
                 f.write(fp32_to_bf16_bits(p[i:i + step]).astype("<u2").tobytes())
 
 
+def write_checkpoint_tensors(path, header_or_config, tensors, dtype="float32"):
+    """write_checkpoint from an iterable of fp32 arrays that together are the flat parameters in
+    checkpoint order (any split: a tensor, one layer of a tensor, ...), so a converter never holds
+    the whole model twice. Atomic; the count must come out exactly at num_params."""
+    if dtype in ("float32", "fp32"):
+        version = 3
+    elif dtype in ("bfloat16", "bf16"):
+        version = 5
+    else:
+        raise ValueError(f"dtype must be 'float32' or 'bfloat16', not {dtype!r}")
+    hdr = _as_checkpoint_header(header_or_config, version)
+    written = 0
+    with _atomic_open(path) as f:
+        f.write(hdr.to_bytes())
+        for a in tensors:
+            a = np.asarray(a).reshape(-1)
+            written += a.size
+            if written > hdr.num_params:
+                raise ValueError(f"tensors hold more than the config's {_n(hdr.num_params)} parameters")
+            if version == 3:
+                _write_array(f, a, "<f4")
+            else:
+                f.write(fp32_to_bf16_bits(a).astype("<u2").tobytes())
+        if written != hdr.num_params:
+            raise ValueError(f"tensors hold {_n(written)} parameters, the config needs {_n(hdr.num_params)}")
+
+
 # ---------------------------------------------------------------------------------------------
 # 1.4 tokenizer files
 
@@ -912,3 +939,24 @@ def read_debug_state_header(path, V=GPT2_VOCAB_SIZE):
                     "file truncated?")
     rest = size - fixed
     return DebugStateHeader(version=h[1], B=B, T=T, num_params=rest // 4 if rest % 4 == 0 and rest else None)
+
+
+def write_debug_state(path, x, y, logits, loss, grads):
+    """Write a debug state file as llm.c's train_gpt2.py write_state (atomic): header (magic,
+    version 2, B, T), x and y int32 (B,T), logits fp32 (B,T,V) unpadded, the mean loss fp32, then
+    the gradients fp32 in checkpoint order with the padded wte rows (what test_gpt2.c reads)."""
+    x = np.asarray(x)
+    y = np.asarray(y)
+    if x.ndim != 2 or x.shape != y.shape:
+        raise ValueError(f"x and y must both be (B, T); got {x.shape} and {y.shape}")
+    B, T = x.shape
+    logits = np.asarray(logits)
+    if logits.ndim != 3 or logits.shape[:2] != (B, T):
+        raise ValueError(f"logits must be (B, T, V) with B, T = {B}, {T}; got {logits.shape}")
+    with _atomic_open(path) as f:
+        f.write(_header(DEBUG_STATE_MAGIC, 2, B, T))
+        f.write(np.ascontiguousarray(x, dtype="<i4").tobytes())
+        f.write(np.ascontiguousarray(y, dtype="<i4").tobytes())
+        _write_array(f, logits, "<f4")
+        f.write(np.float32(loss).astype("<f4").tobytes())
+        _write_array(f, grads, "<f4")

