@@ -143,7 +143,7 @@ def _write_array(f, a, dtype):
     a = np.asarray(a).reshape(-1)
     step = 1 << 22
     for i in range(0, a.size, step):
-        f.write(np.ascontiguousarray(a[i:i + step], dtype=dtype).tobytes())
+        f.write(memoryview(np.ascontiguousarray(a[i:i + step], dtype=dtype)))  # no copy if already dtype
 
 
 def identify(path):
