@@ -396,3 +396,14 @@ def test_debug_state_without_its_input_is_an_error_before_anything_is_written(ti
                     batch_size=2, seq_len=8)
     assert "nope.bin" in e.value.message and "prepro tinyshakespeare" in e.value.hint
     assert os.listdir(tmp_path / "out") == []
+
+
+def test_without_huggingface_hub_the_error_prints_the_install_command(tmp_path):
+    # None in sys.modules makes `import huggingface_hub` raise ImportError, as if it were not installed
+    code = ("import sys; sys.modules['huggingface_hub'] = None; from llmctl.cli import main; "
+            "main(['prepro', 'gpt2', '--out-dir', 'out'])")
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, HF_HOME=str(tmp_path / "hf")))
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "huggingface_hub is not installed" in r.stderr
+    assert "pip install 'huggingface_hub>=0.24' 'safetensors>=0.4'" in r.stderr.replace("\n", " ")
