@@ -407,3 +407,25 @@ def test_without_huggingface_hub_the_error_prints_the_install_command(tmp_path):
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "huggingface_hub is not installed" in r.stderr
     assert "pip install 'huggingface_hub>=0.24' 'safetensors>=0.4'" in r.stderr.replace("\n", " ")
+
+
+def test_transformers_save_pretrained_output_gives_transformers_logits(tmp_path):
+    """Optional (transformers needs torch; not in CI): a GPT2LMHeadModel saved by transformers
+    itself, loaded as -e DIR, gives transformers' logits."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    from llmctl.model import GPT2
+
+    cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=16, n_positions=32, vocab_size=50257)
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.1 * torch.randn_like(p))  # away from the init, so every tensor matters
+    hf.save_pretrained(tmp_path / "m")
+    ids = np.random.default_rng(0).integers(0, 50257, size=(2, 12))
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor(ids)).logits.numpy()
+    model = GPT2.from_checkpoint(pretrained_checkpoint(str(tmp_path / "m"), convert_dir=tmp_path / "c"), n_threads=1)
+    model.forward(ids, keep_activations=False)
+    np.testing.assert_allclose(model.logits()[:, :, :50257], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
