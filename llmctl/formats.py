@@ -610,7 +610,7 @@ def write_checkpoint_tensors(path, header_or_config, tensors, dtype="float32"):
         raise ValueError(f"dtype must be 'float32' or 'bfloat16', not {dtype!r}")
     hdr = _as_checkpoint_header(header_or_config, version)
     written = 0
-    with _atomic_open(path) as f:
+    with atomic_open(path) as f:
         f.write(hdr.to_bytes())
         for a in tensors:
             a = np.asarray(a).reshape(-1)
@@ -953,7 +953,7 @@ def write_debug_state(path, x, y, logits, loss, grads):
     logits = np.asarray(logits)
     if logits.ndim != 3 or logits.shape[:2] != (B, T):
         raise ValueError(f"logits must be (B, T, V) with B, T = {B}, {T}; got {logits.shape}")
-    with _atomic_open(path) as f:
+    with atomic_open(path) as f:
         f.write(_header(DEBUG_STATE_MAGIC, 2, B, T))
         f.write(np.ascontiguousarray(x, dtype="<i4").tobytes())
         f.write(np.ascontiguousarray(y, dtype="<i4").tobytes())

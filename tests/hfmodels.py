@@ -123,7 +123,8 @@ def hf_forward(cfg, t, ids):
     T = ids.shape[1]
     x = p["wte.weight"][ids] + p["wpe.weight"][:T][None]
     for l in range(cfg["n_layer"]):
-        h = lambda k: p[f"h.{l}.{k}"]
+        def h(k, l=l):
+            return p[f"h.{l}.{k}"]
         a, _, _ = ref.layernorm_forward(x, h("ln_1.weight"), h("ln_1.bias"))
         qkv = a @ h("attn.c_attn.weight") + h("attn.c_attn.bias")
         x = x + ref.attention_forward(qkv, cfg["n_head"]) @ h("attn.c_proj.weight") + h("attn.c_proj.bias")

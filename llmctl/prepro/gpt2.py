@@ -24,16 +24,10 @@ DEBUG_B, DEBUG_T = 4, 64                       # train_gpt2.py --batch_size, --s
 
 
 def _copy_atomic(src, dst):
-    tmp = f"{dst}.tmp-{os.getpid()}"
-    try:
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, dst)
-    except BaseException as e:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        if isinstance(e, OSError):
-            raise DataError(f"{dst}: cannot write file: {e.strerror or e}") from None
-        raise
+    from llmctl.atomic import atomic_open
+
+    with open(src, "rb") as fi, atomic_open(dst) as fo:
+        shutil.copyfileobj(fi, fo, 1 << 24)
 
 
 def debug_state_batch(input_bin, B, T, maxT):
