@@ -429,3 +429,26 @@ def test_transformers_save_pretrained_output_gives_transformers_logits(tmp_path)
     model = GPT2.from_checkpoint(pretrained_checkpoint(str(tmp_path / "m"), convert_dir=tmp_path / "c"), n_threads=1)
     model.forward(ids, keep_activations=False)
     np.testing.assert_allclose(model.logits()[:, :, :50257], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_sharded_save_pretrained_directory_and_hub_repo_convert_like_one_file(tiny, tmp_path):
+    """model.safetensors.index.json + model-0000i-of-00002.safetensors (a large save_pretrained)."""
+    from safetensors.numpy import save_file
+
+    cfg, t, _ = tiny
+    d = tmp_path / "sharded"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    names = sorted(t)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    weight_map = {}
+    for fn, keys in halves.items():
+        save_file({f"transformer.{k}": t[k] for k in keys}, str(d / fn), metadata={"format": "pt"})
+        weight_map.update({f"transformer.{k}": fn for k in keys})
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    assert pretrained_checkpoint(str(d), convert_dir=tmp_path / "c").read_bytes() == expected_bytes(cfg, t)
+    hf_home = tmp_path / "hf"
+    hub_cache(hf_home, "someone/sharded", {p.name: p for p in d.iterdir()})
+    path = pretrained_checkpoint("hf:someone/sharded", cache_dir=hf_home / "hub", convert_dir=tmp_path / "c",
+                                 local_files_only=True)
+    assert path.read_bytes() == expected_bytes(cfg, t)

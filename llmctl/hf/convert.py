@@ -163,14 +163,17 @@ def expected_hf_shapes(hdr):
 
 
 class SafetensorsGPT2:
-    """A GPT-2 model.safetensors opened for reading: checks every key and shape up front, then
-    hands out float32 tensors by bare HF name. F32/F16/F64 go through safetensors.numpy; BF16
-    (which NumPy lacks) is widened exactly from the raw bits."""
+    """A GPT-2 model.safetensors (or the shards a model.safetensors.index.json names) opened for
+    reading: checks every key and shape up front, then hands out float32 tensors by bare HF name.
+    F32/F16/F64 go through safetensors.numpy; BF16 (which NumPy lacks) is widened exactly from
+    the raw bits."""
 
     READABLE = ("F32", "F16", "F64", "BF16")
 
-    def __init__(self, path, hdr):
-        self.path = str(path)
+    def __init__(self, paths, hdr):
+        paths = [str(p) for p in (paths if isinstance(paths, (list, tuple)) else [paths])]
+        self.path = paths[0] if len(paths) == 1 else os.path.dirname(paths[0])  # what errors name
+        self.paths = paths
         self.hdr = hdr
         try:
             from safetensors import safe_open
@@ -178,17 +181,27 @@ class SafetensorsGPT2:
             from llmctl.hf.hub import missing_dependency
 
             raise missing_dependency("safetensors") from None
-        if not os.path.isfile(self.path):
-            raise FormatError(f"{self.path}: no such file",
-                              "llmctl reads model.safetensors (no PyTorch); pytorch_model.bin cannot be read")
-        try:
-            self._f = safe_open(self.path, framework="np")
-            keys = list(self._f.keys())
-            info = {k: (tuple(self._f.get_slice(k).get_shape()), self._f.get_slice(k).get_dtype()) for k in keys}
-        except Exception as e:  # safetensors raises its own SafetensorError (not exported stably)
-            raise FormatError(f"{self.path}: not a valid safetensors file ({e})",
-                              "the download may be truncated: delete it from the Hugging Face cache "
-                              "and fetch it again") from None
+        self._f, info = [], {}
+        for i, path in enumerate(paths):
+            if not os.path.isfile(path):
+                raise FormatError(f"{path}: no such file",
+                                  "llmctl reads model.safetensors (no PyTorch); pytorch_model.bin cannot be read")
+            try:
+                f = safe_open(path, framework="np")
+                for k in f.keys():
+                    if k in info:
+                        raise FormatError(f"{path}: tensor {k!r} is also in {paths[info[k][2]]}",
+                                          "the shards of one model must not overlap")
+                    sl = f.get_slice(k)
+                    info[k] = (tuple(sl.get_shape()), sl.get_dtype(), i)
+            except FormatError:
+                raise
+            except Exception as e:  # safetensors raises its own SafetensorError (not exported stably)
+                raise FormatError(f"{path}: not a valid safetensors file ({e})",
+                                  "the download may be truncated: delete it from the Hugging Face cache "
+                                  "and fetch it again") from None
+            self._f.append(f)
+        keys = list(info)
         prefixed = any(k.startswith("transformer.") for k in keys)
         self._names = {}
         extra = []
@@ -211,7 +224,7 @@ class SafetensorsGPT2:
             raise FormatError(f"{self.path}: not llm.c's GPT-2: unexpected tensor(s) {', '.join(sorted(extra)[:3])}"
                               + (" ..." if len(extra) > 3 else ""), NOT_GPT2_HINT)
         for bare, shape in want.items():
-            got, dt = info[self._names[bare]]
+            got, dt, _ = info[self._names[bare]]
             if got != shape:
                 raise FormatError(f"{self.path}: tensor {self._names[bare]!r} has shape {list(got)}, "
                                   f"config.json implies {list(shape)}",
@@ -219,53 +232,52 @@ class SafetensorsGPT2:
             if dt not in self.READABLE:
                 raise FormatError(f"{self.path}: tensor {self._names[bare]!r} is {dt}; llmctl reads float "
                                   f"tensors ({', '.join(self.READABLE)})")
-        self._dtypes = {k: info[v][1] for k, v in self._names.items()}
-        self._raw = None
+        self._raw = {}
         self.lm_head = "lm_head.weight" if "lm_head.weight" in info else None
         if self.lm_head and info["lm_head.weight"][0] != want["wte.weight"]:
             raise FormatError(f"{self.path}: lm_head.weight has shape {list(info['lm_head.weight'][0])}, "
                               f"not wte's {list(want['wte.weight'])}", NOT_GPT2_HINT)
         self._info = info
 
-    def _bf16(self, key):
+    def _bf16(self, key, i):
         """A BF16 tensor widened to fp32 from the file's bytes (safetensors' layout: u64 header
         length, JSON header, data; offsets relative to the data)."""
-        if self._raw is None:
-            with open(self.path, "rb") as f:
+        path = self.paths[i]
+        if i not in self._raw:
+            with open(path, "rb") as f:
                 (n,) = struct.unpack("<Q", f.read(8))
-                self._raw = (json.loads(f.read(n)), 8 + n)
-        meta, base = self._raw
+                self._raw[i] = (json.loads(f.read(n)), 8 + n)
+        meta, base = self._raw[i]
         lo, hi = meta[key]["data_offsets"]
-        bits = np.memmap(self.path, dtype="<u2", mode="r", offset=base + lo, shape=((hi - lo) // 2,))
+        bits = np.memmap(path, dtype="<u2", mode="r", offset=base + lo, shape=((hi - lo) // 2,))
         return bf16_bits_to_fp32(bits).reshape(meta[key]["shape"])
 
-    def _get_key(self, key, dtype):
+    def _get_key(self, key):
+        _, dtype, i = self._info[key]
         try:
             if dtype == "BF16":
-                return self._bf16(key)
-            return np.asarray(self._f.get_tensor(key), dtype=np.float32)
+                return self._bf16(key, i)
+            return np.asarray(self._f[i].get_tensor(key), dtype=np.float32)
         except (OSError, ValueError, KeyError) as e:
-            raise FormatError(f"{self.path}: cannot read tensor {key!r} ({e})",
+            raise FormatError(f"{self.paths[i]}: cannot read tensor {key!r} ({e})",
                               "the file is corrupt: fetch it again") from None
 
     def get(self, bare):
         """float32 tensor by bare HF name ('h.0.attn.c_attn.weight')."""
-        return self._get_key(self._names[bare], self._dtypes[bare])
+        return self._get_key(self._names[bare])
 
     def check_tied(self):
         """An lm_head.weight stored next to wte must equal it (llm.c ties them)."""
         if self.lm_head is None:
             return
-        head = self._get_key(self.lm_head, self._info[self.lm_head][1])
-        if not np.array_equal(head, self.get("wte.weight")):
+        if not np.array_equal(self._get_key(self.lm_head), self.get("wte.weight")):
             raise FormatError(f"{self.path}: lm_head.weight differs from wte.weight (an untied head)", NOT_GPT2_HINT)
 
     def llmc_tensors(self):
         """The parameters in llm.c's checkpoint order, as float32 arrays: padded wte, wpe, then
         each per-layer tensor for l = 0..L-1 (Conv1D weights transposed to (out, in)), ln_f."""
         hdr = self.hdr
-        wte = self.get("wte.weight")
-        yield wte
+        yield self.get("wte.weight")
         yield np.zeros((hdr.padded_vocab_size - hdr.vocab_size, hdr.channels), np.float32)
         yield self.get("wpe.weight")
         for _, name, transpose in LAYER_TENSORS:
@@ -274,6 +286,21 @@ class SafetensorsGPT2:
                 yield np.ascontiguousarray(t.T) if transpose else t
         yield self.get("ln_f.weight")
         yield self.get("ln_f.bias")
+
+
+def index_shards(index_path):
+    """The shard file names a model.safetensors.index.json lists (its weight_map's values), in order."""
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise FormatError(f"{index_path}: not a readable safetensors index ({e})",
+                          "re-download it, or save the model again with save_pretrained") from None
+    if not names or any(not isinstance(n, str) or os.sep in n or n.startswith(".") for n in names):
+        raise FormatError(f"{index_path}: weight_map names no usable shard files",
+                          "re-download it, or save the model again with save_pretrained")
+    return names
 
 
 # ---------------------------------------------------------------------------------------------

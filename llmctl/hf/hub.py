@@ -21,13 +21,15 @@ from pathlib import Path
 from typing import Optional
 
 from llmctl.errors import ConfigError, DataError, FormatError, LlmctlError
-from llmctl.hf.convert import SafetensorsGPT2, header_from_config, read_config, size_name
+from llmctl.hf.convert import SafetensorsGPT2, header_from_config, index_shards, read_config, size_name
 
 HUB_ORG = "openai-community"
 OPENAI_GPT2 = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 INSTALL_COMMAND = "pip install 'huggingface_hub>=0.24' 'safetensors>=0.4'"
 CACHE_ENV = "LLMCTL_CACHE"
 LAYOUT = "v1"  # bump when the conversion changes, so old cached checkpoints are not reused
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"  # a sharded save_pretrained: model-0000i-of-0000n.safetensors
 _NAME_RE = re.compile(r"(?:hf:)?(?:openai-community/)?(gpt2(?:-medium|-large|-xl)?)(?:@([\w.\-/]+))?")
 _HF_RE = re.compile(r"hf:([\w.\-]+/[\w.\-]+)(?:@([\w.\-/]+))?")
 
@@ -40,8 +42,7 @@ class PretrainedSpec:
 
 
 def _is_model_dir(s):
-    return os.path.isdir(s) and (os.path.isfile(os.path.join(s, "config.json"))
-                                 or os.path.isfile(os.path.join(s, "model.safetensors")))
+    return os.path.isdir(s) and any(os.path.isfile(os.path.join(s, n)) for n in ("config.json", WEIGHTS))
 
 
 def parse_spec(spec):
@@ -95,6 +96,14 @@ def missing_dependency(pkg):
 # hub download
 
 
+class NotCached(DataError):
+    """A hub file is not in the cache and cannot be downloaded."""
+
+
+class NotInRepo(DataError):
+    """The hub repo has no such file."""
+
+
 def _fetch_hint(repo_id):
     return (f"fetch it once with network (`llmctl prepro gpt2 --model {repo_id}` or "
             f"`hf download {repo_id} config.json model.safetensors`), or set HF_HOME to a cache that "
@@ -122,7 +131,7 @@ def hub_file(repo_id, filename, *, revision=None, local_files_only=None, cache_d
     except LocalEntryNotFoundError:  # a subclass of EntryNotFoundError: first
         why = ("downloads are off (HF_HUB_OFFLINE=1 or local_files_only)" if offline
                else "the Hub cannot be reached")
-        raise DataError(f"{repo_id}: {filename} is not in the Hugging Face cache ({where}) and {why}",
+        raise NotCached(f"{repo_id}: {filename} is not in the Hugging Face cache ({where}) and {why}",
                         _fetch_hint(repo_id)) from None
     except RevisionNotFoundError:
         raise DataError(f"{repo_id}: no revision {revision!r} on the Hugging Face Hub",
@@ -132,7 +141,7 @@ def hub_file(repo_id, filename, *, revision=None, local_files_only=None, cache_d
                         "pretrained names are gpt2, gpt2-medium, gpt2-large, gpt2-xl; log in with "
                         "`hf auth login` for a private repo") from None
     except EntryNotFoundError:
-        raise DataError(f"{repo_id}: the repo has no {filename}",
+        raise NotInRepo(f"{repo_id}: the repo has no {filename}",
                         "llmctl reads config.json + model.safetensors (no PyTorch, so no pytorch_model.bin)") from None
     except (HfHubHTTPError, OSError) as e:
         raise DataError(f"{repo_id}: cannot fetch {filename}: {e}", _fetch_hint(repo_id)) from None
@@ -158,8 +167,8 @@ def _cached_ok(target, hdr):
     return got.version == 3 and got.to_bytes() == hdr.to_bytes()
 
 
-def _convert_cached(target, hdr, safetensors_path, source, log):
-    """Convert safetensors_path to an llm.c checkpoint at target once (atomic, under a lock)."""
+def _convert_cached(target, hdr, weights, source, log):
+    """Convert the safetensors file(s) to an llm.c checkpoint at target once (atomic, under a lock)."""
     from llmctl.formats import write_checkpoint_tensors
 
     if _cached_ok(target, hdr):
@@ -178,7 +187,7 @@ def _convert_cached(target, hdr, safetensors_path, source, log):
     try:
         if _cached_ok(target, hdr):  # another process converted it while we waited
             return target
-        reader = SafetensorsGPT2(safetensors_path, hdr)
+        reader = SafetensorsGPT2(weights, hdr)
         reader.check_tied()
         if log:
             log(f"converting {source} to an llm.c checkpoint (once): {target}")
@@ -212,14 +221,11 @@ def pretrained_checkpoint(spec, *, revision=None, local_files_only=None, progres
     root = Path(convert_dir) if convert_dir else converted_cache_dir()
     if p.directory:
         d = Path(p.directory)
-        cfg_path, st_path = d / "config.json", d / "model.safetensors"
+        cfg_path = d / "config.json"
         hdr = header_from_config(read_config(cfg_path), where=str(cfg_path))
-        if not st_path.is_file():
-            raise FormatError(f"{st_path}: no such file",
-                              "llmctl reads model.safetensors (no PyTorch, so no pytorch_model.bin); "
-                              "transformers' save_pretrained writes it by default")
-        target = root / "local" / _fingerprint(cfg_path, st_path) / f"gpt2_{size_name(hdr)}.bin"
-        return _convert_cached(target, hdr, st_path, str(d), log)
+        weights = _dir_weights(d)
+        target = root / "local" / _fingerprint(cfg_path, *weights) / f"gpt2_{size_name(hdr)}.bin"
+        return _convert_cached(target, hdr, weights, str(d), log)
     kw = dict(local_files_only=local_files_only, cache_dir=cache_dir, progress=progress)
     cfg_path = hub_file(p.repo_id, "config.json", revision=revision or p.revision, **kw)
     commit = cfg_path.parent.name  # <cache>/models--org--name/snapshots/<commit>/config.json
@@ -227,5 +233,27 @@ def pretrained_checkpoint(spec, *, revision=None, local_files_only=None, progres
     target = root / "hub" / LAYOUT / p.repo_id.replace("/", "--") / commit / f"gpt2_{size_name(hdr)}.bin"
     if _cached_ok(target, hdr):
         return target
-    st_path = hub_file(p.repo_id, "model.safetensors", revision=commit, **kw)
-    return _convert_cached(target, hdr, st_path, f"{p.repo_id}@{commit[:10]}", log)
+    return _convert_cached(target, hdr, _hub_weights(p.repo_id, commit, kw), f"{p.repo_id}@{commit[:10]}", log)
+
+
+def _dir_weights(d):
+    """model.safetensors of a model directory, or the shards its index names."""
+    if (d / WEIGHTS).is_file():
+        return [d / WEIGHTS]
+    if (d / WEIGHTS_INDEX).is_file():
+        return [d / n for n in index_shards(d / WEIGHTS_INDEX)]
+    raise FormatError(f"{d / WEIGHTS}: no such file",
+                      "llmctl reads model.safetensors (no PyTorch, so no pytorch_model.bin); "
+                      "transformers' save_pretrained writes it by default")
+
+
+def _hub_weights(repo_id, commit, kw):
+    """model.safetensors of a hub repo at commit, or the shards its index names."""
+    try:
+        return [hub_file(repo_id, WEIGHTS, revision=commit, **kw)]
+    except (NotCached, NotInRepo) as first:
+        try:
+            index = hub_file(repo_id, WEIGHTS_INDEX, revision=commit, **kw)
+        except (NotCached, NotInRepo):
+            raise first from None
+    return [hub_file(repo_id, n, revision=commit, **kw) for n in index_shards(index)]
