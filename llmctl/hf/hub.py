@@ -7,7 +7,7 @@ fetched with `huggingface_hub.hf_hub_download`, so the hub cache, `HF_HOME`, `HF
 and `local_files_only` behave as in every Hugging Face tool and a download shows its progress bar.
 The safetensors file is converted once (convert.py) and the checkpoint kept under
 `$LLMCTL_CACHE` (default `$HF_HOME/llmctl`, i.e. `~/.cache/huggingface/llmctl`):
-  hub/<org>--<name>/<commit>/gpt2_124M.bin     keyed by the repo and the commit it came from
+  hub/v1/<org>--<name>/<commit>/gpt2_124M.bin  keyed by the repo and the commit it came from
   local/<fingerprint>/gpt2_<size>.bin          a directory, keyed by its files' path, size, mtime
 so the next run only reads config.json (to learn the commit) and the checkpoint. Concurrent
 resolvers (the ranks of one job) serialize on a lock file and convert once.
