@@ -452,3 +452,76 @@ def test_sharded_save_pretrained_directory_and_hub_repo_convert_like_one_file(ti
     path = pretrained_checkpoint("hf:someone/sharded", cache_dir=hf_home / "hub", convert_dir=tmp_path / "c",
                                  local_files_only=True)
     assert path.read_bytes() == expected_bytes(cfg, t)
+
+
+# ---------------------------------------------------------------------------------------------
+# -e gpt2 on train, eval loss, eval hellaswag and sample (offline, the tmp hub cache)
+
+
+def hf_token_losses(cfg, t, tokens):
+    """float64 next-token losses of a 1-D token list under the HF-layout forward."""
+    tokens = np.asarray(tokens)
+    logits = hf_forward(cfg, t, tokens[None, :-1])[0]
+    z = logits - logits.max(-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    return -logp[np.arange(len(tokens) - 1), tokens[1:]]
+
+
+def run_pretrained(args, hub, tmp_path):
+    r = run_cli(args + ["--threads", "1"], {"HF_HOME": str(hub[0]), "LLMCTL_CACHE": None}, tmp_path)
+    assert r.returncode == 0, r.stderr
+    return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+
+
+def test_sample_e_gpt2_is_the_hf_models_greedy_text(tiny, hub, tmp_path):
+    cfg, t, _ = tiny
+    out = run_pretrained(["sample", "-e", "gpt2", "--prompt", "Hello world", "-n", "4", "--temperature", "0",
+                          "--json"], hub, tmp_path)
+    seq = list(out[0]["prompt_tokens"])
+    for _ in range(4):
+        seq.append(int(np.argmax(hf_forward(cfg, t, np.array([seq]))[0, -1])))
+    assert out[0]["tokens"] == seq[len(out[0]["prompt_tokens"]):]
+
+
+def test_eval_loss_e_gpt2_is_the_hf_models_loss(tiny, hub, tmp_path):
+    from llmctl.formats import write_datafile
+
+    cfg, t, _ = tiny
+    toks = np.random.default_rng(11).integers(0, 50257, size=2 * 16 + 1)
+    write_datafile(tmp_path / "val.bin", toks)
+    res = run_pretrained(["eval", "loss", "-e", "gpt2", "-j", "val.bin", "-b", "2", "-t", "16", "--json"],
+                         hub, tmp_path)[0]
+    want = np.mean([hf_token_losses(cfg, t, toks[i * 16:i * 16 + 17]) for i in range(2)])
+    assert abs(res["loss"] - want) <= 1e-5 * want
+
+
+def test_eval_hellaswag_e_gpt2_picks_the_hf_models_lowest_mean_loss_endings(tiny, hub, tmp_path):
+    from llmctl.formats import write_evalfile
+
+    cfg, t, _ = tiny
+    rng = np.random.default_rng(12)
+    examples = [{"label": int(rng.integers(0, 4)), "ctx_tokens": rng.integers(0, 50257, size=5).tolist(),
+                 "ending_tokens": [rng.integers(0, 50257, size=int(rng.integers(1, 4))).tolist() for _ in range(4)]}
+                for _ in range(6)]
+    write_evalfile(tmp_path / "hs.bin", examples)
+    res = run_pretrained(["eval", "hellaswag", "-e", "gpt2", "-i", "hs.bin", "--json"], hub, tmp_path)[0]
+    correct = 0
+    for ex in examples:
+        n = len(ex["ctx_tokens"])
+        means = [hf_token_losses(cfg, t, ex["ctx_tokens"] + e)[n - 1:].mean() for e in ex["ending_tokens"]]
+        correct += int(np.argmin(means)) == ex["label"]
+    assert (res["num_examples"], res["correct_norm"]) == (6, correct)
+
+
+def test_train_e_gpt2_starts_from_the_hf_models_loss(tiny, hub, tmp_path):
+    from llmctl.formats import write_datafile
+
+    cfg, t, _ = tiny
+    toks = np.random.default_rng(13).integers(0, 50257, size=2 * 16 + 1)  # one batch: no shuffle to undo
+    write_datafile(tmp_path / "tiny_train.bin", toks)
+    write_datafile(tmp_path / "tiny_val.bin", toks)
+    events = run_pretrained(["train", "-e", "gpt2", "-i", "tiny_train.bin", "-j", "tiny_val.bin", "-b", "2",
+                             "-t", "16", "-x", "1", "-v", "0", "-s", "0", "--json"], hub, tmp_path)
+    step = [e for e in events if e["event"] == "step"][0]
+    want = np.mean([hf_token_losses(cfg, t, toks[i * 16:i * 16 + 17]) for i in range(2)])
+    assert abs(step["loss"] - want) <= 1e-5 * want
