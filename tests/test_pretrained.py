@@ -406,7 +406,7 @@ def test_without_huggingface_hub_the_error_prints_the_install_command(tmp_path):
                        env=dict(os.environ, HF_HOME=str(tmp_path / "hf")))
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "huggingface_hub is not installed" in r.stderr
-    assert "pip install 'huggingface_hub>=0.24' 'safetensors>=0.4'" in r.stderr.replace("\n", " ")
+    assert "pip install 'huggingface_hub>=0.34' 'safetensors>=0.4'" in r.stderr.replace("\n", " ")
 
 
 def test_transformers_save_pretrained_output_gives_transformers_logits(tmp_path):

@@ -25,7 +25,7 @@ from llmctl.hf.convert import SafetensorsGPT2, header_from_config, index_shards,
 
 HUB_ORG = "openai-community"
 OPENAI_GPT2 = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
-INSTALL_COMMAND = "pip install 'huggingface_hub>=0.24' 'safetensors>=0.4'"
+INSTALL_COMMAND = "pip install 'huggingface_hub>=0.34' 'safetensors>=0.4'"
 CACHE_ENV = "LLMCTL_CACHE"
 LAYOUT = "v1"  # bump when the conversion changes, so old cached checkpoints are not reused
 WEIGHTS = "model.safetensors"
