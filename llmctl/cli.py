@@ -434,7 +434,7 @@ _THREADS_OPT = typer.Option(0, "--threads", help="Kernel/BLAS threads (0 = OMP_N
 @eval_app.command("hellaswag")
 @_interruptible("no result")
 def eval_hellaswag_cmd(
-    checkpoint: str = typer.Option(..., "--checkpoint", "-e", help="Model: llm.c .bin checkpoint or descriptor (d6, d12, ...) (llm.c: -e)."),
+    checkpoint: str = typer.Option(..., "--checkpoint", "-e", help="Model: llm.c .bin checkpoint, descriptor (d6, d12, ...), pretrained gpt2|gpt2-medium|gpt2-large|gpt2-xl, or a Hugging Face model DIR (llm.c: -e)."),
     input_file: str = typer.Option("data/hellaswag/hellaswag_val.bin", "--input", "-i", help="llm.c eval file (written by `llmctl prepro hellaswag`)."),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Score only the first N examples (default: all)."),
     norm: str = typer.Option("tokens", "--norm", help="acc_norm normalisation: tokens (llm.c: mean loss per token) or chars (lm-evaluation-harness: per character)."),
@@ -481,7 +481,7 @@ def eval_hellaswag_cmd(
 @eval_app.command("loss")
 @_interruptible("no result")
 def eval_loss_cmd(
-    checkpoint: str = typer.Option(..., "--checkpoint", "-e", help="Model: llm.c .bin checkpoint or descriptor (llm.c: -e)."),
+    checkpoint: str = typer.Option(..., "--checkpoint", "-e", help="Model: llm.c .bin checkpoint, descriptor (d6, d12, ...), pretrained gpt2|gpt2-medium|gpt2-large|gpt2-xl, or a Hugging Face model DIR (llm.c: -e)."),
     pattern: str = typer.Option("data/tinyshakespeare/tiny_shakespeare_val.bin", "--val", "-j", help="Token shard glob, quoted (llm.c: -j)."),
     batch_size: int = typer.Option(4, "--batch-size", "-b", help="Sequences per forward (llm.c: -b)."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", "-t", help="Sequence length T (default: min(1024, maxT)) (llm.c: -t)."),
@@ -569,7 +569,7 @@ def plot_cmd(
 @app.command("sample")
 @_interruptible("the text above is what was generated")
 def sample_cmd(
-    checkpoint: str = typer.Option(..., "--checkpoint", "-e", help="Model: llm.c .bin checkpoint or descriptor (llm.c: -e)."),
+    checkpoint: str = typer.Option(..., "--checkpoint", "-e", help="Model: llm.c .bin checkpoint, descriptor (d6, d12, ...), pretrained gpt2|gpt2-medium|gpt2-large|gpt2-xl, or a Hugging Face model DIR (llm.c: -e)."),
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text (<|endoftext|> is the EOT token). Default: start from EOT like llm.c."),
     prompt_file: Optional[str] = typer.Option(None, "--prompt-file", help="Read the prompt from a UTF-8 file (verbatim)."),
     num_tokens: int = typer.Option(64, "-n", "--max-new-tokens", min=1, help="Tokens to generate; truncated with a message if prompt + n > maxT (llm.c train: -g)."),

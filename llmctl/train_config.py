@@ -73,8 +73,9 @@ class TrainConfig:
     val_data: str = flag("dev/data/tinyshakespeare/tiny_shakespeare_val.bin",
                          "-j", "--val-data", help="Val shards glob (quote it).")
     init: str = flag("gpt2_124M_bf16.bin", "-e", "--init",
-                     help="Start from an llm.c checkpoint .bin or a descriptor: d6, d12, "
-                          "gpt3:c768 (random init, seed 42).")
+                     help="Start from an llm.c checkpoint .bin, a descriptor: d6, d12, "
+                          "gpt3:c768 (random init, seed 42), pretrained gpt2 | gpt2-medium | "
+                          "gpt2-large | gpt2-xl (Hugging Face Hub, cached), or a Hugging Face model DIR.")
     output_dir: Optional[str] = flag(None, "-o", "--output-dir",
                                      help="Directory for main.log, metrics.jsonl and checkpoints "
                                           "(default: none).")

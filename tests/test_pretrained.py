@@ -524,4 +524,24 @@ def test_train_e_gpt2_starts_from_the_hf_models_loss(tiny, hub, tmp_path):
                              "-t", "16", "-x", "1", "-v", "0", "-s", "0", "--json"], hub, tmp_path)
     step = [e for e in events if e["event"] == "step"][0]
     want = np.mean([hf_token_losses(cfg, t, toks[i * 16:i * 16 + 17]) for i in range(2)])
-    assert abs(step["loss"] - want) <= 1e-5 * want
+    assert abs(step["train_loss"] - want) <= 1e-5 * want
+
+
+def test_peek_config_of_gpt2_reads_config_json_only(tiny, hub, tmp_path):
+    code = ("from llmctl.model import peek_config; c = peek_config('gpt2'); "
+            "print(c.num_layers, c.channels, c.max_seq_len, c.padded_vocab_size)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, HF_HOME=str(hub[0]), HF_HUB_OFFLINE="1", LLMCTL_CACHE=str(tmp_path / "c")))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["2", "16", "32", "50304"]
+    assert not (tmp_path / "c").exists()  # nothing converted
+
+
+def test_a_directory_that_is_no_model_is_one_error(tmp_path):
+    from llmctl.errors import FormatError
+    from llmctl.model import load
+
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(FormatError, match="directory without config.json") as e:
+        load(str(tmp_path / "runs"))
+    assert "gpt2" in e.value.hint

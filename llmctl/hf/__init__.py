@@ -2,7 +2,8 @@
 directories -> cached llm.c checkpoints (hub.py, convert.py), llm.c checkpoints -> Hugging Face
 directories (export.py). See docs/pretrained.md."""
 from llmctl.hf.export import export_checkpoint
-from llmctl.hf.hub import OPENAI_GPT2, converted_cache_dir, is_pretrained_spec, parse_spec, pretrained_checkpoint
+from llmctl.hf.hub import (OPENAI_GPT2, converted_cache_dir, is_pretrained_spec, parse_spec, pretrained_checkpoint,
+                           pretrained_header)
 
-__all__ = ["pretrained_checkpoint", "is_pretrained_spec", "parse_spec", "converted_cache_dir",
+__all__ = ["pretrained_checkpoint", "pretrained_header", "is_pretrained_spec", "parse_spec", "converted_cache_dir",
            "export_checkpoint", "OPENAI_GPT2"]

@@ -206,6 +206,27 @@ def _fingerprint(*paths):
     return h.hexdigest()[:20]
 
 
+def _parse_or_fail(spec):
+    p = parse_spec(spec)
+    if p is None:
+        raise ConfigError(f"{spec!r} is not a pretrained model name or a Hugging Face model directory",
+                          "use gpt2, gpt2-medium, gpt2-large, gpt2-xl, hf:ORG/NAME, or a directory "
+                          "with config.json and model.safetensors")
+    return p
+
+
+def pretrained_header(spec, *, revision=None, local_files_only=None, cache_dir=None):
+    """The llm.c checkpoint header (v3) pretrained_checkpoint(spec) will have, from config.json
+    alone (no weights are fetched or converted): for checks before anything big happens."""
+    p = _parse_or_fail(spec)
+    if p.directory:
+        cfg_path = Path(p.directory) / "config.json"
+        return header_from_config(read_config(cfg_path), where=str(cfg_path))
+    cfg_path = hub_file(p.repo_id, "config.json", revision=revision or p.revision,
+                        local_files_only=local_files_only, cache_dir=cache_dir, progress=False)
+    return header_from_config(read_config(cfg_path), where=f"{p.repo_id}: config.json")
+
+
 def pretrained_checkpoint(spec, *, revision=None, local_files_only=None, progress=True, cache_dir=None,
                           convert_dir=None, log=None):
     """Path of an llm.c v3 checkpoint for a pretrained spec (see parse_spec), converting and
@@ -213,11 +234,7 @@ def pretrained_checkpoint(spec, *, revision=None, local_files_only=None, progres
     HF_HUB_OFFLINE; cache_dir=None is the hub cache of HF_HOME); convert_dir overrides the
     converted-checkpoint cache ($LLMCTL_CACHE, else $HF_HOME/llmctl). log(msg) hears about a
     conversion. Errors are LlmctlError with a hint (not in cache while offline, not GPT-2, ...)."""
-    p = parse_spec(spec)
-    if p is None:
-        raise ConfigError(f"{spec!r} is not a pretrained model name or a Hugging Face model directory",
-                          "use gpt2, gpt2-medium, gpt2-large, gpt2-xl, hf:ORG/NAME, or a directory "
-                          "with config.json and model.safetensors")
+    p = _parse_or_fail(spec)
     root = Path(convert_dir) if convert_dir else converted_cache_dir()
     if p.directory:
         d = Path(p.directory)

@@ -4,31 +4,54 @@ What it is: `peek_config(spec)` (the GPT2Config a spec will build, from a checkp
 descriptor alone: cheap, for checks before anything is allocated) and `load(spec, **kw)` (the
 GPT2 itself). A spec is, as for llm.c's `-e` (train_gpt2.cu `gpt2_build_from_checkpoint` /
 `gpt2_build_from_descriptor`): an llm.c checkpoint path (v3 fp32, or v5 bf16 widened exactly)
-or a descriptor ("d12", "gpt2:d12", "gpt3:c768") for llm.c's seeded random init. Any new kind of
-spec (a pretrained name, a directory) or load option belongs here, so every command gains it.
+or a descriptor ("d12", "gpt2:d12", "gpt3:c768") for llm.c's seeded random init; and, as
+train_gpt2.py's `--model`, pretrained GPT-2 ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "hf:ORG/NAME",
+or a Hugging Face model directory), which llmctl/hf/ turns into a cached llm.c checkpoint. Any
+new kind of spec or load option belongs here, so every command gains it.
 What it is not: the checkpoint format (llmctl/formats.py) or the model (llmctl/model/gpt2.py).
 """
 import os
+import sys
 
 from llmctl.errors import FormatError
 from llmctl.model.config import GPT2Config
 from llmctl.model.gpt2 import GPT2, INIT_SEED
 
+SPEC_HINT = ("-e takes an llm.c checkpoint .bin, a descriptor for llm.c's random init (d6, d12, ...), "
+             "pretrained gpt2 / gpt2-medium / gpt2-large / gpt2-xl, or a Hugging Face model directory")
+
+
+def _pretrained(s):
+    """A pretrained spec (a file of that name is still a checkpoint, as before)."""
+    from llmctl.hf import is_pretrained_spec  # here, not at the top: llmctl.hf reads formats, which reads the model
+
+    return not os.path.isfile(s) and is_pretrained_spec(s)
+
 
 def _checkpoint_path(spec):
-    """The checkpoint path spec names, or None for a descriptor; FormatError for a missing file."""
+    """The checkpoint path spec names (a pretrained spec's cached conversion), or None for a
+    descriptor; FormatError for a missing file."""
     s = str(spec)
+    if _pretrained(s):
+        from llmctl.hf import pretrained_checkpoint
+
+        return str(pretrained_checkpoint(s, log=lambda msg: print(msg, file=sys.stderr, flush=True)))
+    if os.path.isdir(s):
+        raise FormatError(f"{s}: is a directory without config.json or model.safetensors", SPEC_HINT)
     if os.path.exists(s):
         return s
     if s.endswith(".bin") or os.sep in s:
-        raise FormatError(f"{s}: checkpoint file not found",
-                          hint="pass an existing llm.c checkpoint .bin, or a descriptor such as "
-                               "-e d6 or -e d12 for llm.c's random init")
+        raise FormatError(f"{s}: checkpoint file not found", SPEC_HINT)
     return None
 
 
 def peek_config(spec):
-    """The GPT2Config that load(spec) builds, reading at most a checkpoint header."""
+    """The GPT2Config that load(spec) builds, reading at most a checkpoint header (for a
+    pretrained spec, its config.json: nothing is downloaded but that, nothing converted)."""
+    if _pretrained(str(spec)):
+        from llmctl.hf import pretrained_header
+
+        return pretrained_header(str(spec)).config()
     path = _checkpoint_path(spec)
     if path is not None:
         from llmctl.formats import read_checkpoint_header
