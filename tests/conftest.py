@@ -38,6 +38,13 @@ def _no_network(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def _private_converted_checkpoints(tmp_path, monkeypatch):
+    """Pretrained checkpoints a test converts (-e gpt2, -e DIR) go to its own tmp dir, never the
+    user's cache (docs/pretrained.md: $LLMCTL_CACHE)."""
+    monkeypatch.setenv("LLMCTL_CACHE", str(tmp_path / "llmctl-cache"))
+
+
+@pytest.fixture(autouse=True)
 def _cwd_outside_the_checkout(tmp_path, monkeypatch):
     """Run every test (and the `python -m llmctl` processes it starts) from an empty directory.
 
