@@ -545,3 +545,11 @@ def test_a_directory_that_is_no_model_is_one_error(tmp_path):
     with pytest.raises(FormatError, match="directory without config.json") as e:
         load(str(tmp_path / "runs"))
     assert "gpt2" in e.value.hint
+
+
+def test_inspect_bin_validates_every_prepro_gpt2_file(prepro_out):
+    from llmctl.inspect import inspect_files
+
+    res = inspect_files(sorted(str(p) for p in prepro_out[0].iterdir()))
+    assert [(r["kind"], r["valid"]) for r in res] == [("checkpoint", True), ("checkpoint", True),
+                                                      ("debug-state", True), ("tokenizer", True)], res
