@@ -553,3 +553,10 @@ def test_inspect_bin_validates_every_prepro_gpt2_file(prepro_out):
     res = inspect_files(sorted(str(p) for p in prepro_out[0].iterdir()))
     assert [(r["kind"], r["valid"]) for r in res] == [("checkpoint", True), ("checkpoint", True),
                                                       ("debug-state", True), ("tokenizer", True)], res
+
+
+def test_an_invalid_hub_repo_id_is_one_error(tmp_path):
+    with pytest.raises(LlmctlError, match="not a valid Hugging Face repo id") as e:
+        pretrained_checkpoint("hf:bad..name/x", cache_dir=tmp_path / "hub", convert_dir=tmp_path / "c",
+                              local_files_only=True)
+    assert e.value.hint

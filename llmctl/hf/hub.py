@@ -114,8 +114,8 @@ def hub_file(repo_id, filename, *, revision=None, local_files_only=None, cache_d
     """Path of one file of a hub repo via hf_hub_download (cache first; downloads unless offline)."""
     try:
         from huggingface_hub import constants, hf_hub_download
-        from huggingface_hub.utils import (EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError,
-                                           RepositoryNotFoundError, RevisionNotFoundError,
+        from huggingface_hub.utils import (EntryNotFoundError, HfHubHTTPError, HFValidationError,
+                                           LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError,
                                            are_progress_bars_disabled, disable_progress_bars,
                                            enable_progress_bars)
     except ImportError:
@@ -128,6 +128,9 @@ def hub_file(repo_id, filename, *, revision=None, local_files_only=None, cache_d
     try:
         return Path(hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir,
                                     local_files_only=offline))
+    except HFValidationError as e:
+        raise ConfigError(f"{repo_id}: not a valid Hugging Face repo id or revision ({e})",
+                          "a repo id is ORG/NAME of letters, digits, '-', '_' and '.'") from None
     except LocalEntryNotFoundError:  # a subclass of EntryNotFoundError: first
         why = ("downloads are off (HF_HUB_OFFLINE=1 or local_files_only)" if offline
                else "the Hub cannot be reached")
