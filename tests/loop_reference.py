@@ -11,13 +11,14 @@ decay on the wrong tensors, a wrong batch order or a wrong val average in llmctl
   epoch, samples permuted from identity on entering a shard, rank r's B*T+1 slice of each
   P*B*T sample, RNG seeded 42 + r);
 - `learning_rate`: llmc/schedulers.h (cosine, linear, constant, wsd) in float64;
+- `training_sample`: the sample train_gpt2.cu prints (xorshift64* seeded 1337, sample_softmax);
 - `run`: the loop order of train_gpt2.cu for step = 0..N (val loss averaged over val_num_batches
   and over ranks, then the micro-steps with dloss = 1/(B*T*accum), the gradients averaged over
   ranks, the global L2 norm, the clip at 1.0 as grad_scale = 1/norm, AdamW with weight decay on the
   matrices only (the 2-D tensors per layer: wte, wpe, qkvw, attprojw, fcw, fcprojw)), with the
   GPT-2 forward/backward of tests/reference.py in float64.
 What it is not: fast (a few ms per step for the tiny models the tests use), or a model of -a 1,
-sampling, checkpoints or -sl/-sg. Ranks are simulated in one process: each rank's gradients are
+checkpoints or -sl/-sg. Ranks are simulated in one process: each rank's gradients are
 computed in turn and averaged, which is what an exact all-reduce gives.
 """
 import glob
@@ -186,6 +187,42 @@ def learning_rate(kind, step, lr, warmup, num_steps, final_frac):
 
 
 # ----------------------------------------------------------------------------------------------
+# train_gpt2.c random_u32 / random_f32 and llmc/sampler.h
+
+class XorShift:
+    """xorshift64* of train_gpt2.c: the coins of the samples printed during training."""
+
+    def __init__(self, seed=1337):
+        self.state = seed
+
+    def random_f32(self):
+        s = self.state
+        s ^= s >> 12
+        s = (s ^ (s << 25)) & 0xFFFFFFFFFFFFFFFF
+        s ^= s >> 27
+        self.state = s
+        u32 = ((s * 0x2545F4914F6CDD1D) & 0xFFFFFFFFFFFFFFFF) >> 32
+        return (u32 >> 8) / 16777216.0
+
+
+def sample_softmax(logits, coin):
+    """llmc/sampler.h: walk the CDF of exp(logits) (no max subtraction) until it passes coin*norm."""
+    e = np.exp(np.asarray(logits, dtype=np.float64))
+    i = int(np.searchsorted(np.cumsum(e), coin * e.sum(), side="right"))
+    return min(i, e.size - 1)
+
+
+def training_sample(params, cfg, gen_tokens, eot):
+    """train_gpt2.cu's sample: from [eot], gen_tokens-1 ids, coins from a fresh xorshift(1337),
+    each from the logits of the last position over the first V entries (full forward each time)."""
+    rng, ids = XorShift(1337), [eot]
+    for _ in range(1, gen_tokens):
+        _, logits, _ = R.gpt2_forward(params, np.array([ids]), None, cfg)
+        ids.append(sample_softmax(logits[0, -1, :cfg["vocab_size"]], rng.random_f32()))
+    return ids[1:]
+
+
+# ----------------------------------------------------------------------------------------------
 # train_gpt2.cu main loop
 
 def decays(name, shape):
@@ -196,11 +233,12 @@ def decays(name, shape):
 
 def run(init, train_pattern, val_pattern, B, T, num_steps, P=1, total_batch=None, lr=3e-4,
         schedule="cosine", warmup=0, final_frac=1.0, weight_decay=0.0, grad_clip=1.0,
-        val_every=0, val_max_steps=20, seed=42, beta1=0.9, beta2=0.95, eps=1e-8):
+        val_every=0, val_max_steps=20, sample_every=0, gen_tokens=64, seed=42, beta1=0.9,
+        beta2=0.95, eps=1e-8):
     """Train like `llmctl train -e init -i train -j val -b B -t T -x num_steps --nproc P -d ...`.
 
     -> {"steps": [{"step", "train_loss", "lr", "grad_norm"}...], "val": {step: loss},
-        "params": final float64 params, "grad_accum_steps": n}
+        "samples": {step: ids}, "params": final float64 params, "grad_accum_steps": n}
     """
     cfg, params = read_checkpoint(init)
     total_batch = B * T * P if total_batch in (None, -1) else total_batch
@@ -213,7 +251,8 @@ def run(init, train_pattern, val_pattern, B, T, num_steps, P=1, total_batch=None
     wd = {n: weight_decay if decays(n, s) else 0.0 for n, s in R.param_shapes(cfg)}
     m = {n: np.zeros(s) for n, s in R.param_shapes(cfg)}
     v = {n: np.zeros(s) for n, s in R.param_shapes(cfg)}
-    out = {"steps": [], "val": {}, "grad_accum_steps": accum}
+    out = {"steps": [], "val": {}, "samples": {}, "grad_accum_steps": accum}
+    eot = 50256 if cfg["vocab_size"] > 50256 else 0  # a tiny vocabulary has no GPT-2 EOT
     for step in range(num_steps + 1):
         last = step == num_steps
         if val_every > 0 and (step % val_every == 0 or last):
@@ -223,6 +262,9 @@ def run(init, train_pattern, val_pattern, B, T, num_steps, P=1, total_batch=None
                 losses = [R.gpt2_loss(params, *ld.next_batch(), cfg) for _ in range(val_batches)]
                 rank_means.append(sum(losses) / val_batches)
             out["val"][step] = sum(rank_means) / P
+        if sample_every > 0 and ((step > 0 and step % sample_every == 0) or last):
+            n = min(gen_tokens, cfg["max_seq_len"])
+            out["samples"][step] = training_sample(params, cfg, n, eot)
         if last:
             break
         grads = {n: np.zeros(s) for n, s in R.param_shapes(cfg)}

@@ -59,14 +59,17 @@ def _flag(flags, name, default):
 
 
 def train_cli(d, out, flags, nproc=1):
-    """Run `llmctl train` on the files in d with `flags` (llm.c's short flags); -> (metrics by
-    step, main.log lines, final params, peak lr, number of steps)."""
+    """Run `llmctl train --json` on the files in d with `flags` (llm.c's short flags; -s 0 unless
+    given); -> (metrics by step, main.log lines, final params, peak lr, number of steps, the
+    JSON events printed on stdout)."""
     steps = _flag(flags, "-x", -1)
     if steps == -1:  # one epoch (llm.c's -x -1): the test computes it from the shard sizes
         steps = sum(TRAIN_SHARDS) // _flag(flags, "-d", B * T * nproc)
     args = ["train", "-i", str(d / "train_*.bin"), "-j", str(d / "val.bin"),
             "-e", str(d / "init.bin"), "-o", str(d / out), "-b", str(B), "-t", str(T),
-            "-s", "0", "-n", str(steps), "--threads", "1", *flags]
+            "-n", str(steps), "--threads", "1", "--json", *flags]
+    if "-s" not in flags:
+        args += ["-s", "0"]
     if nproc > 1:
         args += ["--nproc", str(nproc)]
     r = subprocess.run([sys.executable, "-m", "llmctl", *args], capture_output=True, text=True,
@@ -75,8 +78,9 @@ def train_cli(d, out, flags, nproc=1):
     o = d / out
     recs = [json.loads(line) for line in (o / "metrics.jsonl").read_text().splitlines()]
     _, params = LR.read_checkpoint(o / f"model_{steps:08d}.bin")
+    events = [json.loads(line) for line in r.stdout.splitlines()]
     return ({rec["step"]: rec for rec in recs}, (o / "main.log").read_text().splitlines(), params,
-            _flag(flags, "-l", 3e-4), steps)
+            _flag(flags, "-l", 3e-4), steps, events)
 
 
 def reference(d, flags, nproc=1, steps=None):
@@ -85,6 +89,7 @@ def reference(d, flags, nproc=1, steps=None):
                   schedule=_flag(flags, "-k", "cosine"), warmup=_flag(flags, "-u", 0),
                   final_frac=_flag(flags, "-q", 1.0), weight_decay=_flag(flags, "-c", 0.0),
                   val_every=_flag(flags, "-v", 20), val_max_steps=_flag(flags, "-m", 20),
+                  sample_every=_flag(flags, "-s", 0), gen_tokens=_flag(flags, "-g", 64),
                   seed=_flag(flags, "--seed", 42))
 
 
@@ -93,7 +98,7 @@ def _close(a, b, rtol):
 
 
 def assert_matches_reference(run, ref):
-    metrics, log, params, peak_lr, steps = run
+    metrics, log, params, peak_lr, steps, _ = run
     # every step's loss, lr and grad norm at full precision
     assert [s for s in metrics if "train_loss" in metrics[s]] == list(range(steps))
     for want in ref["steps"]:
@@ -179,6 +184,43 @@ def test_nproc2_over_shm_matches_the_loop_reference(files):
     ref = reference(files, flags, nproc=2, steps=12)
     assert ref["grad_accum_steps"] == 2
     assert_matches_reference(run, ref)
+
+
+def test_samples_printed_during_training_match_the_reference(files):
+    """-s 1 -g 12: after each step a sample from the start token (0 here: V = 64 has no GPT-2
+    EOT) with coins from xorshift64* seeded 1337 afresh each time, as train_gpt2.cu prints it.
+    A coin lands within 1e-6 of a CDF boundary with probability ~1e-6 per token, so float32
+    logits pick the same ids as float64 ones."""
+    flags = ["-x", "3", "-k", "constant", "-l", "1e-2", "-v", "0", "-s", "1", "-g", "12"]
+    run = train_cli(files, "samples", flags)
+    ref = reference(files, flags, steps=3)
+    got = {e["step"]: [int(t) for t in e["text"].split()] for e in run[5] if e["event"] == "sample"}
+    assert got == ref["samples"] and sorted(got) == [1, 2, 3]
+    assert all(len(ids) == 11 for ids in got.values())
+    assert len({tuple(ids) for ids in got.values()}) == 3  # the weights moved between samples
+
+
+def test_mfu_is_llmcs_formula_over_the_measured_peak(files, tmp_path):
+    """llm.c gpt2_estimate_mfu: (6*N + 6*L*C*T) FLOPs per token times B*T*accum tokens per step,
+    over the step's seconds, as a fraction of the peak (llmctl: this machine's fp32 sgemm rate
+    at the run's thread count); tokens/s is B*T*accum over the same seconds."""
+    from llmctl.train import Trainer, TrainConfig, measure_peak_flops
+
+    cfg = TrainConfig(train_data=str(files / "train_*.bin"), val_data=str(files / "val.bin"),
+                      init=str(files / "init.bin"), output_dir=str(tmp_path / "o"), batch_size=B,
+                      seq_len=T, total_batch_size=2 * B * T, max_steps=3, val_loss_every=0,
+                      sample_every=0, threads=1)
+    trainer = Trainer(cfg)
+    trainer.run()
+    assert trainer.peak_flops == measure_peak_flops(1) > 0
+    N, L, C = R.num_parameters(CFG), CFG["num_layers"], CFG["channels"]
+    flops_per_step = (6 * N + 6 * L * C * T) * B * T * 2
+    recs = [json.loads(x) for x in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
+    assert len(recs) == 3
+    for rec in recs:
+        seconds = rec["ms"] / 1000.0
+        assert rec["mfu"] == pytest.approx(flops_per_step / seconds / trainer.peak_flops, rel=1e-12)
+        assert rec["tokens_per_s"] == pytest.approx(2 * B * T / seconds, rel=1e-12)
 
 
 # ----------------------------------------------------------------------------------------------

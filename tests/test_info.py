@@ -1,0 +1,90 @@
+"""`llmctl info` / `llmctl --version`, and that an OpenMP build (LLMCTL_FAIL_NO_OPENMP=1) has OpenMP."""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from llmctl._ext import buildinfo
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _cli(*args, env=None):
+    r = subprocess.run([sys.executable, "-m", "llmctl", *args], capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, **(env or {})))
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def _project_version():
+    # the [project] table's version (Python 3.10 has no tomllib)
+    return re.search(r'^version = "([^"]+)"$', (REPO / "pyproject.toml").read_text(), re.M).group(1)
+
+
+def test_info_json_reports_version_openmp_threads_and_blas():
+    from threadpoolctl import threadpool_info
+
+    info = json.loads(_cli("info", "--json", env={"OMP_NUM_THREADS": "3"}))
+    assert info["version"] == _project_version()
+    assert info["openmp"] is buildinfo.openmp_enabled()
+    assert info["threads"] == 3  # OMP_NUM_THREADS wins over the core count
+    import scipy.linalg  # noqa: F401  (the BLAS the kernels call is scipy's)
+
+    apis = {f"{lib['internal_api']} {lib['version']}" for lib in threadpool_info()
+            if lib.get("user_api") == "blas"}
+    assert info["blas"] is not None and info["blas"].rsplit(" (", 1)[0] in apis
+
+
+def test_info_and_version_print_the_same_three_lines():
+    text = _cli("info", env={"OMP_NUM_THREADS": "2"})
+    lines = text.splitlines()
+    assert lines[0] == f"llmctl {_project_version()}"
+    want = "yes" if buildinfo.openmp_enabled() else "NO (serial build)"
+    assert lines[1] == f"OpenMP: {want}, threads: 2"
+    assert re.fullmatch(r"BLAS: \S+ \S+ \(.*\)|BLAS: unknown", lines[2]), lines[2]
+    assert _cli("--version", env={"OMP_NUM_THREADS": "2"}) == text
+
+
+def test_ci_build_has_openmp():
+    """CI installs with LLMCTL_FAIL_NO_OPENMP=1 (README's test command): its build must have it."""
+    if os.environ.get("CI", "").lower() != "true":
+        pytest.skip("not under CI=true: a local build may be serial on purpose")
+    assert buildinfo.openmp_enabled(), "CI's build has no OpenMP"
+
+
+CHECK = textwrap.dedent("""
+    import sys
+    import llmctl._ext
+    llmctl._ext.__path__.insert(0, sys.argv[1])
+    from llmctl._ext import buildinfo
+    assert buildinfo.__file__.startswith(sys.argv[1]), buildinfo.__file__
+    print(buildinfo.openmp_enabled(), buildinfo.openmp_max_threads())
+""")
+
+
+@pytest.mark.slow
+def test_build_under_fail_no_openmp_has_a_working_openmp(tmp_path):
+    """setup.py with LLMCTL_FAIL_NO_OPENMP=1 either fails or links a real OpenMP runtime: the
+    build says so and omp_get_max_threads() follows OMP_NUM_THREADS (a serial stub returns 1)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy2(REPO / "setup.py", src / "setup.py")
+    shutil.copytree(REPO / "_ext", src / "_ext", ignore=shutil.ignore_patterns("*.so", "build"))
+    build = tmp_path / "build"
+    env = dict(os.environ, LLMCTL_FAIL_NO_OPENMP="1", LLMCTL_EXTS="buildinfo")
+    env.pop("LLMCTL_NO_OPENMP", None)
+    r = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "-b", str(build),
+                        "-t", str(tmp_path / "tmp")], cwd=src, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ext_dir = build / "llmctl" / "_ext"
+    r = subprocess.run([sys.executable, "-c", CHECK, str(ext_dir)], capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="3"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True", "3"]
