@@ -5,8 +5,8 @@ llm.c's sources and written without llmctl's code, so a wrong schedule, a skippe
 decay on the wrong tensors, a wrong batch order or a wrong val average in llmctl cannot hide here:
 - the file formats: token shards (`dev/data/data_common.py` `write_datafile`) and float32 v3
   checkpoints (`train_gpt2.py` `write_model`), written and read with plain NumPy;
-- `MT19937`: llmc/rand.h's generator (PyTorch's CPU mt19937) in pure Python, and
-  `random_permutation`;
+- `MT19937`: llmc/rand.h's generator (PyTorch's CPU mt19937) in pure Python,
+  `random_permutation` and the first block of `normal_` (`normal16`);
 - `Loader`: llmc/dataloader.h's state machine (sorted glob, shard order permuted in place every
   epoch, samples permuted from identity on entering a shard, rank r's B*T+1 slice of each
   P*B*T sample, RNG seeded 42 + r);
@@ -106,6 +106,19 @@ class MT19937:
         y ^= (y << 15) & 0xEFC60000
         y ^= y >> 18
         return y & 0xFFFFFFFF
+
+
+def normal16(rng, mean=0.0, std=1.0):
+    """The first 16 values of rand.h normal_(n >= 16): 16 uniforms (24 bits of a randint32 each),
+    then Box-Muller on the pairs (t, t+8) with u1 = 1 - u[t] (in float64 here)."""
+    u = [(rng.randint32() & 0xFFFFFF) / 16777216.0 for _ in range(16)]
+    out = [0.0] * 16
+    for t in range(8):
+        radius = math.sqrt(-2.0 * math.log(1.0 - u[t] + 1e-12))
+        theta = 2.0 * math.pi * u[t + 8]
+        out[t] = radius * math.cos(theta) * std + mean
+        out[t + 8] = radius * math.sin(theta) * std + mean
+    return out
 
 
 def random_permutation(a, rng):

@@ -223,6 +223,35 @@ def test_mfu_is_llmcs_formula_over_the_measured_peak(files, tmp_path):
         assert rec["tokens_per_s"] == pytest.approx(2 * B * T / seconds, rel=1e-12)
 
 
+def test_e_d6_starts_from_llmcs_random_init(tmp_path):
+    """-e d6: llm.c's d6 shape (L=6, C=384, NH=6, maxT=1024, V=50257, Vp=50304) and init: one
+    mt19937 seeded 42, wte's first V rows ~ N(0, 0.02) (its first 16 values are the first
+    Box-Muller block), padded rows 0, the residual projections at 0.02/sqrt(2L), biases 0,
+    LayerNorm weights 1. -x 0 -n 1 checkpoints the untouched init."""
+    rng = np.random.default_rng(0)
+    LR.write_shard(tmp_path / "gpt2.bin", rng.integers(0, 50257, 64))
+    r = subprocess.run([sys.executable, "-m", "llmctl", "train", "-i", str(tmp_path / "gpt2.bin"),
+                        "-j", str(tmp_path / "gpt2.bin"), "-e", "d6", "-b", "1", "-t", "8", "-x", "0",
+                        "-n", "1", "-v", "0", "-s", "0", "--threads", "1", "-o", str(tmp_path / "o")],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    cfg, p = LR.read_checkpoint(tmp_path / "o" / "model_00000000.bin")
+    assert cfg == dict(max_seq_len=1024, vocab_size=50257, num_layers=6, num_heads=6, channels=384,
+                       padded_vocab_size=50304)
+    first = LR.normal16(LR.MT19937(42), std=0.02)
+    np.testing.assert_allclose(p["wte"].reshape(-1)[:16], first, rtol=1e-5, atol=1e-9)
+    assert not p["wte"][50257:].any()
+    for name, std in (("wte", 0.02), ("wpe", 0.02), ("qkvw", 0.02), ("fcw", 0.02),
+                      ("attprojw", 0.02 / math.sqrt(12)), ("fcprojw", 0.02 / math.sqrt(12))):
+        a = p[name][:50257] if name == "wte" else p[name]
+        assert abs(a.mean()) < 1e-4 and a.std() == pytest.approx(std, rel=0.01), name
+    for name in ("ln1b", "qkvb", "attprojb", "ln2b", "fcb", "fcprojb", "lnfb"):
+        assert not p[name].any(), name
+    for name in ("ln1w", "ln2w", "lnfw"):
+        assert (p[name] == 1.0).all(), name
+    del p
+
+
 # ----------------------------------------------------------------------------------------------
 # the reference itself, against llm.c's published vectors (so it cannot share a bug with llmctl)
 
@@ -230,6 +259,12 @@ def test_reference_mt19937_matches_rand_h_vectors():
     rng = LR.MT19937(137)  # llmc/rand.h's header comment (PyTorch's generator)
     assert [rng.randint32() for _ in range(5)] == [4053805790, 2173880614, 380293709,
                                                    1237255315, 2986595568]
+    for _ in range(16):  # what normal_(8) consumes there (8 randfloat64 of 2 words each)
+        rng.randint32()
+    assert rng.randint32() == 2186503452
+    n16 = LR.normal16(rng)  # then normal_(16) begins -1.28139, -2.64640 and ends 0.39620
+    assert [round(n16[i], 5) for i in (0, 1, 15)] == [-1.28139, -2.6464, 0.3962]
+    assert rng.randint32() == 2756748748
 
 
 def test_reference_loader_matches_llmc_shuffle_vectors(tmp_path):
