@@ -70,8 +70,8 @@ def train_cli(d, out, flags, nproc=1):
             "-n", str(steps), "--threads", "1", "--json", *flags]
     if "-s" not in flags:
         args += ["-s", "0"]
-    if nproc > 1:
-        args += ["--nproc", str(nproc)]
+    if nproc > 1:  # the shared-memory all-reduce, named so that auto cannot pick another
+        args += ["--nproc", str(nproc), "--backend", "shm"]
     r = subprocess.run([sys.executable, "-m", "llmctl", *args], capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr
@@ -183,6 +183,8 @@ def test_nproc2_over_shm_matches_the_loop_reference(files):
     run = train_cli(files, "nproc2", flags, nproc=2)
     ref = reference(files, flags, nproc=2, steps=12)
     assert ref["grad_accum_steps"] == 2
+    start = next(e for e in run[5] if e["event"] == "start")
+    assert start["P"] == 2 and all(run[0][s]["allreduce_ms"] > 0 for s in range(12))
     assert_matches_reference(run, ref)
 
 
