@@ -394,9 +394,10 @@ def c_init(tmp_path_factory):
     """run(cfg, build="O2"): the C init's parameter buffer. Builds: "O2" is gcc -O2 (x86-64
     baseline: no FMA, like nvcc's host g++ -O3 for train_gpt2.cu); "native" is -O3
     -march=native, where gcc contracts `r * cosf(t) * std + mean` into an FMA on FMA CPUs."""
-    if shutil.which("gcc") is None:
-        pytest.skip("gcc is not installed")
+    from conftest import require
     from test_rand import C_CORE
+
+    require(shutil.which("gcc") is not None, "gcc is not installed (looked for it on PATH)")
 
     d = tmp_path_factory.mktemp("initc")
     (d / "init.c").write_text(C_CORE + C_INIT_MAIN)

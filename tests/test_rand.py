@@ -159,8 +159,9 @@ int main(void) {
 
 @pytest.fixture(scope="module")
 def c_output(tmp_path_factory):
-    if shutil.which("gcc") is None:
-        pytest.skip("gcc is not installed")
+    from conftest import require
+
+    require(shutil.which("gcc") is not None, "gcc is not installed (looked for it on PATH)")
     d = tmp_path_factory.mktemp("randc")
     (d / "r.c").write_text(C_PROG)
     subprocess.run(["gcc", "-O2", "-o", str(d / "r"), str(d / "r.c"), "-lm"], check=True)
