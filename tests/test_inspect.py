@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from llmctl import formats as F
+from llmctl import tokenizer as tkz  # part of the package: a broken import fails, never skips
 from llmctl.inspect import inspect_file, inspect_files, summary_line
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -136,8 +137,7 @@ def test_state_file_checked_against_sibling_model(tmp_path, valid_files):
 
 
 def test_decode_uses_gpt2_tokenizer(tmp_path):
-    tokmod = pytest.importorskip("llmctl.tokenizer")
-    tok = tokmod.get_tokenizer()
+    tok = tkz.get_tokenizer()
     ids = [tok.eot] + tok.encode_ordinary("First Citizen:\nBefore we proceed any further, hear me speak.")
     p = tmp_path / "s.bin"
     F.write_datafile(p, ids)
@@ -145,14 +145,13 @@ def test_decode_uses_gpt2_tokenizer(tmp_path):
     assert r["valid"] and r["decoded"] == "<|endoftext|>First Citizen:"
     # a tokenizer .bin can be used instead of the built-in one
     tb = tmp_path / "tok.bin"
-    tokmod.write_gpt2_tokenizer_bin(tb)
+    tkz.write_gpt2_tokenizer_bin(tb)
     assert inspect_file(p, decode=4, tokenizer=str(tb))["decoded"] == "<|endoftext|>First Citizen:"
 
 
 def test_real_hellaswag_examples(tmp_path, hellaswag_jsonl):
     """The first 12 HellaSwag val examples, tokenised as llm.c's hellaswag.py does, inspect cleanly."""
-    tokmod = pytest.importorskip("llmctl.tokenizer")
-    tok = tokmod.get_tokenizer()
+    tok = tkz.get_tokenizer()
     exs, labels = [], []
     with open(hellaswag_jsonl) as f:
         for _, line in zip(range(12), f):
