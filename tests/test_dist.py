@@ -6,6 +6,7 @@ process survives (fixture `dist_clean`). Timeouts are short (2-3 s) so fault tes
 """
 import json
 import os
+import re
 import signal
 import socket
 import struct
@@ -16,14 +17,13 @@ import time
 import numpy as np
 import pytest
 
+from llmctl._ext import reduce  # part of the build: a missing extension fails, never skips
 from llmctl.distributed import control
 from llmctl.distributed.env import parse_int, resolve_env, threads_per_rank
 from llmctl.distributed.launcher import launch
 from llmctl.distributed.shm import PREFIX, SHM_DIR, sweep_segments
 from llmctl.errors import ConfigError, DistError
 from tinyrun import tiny_train_args, write_tiny_run
-
-reduce = pytest.importorskip("llmctl._ext.reduce")
 
 TOY = "llmctl.distributed.selftest:collectives"
 
@@ -259,21 +259,26 @@ def test_collectives_exact_across_ranks(dist_clean, nproc, shared):
     ("mismatch", r"ranks disagree on identical parameters .*rank 0: (\w+), rank 1: (?!\1)"),
 ])
 def test_rank_failure_ends_the_job_naming_the_rank(dist_clean, fail, expect):
+    # the surviving rank waits in a collective: without the launcher's handling the job would
+    # end only at the collective timeout (300 s); 120 s is a generous ceiling on a loaded machine
     t0 = time.monotonic()
     with pytest.raises(DistError, match=expect):
         launch(TOY, {"dir": str(dist_clean), "iters": 3, "fail_rank": 1, "fail_at": 1, "fail": fail},
-               2, threads=1, timeout=3, grace=1)
-    assert time.monotonic() - t0 < 15
+               2, threads=1, timeout=3, grace=1, collective_timeout=300)
+    assert time.monotonic() - t0 < 120
 
 
 def test_hung_rank_is_detected_within_the_timeout(dist_clean):
     """SIGSTOP (a hang) on rank 1: no heartbeat for `timeout` s ends the job, even though rank 0
     is blocked in a collective; the stopped process is killed, not orphaned."""
+    # detected by the heartbeat timeout (2 s), not the collective timeout (300 s): the silence
+    # it reports is at least the timeout, and the job ends far below the collective timeout
     t0 = time.monotonic()
-    with pytest.raises(DistError, match=r"rank 1 \(pid \d+\) sent no heartbeat for [\d.]+ s: hung or stopped"):
+    with pytest.raises(DistError, match=r"rank 1 \(pid \d+\) sent no heartbeat for [\d.]+ s: hung or stopped") as e:
         launch(TOY, {"dir": str(dist_clean), "iters": 3, "fail_rank": 1, "fail_at": 1, "fail": "stop"},
-               2, threads=1, timeout=2, grace=1)
-    assert time.monotonic() - t0 < 2 + 3 * 1 + 3  # timeout + shutdown grace steps + slack
+               2, threads=1, timeout=2, grace=1, collective_timeout=300)
+    assert time.monotonic() - t0 < 120
+    assert float(re.search(r"no heartbeat for ([\d.]+) s", e.value.message).group(1)) >= 2
 
 
 def test_rank_exiting_early_is_reported(dist_clean):
@@ -520,10 +525,8 @@ def test_killed_rank_stops_the_job_and_the_checkpoint_resumes(tiny_run):
             json.dump({"pid": kids[0]}, f)
         with open(d / "1.pid", "w") as f:
             json.dump({"pid": kids[1]}, f)
-        t0 = time.monotonic()
         os.kill(kids[1], signal.SIGKILL)
-        out, err = p.communicate(timeout=30)
-        assert time.monotonic() - t0 < 10
+        out, err = p.communicate(timeout=120)  # a generous ceiling: the job would otherwise hang
     finally:
         if p.poll() is None:
             p.kill()
@@ -571,37 +574,15 @@ def test_sigint_checkpoints_every_rank_and_exits_130(tiny_run):
 
 
 def test_adopted_gradient_buffer_is_what_backward_writes(tiny_run):
-    """The worker moves model.grads (and the named views model.g) into the comm's shared row;
-    zero_grad, backward, grad_norm and update must then all use it (the model reads
-    model.grads/model.g at call time), giving exactly the steps of an untouched model."""
-    from llmctl.train import _adopt_grads
-    from llmctl.model import GPT2
-
-    class FakeComm:
-        def shared_buffer(self, n):
-            self.buf = np.full(n, np.nan, dtype=np.float32)  # any stale content gets overwritten
-            return self.buf
-
-    ref = GPT2.from_checkpoint(str(tiny_run / "init.bin"), n_threads=1)
-    m = GPT2.from_checkpoint(str(tiny_run / "init.bin"), n_threads=1)
-    comm = FakeComm()
-    _adopt_grads(comm, m)
-    assert m.grads is comm.buf
-    for name, v in m.g.items():
-        assert np.shares_memory(v, comm.buf) and v.shape == ref.g[name].shape
-    rng = np.random.default_rng(3)
-    for step in (1, 2):  # a second step catches a zero_grad or update bound to the old buffer
-        x = rng.integers(0, 64, (B, T)).astype(np.int32)
-        for model in (ref, m):
-            model.zero_grad()
-            model.forward(x, np.roll(x, -1, axis=1))
-            model.backward()
-        np.testing.assert_array_equal(m.grads, ref.grads)
-        assert np.abs(m.grads).max() > 0
-        assert m.grad_norm() == ref.grad_norm()
-        for model in (ref, m):
-            model.update(1e-3, 0.9, 0.95, 1e-8, 0.0, 1.0, step)
-        np.testing.assert_array_equal(m.params, ref.params)
+    """The worker moves model.grads (and the named views model.g) into the real comm's shared
+    row; zero_grad, backward, the zero-copy all-reduce, grad_norm and update must then all use
+    it, giving exactly the steps of an untouched model (checked in both ranks of a real job by
+    tests/tinyrun.py's check_adopted_grads)."""
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join([tests_dir] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    info = launch("tinyrun:check_adopted_grads", {"init": str(tiny_run / "init.bin"), "B": B, "T": T},
+                  2, threads=1, timeout=30, extra_env={"PYTHONPATH": path})
+    assert info["result"] == {"rank": 0, "steps": 2}
 
 
 def test_bad_input_under_nproc_is_one_line_with_the_ranks_hint(tiny_run):
@@ -638,11 +619,10 @@ def test_non_finite_or_non_positive_timeouts_are_config_errors(bad):
 
 def test_cli_rejects_nan_rdzv_timeout_fast(tmp_path):
     # used to hang forever in the rendezvous; now a usage error (exit 2) before anything starts
+    # (a hang would end in subprocess.TimeoutExpired at the generous ceiling)
     env = dict(os.environ, LLMCTL_SECRET="x" * 32)
-    t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "llmctl", "train", "--nnodes", "2", "--node-rank", "0",
                         "--rdzv-timeout", "nan", "-e", "d6"], capture_output=True, text=True,
-                       env=env, timeout=60, cwd=tmp_path)
+                       env=env, timeout=120, cwd=tmp_path)
     assert r.returncode == 2, r.stderr
     assert "--rdzv-timeout" in r.stderr and "Traceback" not in r.stderr
-    assert time.monotonic() - t0 < 30

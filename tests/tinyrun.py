@@ -28,3 +28,36 @@ def tiny_train_args(d, out, B, T, *extra):
     return ["train", "-i", str(d / "train.bin"), "-j", str(d / "val.bin"), "-e", str(d / "init.bin"),
             "-b", str(B), "-t", str(T), "-l", "1e-3", "-v", "0", "-s", "0", "--threads", "1",
             "-o", str(d / out), *extra]
+
+
+def check_adopted_grads(args, comm):
+    """Launcher target: on this rank's real shared-memory comm, the worker's _adopt_grads moves
+    model.grads (and the views model.g) into the comm's row; zero_grad, backward, grad_norm,
+    the zero-copy all-reduce and update must then give exactly the steps of an untouched model
+    whose private gradients are all-reduced by copy. Raises AssertionError (failing the job)."""
+    from llmctl.train import _adopt_grads
+    from llmctl.model import GPT2
+
+    ref = GPT2.from_checkpoint(args["init"], n_threads=1)
+    m = GPT2.from_checkpoint(args["init"], n_threads=1)
+    _adopt_grads(comm, m)
+    assert comm._is_shared(m.grads) and not comm._is_shared(ref.grads)
+    for name, v in m.g.items():
+        assert np.shares_memory(v, m.grads) and v.shape == ref.g[name].shape, name
+    rng = np.random.default_rng(3 + comm.rank)  # each rank its own batch: the mean matters
+    B, T = args["B"], args["T"]
+    for step in (1, 2):  # a second step catches a zero_grad or update bound to the old buffer
+        x = rng.integers(0, 64, (B, T)).astype(np.int32)
+        for model in (ref, m):
+            model.zero_grad()
+            model.forward(x, np.roll(x, -1, axis=1))
+            model.backward()
+        assert np.array_equal(m.grads, ref.grads) and np.abs(m.grads).max() > 0
+        for model in (ref, m):
+            comm.all_reduce_mean(model.grads)
+        assert np.array_equal(m.grads, ref.grads)
+        assert m.grad_norm() == ref.grad_norm()
+        for model in (ref, m):
+            model.update(1e-3, 0.9, 0.95, 1e-8, 0.0, 1.0, step)
+        assert np.array_equal(m.params, ref.params)
+    return {"rank": comm.rank, "steps": 2}
