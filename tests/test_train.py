@@ -20,13 +20,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import shared_file
+from spikes import poisoned_trainer
 from llmctl.display import Display, PlainDisplay
 from llmctl.errors import ConfigError
 from llmctl.schedulers import get_learning_rate
 from llmctl.train import TrainConfig, TrainingDiverged, TrainInterrupted, train
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared" / "data"
 TINY = dict(maxT=32, V=256, Vp=256, L=2, NH=2, C=32)
 
 
@@ -75,9 +76,7 @@ def write_shard(path, tokens):
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    src = SHARED / "tinyshakespeare" / "input.txt"
-    if not src.is_file():
-        pytest.skip(f"real data {src} is absent")
+    src = shared_file("tinyshakespeare/input.txt")
     d = tmp_path_factory.mktemp("bytes")
     b = np.frombuffer(src.read_bytes(), dtype=np.uint8).astype(np.uint16)
     # two train shards (exercises shard shuffling), one val shard
@@ -103,7 +102,7 @@ def metrics(out):
 
 
 def no_timing(recs):
-    return [{k: v for k, v in r.items() if k not in ("ms", "tokens_per_s", "mfu")} for r in recs]
+    return [{k: v for k, v in r.items() if k not in ("ms", "tokens_per_s", "mfu", "allreduce_ms")} for r in recs]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -378,69 +377,17 @@ def test_resume_llmc_state_with_master_weights(data, tmp_path):
     assert (a / "model_00000005.bin").read_bytes() == (b / "model_00000005.bin").read_bytes()
 
 
-class _ThreadGroup:
-    def __init__(self, n):
-        import threading
-
-        self.n, self.barrier = n, threading.Barrier(n, timeout=120)
-        self.slots, self.scalars = [None] * n, [0.0] * n
-
-
-class ThreadComm:
-    """P ranks as threads of this process; sums in rank order so every rank agrees bit for bit."""
-
-    def __init__(self, rank, group):
-        self.rank, self.world_size, self.g = rank, group.n, group
-
-    def barrier(self):
-        self.g.barrier.wait()
-
-    def all_reduce_mean(self, buf):
-        g = self.g
-        g.slots[self.rank] = buf.copy()
-        g.barrier.wait()
-        total = g.slots[0].copy()
-        for r in range(1, g.n):
-            total += g.slots[r]
-        total /= np.float32(g.n)
-        g.barrier.wait()
-        buf[:] = total
-
-    def all_reduce_sum_scalar(self, x):
-        g = self.g
-        g.scalars[self.rank] = float(x)
-        g.barrier.wait()
-        s = sum(g.scalars)
-        g.barrier.wait()
-        return s
-
-    def broadcast(self, buf, root=0):
-        raise NotImplementedError
-
-
-def run_ranks(cfg, P=2):
-    import threading
-
-    from llmctl.train import Trainer
-
-    group, trainers, errors = _ThreadGroup(P), [None] * P, []
-
-    def work(r):
-        try:
-            trainers[r] = Trainer(cfg, ThreadComm(r, group))
-            trainers[r].run()
-        except BaseException as e:  # surface in the main thread
-            errors.append(e)
-            group.barrier.abort()
-
-    ts = [threading.Thread(target=work, args=(r,)) for r in range(P)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    if errors:
-        raise errors[0]
-    return trainers
+def train_nproc2(data, out, *flags):
+    """`llmctl train --nproc 2` over the real shared-memory all-reduce, 1 thread per rank, on the
+    byte-level data. LLMCTL_DIST_CHECK_PARAMS=1: after every step the job checks that both ranks
+    hold bit-identical parameters and fails if not."""
+    r = subprocess.run([sys.executable, "-m", "llmctl", "train", "-i", data["train"],
+                        "-j", data["val"], "-e", data["ckpt"], "-b", "2", "-t", "32", "-l", "3e-3",
+                        "-s", "0", "--threads", "1", "--nproc", "2", "--backend", "shm",
+                        "-o", str(out), *flags], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, LLMCTL_DIST_CHECK_PARAMS="1"))
+    assert r.returncode == 0, r.stderr
+    return r
 
 
 def test_loop_sets_comm_step_and_honours_stop_requested(data, tmp_path):
@@ -466,27 +413,30 @@ def test_loop_sets_comm_step_and_honours_stop_requested(data, tmp_path):
 
 
 def test_two_ranks_share_updates_and_resume(data, tmp_path):
+    """Two processes: identical weights after every step (checked by the job), different sample
+    orders (rank r's shuffle is seeded 42 + r), one state file per rank; both ranks resumed from
+    step 2 end in the straight run's step-4 files byte for byte; one process cannot resume them."""
+    from llmctl.formats import read_state_file
+
     a, b = tmp_path / "a", tmp_path / "b"
-    kw = dict(batch_size=2, max_steps=4, checkpoint_every=2, val_loss_every=2, sample_every=0)
-    tr = run_ranks(cfg_for(data, a, **kw))
-    assert np.array_equal(tr[0].model.params, tr[1].model.params)  # all-reduced grads
-    assert tr[0].train_loader.intra_shard_indices.tolist() != tr[1].train_loader.intra_shard_indices.tolist()
+    flags = ["-x", "4", "-n", "2", "-v", "2", "-m", "2"]
+    train_nproc2(data, a, *flags)
     names = set(os.listdir(a))
     assert {"state_00000004_00000.bin", "state_00000004_00001.bin", "DONE_00000004",
             "model_00000004.bin", "main.log", "metrics.jsonl"} <= names
-    h = np.frombuffer((a / "state_00000004_00001.bin").read_bytes()[:1024], dtype="<i4")
-    assert h[2] == 2 and h[3] == 1  # num_processes, rank
-    # resume both ranks from step 2 in another directory: the same final checkpoint
+    s0, s1 = (read_state_file(str(a / f"state_00000004_0000{r}.bin")) for r in (0, 1))
+    assert (s0.num_processes, s0.process_rank, s1.num_processes, s1.process_rank) == (2, 0, 2, 1)
+    assert list(s0.intra_shard_indices) != list(s1.intra_shard_indices)
     b.mkdir()
     for n in ("model_00000002.bin", "state_00000002_00000.bin", "state_00000002_00001.bin",
               "DONE_00000002", "metrics.jsonl", "main.log"):
         shutil.copy(a / n, b / n)
-    run_ranks(cfg_for(data, b, resume=1, **kw))
+    train_nproc2(data, b, "-y", "1", *flags)
     for n in ("model_00000004.bin", "state_00000004_00000.bin", "state_00000004_00001.bin"):
         assert (a / n).read_bytes() == (b / n).read_bytes(), n
-    # one process cannot resume a 2-process checkpoint
+    assert len(metrics(a)) == 5 and no_timing(metrics(b)) == no_timing(metrics(a))
     with pytest.raises(ConfigError, match="rank 0 of 2"):
-        train(cfg_for(data, b, resume=1, **kw))
+        train(cfg_for(data, b, resume=1, batch_size=2, max_steps=4, checkpoint_every=2))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -593,7 +543,7 @@ def write_hellaswag(path, n=7, seed=0, ctx_len=None):
     a context, its true continuation at a varying label, and 3 continuations from elsewhere."""
     from llmctl.formats import write_evalfile
 
-    text = np.frombuffer((SHARED / "tinyshakespeare" / "input.txt").read_bytes()[:20000], np.uint8)
+    text = np.frombuffer(shared_file("tinyshakespeare/input.txt").read_bytes()[:20000], np.uint8)
     rs = np.random.default_rng(seed)
     examples = []
     for i in range(n):
@@ -643,18 +593,20 @@ def test_hellaswag_during_training_logs_llmc_lines(data, tmp_path):
 
 
 def test_hellaswag_two_ranks_split_examples_and_limit(data, tmp_path):
-    """Two ranks (3 + 2 of the first 5 examples with --hellaswag-limit 5, counts summed) give the
-    one-process accuracy of the same weights; with -v 0 HellaSwag runs only at the last step."""
+    """Two processes (3 + 2 of the first 5 examples with --hellaswag-limit 5, counts summed) give
+    the one-process accuracy of the same weights; with -v 0 HellaSwag runs only at the last step."""
     from llmctl.evaluate import eval_hellaswag
+    from llmctl.model import GPT2
 
     hs = write_hellaswag(tmp_path / "hs.bin", n=9, seed=1)
     out = tmp_path / "r2"
-    tr = run_ranks(cfg_for(data, out, batch_size=2, max_steps=2, val_loss_every=0, hellaswag=1,
-                           hellaswag_path=hs, hellaswag_limit=5))
+    train_nproc2(data, out, "-x", "2", "-v", "0", "-n", "2", "-h", "1", "--hellaswag", hs,
+                 "--hellaswag-limit", "5")
     recs = metrics(out)
     assert [r["step"] for r in recs if "hellaswag_acc_norm" in r] == [2]
-    # no update follows the last step's eval: the final weights are the ones it scored
-    want = eval_hellaswag(tr[0].model, hs, limit=5, n_threads=1)
+    # no update follows the last step's eval: the final checkpoint holds the weights it scored
+    model = GPT2.from_checkpoint(str(out / "model_00000002.bin"), n_threads=1)
+    want = eval_hellaswag(model, hs, limit=5, n_threads=1)
     assert want["num_examples"] == 5 and want["correct_norm"] > 0  # else a double count hides
     assert recs[2]["hellaswag_acc_norm"] == want["acc_norm"]
     assert (out / "main.log").read_text().splitlines()[-1] == f"s:2 eval:{want['acc_norm']:.4f}"
@@ -866,34 +818,13 @@ class _Recorder(Display):
         self.messages.append(text)
 
 
-def _poisoned_trainer(cfg, poison, display=None, comm=None):
-    """A Trainer whose loss (kind "loss": +5 on the reported loss) or gradients (kind "grad":
-    x1000 after backward) are spiked at the steps in `poison`; comm.step is the loop's step."""
-    from llmctl.train import Trainer
-
-    t = Trainer(cfg, comm, display=display or Display())
-    fwd, bwd = t.model.forward, t.model.backward
-
-    def forward(x, y):
-        loss = fwd(x, y)
-        return loss + 5.0 if poison.get(t.comm.step) == "loss" else loss
-
-    def backward(**kw):
-        bwd(**kw)
-        if poison.get(t.comm.step) == "grad":
-            t.model.grads *= 1000.0
-
-    t.model.forward, t.model.backward = forward, backward
-    return t
-
-
 @pytest.mark.parametrize("kind", ["loss", "grad"])
 def test_spike_skips_the_update(data, tmp_path, kind):
     out = tmp_path / kind
     flag = {"skip_update_lossz": 3.0} if kind == "loss" else {"skip_update_gradz": 3.0}
     cfg = cfg_for(data, out, max_steps=140, val_loss_every=0, **flag)
     # step 50: the window (128) is not full yet, z is NaN -> updated anyway (as llm.c)
-    t = _poisoned_trainer(cfg, {50: kind, 135: kind})
+    t = poisoned_trainer(cfg, {50: kind, 135: kind})
     rec = t.display = _Recorder(t)
     t.run()
     recs = metrics(out)
@@ -921,13 +852,13 @@ def test_bit_exact_resume_keeps_outlier_windows(data, tmp_path):
     kw = dict(max_steps=140, checkpoint_every=140, val_loss_every=0, skip_update_lossz=3.0)
     poison = {135: "loss"}
     a, b = tmp_path / "straight", tmp_path / "split"
-    _poisoned_trainer(cfg_for(data, a, **kw), poison).run()
+    poisoned_trainer(cfg_for(data, a, **kw), poison).run()
     with pytest.raises(TrainInterrupted):  # Ctrl-C during step 129: checkpoint at 130, window full
-        _poisoned_trainer(cfg_for(data, b, **kw), poison, display=_StopAfter(129)).run()
+        poisoned_trainer(cfg_for(data, b, **kw), poison, display=_StopAfter(129)).run()
     assert (b / "DONE_00000130").exists() and (b / "state_00000130_00000.outlier.json").exists()
     c = tmp_path / "no_sidecar"
     shutil.copytree(b, c)
-    s = _poisoned_trainer(cfg_for(data, b, resume=1, **kw), poison).run()
+    s = poisoned_trainer(cfg_for(data, b, resume=1, **kw), poison).run()
     assert s["start_step"] == 130
     for name in ("model_00000140.bin", "state_00000140_00000.bin", "main.log",
                  "state_00000140_00000.outlier.json"):
@@ -938,7 +869,7 @@ def test_bit_exact_resume_keeps_outlier_windows(data, tmp_path):
     # without the sidecar (llm.c's behaviour) the windows restart empty: step 135 is not skipped
     (c / "state_00000130_00000.outlier.json").unlink()
     rec = _Recorder()
-    _poisoned_trainer(cfg_for(data, c, resume=1, **kw), poison, display=rec).run()
+    poisoned_trainer(cfg_for(data, c, resume=1, **kw), poison, display=rec).run()
     assert any("outlier windows start empty" in m for m in rec.messages)
     assert not metrics(c)[135]["skipped"] and metrics(c)[135]["loss_z"] is None
     assert (a / "model_00000140.bin").read_bytes() != (c / "model_00000140.bin").read_bytes()
@@ -991,31 +922,20 @@ def test_plain_display_shows_z_scores_and_skips():
 
 
 def test_two_ranks_skip_the_same_step(data, tmp_path):
-    """Only rank 1's gradients spike; after the all-reduce both ranks see the same norm, make
-    the same decision and stay identical; each rank writes its own detector sidecar."""
-    import threading
+    """Only rank 1's gradients spike (a real two-process job over the shm all-reduce; the spike
+    is injected by tests/spikes.py); after the all-reduce both ranks see the same norm, make the
+    same decision and stay identical (checked after every step); each rank writes its sidecar."""
+    from dataclasses import asdict
+
+    from llmctl.distributed.launcher import launch
 
     out = tmp_path / "p2"
     cfg = cfg_for(data, out, batch_size=2, max_steps=132, checkpoint_every=132,
                   val_loss_every=0, skip_update_gradz=3.0)
-    group, trainers, errors = _ThreadGroup(2), [None, None], []
-
-    def work(r):
-        try:
-            trainers[r] = _poisoned_trainer(cfg, {130: "grad"} if r == 1 else {},
-                                            comm=ThreadComm(r, group))
-            trainers[r].run()
-        except BaseException as e:
-            errors.append(e)
-            group.barrier.abort()
-
-    ts = [threading.Thread(target=work, args=(r,)) for r in range(2)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    assert not errors, errors
-    assert np.array_equal(trainers[0].model.params, trainers[1].model.params)
+    path = [str(Path(__file__).resolve().parent)] + [
+        p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    launch("spikes:train_entry", {"config": asdict(cfg), "poison": {"1": {"130": "grad"}}}, 2,
+           threads=1, timeout=60, extra_env={"PYTHONPATH": os.pathsep.join(path)})
     assert [r["step"] for r in metrics(out) if r["skipped"]] == [130]
     s0, s1 = (json.loads((out / f"state_00000132_0000{r}.outlier.json").read_text())
               for r in (0, 1))
@@ -1060,7 +980,7 @@ def test_atomic_write_oserror_names_the_path(tmp_path):
 def test_out_of_vocab_token_fails_before_training(data, tmp_path, capsys, split):
     """One id >= V in a shard: exit 1 before anything is written, naming the shard, id and V
     (before the fix: an exit-2 error from the model mid-run, shard unnamed)."""
-    b = np.frombuffer((SHARED / "tinyshakespeare" / "input.txt").read_bytes()[:40000],
+    b = np.frombuffer(shared_file("tinyshakespeare/input.txt").read_bytes()[:40000],
                       dtype=np.uint8).astype(np.uint16)
     b[30000] = 300  # the tiny model's V is 256
     bad = write_shard(tmp_path / "bad_000.bin", b)
@@ -1084,12 +1004,20 @@ def test_y0_refuses_an_output_dir_with_checkpoints(data, tmp_path, capsys):
     assert str(out) in line and "DONE_00000004" in line
     assert "-y 1" in err and "new or empty -o" in err
     assert {n: (out / n).read_bytes() for n in os.listdir(out)} == before
-    # -y 1 still resumes, and an -o without DONE_ (only logs) is fine with -y 0
+    # -y 1 still resumes (at step 4 of 4: nothing left to train, the files stay as they were)
     rc, _, err = run_cli(_base(data, **{"-o": str(out), "-y": "1", "-x": "4"}), capsys)
     assert rc == 0, err
+    assert "resuming from the checkpoint at step 4" in err
+    assert {n: (out / n).read_bytes() for n in os.listdir(out) if n != "main.log"} == \
+        {n: b for n, b in before.items() if n != "main.log"}
+    # an -o without DONE_ (only logs) is fine with -y 0: the second run replaces the logs
     logs_only = tmp_path / "logs"
     train(cfg_for(data, logs_only, max_steps=1, val_loss_every=0))
-    train(cfg_for(data, logs_only, max_steps=1, val_loss_every=0))
+    first = (logs_only / "main.log").read_text()
+    s = train(cfg_for(data, logs_only, max_steps=2, val_loss_every=0))
+    assert s["steps_run"] == 2 and [r["step"] for r in metrics(logs_only)] == [0, 1]
+    log = (logs_only / "main.log").read_text().splitlines()
+    assert len(log) == 2 and log[0] == first.strip() and log[1].startswith("s:1 trl:")
 
 
 @pytest.mark.parametrize("flag,value", [
@@ -1107,10 +1035,21 @@ def test_absurd_values_are_usage_errors(data, tmp_path, capsys, flag, value):
 
 
 def test_validation_accepts_the_edges(data, tmp_path):
-    train(cfg_for(data, max_steps=1, val_loss_every=0, learning_rate=0.0, final_lr_frac=0.0,
-                  beta1=0.0, beta2=0.0, grad_clip=0.0, weight_decay=0.0))
-    train(cfg_for(data, max_steps=1, val_loss_every=0, final_lr_frac=1.0, beta1=0.99,
-                  beta2=0.999))
+    """The closed ends of every range run: lr 0 (and betas 0, no clip, no decay) trains a step
+    that leaves the weights exactly as they were; betas just below 1 train a normal step."""
+    still = tmp_path / "still"
+    s = train(cfg_for(data, still, max_steps=1, val_loss_every=0, learning_rate=0.0,
+                      final_lr_frac=0.0, beta1=0.0, beta2=0.0, grad_clip=0.0, weight_decay=0.0,
+                      checkpoint_every=1))
+    assert s["steps_run"] == 1 and metrics(still)[0]["lr"] == 0.0
+    init = np.fromfile(data["ckpt"], dtype=np.float32)[256:]
+    assert np.array_equal(np.fromfile(still / "model_00000001.bin", dtype=np.float32)[256:], init)
+    moved = tmp_path / "moved"
+    s = train(cfg_for(data, moved, max_steps=1, val_loss_every=0, final_lr_frac=1.0, beta1=0.99,
+                      beta2=0.999, checkpoint_every=1))
+    assert s["steps_run"] == 1 and math.isfinite(s["train_loss"])
+    after = np.fromfile(moved / "model_00000001.bin", dtype=np.float32)[256:]
+    assert np.isfinite(after).all() and not np.array_equal(after, init)
 
 
 @pytest.mark.parametrize("major,want", [(0, {12}), (3, {6, 12})])

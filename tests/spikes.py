@@ -1,0 +1,33 @@
+"""A Trainer with injected loss or gradient spikes, for the -sl/-sg tests, in one process or as
+the target of a real `--nproc N` job (llmctl's launcher imports `train_entry` in every rank)."""
+from llmctl.display import Display
+from llmctl.train import Trainer, TrainConfig
+
+
+def poisoned_trainer(cfg, poison, display=None, comm=None):
+    """A Trainer whose loss (kind "loss": +5 on the reported loss) or gradients (kind "grad":
+    x1000 after backward) are spiked at the steps in `poison`; comm.step is the loop's step."""
+    t = Trainer(cfg, comm, display=display or Display())
+    fwd, bwd = t.model.forward, t.model.backward
+
+    def forward(x, y):
+        loss = fwd(x, y)
+        return loss + 5.0 if poison.get(t.comm.step) == "loss" else loss
+
+    def backward(**kw):
+        bwd(**kw)
+        if poison.get(t.comm.step) == "grad":
+            t.model.grads *= 1000.0
+
+    t.model.forward, t.model.backward = forward, backward
+    return t
+
+
+def train_entry(args, comm):
+    """Launcher target: args["config"] (TrainConfig fields), args["poison"] {rank: {step: kind}}.
+    The job checks after every step that all ranks hold bit-identical parameters."""
+    cfg = TrainConfig(**args["config"])
+    poison = {int(k): v for k, v in args["poison"].get(str(comm.rank), {}).items()}
+    t = poisoned_trainer(cfg, poison, comm=comm)
+    comm.watch(t.model.params, "parameters")
+    return t.run()
