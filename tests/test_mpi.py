@@ -140,35 +140,22 @@ def test_mpiexec_train_equals_gradient_accumulation(tmp_path):
                                             "state_00000006_00001.bin"]
 
 
-_FAIL = """
-import sys, numpy as np
-import llmctl.train
-from llmctl.distributed import run
-from llmctl.errors import DataError
-
-class FakeTrainer:
-    def __init__(self, cfg, comm, display):
-        self.comm = comm
-    def run(self):
-        if self.comm.rank == 1:
-            raise DataError("synthetic failure on rank 1")
-        self.comm.all_reduce_mean(np.zeros(10, np.float32))  # would wait for rank 1 forever
-
-llmctl.train.Trainer = FakeTrainer
-run._train_per_rank(llmctl.train.TrainConfig(threads=1), "mpi", None, False, False)
-"""
-
-
-def test_mpi_rank_error_aborts_the_whole_job(no_mpich_shm_leak):
-    """Rank 1 fails alone while rank 0 waits in an Allreduce: rank 1 prints one line and calls
-    MPI_Abort, so mpiexec ends the whole job (exit != 0) instead of leaving rank 0 hanging, and
-    MPICH's /dev/shm segment is gone (MpiComm.abort unlinks it; checked by the fixture)."""
-    import time
-
+def test_mpi_rank_error_aborts_the_whole_job(tmp_path, no_mpich_shm_leak):
+    """Rank 1 fails alone while rank 0 waits in a collective: resuming a 2-rank checkpoint whose
+    rank-1 state file is gone, rank 1's FormatError comes before its first collective and rank 0
+    resumes and trains into the first Allreduce. Rank 1 prints one line and calls MPI_Abort, so
+    mpiexec ends the whole job (exit != 0) instead of leaving rank 0 hanging (the 300 s ceiling
+    is only there to end a hang), and MPICH's /dev/shm segment is gone (checked by the fixture)."""
     no_mpich_shm_leak["deliberate_abort"] = True
-
-    t0 = time.monotonic()
-    r = _run(2, [sys.executable, "-c", _FAIL], timeout=60)
-    assert time.monotonic() - t0 < 30
+    d = write_tiny_run(tmp_path, 4 * B * T + 6)
+    r = _run(2, [sys.executable, "-m", "llmctl.cli",
+                 *tiny_train_args(d, "run", B, T, "-x", "2", "-n", "2", "--backend", "mpi")])
+    assert r.returncode == 0, r.stderr
+    (d / "run" / "state_00000002_00001.bin").unlink()
+    r = _run(2, [sys.executable, "-m", "llmctl.cli",
+                 *tiny_train_args(d, "run", B, T, "-x", "4", "-n", "2", "-y", "1", "--backend", "mpi")],
+             timeout=300)
     assert r.returncode != 0
-    assert "Error: rank 1: synthetic failure on rank 1" in r.stderr, r.stderr
+    line = [ln for ln in r.stderr.splitlines() if ln.startswith("Error: rank 1: ")]
+    assert len(line) == 1 and "state_00000002_00001.bin" in line[0], r.stderr
+    assert "Error: rank 0" not in r.stderr  # rank 0 had nothing wrong: it was waiting
