@@ -366,6 +366,8 @@ def test_isa_results_bit_classes():
     # So all FMA sets agree bit for bit (exp_sum's 16 lane partials do not depend on the vector
     # width), while "default" differs from them by rounding only (checked at the usual tolerance).
     # T=130, hs=24 with NH=2: partial key tiles, vector bodies and scalar tails in every set.
+    if len(ISAS) == 1:
+        pytest.skip("this CPU runs only the portable kernel set: no AVX2/AVX-512 set to compare with")
     prev = A.isa()
     try:
         res = {}
