@@ -270,18 +270,13 @@ def test_cli_sample_truncates_n_beyond_maxT(tiny, capsys):
     assert code in (0, None)
     r = json.loads(out)
     assert r["prompt_tokens"] == [50256]
-    assert len(r["tokens"]) == 31 or r["tokens"][-1] == 50256
+    want = ref.gpt2_greedy(tiny[1], [50256], 31, tiny[2])[1:]  # maxT 32 leaves room for 31
+    if 50256 in want:
+        want = want[:want.index(50256) + 1]
+    assert r["tokens"] == want
     assert "generating 31 tokens" in err
 
 
-def test_cli_sample_streams_text(tiny, capsys):
-    path = tiny[3]
-    code, out, err = _run(["sample", "--threads", "1", "-e", path, "--prompt", "Once", "-n", "5", "--seed", "1"], capsys)
-    assert code in (0, None)
-    r = generate(tiny[0], get_tokenizer().encode("Once"), 5, seed=1)
-    text = get_tokenizer().decode([t for t in r if t != 50256])
-    assert out == "Once" + text + "\n"
-    assert "tokens/s" in err
 
 
 def test_cli_prompt_file_and_eot_text(tiny, tmp_path, capsys):
@@ -346,3 +341,92 @@ def test_sample_without_prompt_on_a_small_vocabulary_starts_from_token_0(tmp_pat
     rows = [json.loads(line) for line in out.splitlines()]
     assert [r["prompt_tokens"] for r in rows] == [[0], [0]] and rows[0]["tokens"] == want
     assert err.count("starting from token 0") == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# the CLI against a float64 reference sampler (llm.c's xorshift64* coins, tests/loop_reference.py)
+
+HOT = {" cat": 3.0, " sat": 2.6, " on": 2.2, " the": 1.8, " mat": 1.4}
+EOT_LOGIT = 1.6  # p(EOT) ~ 0.09 per token: a sample stops where the coins say
+
+
+@pytest.fixture(scope="module")
+def fixed_next_token(tmp_path_factory):
+    """A GPT-2 whose next-token logits are the same vector z at every position: lnfw = 0 makes
+    the final LayerNorm's output exactly lnfb = u (unit), and wte[:V] @ u = z. z puts nearly
+    all the mass on five words and EOT (the rest at -20: 2e-6 of it), so every coin falls well
+    inside one token's interval and float32 logits pick the ids float64 ones do.
+    -> (checkpoint path, z as float64 from the float32 weights, {word: id})."""
+    cfg = tiny_cfg()
+    tok = get_tokenizer()
+    assert all(len(tok.encode(w)) == 1 for w in HOT)
+    ids = {w: tok.encode(w)[0] for w in HOT}
+    z = np.full(V, -20.0)
+    for w, v in HOT.items():
+        z[ids[w]] = v
+    z[50256] = EOT_LOGIT
+    P = ref.random_params(cfg, seed=4, std=0.1)
+    rng = np.random.default_rng(4)
+    u = rng.normal(size=cfg["channels"])
+    u /= np.linalg.norm(u)
+    noise = rng.normal(0, 0.1, size=(V, cfg["channels"]))
+    P["wte"][:V] = np.outer(z, u) + noise - np.outer(noise @ u, u)
+    P["lnfw"][:] = 0.0
+    P["lnfb"][:] = u
+    path = tmp_path_factory.mktemp("fixed") / "fixed.bin"
+    formats.write_checkpoint(str(path), cfg, ref.params_to_flat(P, cfg))
+    P32 = ref.params_from_flat(ref.params_to_flat(P, cfg), cfg)
+    _, logits, _ = ref.gpt2_forward(P32, np.array([[50256, 11, 12]]), None, cfg)
+    assert np.allclose(logits[0, :, :V], logits[0, 0, :V]) and np.allclose(logits[0, 0, :V], z, atol=1e-5)
+    return str(path), logits[0, 0, :V], ids
+
+
+def _ref_sample(z, n, seed, temperature=1.0, top_k=0):
+    """llm.c's sample_softmax (temperature 1, no top-k) or softmax(z / T) over the top_k ids, the
+    coin walking the CDF in id order; stops after EOT. The ids it draws."""
+    import loop_reference as LR
+
+    rng, out = LR.XorShift(seed), []
+    p = np.exp((z - z.max()) / temperature)
+    if top_k:
+        p[np.argsort(-z)[top_k:]] = 0.0
+    for _ in range(n):
+        coin = rng.random_f32()
+        i = LR.sample_softmax(z, coin) if temperature == 1.0 and not top_k else \
+            int(np.searchsorted(np.cumsum(p), coin * p.sum(), side="right"))
+        out.append(i)
+        if i == 50256:
+            break
+    return out
+
+
+def test_cli_sample_stops_at_eot(fixed_next_token, capsys):
+    path, z, _ = fixed_next_token
+    want = _ref_sample(z, 30, seed=11)
+    assert 3 <= len(want) < 30 and want[-1] == 50256 and 50256 not in want[:-1]  # the case tested
+    code, out, err = _run(["sample", "--threads", "1", "-e", path, "-n", "30", "--seed", "11", "--json"], capsys)
+    assert code in (0, None)
+    assert json.loads(out)["tokens"] == want
+
+
+def test_cli_sample_streams_text(fixed_next_token, capsys):
+    """The prompt, then each sampled word as it comes (the float64 reference's draws; the words
+    are known by construction), no EOT text, a newline; the speed on stderr."""
+    path, z, ids = fixed_next_token
+    want = _ref_sample(z, 30, seed=11)
+    word = {i: w for w, i in ids.items()}
+    code, out, err = _run(["sample", "--threads", "1", "-e", path, "--prompt", "Once", "-n", "30",
+                           "--seed", "11"], capsys)
+    assert code in (0, None)
+    assert out == "Once" + "".join(word[i] for i in want[:-1]) + "\n"
+    assert "tokens/s" in err
+
+
+def test_cli_sample_top_k_keeps_the_k_most_likely(fixed_next_token, capsys):
+    path, z, ids = fixed_next_token
+    want = _ref_sample(z, 24, seed=5, temperature=0.8, top_k=3)
+    assert len(want) == 24 and set(want) == {ids[" cat"], ids[" sat"], ids[" on"]}  # never EOT
+    code, out, err = _run(["sample", "--threads", "1", "-e", path, "-n", "24", "--seed", "5",
+                           "--temperature", "0.8", "--top-k", "3", "--json"], capsys)
+    assert code in (0, None)
+    assert json.loads(out)["tokens"] == want
