@@ -180,6 +180,36 @@ def test_cli_eval_hellaswag_json(echo_model, tmp_path, capsys):
     assert code in (0, None) and "acc_norm: 2/2 = 1.0000" in out
 
 
+def test_cli_norm_chars_divides_by_characters_not_tokens(echo_model, tmp_path, capsys):
+    """--norm chars through the CLI: ending 0 is one surprising 17-character token, ending 1 the
+    same kind of surprise in 'x' followed by three cheap echoes. Per token, ending 1 is cheapest
+    (~X/4); per character ending 0 is (~X/17 vs ~X/4): the flag flips the prediction, and each
+    matches the float64 reference's argmin."""
+    from llmctl.tokenizer import get_tokenizer
+
+    model, P, cfg, ckpt = echo_model
+    tok = get_tokenizer()
+    long_id, x = tok.encode(" responsibilities")[0], tok.encode("x")[0]
+    path = str(tmp_path / "chars.bin")
+    formats.write_evalfile(path, [dict(label=0, ctx_tokens=[9], ending_tokens=[
+        [long_id], [x, x, x, x], [tok.encode(" a")[0]], [tok.encode("!")[0]]])])
+    ex = formats.read_evalfile(path)[0]
+    sums, means = _reference_scores(P, cfg, ex)
+    nchars = np.array([len(tok.decode([int(t) for t in e])) for e in ex.endings])
+    assert nchars.tolist() == [17, 4, 2, 1]
+    want_tokens, want_chars = _first_argmin(means), _first_argmin(sums / nchars)
+    assert (want_tokens, want_chars) == (1, 0)  # the case tested: the two norms disagree
+    preds = {}
+    for norm in ("tokens", "chars"):
+        code, out, err = _run(["eval", "hellaswag", "--threads", "1", "-e", ckpt, "-i", path,
+                               "--norm", norm, "--json", "--per-example"], capsys)
+        assert code in (0, None), err
+        res = json.loads(out)
+        assert res["norm"] == norm
+        preds[norm] = res["examples"][0]["pred_norm"]
+    assert preds == {"tokens": want_tokens, "chars": want_chars}
+
+
 # ----------------------------------------------------------------------------------------------
 # bad input
 
