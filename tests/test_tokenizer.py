@@ -4,11 +4,14 @@ The independent reference is tiktoken's own loader (`data_gym_to_mergeable_bpe_r
 `tiktoken.get_encoding("gpt2")` runs) pointed at the same local files with caching disabled,
 and token ids / byte counts documented by llm.c (`train_gpt2.py` `write_tokenizer`, `dev/data/tinyshakespeare.py`).
 """
+import json
 import os
 import pickle
 import shutil
 import socket
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -202,3 +205,20 @@ def test_write_gpt2_tokenizer_bin(tmp_path, ref_enc):
     assert toks == [ref_enc.decode_single_token_bytes(i) for i in range(50257)]
     assert toks[50256] == b"<|endoftext|>" and toks[0] == b"!"
     assert not list(tmp_path.glob("*.tmp*")) and not list(tmp_path.glob(".*"))
+
+
+def test_cli_prepro_tokenizer_writes_llmcs_file(tmp_path, ref_enc):
+    """`llmctl prepro tokenizer` (default: gpt2_tokenizer.bin in the working directory, the name
+    llm.c's trainers open) and --out, --json: llm.c's version-2 file of tiktoken's byte strings."""
+    want = [ref_enc.decode_single_token_bytes(i) for i in range(50257)]
+    r = subprocess.run([sys.executable, "-m", "llmctl", "prepro", "tokenizer"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    header, toks = _parse_llmc_tokenizer((tmp_path / "gpt2_tokenizer.bin").read_bytes())
+    assert header[:4] == (20240328, 2, 50257, 50256) and toks == want
+    out = tmp_path / "other.bin"
+    r = subprocess.run([sys.executable, "-m", "llmctl", "prepro", "tokenizer", "--out", str(out),
+                        "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["bytes"] == 372108 == out.stat().st_size
+    assert out.read_bytes() == (tmp_path / "gpt2_tokenizer.bin").read_bytes()
