@@ -516,6 +516,30 @@ def test_cli_text_json(tmp_path, stories, capsys):
     assert s["tokens"] == sum(map(len, toks)) and s["shards"][0]["tokens"] == 300
 
 
+def test_cli_text_reads_parquet_written_by_pyarrow(tmp_path, stories, capsys):
+    """A parquet file (as Hugging Face datasets ship them) with a 'text' column and another
+    column, written by pyarrow itself in several row groups: the same shards as the documents."""
+    pa = pytest.importorskip("pyarrow", reason="parquet input needs pyarrow (pip install pyarrow)")
+    import pyarrow.parquet as pq
+
+    from llmctl.cli import main
+
+    _, docs, toks = stories
+    table = pa.table({"id": list(range(len(docs) * 8)), "text": docs * 8})
+    src = tmp_path / "part-000.parquet"
+    pq.write_table(table, src, row_group_size=7)
+    assert pq.ParquetFile(src).num_row_groups > 1
+    with pytest.raises(SystemExit) as e:
+        main(["prepro", "text", str(src), "--out-dir", str(tmp_path / "o"), "--shard-size", "1024",
+              "--name", "pq", "--json"])
+    assert e.value.code == 0
+    s = json.loads(capsys.readouterr().out)
+    ref = ref_fineweb_shards(toks * 8, 1024)
+    names = shard_names(tmp_path / "o")
+    assert len(ref) >= 3 and [read_shard(tmp_path / "o" / n) for n in names] == ref
+    assert s["documents"] == 8 * len(docs) and names[0] == "pq_val_000000.bin"
+
+
 # ------------------------------------------------------------------------------------------------
 # tinystories / fineweb from local files
 
