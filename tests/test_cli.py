@@ -2,7 +2,9 @@
 llmctl/train.py handles) prints one "Interrupted" line saying what was kept and exits 130.
 
 The commands run as real subprocesses and get a real SIGINT once they are visibly busy (text on
-stdout, a first shard on disk), since typer's own KeyboardInterrupt handling is what hid the message."""
+stdout, a first shard on disk, the input mapped), since typer's own KeyboardInterrupt handling is
+what hid the message. The signal is sent to the frozen process (SIGSTOP, SIGINT, SIGCONT), so no
+test depends on a command being slow enough to still run when the signal arrives."""
 import os
 import signal
 import subprocess
@@ -27,14 +29,19 @@ def _maps(pid):
 
 
 def _interrupt(p):
+    """Ctrl-C for a command the test has just seen busy. It is frozen first (SIGSTOP), so it
+    cannot run to its end between that moment and the signal, however fast the machine; the
+    SIGINT stays pending until SIGCONT resumes it."""
+    p.send_signal(signal.SIGSTOP)
     p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=60)
+    p.send_signal(signal.SIGCONT)
+    out, err = p.communicate(timeout=120)
     return p.returncode, out.decode(errors="replace"), err.decode(errors="replace")
 
 
 def test_ctrl_c_during_sample_says_interrupted(tmp_path):
     # d6 is a seeded random init and the sampler seed is fixed, so this output is deterministic;
-    # 1000 tokens take far longer than the moment we wait for the first one
+    # the first token on stdout says it is generating, 999 more are still to come
     p = _start(["sample", "-e", "d6", "-n", "1000", "--threads", "1"], tmp_path)
     try:
         assert p.stdout.read(1)  # generating
@@ -52,14 +59,14 @@ def test_ctrl_c_during_prepro_text_names_the_kept_shards(tmp_path):
 
     text = shared_file("tinyshakespeare/input.txt").read_text(encoding="utf-8")
     src = tmp_path / "big.txt"
-    src.write_text(text * 40, encoding="utf-8")  # ~13M tokens: tens of seconds to tokenize on 2 cores
+    src.write_text(text * 8, encoding="utf-8")  # ~2.7M tokens, 27 shards: busy long after the first
     out_dir = tmp_path / "o"
     p = _start(["prepro", "text", str(src), "--out-dir", str(out_dir), "--shard-size", "100000",
                 "-w", "2", "--json"], tmp_path)
     try:
         t0 = time.monotonic()
         while not (out_dir.is_dir() and any(n.endswith(".bin") for n in os.listdir(out_dir))):
-            assert p.poll() is None and time.monotonic() - t0 < 60, "no shard appeared"
+            assert p.poll() is None and time.monotonic() - t0 < 300, "no shard appeared"
             time.sleep(0.02)
     except BaseException:
         p.kill()
@@ -85,7 +92,7 @@ def test_ctrl_c_during_eval_says_interrupted(tmp_path, cmd):
     try:  # scoring has begun once the shard is mapped (200 forwards of 1024 tokens take far longer)
         t0 = time.monotonic()
         while "v.bin" not in _maps(p.pid):
-            assert p.poll() is None and time.monotonic() - t0 < 60, "never started scoring"
+            assert p.poll() is None and time.monotonic() - t0 < 300, "never started scoring"
             time.sleep(0.02)
     except BaseException:
         p.kill()
