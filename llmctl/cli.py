@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from llmctl.errors import LlmctlError
+from llmctl.paths import DATA_DIR, TINYSHAKESPEARE_URL
 
 err_console = Console(stderr=True, highlight=False)
 out_console = Console(highlight=False)
@@ -165,10 +166,9 @@ _BACKEND_OPT = typer.Option("threads", "--backend", help="Parallel tokenization:
 @prepro_app.command("tinyshakespeare")
 @_interruptible(_PREPRO_KEPT)
 def prepro_tinyshakespeare_cmd(
-    out_dir: str = typer.Option("data/tinyshakespeare", "--out-dir", help="Output (and cache) directory."),
+    out_dir: str = typer.Option(DATA_DIR, "--out-dir", help="Output directory; the text is cached there as tiny_shakespeare.txt (a copy put there by hand is used)."),
     source: Optional[str] = typer.Option(None, "--source", help="Local input.txt to use instead of cache/datasets/download."),
-    url: str = typer.Option("https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt",
-                            "--url", help="Download URL (used only if there is no source or cached copy)."),
+    url: str = typer.Option(TINYSHAKESPEARE_URL, "--url", help="Download URL (used only if there is no source or cached copy)."),
     timeout: float = typer.Option(30.0, "--timeout", help="Download timeout in seconds."),
     workers: int = _WORKERS_OPT,
     json_out: bool = _JSON_OPT,
@@ -183,7 +183,7 @@ def prepro_tinyshakespeare_cmd(
 @prepro_app.command("hellaswag")
 @_interruptible(_PREPRO_KEPT)
 def prepro_hellaswag_cmd(
-    out_dir: str = typer.Option("data/hellaswag", "--out-dir", help="Output (and cache) directory."),
+    out_dir: str = typer.Option(DATA_DIR, "--out-dir", help="Output directory; the jsonl is cached there as hellaswag_{split}.jsonl."),
     source: Optional[str] = typer.Option(None, "--source", help="Local hellaswag_{split}.jsonl to use."),
     split: str = typer.Option("val", "--split", help="val (what llm.c writes) or train."),
     url: Optional[str] = typer.Option(None, "--url", help="Download URL (default: rowanz/hellaswag on GitHub)."),
@@ -226,7 +226,7 @@ def prepro_text_cmd(
 @prepro_app.command("tinystories")
 @_interruptible(_PREPRO_KEPT)
 def prepro_tinystories_cmd(
-    out_dir: str = typer.Option("data/tinystories", "--out-dir", help="Output directory."),
+    out_dir: str = typer.Option(DATA_DIR, "--out-dir", help="Output directory."),
     source: Optional[List[str]] = typer.Option(None, "--source", help="Local file(s): TinyStories data*.json, jsonl, or text with <|endoftext|> (repeatable; default: datasets streaming)."),
     val_tokens: int = typer.Option(32768, "--val-tokens", help="With a single --source file: its first N tokens are val."),
     workers: int = _WORKERS_OPT,
@@ -348,9 +348,10 @@ def export_cmd(
 @app.command("inspect-bin")
 @_interruptible()
 def inspect_bin_cmd(
-    files: List[str] = typer.Argument(
-        ..., show_default=False, metavar="FILES",
-        help="llm.c .bin files: token shards, eval files, checkpoints, tokenizer and state files."),
+    files: Optional[List[str]] = typer.Argument(
+        None, show_default=False, metavar="FILES",
+        help=f"llm.c .bin files: token shards, eval files, checkpoints, tokenizer and state files "
+             f"(default: every .bin under {DATA_DIR}/)."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON list, one object per file, on stdout."),
     decode: int = typer.Option(
         0, "--decode", min=0, metavar="N",
@@ -362,8 +363,11 @@ def inspect_bin_cmd(
     from rich.markup import escape
     from rich.table import Table
 
-    from llmctl.inspect import inspect_files, summary_line
+    from llmctl.inspect import data_dir_files, inspect_files, summary_line
 
+    if not files:
+        files = data_dir_files()
+        err_console.print(f"checking the {len(files)} .bin file(s) under {escape(DATA_DIR)}/")
     results = inspect_files(files, decode=decode)
     if json_out:
         print(json.dumps(results))

@@ -14,7 +14,8 @@ import re
 import numpy as np
 
 from llmctl import formats as F
-from llmctl.errors import LlmctlError
+from llmctl.errors import DataError, LlmctlError
+from llmctl.paths import DATA_DIR
 
 VOCAB_SIZES = {"shard": F.GPT2_VOCAB_SIZE, "shard-llama3": F.LLAMA3_VOCAB_SIZE}
 EOT_IDS = {"shard": F.GPT2_EOT, "shard-llama3": F.LLAMA3_EOT}
@@ -251,6 +252,20 @@ def inspect_files(paths, decode=0, tokenizer=None, n_threads=None, vocab_size=No
     """inspect_file over several paths, in order."""
     return [inspect_file(p, decode=decode, tokenizer=tokenizer, n_threads=n_threads, vocab_size=vocab_size,
                          num_parameters=num_parameters) for p in paths]
+
+
+def data_dir_files(data_dir=DATA_DIR):
+    """Every .bin file under `data_dir` (recursively, sorted): what `llmctl inspect-bin` checks
+    when given no files. DataError if there is none."""
+    data_dir = os.fspath(data_dir)
+    hint = "write some with `llmctl prepro tinyshakespeare`, or name the files: llmctl inspect-bin FILES"
+    if not os.path.isdir(data_dir):
+        raise DataError(f"no files given and there is no {data_dir}/ directory here", hint=hint)
+    found = sorted(os.path.join(root, n) for root, _, names in os.walk(data_dir)
+                   for n in names if n.endswith(".bin"))
+    if not found:
+        raise DataError(f"no files given and no .bin file under {data_dir}/", hint=hint)
+    return found
 
 
 def summary_line(res):

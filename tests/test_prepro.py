@@ -1,5 +1,6 @@
 """llmctl prepro: byte-exactness against independent re-implementations of llm.c's scripts,
-the source fallback chain (against a local HTTP server only), sharding rule, atomic output.
+the source fallback chain (against a local HTTP server and a real, offline `datasets` cache
+only), sharding rule, atomic output.
 
 References used here never call llmctl's tokenizer or writers: they build tiktoken's gpt2
 encoding with tiktoken's own loader from the local BPE files, and pack headers with struct.
@@ -10,12 +11,11 @@ import os
 import struct
 import sys
 import threading
-import types
 
 import numpy as np
 import pytest
+from hfdatasets import cached_hub_dataset, datasets_cache  # noqa: F401  (a fixture)
 
-import llmctl.prepro.sources as sources
 from llmctl.errors import ConfigError, DataError
 from llmctl.prepro import (prepro_fineweb, prepro_hellaswag, prepro_text, prepro_tinyshakespeare,
                            prepro_tinystories)
@@ -129,18 +129,10 @@ def http_server():
 
 
 @pytest.fixture
-def no_datasets(monkeypatch):
-    def absent():
-        raise ImportError("No module named 'datasets'")
-
-    monkeypatch.setattr(sources, "_import_datasets", absent)
-
-
-def fake_datasets(monkeypatch, load_dataset):
-    mod = types.SimpleNamespace(load_dataset=load_dataset)
-    monkeypatch.setattr(sources, "_import_datasets", lambda: mod)
-    monkeypatch.setitem(sys.modules, "datasets", mod)
-    return mod
+def datasets_not_installed(monkeypatch):
+    """`import datasets` fails here as on a machine without it (a None entry in sys.modules
+    makes the import system raise ModuleNotFoundError)."""
+    monkeypatch.setitem(sys.modules, "datasets", None)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -200,16 +192,42 @@ def test_source_missing_is_an_error_not_a_fallback(tmp_path):
         prepro_tinyshakespeare(out_dir=tmp_path, source=tmp_path / "nope.txt", url="http://127.0.0.1:9/x")
 
 
-def test_cache_is_used_before_datasets_and_network(shakespeare_out, tmp_path, monkeypatch):
+def test_cache_is_used_before_datasets_and_network(shakespeare_out, tmp_path, datasets_cache):
     src, out, _ = shakespeare_out
-    (tmp_path / "tiny_shakespeare.txt").write_bytes(open(src, "rb").read())
-    fake_datasets(monkeypatch, lambda *a, **k: pytest.fail("datasets must not be asked"))
-    s = prepro_tinyshakespeare(out_dir=tmp_path, url="http://127.0.0.1:9/unreachable")
-    assert s["origin"] == "cache"
-    assert (tmp_path / "tiny_shakespeare_val.bin").read_bytes() == (out / "tiny_shakespeare_val.bin").read_bytes()
+    d = tmp_path / "o"
+    d.mkdir()
+    (d / "tiny_shakespeare.txt").write_bytes(open(src, "rb").read())
+    s = prepro_tinyshakespeare(out_dir=d, url="http://127.0.0.1:9/unreachable")
+    assert s["origin"] == "cache" and s["notes"] == []  # no later level was tried
+    assert (d / "tiny_shakespeare_val.bin").read_bytes() == (out / "tiny_shakespeare_val.bin").read_bytes()
 
 
-def test_datasets_absent_then_http_download(shakespeare_out, tmp_path, http_server, no_datasets):
+def test_default_paths_are_llmc_names_under_data(shakespeare_out, hellaswag_jsonl, tmp_path):
+    """From an empty directory: data/tiny_shakespeare.txt dropped in by hand is used, and the
+    shards go next to it with llm.c's names; HellaSwag likewise."""
+    from llmctl import paths
+
+    src, out, _ = shakespeare_out
+    os.makedirs("data")
+    with open("data/tiny_shakespeare.txt", "wb") as f:
+        f.write(open(src, "rb").read())
+    s = prepro_tinyshakespeare(url=None)
+    assert s["origin"] == "cache" and s["source"] == paths.TINYSHAKESPEARE_TEXT == "data/tiny_shakespeare.txt"
+    assert [f["path"] for f in s["files"]] == ["data/tiny_shakespeare_val.bin", "data/tiny_shakespeare_train.bin"]
+    for name in ("tiny_shakespeare_val.bin", "tiny_shakespeare_train.bin"):
+        assert open(os.path.join("data", name), "rb").read() == (out / name).read_bytes()
+    lines = open(hellaswag_jsonl, encoding="utf-8").readlines()[:20]
+    with open("data/hellaswag_val.jsonl", "w", encoding="utf-8") as f:
+        f.writelines(lines)
+    s = prepro_hellaswag(url=None)
+    assert s["origin"] == "cache" and s["path"] == paths.HELLASWAG_VAL == "data/hellaswag_val.bin"
+    prepro_hellaswag(out_dir=tmp_path / "ref", source="data/hellaswag_val.jsonl")
+    assert open("data/hellaswag_val.bin", "rb").read() == (tmp_path / "ref" / "hellaswag_val.bin").read_bytes()
+    assert sorted(os.listdir("data")) == ["hellaswag_val.bin", "hellaswag_val.jsonl", "tiny_shakespeare.txt",
+                                          "tiny_shakespeare_train.bin", "tiny_shakespeare_val.bin"]
+
+
+def test_datasets_absent_then_http_download(shakespeare_out, tmp_path, http_server, datasets_not_installed):
     src, out, _ = shakespeare_out
     url = http_server("/input.txt", open(src, "rb").read())
     s = prepro_tinyshakespeare(out_dir=tmp_path / "o", url=url)
@@ -222,53 +240,66 @@ def test_datasets_absent_then_http_download(shakespeare_out, tmp_path, http_serv
     assert not no_partial_files(tmp_path / "o")
 
 
-def test_datasets_failing_then_http(shakespeare_out, tmp_path, http_server, monkeypatch):
+def test_datasets_offline_not_cached_then_http(shakespeare_out, tmp_path, http_server, datasets_cache):
     src, _, _ = shakespeare_out
-
-    def failing(*a, **k):
-        raise ConnectionError("Couldn't reach 'karpathy/tiny_shakespeare' on the Hub (LocalEntryNotFoundError)")
-
-    fake_datasets(monkeypatch, failing)
     url = http_server("/input.txt", open(src, "rb").read())
-    s = prepro_tinyshakespeare(out_dir=tmp_path, url=url)
+    s = prepro_tinyshakespeare(out_dir=tmp_path / "o", url=url)
     assert s["origin"] == "download"
-    assert any(n.startswith("datasets: failed (ConnectionError") for n in s["notes"])
+    # the real library, offline with an empty cache: "Couldn't reach 'karpathy/tiny_shakespeare' ..."
+    assert any(n.startswith("datasets: failed (ConnectionError") and "karpathy/tiny_shakespeare" in n
+               for n in s["notes"]), s["notes"]
 
 
-def test_datasets_success_and_integrity_check(shakespeare_out, tmp_path, monkeypatch):
-    src, out, _ = shakespeare_out
-    text = open(src, "r", encoding="utf-8").read()
+def _shakespeare_splits(text):
+    """The Hub copy's layout: one row of text per split, train + validation + test = input.txt."""
     cut1, cut2 = int(len(text) * 0.9), int(len(text) * 0.95)
-    splits = {"train": [{"text": text[:cut1]}], "validation": [{"text": text[cut1:cut2]}],
-              "test": [{"text": text[cut2:]}]}
-    fake_datasets(monkeypatch, lambda name, **k: splits)
+    return {"train": [{"text": text[:cut1]}], "validation": [{"text": text[cut1:cut2]}],
+            "test": [{"text": text[cut2:]}]}
+
+
+def test_datasets_success_and_integrity_check(shakespeare_out, tmp_path, datasets_cache):
+    import shutil
+
+    src, out, _ = shakespeare_out
+    text = open(src, "r", encoding="utf-8", newline="").read()
+    hub = cached_hub_dataset(datasets_cache, "karpathy/tiny_shakespeare", _shakespeare_splits(text))
     s = prepro_tinyshakespeare(out_dir=tmp_path / "ok", url=None)
     assert s["origin"] == "datasets"
-    assert (tmp_path / "ok" / "tiny_shakespeare_val.bin").read_bytes() == (out / "tiny_shakespeare_val.bin").read_bytes()
+    assert (tmp_path / "ok" / "tiny_shakespeare.txt").read_bytes() == open(src, "rb").read()
+    for name in ("tiny_shakespeare_val.bin", "tiny_shakespeare_train.bin"):
+        assert (tmp_path / "ok" / name).read_bytes() == (out / name).read_bytes()
     # a copy that does not reassemble to the canonical file is rejected, and the chain moves on
-    splits["test"] = [{"text": text[cut2:-1]}]
+    shutil.rmtree(hub)
+    cached_hub_dataset(datasets_cache, "karpathy/tiny_shakespeare", _shakespeare_splits(text[:-1]))
     with pytest.raises(DataError, match="md5 differs"):
         prepro_tinyshakespeare(out_dir=tmp_path / "bad", url=None)
+    assert not (tmp_path / "bad").exists()
 
 
-def test_all_sources_fail_one_clear_error(tmp_path, http_server, no_datasets):
+def test_all_sources_fail_one_clear_error(tmp_path, http_server, datasets_cache):
     url = http_server.base + "/missing.txt"  # 404
     with pytest.raises(DataError) as e:
-        prepro_tinyshakespeare(out_dir=tmp_path, url=url, timeout=5)
+        prepro_tinyshakespeare(out_dir=tmp_path / "o", url=url, timeout=5)
     msg = str(e.value)
-    assert "cache:" in msg and "datasets: not installed" in msg and "HTTPError" in msg and "404" in msg
+    assert "cache:" in msg and "datasets: failed (ConnectionError" in msg and "HTTPError" in msg and "404" in msg
     assert "--source" in e.value.hint
-    assert not os.listdir(tmp_path)
+    assert not (tmp_path / "o").exists() or not os.listdir(tmp_path / "o")
 
 
-def test_truncated_download_leaves_nothing(tmp_path, http_server, no_datasets):
+def test_datasets_not_installed_is_named(tmp_path, http_server, datasets_not_installed):
+    with pytest.raises(DataError) as e:
+        prepro_tinyshakespeare(out_dir=tmp_path, url=http_server.base + "/missing.txt", timeout=5)
+    assert "datasets: not installed (pip install datasets)" in str(e.value)
+
+
+def test_truncated_download_leaves_nothing(tmp_path, http_server, datasets_not_installed):
     url = http_server("/input.txt", b"x" * 100_000, mode="truncate")
     with pytest.raises(DataError, match="short read"):
         prepro_tinyshakespeare(out_dir=tmp_path, url=url, timeout=5)
     assert os.listdir(tmp_path) == []
 
 
-def test_cli_all_fail_prints_error_and_hint(tmp_path, http_server, no_datasets, capsys):
+def test_cli_all_fail_prints_error_and_hint(tmp_path, http_server, datasets_not_installed, capsys):
     from llmctl.cli import main
 
     with pytest.raises(SystemExit) as e:
@@ -352,7 +383,7 @@ def test_hellaswag_small_file_byte_exact_and_errors(tmp_path, ref_enc):
     assert not (tmp_path / "o2").exists() or not list((tmp_path / "o2").glob("*.bin"))
 
 
-def test_hellaswag_download_path(tmp_path, http_server, no_datasets):
+def test_hellaswag_download_path(tmp_path, http_server, datasets_cache):
     line = json.dumps({"ctx": "He", "label": 1, "endings": ["a", "b", "c", "d"]}) + "\n"
     url = http_server("/hellaswag_val.jsonl", line.encode())
     s = prepro_hellaswag(out_dir=tmp_path, url=url)
@@ -360,15 +391,17 @@ def test_hellaswag_download_path(tmp_path, http_server, no_datasets):
     assert (tmp_path / "hellaswag_val.jsonl").read_text() == line
 
 
-def test_hellaswag_from_datasets_matches_jsonl(tmp_path, monkeypatch):
-    rows = [{"ind": 4, "ctx": "A woman", "label": "2", "endings": ["runs.", "sits.", "jumps.", "eats."]},
-            {"ind": 5, "ctx": "Then he", "label": "0", "endings": ["a", "b", "c", "d"]}]
-    asked = []
-    fake_datasets(monkeypatch, lambda path, split: asked.append((path, split)) or rows)
-    s = prepro_hellaswag(out_dir=tmp_path / "ds", url=None)
-    assert s["origin"] == "datasets" and asked == [("Rowan/hellaswag", "validation")]
+def test_hellaswag_from_datasets_matches_jsonl(tmp_path, hellaswag_jsonl, datasets_cache):
+    lines = open(hellaswag_jsonl, encoding="utf-8").read().splitlines()[:40]
     src = tmp_path / "h.jsonl"
-    src.write_text("".join(json.dumps(dict(r, label=int(r["label"]))) + "\n" for r in rows))
+    src.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    # the Hub copy (Rowan/hellaswag) stores labels as strings; train has no rows we need
+    rows = [dict(ex, label=str(ex["label"])) for ex in map(json.loads, lines)]
+    cached_hub_dataset(datasets_cache, "Rowan/hellaswag", {"validation": rows, "train": rows[:2]})
+    s = prepro_hellaswag(out_dir=tmp_path / "ds", url=None)
+    assert s["origin"] == "datasets" and s["examples"] == 40
+    cached = [json.loads(x) for x in (tmp_path / "ds" / "hellaswag_val.jsonl").read_text().splitlines()]
+    assert cached == [json.loads(x) for x in lines]  # every field, labels back to ints
     prepro_hellaswag(out_dir=tmp_path / "js", source=src)
     assert (tmp_path / "ds" / "hellaswag_val.bin").read_bytes() == (tmp_path / "js" / "hellaswag_val.bin").read_bytes()
 
@@ -562,18 +595,11 @@ def test_tinystories_local(tmp_path, stories):
     assert s["files"][0]["tokens"] == 200
 
 
-def test_tinystories_datasets_streaming(tmp_path, stories, monkeypatch):
+def test_tinystories_datasets_streaming(tmp_path, stories, datasets_cache):
     _, docs, toks = stories
-    asked = []
-
-    def load_dataset(path, split, streaming):
-        asked.append((path, split, streaming))
-        rows = docs[:2] if split == "validation" else docs[2:]
-        return iter({"text": "\n" + d + "  "} for d in rows)
-
-    fake_datasets(monkeypatch, load_dataset)
+    rows = [{"text": "\n" + d + "  "} for d in docs]  # stories are stripped, as llm.c's tinystories.py
+    cached_hub_dataset(datasets_cache, "roneneldan/TinyStories", {"train": rows[2:], "validation": rows[:2]})
     s = prepro_tinystories(out_dir=tmp_path / "o")
-    assert asked == [("roneneldan/TinyStories", "validation", True), ("roneneldan/TinyStories", "train", True)]
     assert read_shard(tmp_path / "o" / "TinyStories_val.bin") == toks[0] + toks[1]
     assert read_shard(tmp_path / "o" / "TinyStories_train.bin") == [t for d in toks[2:] for t in d]
     assert s["origin"] == "datasets"
@@ -595,7 +621,7 @@ def test_bad_options_are_usage_errors(tmp_path, stories):
     assert not (tmp_path / "o").exists()
 
 
-def test_fineweb_local_jsonl_names_and_max_shards(tmp_path, stories, no_datasets):
+def test_fineweb_local_jsonl_names_and_max_shards(tmp_path, stories, datasets_not_installed):
     text, docs, toks = stories
     src = tmp_path / "fw.jsonl"
     src.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs * 4)))
@@ -608,23 +634,38 @@ def test_fineweb_local_jsonl_names_and_max_shards(tmp_path, stories, no_datasets
     s = prepro_fineweb(out_dir=tmp_path / "m", source=[str(src)], shard_size=250, max_shards=2)
     assert [x["tokens"] for x in s["shards"]] == [250, 250]
     assert sorted(os.listdir(tmp_path / "m")) == ["fineweb_train_000001.bin", "fineweb_val_000000.bin"]
-    with pytest.raises(DataError, match="datasets"):
+    with pytest.raises(DataError, match="the `datasets` library is not installed"):
         prepro_fineweb(out_dir=tmp_path / "n")
 
 
-def test_fineweb_datasets_streaming(tmp_path, stories, monkeypatch):
+@pytest.mark.parametrize("edu", [False, True])
+def test_fineweb_datasets_streaming(tmp_path, stories, datasets_cache, edu):
     _, docs, toks = stories
-    seen = {}
+    repo = "HuggingFaceFW/fineweb-edu" if edu else "HuggingFaceFW/fineweb"
+    rows = [{"text": d, "id": f"<urn:uuid:{i}>", "url": f"https://example.com/{i}"} for i, d in enumerate(docs * 3)]
+    cached_hub_dataset(datasets_cache, repo, {"train": rows}, config="sample-10BT")
+    cached_hub_dataset(datasets_cache, repo, {"train": rows[:1]}, config="sample-100BT")
+    flat = [t for d in toks * 3 for t in d]
+    s = prepro_fineweb(edu=edu, out_dir=tmp_path / "o", shard_size=1000)
+    assert s["origin"] == "datasets" and s["documents"] == 3 * len(docs)
+    prefix = "edu_fineweb" if edu else "fineweb"
+    names = shard_names(tmp_path / "o")
+    assert names[:2] == [f"{prefix}_val_000000.bin", f"{prefix}_train_000001.bin"]
+    assert [t for n in names for t in read_shard(tmp_path / "o" / n)] == flat
+    s = prepro_fineweb(edu=edu, version="100B", out_dir=tmp_path / "c")
+    assert read_shard(tmp_path / "c" / f"{prefix}_val_000000.bin") == toks[0]
 
-    def load_dataset(path, **kw):
-        seen.update(kw, path=path)
-        return iter({"text": d} for d in docs)
 
-    fake_datasets(monkeypatch, load_dataset)
-    s = prepro_fineweb(out_dir=tmp_path / "o", shard_size=10**8)
-    assert seen == {"path": "HuggingFaceFW/fineweb", "name": "sample-10BT", "split": "train", "streaming": True}
-    assert s["origin"] == "datasets"
-    assert read_shard(tmp_path / "o" / "fineweb_val_000000.bin") == [t for d in toks for t in d]
+def test_datasets_offline_not_cached_is_one_error(tmp_path, datasets_cache, capsys):
+    for call, repo in ((lambda: prepro_fineweb(out_dir=tmp_path / "f"), "HuggingFaceFW/fineweb"),
+                       (lambda: prepro_fineweb(edu=True, out_dir=tmp_path / "f"), "HuggingFaceFW/fineweb-edu"),
+                       (lambda: prepro_tinystories(out_dir=tmp_path / "f"), "roneneldan/TinyStories")):
+        with pytest.raises(DataError, match=f"datasets could not load {repo} \\(ConnectionError") as e:
+            call()
+        assert "--source" in e.value.hint
+    assert not (tmp_path / "f").exists()
+    code, out, err = _cli(["prepro", "tinystories", "--out-dir", str(tmp_path / "f")], capsys)
+    assert code == 1 and "Error: tinystories: datasets could not load" in err and "Traceback" not in err
 
 
 # ------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import json
 import os
 
 from llmctl.errors import ConfigError, DataError
+from llmctl.paths import DATA_DIR
 from llmctl.prepro import sources
 from llmctl.prepro.writer import check_out_dir, make_out_dir
 from llmctl.tokenizer import get_tokenizer
@@ -88,12 +89,12 @@ def _first_line(e):
     return s[0] if s else type(e).__name__
 
 
-def prepro_hellaswag(out_dir="data/hellaswag", source=None, split="val", cache_dir=None, url=None,
+def prepro_hellaswag(out_dir=DATA_DIR, source=None, split="val", cache_dir=None, url=None,
                      timeout=sources.DEFAULT_TIMEOUT, log=None):
-    """Write DIR/hellaswag_{split}.bin; return a summary dict.
+    """Write DIR/hellaswag_{split}.bin (default data/); return a summary dict.
 
     Source order: `source` jsonl, the cache `cache_dir/hellaswag_{split}.jsonl` (cache_dir
-    defaults to out_dir, like llm.c's DATA_CACHE_DIR), `datasets`, then `url` (rowanz/hellaswag).
+    defaults to out_dir, like llm.c's DATA_CACHE_DIR: data/hellaswag_val.jsonl), `datasets`, then `url` (rowanz/hellaswag).
     """
     from llmctl.formats import write_evalfile
 

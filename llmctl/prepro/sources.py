@@ -50,12 +50,6 @@ def download(url, path, timeout=DEFAULT_TIMEOUT):
             os.unlink(tmp)
 
 
-def _import_datasets():
-    import datasets  # optional dependency: pip install 'llmctl[datasets]'
-
-    return datasets
-
-
 def obtain(what, *, source=None, cache_path, url=None, from_datasets=None,
            timeout=DEFAULT_TIMEOUT, log=None):
     """Return {"path", "origin", "notes"} for a local copy of dataset `what`.
@@ -87,7 +81,7 @@ def obtain(what, *, source=None, cache_path, url=None, from_datasets=None,
 
     if from_datasets is not None:
         try:
-            ds = _import_datasets()
+            import datasets as ds  # optional dependency: pip install 'llmctl[datasets]'
         except ImportError:
             note("datasets: not installed (pip install datasets)")
         else:

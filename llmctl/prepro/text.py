@@ -23,6 +23,7 @@ import re
 import numpy as np
 
 from llmctl.errors import ConfigError, DataError
+from llmctl.paths import DATA_DIR
 from llmctl.prepro.writer import Progress, check_out_dir, make_out_dir, tokenize_chunks, write_sharded
 from llmctl.tokenizer import EOT_TEXT
 
@@ -146,10 +147,35 @@ def _datasets_or_error(what):
     return datasets
 
 
-def _stream_field(ds, field, strip=False):
-    for row in ds:
-        t = row[field]
-        yield t.strip() if strip else t
+_DATASETS_HINT = ("connect to the network (the first run fills the datasets cache), "
+                  "or pass local files with --source")
+
+
+def _first_line(e):
+    s = str(e).strip().splitlines()
+    return s[0][:200] if s else "no message"
+
+
+def _load_stream(ds, what, path, **kw):
+    """datasets.load_dataset(path, streaming=True): offline and not cached, a missing config, ...
+    are one DataError, not the library's traceback."""
+    try:
+        return ds.load_dataset(path, streaming=True, **kw)
+    except Exception as e:  # datasets raises many types (ConnectionError, FileNotFoundError, ValueError, ...)
+        raise DataError(f"{what}: datasets could not load {path} ({type(e).__name__}: {_first_line(e)})",
+                        hint=_DATASETS_HINT) from None
+
+
+def _stream_field(ds, field, what, strip=False):
+    try:
+        for row in ds:
+            t = row[field]
+            yield t.strip() if strip else t
+    except (KeyError, TypeError) as e:
+        raise DataError(f"{what}: a streamed row has no text field {field!r} ({type(e).__name__}: {e})") from None
+    except (ConnectionError, OSError, ValueError) as e:  # a stream that breaks mid-way
+        raise DataError(f"{what}: reading the datasets stream failed ({type(e).__name__}: {_first_line(e)})",
+                        hint=_DATASETS_HINT) from None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -174,7 +200,7 @@ def prepro_text(files, out_dir=None, val_tokens=None, shard_size=DEFAULT_SHARD_S
     for f in files:
         _check_input(f)
     name = _safe_name(name or os.path.splitext(os.path.basename(files[0]))[0])
-    out_dir = check_out_dir(out_dir or os.path.join("data", name))
+    out_dir = check_out_dir(out_dir or os.path.join(DATA_DIR, name))
     summary = write_sharded(iter_documents(files), out_dir, lambda s, i: f"{name}_{s}_{i:06d}.bin",
                             shard_size, val_tokens=val_tokens, workers=workers, backend=backend,
                             progress=progress, description=f"tokenizing {name}")
@@ -188,6 +214,9 @@ def prepro_text(files, out_dir=None, val_tokens=None, shard_size=DEFAULT_SHARD_S
 # prepro tinystories
 
 
+TINYSTORIES_DATASET = "roneneldan/TinyStories"
+
+
 def _tokens_to_array(chunks, prog):
     parts, n_docs = [], 0
     for flat, lengths in chunks:
@@ -197,9 +226,9 @@ def _tokens_to_array(chunks, prog):
     return (np.concatenate(parts) if parts else np.empty(0, dtype=np.uint16)), n_docs
 
 
-def prepro_tinystories(out_dir="data/tinystories", source=None, val_tokens=32768, workers=1,
+def prepro_tinystories(out_dir=DATA_DIR, source=None, val_tokens=32768, workers=1,
                        backend="threads", progress=False):
-    """Write DIR/TinyStories_{val,train}.bin (llm.c's names); return a summary.
+    """Write DIR/TinyStories_{val,train}.bin (llm.c's names; default data/); return a summary.
 
     source: local files (TinyStories json shards with a "story" field, jsonl with "text"/"story",
     or text with <|endoftext|> between stories). Several files: the first is val, the rest train
@@ -222,7 +251,8 @@ def prepro_tinystories(out_dir="data/tinystories", source=None, val_tokens=32768
         origin = "source"
     else:
         ds = _datasets_or_error("tinystories")
-        split_docs = [_stream_field(ds.load_dataset("roneneldan/TinyStories", split=s, streaming=True), "text", strip=True)
+        split_docs = [_stream_field(_load_stream(ds, "tinystories", TINYSTORIES_DATASET, split=s), "text",
+                                    "tinystories", strip=True)
                       for s in ("validation", "train")]
         origin = "datasets"
     split_chunks = [tokenize_chunks(d, workers=workers, backend=backend) for d in split_docs]
@@ -266,15 +296,16 @@ def prepro_fineweb(edu=False, version="10B", out_dir=None, source=None, shard_si
     if version not in ("10B", "100B"):
         raise ConfigError(f"--version {version!r}: use 10B or 100B")
     prefix = "edu_fineweb" if edu else "fineweb"
-    out_dir = check_out_dir(out_dir or os.path.join("data", f"{prefix}{version}"))
+    out_dir = check_out_dir(out_dir or os.path.join(DATA_DIR, f"{prefix}{version}"))
     if source:
         files = [os.fspath(s) for s in ([source] if isinstance(source, (str, os.PathLike)) else source)]
         docs = iter_documents(files, field="text")
         origin = "source"
     else:
-        ds = _datasets_or_error("fineweb-edu" if edu else "fineweb")
-        stream = ds.load_dataset(FINEWEB_DATASETS[edu], name=f"sample-{version}T", split="train", streaming=True)
-        docs = _stream_field(stream, "text")
+        what = "fineweb-edu" if edu else "fineweb"
+        ds = _datasets_or_error(what)
+        stream = _load_stream(ds, what, FINEWEB_DATASETS[edu], name=f"sample-{version}T", split="train")
+        docs = _stream_field(stream, "text", what)
         origin = "datasets"
     summary = write_sharded(docs, out_dir, lambda s, i: f"{prefix}_{s}_{i:06d}.bin", shard_size,
                             workers=workers, backend=backend, progress=progress,

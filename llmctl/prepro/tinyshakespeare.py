@@ -13,11 +13,12 @@ import os
 import numpy as np
 
 from llmctl.errors import DataError
+from llmctl.paths import DATA_DIR, TINYSHAKESPEARE_URL
 from llmctl.prepro import sources
 from llmctl.prepro.writer import check_out_dir, make_out_dir
 from llmctl.tokenizer import get_tokenizer
 
-URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+URL = TINYSHAKESPEARE_URL
 CACHE_NAME = "tiny_shakespeare.txt"
 CANONICAL_MD5 = "6fb458f1232090904fb40fe944165e91"
 VAL_TOKENS = 32768
@@ -63,12 +64,13 @@ def tokenize_tinyshakespeare(text, workers=1):
     return out
 
 
-def prepro_tinyshakespeare(out_dir="data/tinyshakespeare", source=None, cache_dir=None, url=URL,
+def prepro_tinyshakespeare(out_dir=DATA_DIR, source=None, cache_dir=None, url=URL,
                            workers=1, timeout=sources.DEFAULT_TIMEOUT, log=None):
-    """Write DIR/tiny_shakespeare_{val,train}.bin; return a summary dict.
+    """Write DIR/tiny_shakespeare_{val,train}.bin (default data/); return a summary dict.
 
     The text comes from `source`, else the cache `cache_dir/tiny_shakespeare.txt` (cache_dir
-    defaults to out_dir, as llm.c caches next to its output), else `datasets`, else `url`.
+    defaults to out_dir, as llm.c caches next to its output: data/tiny_shakespeare.txt), else
+    `datasets`, else `url`. A text dropped there by hand is used as is.
     """
     from llmctl.formats import write_datafile
 
