@@ -15,12 +15,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import pytest
 
 
-@pytest.fixture
-def datasets_cache(tmp_path, monkeypatch):
-    """An empty datasets cache for this test, offline; returns its path."""
+def empty_datasets_cache(tmp_path, monkeypatch):
+    """Point the `datasets` library at a new, empty cache under tmp_path, offline (the body of
+    the tests' `datasets_cache` fixture); returns its path."""
     import datasets
 
     cache = tmp_path / "hf_datasets_cache"

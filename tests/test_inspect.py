@@ -330,8 +330,30 @@ def test_cli_bad_files_exit_1(tmp_path, valid_files):
     assert [d["valid"] for d in json.loads(r.stdout)] == [True] + [False] * 7
 
 
+def test_cli_no_files_checks_every_bin_under_data(valid_files):
+    import shutil
+
+    r = run_cli()  # the test runs in an empty directory: no data/
+    assert r.returncode == 1 and "Error: no files given and there is no data/ directory here" in r.stderr
+    assert "llmctl prepro tinyshakespeare" in r.stderr and "Traceback" not in r.stderr
+    os.makedirs("data/fineweb10B")
+    assert "no .bin file under data/" in run_cli().stderr
+    shutil.copy(valid_files["shard"], "data/tiny_shakespeare_val.bin")
+    shutil.copy(valid_files["eval"], "data/hellaswag_val.bin")
+    shutil.copy(valid_files["shard"], "data/fineweb10B/fineweb_val_000000.bin")
+    with open("data/tiny_shakespeare.txt", "w") as f:
+        f.write("not a .bin: not checked\n")
+    r = run_cli("--json")
+    assert r.returncode == 0 and "checking the 3 .bin file(s) under data/" in r.stderr
+    assert [x["path"] for x in json.loads(r.stdout)] == [
+        "data/fineweb10B/fineweb_val_000000.bin", "data/hellaswag_val.bin", "data/tiny_shakespeare_val.bin"]
+    with open("data/broken.bin", "wb") as f:
+        f.write(b"\0" * 10)
+    r = run_cli()
+    assert r.returncode == 1 and "data/broken.bin:" in r.stderr and "checking the 4 .bin file(s)" in r.stderr
+
+
 def test_cli_usage_errors_exit_2(valid_files):
-    assert run_cli().returncode == 2
     r = run_cli("--decode", "-3", valid_files["shard"])
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert run_cli("--no-such-flag", valid_files["shard"]).returncode == 2

@@ -14,7 +14,7 @@ import threading
 
 import numpy as np
 import pytest
-from hfdatasets import cached_hub_dataset, datasets_cache  # noqa: F401  (a fixture)
+from hfdatasets import cached_hub_dataset, empty_datasets_cache
 
 from llmctl.errors import ConfigError, DataError
 from llmctl.prepro import (prepro_fineweb, prepro_hellaswag, prepro_text, prepro_tinyshakespeare,
@@ -126,6 +126,12 @@ def http_server():
     yield serve
     srv.shutdown()
     srv.server_close()
+
+
+@pytest.fixture
+def datasets_cache(tmp_path, monkeypatch):
+    """The real `datasets` library, offline, on an empty cache of this test's own."""
+    return empty_datasets_cache(tmp_path, monkeypatch)
 
 
 @pytest.fixture
