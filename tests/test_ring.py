@@ -7,6 +7,7 @@ every process a test starts is killed by the test even when an assertion fails.
 """
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -299,26 +300,39 @@ def test_peer_that_never_connects(tmp_path):
 
 
 def test_wrong_secret_and_garbage_at_the_rendezvous():
-    """Garbage bytes and a wrong-secret peer at the rendezvous port are rejected (logged, named
-    by address); the wrong-secret rank itself gets a clear error; the job does not hang: rank 0
-    fails within its timeout naming the missing rank and the rejected connections."""
+    """Garbage bytes and a wrong-secret peer at the rendezvous port are refused and logged as they
+    happen, by address and reason; the wrong-secret rank itself gets a clear error; the job does
+    not hang: rank 0 fails within its timeout naming the missing rank and the refused peers."""
     port = _free_port()
     logs = []
-    kw = dict(master_addr=_host(0), master_port=port, timeout=3, rdzv_timeout=3)
+    kw = dict(master_addr=_host(0), master_port=port, timeout=3, rdzv_timeout=6)
     t_0, b0 = _rank_thread(init_ring, 0, 2, bind_addr=_host(0), secret=SECRET, log=logs.append, **kw)
     time.sleep(0.3)
     g = socket.create_connection((_host(0), port), timeout=5)
     g.sendall(b"GET / HTTP/1.0\r\n\r\n" + os.urandom(200))
+    garbage_from = "%s:%d" % g.getsockname()
     with pytest.raises(DistError, match="rejected this rank's credentials"):
         init_ring(1, 2, bind_addr=_host(1), secret=rdzv.resolve_secret(
             {"LLMCTL_SECRET": "a-different-secret-value"}), **kw)
     g.close()
-    t_0.join(120)  # a generous ceiling: rank 0 ends once its 3 s rendezvous timeout has passed
+    # logged as it happened: the line is there while rank 0 still waits for rank 1
+    for _ in range(200):
+        if any("wrong job secret" in m for m in logs):
+            break
+        time.sleep(0.01)
+    assert t_0.is_alive() and any("wrong job secret" in m for m in logs), logs
+    t_0.join(120)  # a generous ceiling: rank 0 ends once its 6 s rendezvous timeout has passed
     assert not t_0.is_alive()
     err = b0.get("err")
     assert isinstance(err, DistError), b0
-    assert "ranks [1] did not join" in err.message and "wrong job secret" in err.message, err.message
-    assert any("bad greeting" in m for m in logs) and any("wrong job secret" in m for m in logs), logs
+    assert "ranks [1] did not join" in err.message and "refused 2 peer(s): " in err.message, err.message
+    assert f"{garbage_from} (not an llmctl peer (bad greeting))" in err.message, err.message
+    wrong = [m for m in logs if "wrong job secret" in m]
+    assert [m for m in logs if "bad greeting" in m] == [
+        f"rank 0: refused a peer at the rendezvous at {_host(0)}:{port} from {garbage_from}: "
+        "not an llmctl peer (bad greeting)"], logs
+    assert len(wrong) == 1 and re.search(r"from 127\.0\.0\.\d+:\d+: wrong job secret \(HMAC mismatch\)$",
+                                         wrong[0]), logs
 
 
 def test_peer_sending_garbage_after_authenticating():

@@ -134,7 +134,7 @@ def run_entry(args, shm):
                      secret=bytes.fromhex(key), timeout=shm.timeout,
                      collective_timeout=shm.collective_timeout, rdzv_timeout=node["rdzv_timeout"],
                      ring_key=shm.rank, node=node["node_rank"], local_rank=shm.rank,
-                     local_world_size=lw, label=f"rank {rank} (node {node['node_rank']})")
+                     local_world_size=lw, label=f"rank {rank} (node {node['node_rank']})", log=_log)
     comm = HierComm(shm, ring, node["node_rank"], node["nnodes"])
     try:
         return _import_target(args["target"])(args["args"], comm)

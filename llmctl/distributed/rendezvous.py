@@ -343,8 +343,10 @@ def rendezvous(rank, world, master_addr, master_port, secret, record, timeout, l
     """All-gather one record per rank through rank 0; returns the list of records by rank.
 
     rank 0 serves on master_addr:master_port (bound to exactly that address) until every rank
-    joined or `timeout` s passed; the others retry connecting until then. On failure every rank
-    that joined is told why, and all raise DistError naming the missing ranks or the rejection.
+    joined or `timeout` s passed; the others retry connecting until then. Rank 0 calls
+    `log(msg)` for each peer it refuses (wrong secret, wrong world size, garbage), as it happens,
+    naming its address and the reason. On failure every rank that joined is told why, and all
+    raise DistError naming the missing ranks and the refused peers.
     """
     timeout = check_seconds("--rdzv-timeout", timeout)
     record = dict(record, rank=rank)
@@ -403,7 +405,7 @@ def _serve(world, addr, port, secret, record, deadline, timeout, log):
     lis = bind_listener(addr, port, "rendezvous")
     lis.settimeout(0.2)
     joined = {}            # rank -> (sock, record)
-    rejected = []          # "host:port: why"
+    refused = []           # "host:port (why)", in arrival order
     events = queue.Queue()
     where = f"the rendezvous at {_fmt(addr, port)}"
 
@@ -427,8 +429,10 @@ def _serve(world, addr, port, secret, record, deadline, timeout, log):
         while len(joined) < world - 1:
             if time.monotonic() > deadline:
                 missing = [r for r in range(1, world) if r not in joined]
-                why = f"; rejected connections: {'; '.join(rejected[:4])}" if rejected else ""
-                msg = (f"ranks {missing} did not join {where} within {timeout:.0f} s{why}")
+                msg = f"ranks {missing} did not join {where} within {timeout:.0f} s"
+                if refused:
+                    more = f" and {len(refused) - 8} more" if len(refused) > 8 else ""
+                    msg += f"; refused {len(refused)} peer(s): {'; '.join(refused[:8])}{more}"
                 for s, _ in joined.values():
                     try:
                         send_msg(s, {"t": "fail", "msg": msg})
@@ -447,16 +451,16 @@ def _serve(world, addr, port, secret, record, deadline, timeout, log):
                 except queue.Empty:
                     break
                 who = _fmt(peer[0], peer[1])
-                if kind == "bad":
-                    rejected.append(f"{who}: {x}")
-                    if log:
-                        log(f"rejected a rendezvous connection from {who}: {x}")
-                    s.close()
-                elif x["rank"] in joined or x["rank"] == 0:
-                    rejected.append(f"{who}: a second JOIN for rank {x['rank']}")
-                    s.close()
-                else:
+                why = x if kind == "bad" else None
+                if kind == "ok" and (x["rank"] in joined or x["rank"] == 0):
+                    why = f"a second JOIN for rank {x['rank']}"
+                if why is None:
                     joined[x["rank"]] = (s, x)
+                    continue
+                refused.append(f"{who} ({why})")
+                if log:
+                    log(f"rank 0: refused a peer at {where} from {who}: {why}")
+                s.close()
         peers = [record] + [joined[r][1] for r in range(1, world)]
         for s, _ in joined.values():
             try:
