@@ -22,3 +22,36 @@ TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/maste
 # llm.c's train_gpt2.c starts from this file in the working directory (written by train_gpt2.py)
 GPT2_124M_CHECKPOINT = "gpt2_124M.bin"
 GPT2_TOKENIZER = "gpt2_tokenizer.bin"
+
+# what `-e` is when it is not given (train, eval hellaswag): llm.c's pretrained GPT-2 124M
+PRETRAINED_DEFAULT = "gpt2"
+
+
+def default_init(log=None, progress=True):
+    """The checkpoint `-e` means when not given, and how it was found: (path, note).
+
+    As llm.c's train_gpt2.c: GPT2_124M_CHECKPOINT in the working directory if it is there, else
+    pretrained GPT-2 124M (`-e gpt2`, from the Hugging Face cache or downloaded once, ~500 MB).
+    If neither can be had (offline and not cached, say): one DataError whose hint names
+    `-e d12` and how to fetch the weights.
+    """
+    from llmctl.errors import DataError, LlmctlError
+
+    if os.path.isfile(GPT2_124M_CHECKPOINT):
+        return GPT2_124M_CHECKPOINT, f"{GPT2_124M_CHECKPOINT} in the working directory"
+    why = None
+    try:
+        from llmctl.hf import pretrained_checkpoint
+    except ImportError as e:
+        why = f"pretrained models need a package that is missing ({e.name})"
+    else:
+        try:
+            path = pretrained_checkpoint(PRETRAINED_DEFAULT, progress=progress, log=log)
+            return os.fspath(path), f"pretrained {PRETRAINED_DEFAULT} (GPT-2 124M)"
+        except LlmctlError as e:
+            why = e.message
+    raise DataError(f"no -e given: there is no {GPT2_124M_CHECKPOINT} here and pretrained "
+                    f"{PRETRAINED_DEFAULT} cannot be loaded: {why}",
+                    hint=f"pass -e d12 to start from random weights (llm.c's -e d12), or fetch GPT-2 124M "
+                         f"once with network: `llmctl prepro gpt2` (writes {GPT2_124M_CHECKPOINT} here) "
+                         f"or any command with -e {PRETRAINED_DEFAULT}")
