@@ -119,7 +119,9 @@ class WindowBatches:
     Every epoch is a fresh permutation of all windows (NumPy's PCG64 seeded with (seed, epoch)),
     cut into batches of B*num_processes windows with the incomplete last batch dropped
     (DataLoader(shuffle=True, drop_last=True)); process r takes windows r*B..(r+1)*B-1 of each.
-    `state()` / `load_state()` resume at the same batch.
+    `state()` / `load_state()` resume at the same batch. For the trainer it also speaks
+    llmctl.loader.DataLoader's checkpoint interface: `state()` in the shape of llm.c's loader
+    state (unshuffled; the position fields hold epoch and batch) and `resume(epoch, batch)`.
     """
 
     def __init__(self, dataset, B, process_rank=0, num_processes=1, seed=42):
@@ -138,6 +140,11 @@ class WindowBatches:
         self.epoch = 0
         self.batch = 0
         self._perm = None
+        # what the trainer reads of a loader
+        self.files = dataset.files
+        self.pattern = " ".join(self.files)
+        self.num_tokens = self.batches_per_epoch * self.global_batch * dataset.block_size
+        self.should_shuffle = False  # in llm.c's state file: no permutation arrays to save
 
     def _permutation(self):
         if self._perm is None:
@@ -163,10 +170,33 @@ class WindowBatches:
         return x, y
 
     def state(self):
-        return {"epoch": self.epoch, "batch": self.batch}
+        """{"epoch", "batch"}, plus llm.c's loader state fields carrying the same position."""
+        return {"epoch": self.epoch, "batch": self.batch, "should_shuffle": False,
+                "current_shard_idx": self.epoch, "current_sample_idx": self.batch,
+                "shard_indices": None, "intra_shard_indices": None, "rng_state": None}
 
     def load_state(self, state):
-        self.epoch, self.batch, self._perm = int(state["epoch"]), int(state["batch"]), None
+        self.resume(state["epoch"], state["batch"])
+
+    def resume(self, epoch, batch):
+        epoch, batch = int(epoch), int(batch)
+        if epoch < 0 or not 0 <= batch <= self.batches_per_epoch:
+            raise DataError(f"cannot resume the window sampler at epoch {epoch}, batch {batch}: an "
+                            f"epoch has {self.batches_per_epoch} batches",
+                            hint="resume with the same -i, -b, -t, --sampler and number of processes")
+        self.epoch, self.batch, self._perm = epoch, batch, None
+
+    def check_vocab(self, vocab_size, n_threads=1):
+        """Every token id of every shard is < vocab_size (as llmctl.loader.DataLoader checks)."""
+        from llmctl._ext import tokens as _tokens
+
+        V = int(vocab_size)
+        for path in self.files:
+            st = _tokens.token_stats(open_shard(path), -1, V, max(1, int(n_threads)))
+            if st["out_of_vocab"]:
+                raise DataError(f"shard {path} holds token id {st['max']} (and {st['out_of_vocab']} "
+                                f"id(s) >= {V} in all), but the model's vocab size V is {V}",
+                                hint="tokenize with the model's tokenizer, or train a model with a larger V")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ def _permute(arr, rng):
 class DataLoader:
     """llm.c's DataLoader. `next_batch()` returns (inputs, targets), fresh int32 (B, T) arrays.
 
+    pattern: a glob (sorted, as llm.c's glob) or a list of shard paths, used in that order.
     seed: the shuffle RNG of rank r is seeded with seed + r (llm.c hard-codes 42).
     """
 
@@ -63,7 +64,11 @@ class DataLoader:
         self.total_batch_tokens = num_processes * B * T
         self.local_offset_tokens = process_rank * B * T
 
-        self.files = sorted(_glob.glob(pattern))
+        if isinstance(pattern, (list, tuple)):  # files already chosen (llmctl.data.split_inputs)
+            self.files = [str(p) for p in pattern]
+            self.pattern = " ".join(self.files)
+        else:
+            self.files = sorted(_glob.glob(pattern))
         if not self.files:
             raise DataError(f"no file matches {pattern!r}",
                             hint="check the pattern (quote it so the shell does not expand it) "

@@ -20,6 +20,7 @@ Reference: llm.c train_gpt2.cu (`main`: the loop and its flags; `write_checkpoin
 `find_max_step`), llmc/dataloader.h (the loader state a checkpoint carries), docs/formats.md.
 """
 import contextlib
+import glob
 import json
 import math
 import os
@@ -32,12 +33,14 @@ import numpy as np
 
 from llmctl.atomic import atomic_write
 from llmctl.checkpoints import OUTPUT_HINT, Checkpoints, os_error
+from llmctl.data import TokenWindows, WindowBatches, split_inputs
 from llmctl.distributed.base import SingleProcessComm
 from llmctl.display import Display
 from llmctl.errors import ConfigError, DataError, LlmctlError
 from llmctl.loader import DataLoader
 from llmctl.model import load as load_model, peek_config
 from llmctl.outlier import OutlierDetector, as_float32, skip_update
+from llmctl.paths import TINYSHAKESPEARE_VAL, default_init
 from llmctl.schedulers import LRScheduler
 from llmctl.threads import resolve_threads
 from llmctl.train_config import TrainConfig
@@ -137,6 +140,14 @@ def _check_hellaswag(cfg, model_config):
     return len(examples)
 
 
+def _files_text(files, most=4):
+    """The header's list of data files: all of them, or the first few and how many more."""
+    if isinstance(files, str):
+        return files
+    shown = ", ".join(files[:most])
+    return shown + (f" and {len(files) - most} more ({len(files)} files)" if len(files) > most else "")
+
+
 # ---------------------------------------------------------------------------------------------
 # the trainer
 
@@ -165,8 +176,16 @@ class Trainer:
         self.out = cfg.output_dir
         self.checkpoints = Checkpoints(self.out, self.comm)
         self.resume_step = self.checkpoints.newest() if cfg.resume == 1 else -1
-        init_spec = (self.checkpoints.paths(self.resume_step)[0] if self.resume_step >= 0
-                     else cfg.init)
+        self.init_note = None
+        if self.resume_step >= 0:
+            init_spec = self.checkpoints.paths(self.resume_step)[0]
+        elif cfg.init is not None:
+            init_spec = cfg.init
+        else:  # llm.c's train_gpt2.c: gpt2_124M.bin here, else pretrained GPT-2 124M
+            init_spec, how = default_init(log=self.display.message if self.is_master else None,
+                                          progress=self.is_master)
+            self.init_note = f"{init_spec} (no -e: {how})"
+        self.init_spec = init_spec
         self.hellaswag_examples = self._check_fits(peek_config(init_spec))
         self.checkpoints.claim(cfg.resume)
 
@@ -185,7 +204,7 @@ class Trainer:
         if self.resume_step >= 0:
             self.start_step, self.resume_notes = self.checkpoints.load(
                 self.resume_step, self.model, self.train_loader, self._detectors(),
-                restore_loader=not cfg.overfit_single_batch)  # -a 1: its batch is taken
+                restore_loader=not cfg.overfit_single_batch)  # -a 1: reset every step
             if self.start_step > self.num_steps:
                 raise ConfigError(f"the checkpoint in {self.out} is at step {self.start_step}, "
                                   f"beyond the {self.num_steps} steps of this run",
@@ -197,19 +216,40 @@ class Trainer:
         self.allreduce_ms = 0.0
 
     def _open_data(self):
+        """-i's train shards (its val shards validate unless -j is given; other llm.c files it
+        matches are left out) and -j's; -a 1 trains on the val split, unshuffled, as
+        train_gpt2.cu; --sampler windows draws shuffled windows instead of llm.c's batches."""
         cfg, B, T = self.cfg, self.B, self.T
-        train_pattern = cfg.val_data if cfg.overfit_single_batch else cfg.train_data
-        self.train_loader = DataLoader(train_pattern, B, T, self.rank, self.P, shuffle=True,
-                                       seed=cfg.seed)
+        split = split_inputs(cfg.train_data)
+        self.left_out = split.left_out
+        if cfg.val_data is not None:
+            val_files = cfg.val_data
+        elif split.val:
+            val_files = split.val
+        else:
+            val_files = TINYSHAKESPEARE_VAL
+        self.train_files = split.train
+        if cfg.overfit_single_batch:  # train_gpt2.cu: the first batch of the val split
+            self.train_files = val_files if isinstance(val_files, list) else sorted(glob.glob(val_files))
+            if not self.train_files:
+                raise DataError(f"-a 1 trains on the val split, but no file matches {val_files!r}",
+                                hint="pass -j with the val shards")
+        if cfg.sampler == "windows" and not cfg.overfit_single_batch:
+            self.train_loader = WindowBatches(TokenWindows(self.train_files, T), B, self.rank,
+                                              self.P, seed=cfg.seed)
+        else:
+            self.train_loader = DataLoader(self.train_files, B, T, self.rank, self.P,
+                                           shuffle=not cfg.overfit_single_batch, seed=cfg.seed)
         self.val_loader = None
+        self.val_files = [] if isinstance(val_files, list) else val_files
         if cfg.val_loss_every > 0:
-            self.val_loader = DataLoader(cfg.val_data, B, T, self.rank, self.P, shuffle=False)
-        self.overfit_batch = self.train_loader.next_batch() if cfg.overfit_single_batch else None
+            self.val_loader = DataLoader(val_files, B, T, self.rank, self.P, shuffle=False)
+            self.val_files = self.val_loader.files
         if cfg.max_steps == -1:
             self.num_steps = self.train_loader.num_tokens // self.total_batch_size
             if self.num_steps == 0:
-                raise DataError(f"{train_pattern!r} has {self.train_loader.num_tokens} tokens, "
-                                f"less than one step of -d {self.total_batch_size} tokens",
+                raise DataError(f"{' '.join(self.train_files)} has {self.train_loader.num_tokens} "
+                                f"tokens, less than one step of -d {self.total_batch_size} tokens",
                                 hint="use a smaller -d/-b/-t or set -x")
         else:
             self.num_steps = cfg.max_steps
@@ -320,11 +360,10 @@ class Trainer:
         model = self.model
         model.zero_grad()
         loss_sum = 0.0
-        for _ in range(self.grad_accum_steps):
-            if self.overfit_batch is not None:
-                x, y = self.overfit_batch
-            else:
-                x, y = self.train_loader.next_batch()
+        if self.cfg.overfit_single_batch:  # train_gpt2.cu: the same batches every step
+            self.train_loader.reset()
+        for _ in range(self.grad_accum_steps):  # consecutive batches, as dataloader_next_batch
+            x, y = self.train_loader.next_batch()
             loss_sum += float(model.forward(x, y))
             model.backward(loss_scale=1.0 / self.grad_accum_steps)
         loss = loss_sum / self.grad_accum_steps
@@ -371,8 +410,14 @@ class Trainer:
     def _info(self):
         mc, c = self.model.config, self.cfg
         info = {
-            "train_data": self.train_loader.pattern, "val_data": c.val_data,
-            "init": (f"checkpoint step {self.resume_step}" if self.resume_step >= 0 else c.init),
+            "train_data": _files_text(self.train_files)
+                          + (" (-a 1: the val split, unshuffled)" if c.overfit_single_batch else "")
+                          + (" (--sampler windows)" if c.sampler == "windows"
+                             and not c.overfit_single_batch else ""),
+            "val_data": (_files_text(self.val_files) if self.val_loader is not None
+                         else "- (-v 0)"),
+            "init": (f"checkpoint step {self.resume_step}" if self.resume_step >= 0
+                     else self.init_note or c.init),
             "model": f"L={mc.num_layers} NH={mc.num_heads} C={mc.channels} "
                      f"maxT={mc.max_seq_len} V={mc.vocab_size} Vp={mc.padded_vocab_size}",
             "num_parameters": self.model.num_parameters,
@@ -473,9 +518,14 @@ class Trainer:
                 self.display.message(
                     f"resuming from the checkpoint at step {self.start_step} in {self.out}"
                     if self.resume_step >= 0 else
-                    f"no complete checkpoint in {self.out}: starting from {cfg.init}")
+                    f"no complete checkpoint in {self.out}: starting from {self.init_note or cfg.init}")
             for note in self.resume_notes:
                 self.display.message(note)
+            if self.left_out:
+                self.display.message(
+                    f"-i {self.cfg.train_data!r} also matched {len(self.left_out)} file(s) that are "
+                    "not token shards, left out: "
+                    + ", ".join(f"{p} ({what})" for p, what in self.left_out))
         summary = {"start_step": self.start_step, "num_steps": N, "steps_run": 0,
                    "train_loss": None, "val_loss": None, "checkpoint": None,
                    "output_dir": self.out}

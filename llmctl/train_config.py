@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import NamedTuple, Optional
 
+from llmctl import paths
 from llmctl.errors import ConfigError
 
 
@@ -68,14 +69,21 @@ def flag(default, *flags, help, name=None, check=None, **cli):
 class TrainConfig:
     """Every `llmctl train` setting (see the module docstring for the field metadata)."""
 
-    train_data: str = flag("dev/data/tinyshakespeare/tiny_shakespeare_train.bin",
-                           "-i", "--train-data", help="Train shards glob (quote it).")
-    val_data: str = flag("dev/data/tinyshakespeare/tiny_shakespeare_val.bin",
-                         "-j", "--val-data", help="Val shards glob (quote it).")
-    init: str = flag("gpt2_124M_bf16.bin", "-e", "--init",
-                     help="Start from an llm.c checkpoint .bin, a descriptor: d6, d12, "
-                          "gpt3:c768 (random init, seed 42), pretrained gpt2 | gpt2-medium | "
-                          "gpt2-large | gpt2-xl (Hugging Face Hub, cached), or a Hugging Face model DIR.")
+    train_data: str = flag(paths.TINYSHAKESPEARE_TRAIN, "-i", "--train-data",
+                           help="Train shards glob (quote it). Val shards it matches (*_val*) "
+                                "validate instead, other llm.c files (eval files, checkpoints) "
+                                "are left out.")
+    val_data: Optional[str] = flag(None, "-j", "--val-data",
+                                   help="Val shards glob (quote it) (default: the *_val* shards "
+                                        f"-i matches, else {paths.TINYSHAKESPEARE_VAL}).")
+    init: Optional[str] = flag(None, "-e", "--init",
+                               help="Start from an llm.c checkpoint .bin, a descriptor (d6, d12, "
+                                    "gpt3:c768: random init, seed 42), pretrained gpt2 | "
+                                    "gpt2-medium | gpt2-large | gpt2-xl (Hugging Face Hub, cached) "
+                                    "or a Hugging Face model DIR "
+                                    f"(default: {paths.GPT2_124M_CHECKPOINT} if it is "
+                                    f"in the working directory, else {paths.PRETRAINED_DEFAULT} "
+                                    "(GPT-2 124M), as llm.c's train_gpt2.c).")
     output_dir: Optional[str] = flag(None, "-o", "--output-dir",
                                      help="Directory for main.log, metrics.jsonl and checkpoints "
                                           "(default: none).")
@@ -147,12 +155,16 @@ class TrainConfig:
     hellaswag: int = flag(0, "-h", "--run-hellaswag",
                           help="1 = HellaSwag accuracy (llm.c's acc_norm) every -v steps and at "
                                "the last step.", check="bool01")
-    hellaswag_path: str = flag("dev/data/hellaswag/hellaswag_val.bin", "--hellaswag",
+    hellaswag_path: str = flag(paths.HELLASWAG_VAL, "--hellaswag",
                                help="llm.c eval file for -h 1 (written by `llmctl prepro "
                                     "hellaswag`).")
     hellaswag_limit: Optional[int] = flag(None, "--hellaswag-limit",
                                           help="With -h 1: score only the first N examples "
                                                "(default: all).", min=1)
+    sampler: str = flag("llmc", "--sampler",
+                        help="Train batches: llmc (llm.c's DataLoader, its shuffled order) or "
+                             "windows (shuffled random windows of -t+1 tokens, "
+                             "llmctl.data.TokenWindows; seeded, drop-last, resumable).")
     seed: int = flag(42, "--seed", help="Shuffle seed: rank r uses seed + r (llm.c: 42).")
     threads: Optional[int] = flag(None, "--threads",
                                   help="Kernel threads (0 = OMP_NUM_THREADS or all cores).",
@@ -195,6 +207,8 @@ class TrainConfig:
                 raise ConfigError(f"--threads {self.threads} is more than 4x the {cores} usable "
                                   "core(s) of this machine; each step would mostly wait on "
                                   "threads", hint=f"use --threads {cores} (or leave it unset)")
+        if self.sampler not in ("llmc", "windows"):
+            raise ConfigError(f"unknown --sampler {self.sampler!r}", hint="use llmc or windows")
         if self.lr_scheduler not in SCHEDULERS:
             raise ConfigError(f"unknown learning-rate schedule -k {self.lr_scheduler!r}",
                               hint=f"use one of: {', '.join(SCHEDULERS)}")

@@ -458,18 +458,39 @@ def test_overfit_single_batch(data, tmp_path):
 
 
 def test_grad_accumulation_is_a_mean(data, tmp_path):
-    # -a 1 feeds the same batch to every micro-step, so 2 accumulated micro-steps must report the
-    # same loss and gradient norm as one step (a sum instead of a mean would double both). Not
-    # bit-identical: the kernels accumulate dW += ... in a different order; 1e-5 relative is
-    # float32 rounding over 5 steps.
+    # -a 1 reads the val split unshuffled from its start every step (train_gpt2.cu), and the
+    # micro-steps of a step read consecutive batches: B=4 with 2 micro-steps sees rows 0-3 then
+    # rows 4-7 of the same 8*32+1 tokens that B=8 sees in one batch, so both runs must report the
+    # same loss and gradient norm (a sum instead of a mean would double both). Not bit-identical:
+    # the kernels accumulate dW += ... in a different order; 1e-5 relative is float32 rounding
+    # over 5 steps.
     a, b = tmp_path / "one", tmp_path / "two"
-    train(cfg_for(data, a, max_steps=5, overfit_single_batch=1, val_loss_every=0))
+    train(cfg_for(data, a, max_steps=5, overfit_single_batch=1, val_loss_every=0, batch_size=8))
     train(cfg_for(data, b, max_steps=5, overfit_single_batch=1, val_loss_every=0,
                   total_batch_size=2 * 4 * 32))
-    for ra, rb in zip(metrics(a), metrics(b)):
+    ma, mb = metrics(a), metrics(b)
+    assert len(ma) == len(mb) == 5
+    for ra, rb in zip(ma, mb):
         assert rb["train_loss"] == pytest.approx(ra["train_loss"], rel=1e-5)
         assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-5)
         assert rb["tokens_per_s"] > 0
+
+
+def test_overfit_reads_the_val_split_like_train_gpt2_cu(data, tmp_path):
+    """-a 1: the first loss is the loss of the val split's first batch (not of a train batch),
+    and every step starts over at that batch: the loss of step k is the loss after k updates on
+    those same tokens (checked by re-scoring each step's checkpoint on them)."""
+    from llmctl.loader import DataLoader
+    from llmctl.model import GPT2
+
+    out = tmp_path / "a"
+    train(cfg_for(data, out, max_steps=3, overfit_single_batch=1, val_loss_every=0,
+                  checkpoint_every=1))
+    x, y = DataLoader(data["val"], 4, 32, shuffle=False).next_batch()
+    losses = [r["train_loss"] for r in metrics(out)]
+    for step, loss in enumerate(losses):
+        ckpt = data["ckpt"] if step == 0 else str(out / f"model_{step:08d}.bin")
+        assert loss == pytest.approx(float(GPT2.from_init(ckpt, n_threads=1).forward(x, y)), rel=1e-6)
 
 
 def _model_loss(path, data):

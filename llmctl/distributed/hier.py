@@ -120,6 +120,7 @@ class HierComm(Comm):
 
 def run_entry(args, shm):
     """Launcher target on each node: join the cross-host ring, then call args["target"]."""
+    from llmctl.distributed.launcher import _stderr_log
     from llmctl.distributed.ring import init_ring
     from llmctl.distributed.worker import _import_target
 
@@ -134,7 +135,7 @@ def run_entry(args, shm):
                      secret=bytes.fromhex(key), timeout=shm.timeout,
                      collective_timeout=shm.collective_timeout, rdzv_timeout=node["rdzv_timeout"],
                      ring_key=shm.rank, node=node["node_rank"], local_rank=shm.rank,
-                     local_world_size=lw, label=f"rank {rank} (node {node['node_rank']})", log=_log)
+                     local_world_size=lw, label=f"rank {rank} (node {node['node_rank']})", log=_stderr_log)
     comm = HierComm(shm, ring, node["node_rank"], node["nnodes"])
     try:
         return _import_target(args["target"])(args["args"], comm)
