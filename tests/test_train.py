@@ -1149,3 +1149,90 @@ def test_second_ctrl_c_aborts_at_once(data, tmp_path, capsys):
     assert "second Ctrl-C" in msg and str(out / "model_00000004.bin") in msg and "\n" not in msg
     assert sorted(n for n in os.listdir(out) if n.startswith("DONE_")) == ["DONE_00000004"]
     assert math.isfinite(_model_loss(out / "model_00000004.bin", data))
+
+
+# ---------------------------------------------------------------------------------------------
+# the user's `-i 'data/*.bin'`, the default -e, --sampler windows
+
+
+def _data_dir(data, tmp_path):
+    """A data/ as prepro leaves it: train + val shards, an eval file, and a checkpoint."""
+    d = tmp_path / "data"
+    d.mkdir()
+    for f in ("ts_bytes_train_000001.bin", "ts_bytes_train_000002.bin", "ts_bytes_val_000000.bin"):
+        shutil.copy(data["dir"] / f, d / f)
+    header = np.zeros(256, dtype="<i4")
+    header[:2] = [20240522, 1]  # an eval file: recognised by its magic alone
+    (d / "hellaswag_val.bin").write_bytes(header.tobytes())
+    shutil.copy(data["ckpt"], d / "tiny.bin")
+    return d
+
+
+def test_a_data_glob_trains_on_train_shards_and_validates_on_its_val_shards(data, tmp_path, capsys):
+    d = _data_dir(data, tmp_path)
+    base = _base(data, **{"-i": str(d / "*.bin"), "-x": "4", "-v": "2", "-m": "2"})
+    del base[base.index("-j"):base.index("-j") + 2]  # no -j
+    rc, out, err = run_cli(base + ["-o", str(tmp_path / "glob")], capsys)
+    assert rc == 0, err
+    lines = err.splitlines()
+    train_line = next(ln for ln in lines if ln.startswith("| train_data"))
+    val_line = next(ln for ln in lines if ln.startswith("| val_data"))
+    assert "ts_bytes_train_000001.bin" in train_line and "ts_bytes_train_000002.bin" in train_line
+    assert "ts_bytes_val_000000.bin" not in train_line and "ts_bytes_val_000000.bin" in val_line
+    notes = [ln for ln in lines if "left out" in ln]
+    assert len(notes) == 1 and "hellaswag_val.bin (an eval file" in notes[0] and "tiny.bin (a model checkpoint)" in notes[0]
+    # the same run with the files named explicitly: identical losses
+    rc, out, err = run_cli(_base(data, **{"-i": str(d / "ts_bytes_train_*.bin"), "-j": str(d / "*_val_*.bin"),
+                                          "-x": "4", "-v": "2", "-m": "2"}) + ["-o", str(tmp_path / "named")],
+                           capsys)
+    assert rc == 0, err
+    got, want = no_timing(metrics(tmp_path / "glob")), no_timing(metrics(tmp_path / "named"))
+    assert got == want and sum("val_loss" in r for r in got) == 3
+
+
+def test_no_e_starts_from_gpt2_124M_bin_in_the_working_directory(data, tmp_path, capsys):
+    shutil.copy(data["ckpt"], "gpt2_124M.bin")  # the tests run in an empty directory
+    base = _base(data)
+    del base[base.index("-e"):base.index("-e") + 2]
+    rc, out, err = run_cli(base + ["-o", str(tmp_path / "a")], capsys)
+    assert rc == 0, err
+    assert "gpt2_124M.bin (no -e: gpt2_124M.bin in the working directory)" in err
+    rc, out, err = run_cli(_base(data) + ["-o", str(tmp_path / "b")], capsys)
+    assert no_timing(metrics(tmp_path / "a")) == no_timing(metrics(tmp_path / "b"))
+
+
+def test_no_e_without_weights_is_one_error_naming_d12(data, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty_hf_home"))  # offline (conftest), nothing cached
+    monkeypatch.setenv("LLMCTL_CACHE", str(tmp_path / "empty_llmctl_cache"))
+    base = _base(data)
+    del base[base.index("-e"):base.index("-e") + 2]
+    rc, out, err = run_cli(base, capsys)
+    assert rc == 1 and "Error: no -e given: there is no gpt2_124M.bin here" in err
+    assert "Hint:" in err and "-e d12" in err and "Traceback" not in err
+
+
+def test_sampler_windows_trains_on_shuffled_windows_and_resumes(data, tmp_path):
+    from llmctl.data import TokenWindows, WindowBatches
+    from llmctl.model import GPT2
+
+    kw = dict(max_steps=8, checkpoint_every=8, sampler="windows", val_loss_every=4,
+              total_batch_size=2 * 4 * 32, seed=5)
+    a, b = tmp_path / "straight", tmp_path / "split"
+    train(cfg_for(data, a, **kw))
+    # step 0's loss is the mean over the first two batches the window sampler draws
+    import glob as _glob
+
+    wb = WindowBatches(TokenWindows(sorted(_glob.glob(data["train"])), 32), 4, seed=5)
+    m = GPT2.from_init(data["ckpt"], n_threads=1)
+    first = np.mean([float(m.forward(*wb.next_batch())) for _ in range(2)])
+    assert metrics(a)[0]["train_loss"] == pytest.approx(first, rel=1e-6)
+    with pytest.raises(TrainInterrupted):
+        train(cfg_for(data, b, **kw), display=_StopAfter(3))
+    assert (b / "DONE_00000004").exists()
+    train(cfg_for(data, b, resume=1, **kw))
+    for name in ("model_00000008.bin", "state_00000008_00000.bin", "main.log"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    assert no_timing(metrics(a)) == no_timing(metrics(b))
+    # and it is not llm.c's order
+    train(cfg_for(data, tmp_path / "llmc", **dict(kw, sampler="llmc")))
+    assert metrics(tmp_path / "llmc")[0]["train_loss"] != metrics(a)[0]["train_loss"]
