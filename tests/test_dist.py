@@ -23,7 +23,7 @@ from llmctl.distributed.env import parse_int, resolve_env, threads_per_rank
 from llmctl.distributed.launcher import launch
 from llmctl.distributed.shm import PREFIX, SHM_DIR, sweep_segments
 from llmctl.errors import ConfigError, DistError
-from tinyrun import tiny_train_args, write_tiny_run
+from tinyrun import OVERFIT_TOKENS, assert_overfit_losses_match, overfit_args, tiny_train_args, write_tiny_run
 
 TOY = "llmctl.distributed.selftest:collectives"
 
@@ -506,6 +506,17 @@ def test_nproc2_equals_gradient_accumulation(tiny_run):
     names = sorted(os.listdir(d / "p2"))
     assert names == ["DONE_00000006", "main.log", "metrics.jsonl", "model_00000006.bin",
                      "state_00000006_00000.bin", "state_00000006_00001.bin"]
+
+
+def test_overfit_nproc2_trains_on_the_tokens_of_nproc1(dist_clean):
+    """-a 1 as train_gpt2.cu (val split, no shuffle, reset every step, consecutive micro-batches):
+    --nproc 2 -d 512 trains on exactly the tokens of --nproc 1 -d 512, over the shm backend."""
+    d = write_tiny_run(dist_clean, 2 * B * T + 6, val_tokens=OVERFIT_TOKENS + 1)
+    r1 = _cli(overfit_args(d, "p1", B, T))
+    assert r1.returncode == 0, r1.stderr
+    r2 = _cli(overfit_args(d, "p2", B, T, "--nproc", "2", "--backend", "shm"))
+    assert r2.returncode == 0, r2.stderr
+    assert_overfit_losses_match(d / "p1", d / "p2")
 
 
 def test_killed_rank_stops_the_job_and_the_checkpoint_resumes(tiny_run):

@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("mpi4py", reason="mpi4py is not installed: pip install 'llmctl[mpi]'")
 
 from llmctl.distributed.selftest import rank_data  # noqa: E402
-from tinyrun import tiny_train_args, write_tiny_run
+from tinyrun import OVERFIT_TOKENS, assert_overfit_losses_match, overfit_args, tiny_train_args, write_tiny_run
 
 U32 = 2.0 ** -24
 
@@ -138,6 +138,18 @@ def test_mpiexec_train_equals_gradient_accumulation(tmp_path):
     assert sorted(os.listdir(d / "p2")) == ["DONE_00000006", "main.log", "metrics.jsonl",
                                             "model_00000006.bin", "state_00000006_00000.bin",
                                             "state_00000006_00001.bin"]
+
+
+def test_overfit_mpiexec_2_trains_on_the_tokens_of_1_process(tmp_path):
+    """-a 1 as train_gpt2.cu: `mpiexec -n 2 llmctl train --backend mpi -a 1 -d 512` trains on
+    exactly the tokens of one process with the same -d."""
+    d = write_tiny_run(tmp_path, 2 * B * T + 6, val_tokens=OVERFIT_TOKENS + 1)
+    r1 = subprocess.run([sys.executable, "-m", "llmctl.cli", *overfit_args(d, "p1", B, T)],
+                        capture_output=True, text=True, timeout=120)
+    assert r1.returncode == 0, r1.stderr
+    r2 = _run(2, [sys.executable, "-m", "llmctl.cli", *overfit_args(d, "p2", B, T, "--backend", "mpi")])
+    assert r2.returncode == 0, r2.stderr
+    assert_overfit_losses_match(d / "p1", d / "p2")
 
 
 def test_mpi_rank_error_aborts_the_whole_job(tmp_path, no_mpich_shm_leak):

@@ -22,7 +22,7 @@ from llmctl.distributed import rendezvous as rdzv
 from llmctl.distributed.ring import RingComm, init_ring, ring_connect
 from llmctl.distributed.selftest import rank_data
 from llmctl.errors import ConfigError, DistError
-from tinyrun import tiny_train_args, write_tiny_run
+from tinyrun import OVERFIT_TOKENS, assert_overfit_losses_match, overfit_args, tiny_train_args, write_tiny_run
 
 SECRET_TEXT = "test-secret-0123456789abcdef"
 SECRET = rdzv.resolve_secret({"LLMCTL_SECRET": SECRET_TEXT})
@@ -493,6 +493,24 @@ def test_2_hosts_x_2_procs_train_equals_gradient_accumulation(procs, tmp_path):
         assert sorted(os.listdir(d / run)) == ["DONE_00000006", "main.log", "metrics.jsonl",
                                                "model_00000006.bin"] + [
             f"state_00000006_{r:05d}.bin" for r in range(4)]
+
+
+def test_overfit_ring_of_2_trains_on_the_tokens_of_1_process(procs, tmp_path):
+    """-a 1 as train_gpt2.cu: 2 ranks on one flat TCP ring (started per rank, as torchrun would,
+    on two loopback hosts) train on exactly the tokens of 1 process with the same -d 512."""
+    d = write_tiny_run(tmp_path, 4 * B * T + 6, val_tokens=OVERFIT_TOKENS + 1)
+    port = _free_port()
+    ranks = [procs.start([sys.executable, "-m", "llmctl.cli", *overfit_args(
+        d, "p2", B, T, "--dist-timeout", "10", "--rdzv-timeout", "30")],
+        env=_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                 MASTER_ADDR=_host(0), MASTER_PORT=str(port), LLMCTL_BIND_ADDR=_host(r)))
+        for r in range(2)]
+    r1 = _cli(overfit_args(d, "p1", B, T))
+    assert r1.returncode == 0, r1.stderr
+    for p in ranks:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+    assert_overfit_losses_match(d / "p1", d / "p2")
 
 
 def test_ctrl_c_on_one_host_stops_every_host_at_the_same_step(procs, tmp_path):

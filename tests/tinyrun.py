@@ -4,11 +4,16 @@ A 30k-parameter llm.c checkpoint `init.bin` plus `train.bin` / `val.bin` shards 
 and the `llmctl train` arguments that run on them, so every backend's equivalence test trains the
 same model on the same tokens.
 """
+import json
+
 import numpy as np
 
+OVERFIT_TOKENS = 512  # -d of the -a 1 equivalence tests
 
-def write_tiny_run(d, train_tokens, seed=0):
-    """Write init.bin (L=2, C=32, V=64), train.bin (train_tokens ids) and val.bin (200 ids) into d."""
+
+def write_tiny_run(d, train_tokens, seed=0, val_tokens=200):
+    """Write init.bin (L=2, C=32, V=64), train.bin (train_tokens ids) and val.bin (val_tokens
+    ids) into d."""
     from llmctl.formats import write_datafile
     from llmctl.model import GPT2, GPT2Config
 
@@ -19,7 +24,7 @@ def write_tiny_run(d, train_tokens, seed=0):
     m.params[:] = (rng.standard_normal(m.num_parameters) * 0.05).astype(np.float32)
     m.save_checkpoint(str(d / "init.bin"))
     write_datafile(str(d / "train.bin"), rng.integers(0, 64, train_tokens).astype(np.uint16))
-    write_datafile(str(d / "val.bin"), rng.integers(0, 64, 200).astype(np.uint16))
+    write_datafile(str(d / "val.bin"), rng.integers(0, 64, val_tokens).astype(np.uint16))
     return d
 
 
@@ -61,3 +66,25 @@ def check_adopted_grads(args, comm):
             model.update(1e-3, 0.9, 0.95, 1e-8, 0.0, 1.0, step)
         assert np.array_equal(m.params, ref.params)
     return {"rank": comm.rank, "steps": 2}
+
+
+def overfit_args(d, out, B, T, *extra):
+    """train_gpt2.cu's -a 1 over -d 512 tokens for 4 steps: every step starts over at the top of
+    val.bin (which needs 512 + 1 tokens), the micro-steps of all ranks reading consecutive
+    batches, so any number of processes trains on exactly the same tokens."""
+    return tiny_train_args(d, out, B, T, "-a", "1", "-d", str(OVERFIT_TOKENS), "-x", "4", *extra)
+
+
+def train_losses(out):
+    with open(out / "metrics.jsonl") as f:
+        return [json.loads(ln)["train_loss"] for ln in f if "train_loss" in ln]
+
+
+def assert_overfit_losses_match(ref, run):
+    """The -a 1 losses of a multi-process run against one process: same tokens, so only fp32
+    summation order differs (per-rank means then a mean of means vs one accumulation over all
+    micro-steps, ~1e-7 relative per step; AdamW keeps it far below the 1e-4 asked for)."""
+    l1, l2 = train_losses(ref), train_losses(run)
+    assert len(l1) == len(l2) == 4
+    np.testing.assert_allclose(l2, l1, rtol=1e-4)
+    assert l1[-1] < l1[0] - 1e-3  # the steps trained (the comparison is not vacuous)
