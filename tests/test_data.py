@@ -29,7 +29,7 @@ def shards(tmp_path):
 
 
 def ref_windows(tokens, T, stride):
-    """Seed 002's TextDataset, generalised to a stride: starts 0, stride, ... < n - T - 1."""
+    """The classic TextDataset over a token list, generalised to a stride: starts 0, stride, ... < n - T - 1."""
     return [(tokens[i:i + T], tokens[i + 1:i + T + 1]) for i in range(0, len(tokens) - T - 1, stride)]
 
 
