@@ -14,7 +14,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from llmctl.errors import LlmctlError
-from llmctl.paths import DATA_DIR, TINYSHAKESPEARE_URL
+from llmctl.paths import (DATA_DIR, GPT2_124M_CHECKPOINT, HELLASWAG_VAL, PRETRAINED_DEFAULT, TINYSHAKESPEARE_URL,
+                          TINYSHAKESPEARE_VAL)
 
 err_console = Console(stderr=True, highlight=False)
 out_console = Console(highlight=False)
@@ -438,8 +439,8 @@ _THREADS_OPT = typer.Option(0, "--threads", help="Kernel/BLAS threads (0 = OMP_N
 @eval_app.command("hellaswag")
 @_interruptible("no result")
 def eval_hellaswag_cmd(
-    checkpoint: str = typer.Option(..., "--checkpoint", "-e", help="Model: llm.c .bin checkpoint, descriptor (d6, d12, ...), pretrained gpt2|gpt2-medium|gpt2-large|gpt2-xl, or a Hugging Face model DIR (llm.c: -e)."),
-    input_file: str = typer.Option("data/hellaswag/hellaswag_val.bin", "--input", "-i", help="llm.c eval file (written by `llmctl prepro hellaswag`)."),
+    checkpoint: Optional[str] = typer.Option(None, "--checkpoint", "-e", show_default=False, help=f"Model: llm.c .bin checkpoint, descriptor (d6, d12, ...), pretrained gpt2|gpt2-medium|gpt2-large|gpt2-xl, or a Hugging Face model DIR (llm.c: -e) (default: {GPT2_124M_CHECKPOINT} if it is in the working directory, else {PRETRAINED_DEFAULT}: GPT-2 124M, llm.c's dev/data/hellaswag.py default)."),
+    input_file: Optional[str] = typer.Option(None, "--input", "-i", show_default=False, help=f"llm.c eval file (written by `llmctl prepro hellaswag`) (default: {HELLASWAG_VAL}, written first if it is missing)."),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Score only the first N examples (default: all)."),
     norm: str = typer.Option("tokens", "--norm", help="acc_norm normalisation: tokens (llm.c: mean loss per token) or chars (lm-evaluation-harness: per character)."),
     per_example: bool = typer.Option(False, "--per-example", help="With --json: include every example's losses and choices."),
@@ -453,11 +454,18 @@ def eval_hellaswag_cmd(
     import time
 
     from llmctl.errors import ConfigError
-    from llmctl.evaluate import eval_hellaswag, eval_hellaswag_multiproc
+    from llmctl.evaluate import eval_hellaswag, eval_hellaswag_multiproc, hellaswag_file
+    from llmctl.paths import default_init
 
     if norm not in ("tokens", "chars"):
         raise ConfigError(f"--norm must be 'tokens' or 'chars', got {norm!r}")
     _check_threads(threads, nproc)
+    log = _prepro_log(json_out)
+    input_file = hellaswag_file(input_file, log=log)
+    if checkpoint is None:
+        checkpoint, how = default_init(log=log, progress=not json_out)
+        if log:
+            log(f"model: {checkpoint} (no -e: {how})")
     t0 = time.time()
     if nproc > 1:
         if per_example:
@@ -486,7 +494,7 @@ def eval_hellaswag_cmd(
 @_interruptible("no result")
 def eval_loss_cmd(
     checkpoint: str = typer.Option(..., "--checkpoint", "-e", help="Model: llm.c .bin checkpoint, descriptor (d6, d12, ...), pretrained gpt2|gpt2-medium|gpt2-large|gpt2-xl, or a Hugging Face model DIR (llm.c: -e)."),
-    pattern: str = typer.Option("data/tinyshakespeare/tiny_shakespeare_val.bin", "--val", "-j", help="Token shard glob, quoted (llm.c: -j)."),
+    pattern: str = typer.Option(TINYSHAKESPEARE_VAL, "--val", "-j", help="Token shard glob, quoted (llm.c: -j)."),
     batch_size: int = typer.Option(4, "--batch-size", "-b", help="Sequences per forward (llm.c: -b)."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", "-t", help="Sequence length T (default: min(1024, maxT)) (llm.c: -t)."),
     max_batches: int = typer.Option(-1, "--max-batches", "-m", help="Stop after N batches; -1 = every full batch of every shard (llm.c: -m)."),

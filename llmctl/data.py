@@ -203,7 +203,7 @@ class WindowBatches:
 # what a `train -i GLOB` matched
 
 VAL_NAME = "*_val*"  # llm.c's val shards: tiny_shakespeare_val.bin, fineweb_val_000000.bin, ...
-_NOT_TRAINING_DATA = {"eval": "an eval file (for -h / eval hellaswag)", "checkpoint": "a model checkpoint",
+_NOT_TRAINING_DATA = {"eval": "an eval file, for -h 1 and eval hellaswag", "checkpoint": "a model checkpoint",
                       "tokenizer": "a tokenizer file", "state": "a training state file",
                       "debug-state": "a debug state file"}
 

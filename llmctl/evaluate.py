@@ -227,6 +227,23 @@ def _check_eval_file(path):
         raise DataError(f"{path}: eval file not found", hint="create it with `llmctl prepro hellaswag`")
 
 
+def hellaswag_file(path=None, log=None):
+    """The eval file `llmctl eval hellaswag` scores: `path` if given, else data/hellaswag_val.bin,
+    written first by `llmctl prepro hellaswag` (from data/hellaswag_val.jsonl, `datasets` or the
+    download) when it is missing. log(msg) hears about that."""
+    from llmctl.paths import HELLASWAG_VAL
+
+    if path is not None:
+        return path
+    if not os.path.isfile(HELLASWAG_VAL):
+        from llmctl.prepro import prepro_hellaswag
+
+        if log:
+            log(f"{HELLASWAG_VAL} is missing: writing it first (llmctl prepro hellaswag)")
+        prepro_hellaswag(out_dir=os.path.dirname(HELLASWAG_VAL), log=log)
+    return HELLASWAG_VAL
+
+
 def eval_hellaswag(model, path, limit=None, norm="tokens", per_example=False, n_threads=None,
                    batch_tokens=2048, on_progress=None, on_start=None, comm=None):
     """Score an llm.c eval file (e.g. hellaswag_val.bin). model: a GPT2 (or anything with

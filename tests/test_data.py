@@ -173,7 +173,7 @@ def test_split_inputs_of_a_data_glob(tmp_path):
     assert [p.split("/")[-1] for p in s.val] == ["fineweb_val_000000.bin", "tiny_shakespeare_val.bin"]
     assert [(p.split("/")[-1], w) for p, w in s.left_out] == [
         ("gpt2_124M.bin", "a model checkpoint"), ("gpt2_tokenizer.bin", "a tokenizer file"),
-        ("hellaswag_val.bin", "an eval file (for -h / eval hellaswag)")]
+        ("hellaswag_val.bin", "an eval file, for -h 1 and eval hellaswag")]
     # only val shards matched: they are what to train on (as -a 1 does with llm.c's -j)
     s = split_inputs(str(d / "*_val*.bin"))
     assert [p.split("/")[-1] for p in s.train] == ["fineweb_val_000000.bin", "tiny_shakespeare_val.bin"]

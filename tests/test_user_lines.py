@@ -11,8 +11,8 @@ short), the first HellaSwag examples at data/hellaswag_val.jsonl, and instead of
 tiny GPT-2 written as gpt2_124M.bin in the working directory (llm.c's train_gpt2.c starts from
 that file). The commands are real subprocesses; nothing is faked.
 """
-import json
 import os
+import re
 import subprocess
 import sys
 
@@ -73,25 +73,29 @@ def test_the_four_lines_as_written(fresh_directory):
     assert "data/tiny_shakespeare.txt (from cache)" in r.stderr
 
     r = llmctl("train", "-i", "data/*.bin", "-b", "4", "-t", "64")
-    err = r.stderr
+    header = {ln.split("|")[1].strip(): ln.split("|")[2].strip() for ln in r.stderr.splitlines()
+              if ln.startswith("| ")}
     # the header says which files went where, and where the model came from
-    assert "data/tiny_shakespeare_train.bin" in err and "data/tiny_shakespeare_val.bin" in err
-    assert "gpt2_124M.bin" in err
-    train_tokens = os.path.getsize("data/tiny_shakespeare_train.bin") // 2 - 512
-    steps = train_tokens // (4 * 64)  # -x -1: one epoch of the train shard
-    assert f"step {steps}/{steps}" in err or f"step {steps:>4}/{steps}" in err or f"{steps}/{steps}" in err, err[-2000:]
-    assert "val loss" in err
+    assert header["train_data"] == "data/tiny_shakespeare_train.bin"
+    assert header["val_data"] == "data/tiny_shakespeare_val.bin"
+    assert header["init"] == "gpt2_124M.bin (no -e: gpt2_124M.bin in the working directory)"
+    n_train = (os.path.getsize("data/tiny_shakespeare_train.bin") - 1024) // 2
+    steps = (n_train - 1) // (4 * 64)  # -x -1: one epoch of the train shard
+    assert header["num_steps"] == str(steps) and f"step {steps:4d}/{steps} |" in r.stderr
+    assert r.stderr.count("val loss ") == 2  # -v 20: at step 0 and at the last step
 
     r = llmctl("inspect-bin")
     assert "checking the 2 .bin file(s) under data/" in r.stderr
     assert r.stdout.count(": shard ok:") == 2
 
-    r = llmctl("eval", "hellaswag", "--json")
-    res = json.loads(r.stdout)
+    r = llmctl("eval", "hellaswag")
+    assert "data/hellaswag_val.bin is missing: writing it first" in r.stderr
+    assert "model: gpt2_124M.bin (no -e: gpt2_124M.bin in the working directory)" in r.stderr
     assert os.path.isfile("data/hellaswag_val.bin")
-    assert res["total"] == 20 and 0 <= res["acc_norm"] <= 1
+    m = re.match(r"acc_norm: (\d+)/20 = (0\.\d{4})  \(norm: tokens\)\nacc:      (\d+)/20 = ", r.stdout)
+    assert m and int(m[1]) / 20 == pytest.approx(float(m[2])), r.stdout
 
     # now the glob also matches the eval file: it is left out with a one-line note
     r = llmctl("train", "-i", "data/*.bin", "-b", "4", "-t", "64", "-x", "1", "-v", "0", "-s", "0")
     notes = [ln for ln in r.stderr.splitlines() if "hellaswag_val.bin" in ln]
-    assert len(notes) == 1 and "left out" in notes[0] and "eval file" in notes[0], r.stderr[-2000:]
+    assert len(notes) == 1 and "left out" in notes[0] and "an eval file" in notes[0], r.stderr[-2000:]
