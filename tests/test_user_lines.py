@@ -8,15 +8,16 @@
 What a fresh machine would download is put where llmctl looks first: the Tiny Shakespeare text at
 data/tiny_shakespeare.txt (the first part of the real file, so the epoch the train line runs is
 short), the first HellaSwag examples at data/hellaswag_val.jsonl, and instead of GPT-2 124M a
-tiny GPT-2 written as gpt2_124M.bin in the working directory (llm.c's train_gpt2.c starts from
-that file). The commands are real subprocesses; nothing is faked.
+tiny GPT-2 in a real Hugging Face hub cache as openai-community/gpt2 (written with safetensors;
+the real huggingface_hub reads it with HF_HUB_OFFLINE=1). No gpt2_124M.bin is in the directory,
+so both train and eval take pretrained `gpt2`, as on a fresh machine. The commands are real
+subprocesses; nothing is faked.
 """
 import os
 import re
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from conftest import shared_file
@@ -33,23 +34,21 @@ def llmctl(*args, check=True):
     return r
 
 
-def write_tiny_gpt2(path, maxT=64, seed=0):
-    """A 1-layer GPT-2 with GPT-2's vocabulary, as an llm.c v3 checkpoint."""
-    from llmctl.model import GPT2, GPT2Config
+def tiny_pretrained_gpt2(hf_home, work):
+    """A 1-layer GPT-2 with GPT-2's vocabulary in HF's layout, cached as openai-community/gpt2."""
+    from hfmodels import hub_cache, random_hf_tensors, save_hf_model, tiny_config
 
-    cfg = GPT2Config(max_seq_len=maxT, vocab_size=50257, padded_vocab_size=50304, num_layers=1,
-                     num_heads=2, channels=16)
-    m = GPT2(cfg, n_threads=1)
-    rng = np.random.default_rng(seed)
-    m.params[:] = (rng.standard_normal(m.num_parameters) * 0.02).astype(np.float32)
-    m.save_checkpoint(str(path))
+    cfg = tiny_config(L=1, C=16, NH=2, maxT=64, V=50257)
+    d = save_hf_model(work / "hf_model", cfg, random_hf_tensors(cfg, std=0.02))
+    hub_cache(hf_home, "openai-community/gpt2", {"config.json": d / "config.json",
+                                                 "model.safetensors": d / "model.safetensors"})
 
 
 @pytest.fixture
 def fresh_directory(tmp_path, monkeypatch):
     """An empty working directory with the caches a first run (with network) would have filled."""
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))  # never the machine's own caches
-    monkeypatch.setenv("LLMCTL_CACHE", str(tmp_path / "llmctl_cache"))
+    tiny_pretrained_gpt2(tmp_path / "hf_home", tmp_path)
     work = tmp_path / "work"
     work.mkdir()
     monkeypatch.chdir(work)
@@ -61,7 +60,6 @@ def fresh_directory(tmp_path, monkeypatch):
         lines = [next(f) for _ in range(20)]
     with open("data/hellaswag_val.jsonl", "w", encoding="utf-8") as f:
         f.writelines(lines)
-    write_tiny_gpt2("gpt2_124M.bin")
     return work
 
 
@@ -78,7 +76,8 @@ def test_the_four_lines_as_written(fresh_directory):
     # the header says which files went where, and where the model came from
     assert header["train_data"] == "data/tiny_shakespeare_train.bin"
     assert header["val_data"] == "data/tiny_shakespeare_val.bin"
-    assert header["init"] == "gpt2_124M.bin (no -e: gpt2_124M.bin in the working directory)"
+    assert re.fullmatch(r"\S+/openai-community--gpt2/\S+/gpt2_808K\.bin \(no -e: pretrained gpt2 \(GPT-2 124M\)\)",
+                        header["init"]), header["init"]  # 808K: the tiny model stands in for 124M
     n_train = (os.path.getsize("data/tiny_shakespeare_train.bin") - 1024) // 2
     steps = (n_train - 1) // (4 * 64)  # -x -1: one epoch of the train shard
     assert header["num_steps"] == str(steps) and f"step {steps:4d}/{steps} |" in r.stderr
@@ -90,7 +89,7 @@ def test_the_four_lines_as_written(fresh_directory):
 
     r = llmctl("eval", "hellaswag")
     assert "data/hellaswag_val.bin is missing: writing it first" in r.stderr
-    assert "model: gpt2_124M.bin (no -e: gpt2_124M.bin in the working directory)" in r.stderr
+    assert re.search(r"model: \S+/gpt2_808K\.bin \(no -e: pretrained gpt2 \(GPT-2 124M\)\)", r.stderr), r.stderr
     assert os.path.isfile("data/hellaswag_val.bin")
     m = re.match(r"acc_norm: (\d+)/20 = (0\.\d{4})  \(norm: tokens\)\nacc:      (\d+)/20 = ", r.stdout)
     assert m and int(m[1]) / 20 == pytest.approx(float(m[2])), r.stdout
