@@ -39,19 +39,17 @@ def default_init(log=None, progress=True):
 
     if os.path.isfile(GPT2_124M_CHECKPOINT):
         return GPT2_124M_CHECKPOINT, f"{GPT2_124M_CHECKPOINT} in the working directory"
-    why = None
+    from llmctl.hf import pretrained_checkpoint
+
     try:
-        from llmctl.hf import pretrained_checkpoint
-    except ImportError as e:
-        why = f"pretrained models need a package that is missing ({e.name})"
-    else:
-        try:
-            path = pretrained_checkpoint(PRETRAINED_DEFAULT, progress=progress, log=log)
-            return os.fspath(path), f"pretrained {PRETRAINED_DEFAULT} (GPT-2 124M)"
-        except LlmctlError as e:
-            why = e.message
+        path = pretrained_checkpoint(PRETRAINED_DEFAULT, progress=progress, log=log)
+        return os.fspath(path), f"pretrained {PRETRAINED_DEFAULT} (GPT-2 124M)"
+    except LlmctlError as e:
+        why, inner_hint = e.message, e.hint
+    hint = (f"pass -e d12 to start from random weights (llm.c's -e d12), or fetch GPT-2 124M once "
+            f"with network: `llmctl prepro gpt2` (writes {GPT2_124M_CHECKPOINT} here) or any command "
+            f"with -e {PRETRAINED_DEFAULT}")
+    if inner_hint and inner_hint.startswith("install"):  # huggingface_hub/safetensors missing
+        hint = f"{inner_hint}; or {hint}"
     raise DataError(f"no -e given: there is no {GPT2_124M_CHECKPOINT} here and pretrained "
-                    f"{PRETRAINED_DEFAULT} cannot be loaded: {why}",
-                    hint=f"pass -e d12 to start from random weights (llm.c's -e d12), or fetch GPT-2 124M "
-                         f"once with network: `llmctl prepro gpt2` (writes {GPT2_124M_CHECKPOINT} here) "
-                         f"or any command with -e {PRETRAINED_DEFAULT}")
+                    f"{PRETRAINED_DEFAULT} cannot be loaded: {why}", hint=hint)

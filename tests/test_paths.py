@@ -22,3 +22,13 @@ def test_default_init_offline_and_not_cached_is_one_error_with_a_hint(tmp_path, 
         paths.default_init(progress=False)
     assert "no -e given: there is no gpt2_124M.bin here and pretrained gpt2 cannot be loaded" in e.value.message
     assert "-e d12" in e.value.hint and "llmctl prepro gpt2" in e.value.hint
+
+
+def test_default_init_without_huggingface_hub_names_the_install_command(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # `import huggingface_hub` fails
+    with pytest.raises(DataError) as e:
+        paths.default_init(progress=False)
+    assert "huggingface_hub is not installed" in e.value.message
+    assert e.value.hint.startswith("install it: pip install") and "-e d12" in e.value.hint
