@@ -348,21 +348,19 @@ def test_train_launcher_reports_a_wrong_secret_node_as_it_is_refused(procs, tmp_
             "--master-addr", _host(0), "--master-port", str(port), "--bind-addr", _host(i),
             "--rdzv-timeout", str(t))], env=dict(_env(), LLMCTL_SECRET=secret))
 
-    n0 = node(0, SECRET_TEXT, 6)
+    n0 = node(0, SECRET_TEXT, 10)
     time.sleep(1.0)
     n1 = node(1, "a-different-secret-of-this-node", 6)
     _, err1 = n1.communicate(timeout=60)
-    t_refused = time.monotonic()
     assert n1.returncode == 1 and "rejected this rank's credentials" in err1, err1
-    # node 0's line about the refused peer is on its stderr before its own timeout ends
+    # node 0's line about the refused peer is on its stderr before its own (10 s) timeout ends
     line = ""
     while "refused" not in line:
         line = n0.stderr.readline()
         assert line, "node 0 ended without reporting the refused peer"
-    t_line = time.monotonic()
     assert re.search(r"^llmctl dist: rank 0: refused a peer at the rendezvous at 127\.0\.0\.2:\d+ from "
                      r"127\.0\.0\.\d+:\d+: wrong job secret \(HMAC mismatch\)$", line.strip()), line
-    assert n0.poll() is None and t_line - t_refused < 3
+    assert n0.poll() is None  # said while node 0 still waits, not only when it gives up
     rest = n0.communicate(timeout=60)[1]
     assert n0.returncode == 1
     assert "ranks [1] did not join the rendezvous" in rest and "refused 1 peer(s): 127.0.0." in rest, rest
