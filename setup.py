@@ -6,11 +6,20 @@ Environment switches (all off by default):
   LLMCTL_DEBUG_CYTHON=1    turn boundscheck/wraparound/initializedcheck back on
   LLMCTL_NATIVE=1          add -march=native (never in wheels: SIGILL on older CPUs)
   LLMCTL_EXTS=a,b          build only these extensions (development convenience)
+  LLMCTL_NO_DNNL=1         build matmul without oneDNN (scipy's BLAS is then its GEMM engine)
+  LLMCTL_FAIL_NO_DNNL=1    make a missing oneDNN a build error on x86-64 Linux
+
+oneDNN (the GEMM engine of _ext/matmul.pyx on x86-64 Linux) comes from the `onednn-cpu-gomp`
+wheel (libdnnl.so.3, built on GNU OpenMP like our kernels) and `onednn-devel-cpu-gomp` (headers),
+both build requirements and the first a run-time dependency there (pyproject.toml). The wheels put
+lib/ and include/ under the environment's prefix; matmul gets an rpath to that lib/ relative to
+its own install location, so an installed llmctl finds libdnnl.so.3 without LD_LIBRARY_PATH.
 
 The OpenMP probe follows scikit-learn's openmp_helpers: compile, link and *run* a tiny program.
 """
 import glob
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -79,6 +88,90 @@ def probe_openmp():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _dist_file(dists, suffix):
+    """Absolute path of the first installed file of one of `dists` whose path ends with suffix."""
+    from importlib import metadata
+
+    for dist in dists:
+        try:
+            files = metadata.distribution(dist).files or []
+        except metadata.PackageNotFoundError:
+            continue
+        for f in files:
+            path = os.path.abspath(str(f.locate()))
+            if path.replace(os.sep, "/").endswith(suffix) and os.path.exists(path):
+                return path
+    return None
+
+
+def find_onednn():
+    """(include_dir, lib_dir) of the installed oneDNN wheels, or (None, why not)."""
+    if _env_flag("LLMCTL_NO_DNNL"):
+        return None, "LLMCTL_NO_DNNL is set"
+    if not (sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64")):
+        return None, f"oneDNN's wheels are used on x86-64 Linux only, not {sys.platform}/{platform.machine()}"
+    header = _dist_file(("onednn-devel-cpu-gomp",), "include/oneapi/dnnl/dnnl.h")
+    lib = _dist_file(("onednn-cpu-gomp",), "lib/libdnnl.so.3")
+    if header is None or lib is None:
+        return None, "the onednn-cpu-gomp / onednn-devel-cpu-gomp wheels are not installed"
+    return (os.path.dirname(os.path.dirname(os.path.dirname(header))), os.path.dirname(lib)), "ok"
+
+
+def probe_onednn(inc, lib, cflags, ldflags):
+    """None if a tiny program calling dnnl_sgemm compiles, links and runs, else why not."""
+    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    src = textwrap.dedent(
+        """
+        #include <oneapi/dnnl/dnnl.h>
+        int main(void) {
+            float a[4] = {1, 2, 3, 4}, c[4] = {0};
+            if (dnnl_sgemm('N', 'N', 2, 2, 2, 1.0f, a, 2, a, 2, 0.0f, c, 2) != dnnl_success) return 2;
+            return c[0] == 7 && c[1] == 10 && c[2] == 15 && c[3] == 22 ? 0 : 1;
+        }
+        """
+    )
+    tmp = tempfile.mkdtemp(prefix="llmctl-dnnl-")
+    try:
+        c_path, exe = os.path.join(tmp, "probe.c"), os.path.join(tmp, "probe")
+        with open(c_path, "w") as f:
+            f.write(src)
+        cmd = cc.split() + cflags + [f"-I{inc}", c_path, "-o", exe, f"-L{lib}", "-l:libdnnl.so.3",
+                                     f"-Wl,-rpath,{lib}"] + ldflags
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            return f"compiling a oneDNN program failed: {r.stderr.strip()[:300]}"
+        r = subprocess.run([exe], capture_output=True, text=True)
+        if r.returncode != 0:
+            return f"the oneDNN probe program failed (exit {r.returncode}): {r.stderr.strip()[:300]}"
+        return None
+    except OSError as e:
+        return f"could not run the compiler {cc!r}: {e}"
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def onednn_build_args(openmp):
+    """(define_macros, include_dirs, link_args) for matmul: oneDNN's when usable, else none."""
+    found, why = find_onednn()
+    if found is not None:
+        inc, lib = found
+        why = probe_onednn(inc, lib, *(openmp or ([], [])))
+        if why is None:
+            # installed layout: <prefix>/lib/pythonX.Y/site-packages/llmctl/_ext -> <prefix>/lib
+            paths = sysconfig.get_paths()
+            rel = os.path.relpath(os.path.join(paths["data"], "lib"),
+                                  os.path.join(paths["platlib"], "llmctl", "_ext"))
+            rpaths = ["$ORIGIN/" + rel.replace(os.sep, "/"), lib]  # installed, in-place build
+            link = [f"-L{lib}", "-l:libdnnl.so.3"] + [f"-Wl,-rpath,{p}" for p in rpaths]
+            return [("LLMCTL_DNNL_BUILD", "1")], [inc], link
+    if _env_flag("LLMCTL_FAIL_NO_DNNL") and not _env_flag("LLMCTL_NO_DNNL"):
+        sys.exit(f"error: oneDNN is required (LLMCTL_FAIL_NO_DNNL=1) but {why}")
+    if not _env_flag("LLMCTL_NO_DNNL"):
+        _warn(f"oneDNN is not usable ({why}): matmul will use scipy's BLAS (fp32 only, slower; "
+              "bf16 is then emulated).")
+    return [("LLMCTL_DNNL_BUILD", "0")], [], []
+
+
 def main():
     openmp = None
     if _env_flag("LLMCTL_NO_OPENMP"):
@@ -110,22 +203,24 @@ def main():
     }
 
     only = {s.strip() for s in os.environ.get("LLMCTL_EXTS", "").split(",") if s.strip()}
+    dnnl = onednn_build_args(openmp) if not only or "matmul" in only else ([], [], [])
     extensions = []
     for pyx in sorted(glob.glob(os.path.join("_ext", "*.pyx"))):
         name = os.path.splitext(os.path.basename(pyx))[0]
         if only and name not in only:
             continue
+        macros, incs, links = dnnl if name == "matmul" else ([], [], [])
         extensions.append(
             Extension(
                 f"llmctl._ext.{name}",
                 [pyx],
                 # shared .pxd/.h: a change rebuilds every extension, and sdists carry them
                 depends=sorted(glob.glob(os.path.join("_ext", "*.pxd")) + glob.glob(os.path.join("_ext", "*.h"))),
-                include_dirs=[np.get_include(), "_ext"],
+                include_dirs=[np.get_include(), "_ext"] + incs,
                 define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"),
-                               ("LLMCTL_OPENMP_BUILD", "1" if openmp else "0")],
+                               ("LLMCTL_OPENMP_BUILD", "1" if openmp else "0")] + macros,
                 extra_compile_args=compile_args,
-                extra_link_args=link_args,
+                extra_link_args=link_args + links,
             )
         )
 

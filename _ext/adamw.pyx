@@ -9,6 +9,10 @@ buffer (as train_gpt2.c does). It is one fused, memory-bound pass: 4 streams rea
 twin chosen at run time; both do the same float operations in the same order, so they agree
 bit for bit, and every chunk's result is independent of the thread count.
 
+With `params_bf16` given, the same pass also writes bf16(p) (round to nearest even) for the
+mixed-precision matmuls: each chunk is cast while it is still in cache, instead of a second pass
+over 124M parameters.
+
 global_norm_sq sums squares in float64 over fixed-size chunks and adds the chunk sums in order,
 so it returns the same bits at ANY thread count (llm.c CU sums in fp32 per block, racily).
 
@@ -17,6 +21,7 @@ What it is not: the schedule, clipping policy or weight-decay split (those live 
 from cython.parallel cimport prange
 from libc.math cimport pow
 from libc.stdlib cimport malloc, free
+from libc.stdint cimport uint16_t
 
 from kernels cimport check_threads, check_len, eff_threads
 
@@ -87,6 +92,9 @@ cdef extern from *:
                                 float lr, float b1, float b2, float eps, float wd, float gs,
                                 float inv_bc1, float inv_bc2) noexcept nogil
 
+cdef extern from "bf16.h" nogil:
+    void llmctl_cast_bf16(uint16_t* dst, const float* src, Py_ssize_t n)
+
 cdef bint _use_avx = True
 # minimum elements per thread (chunk results never depend on the thread count): small tensors
 # such as biases and LayerNorm params are updated serially
@@ -146,8 +154,8 @@ cdef void _adamw_chunk(float* p, const float* g, float* m, float* v, Py_ssize_t 
         s += nb
 
 
-cdef void _adamw_update(float* params, const float* grads, float* m, float* v, Py_ssize_t N,
-                        float lr, float b1, float b2, float eps, float wd, float gs,
+cdef void _adamw_update(float* params, const float* grads, float* m, float* v, uint16_t* pbf,
+                        Py_ssize_t N, float lr, float b1, float b2, float eps, float wd, float gs,
                         float inv_bc1, float inv_bc2, int n_threads) noexcept nogil:
     cdef Py_ssize_t nch = (N + CHUNK - 1) // CHUNK
     cdef Py_ssize_t ch, s, e
@@ -158,6 +166,8 @@ cdef void _adamw_update(float* params, const float* grads, float* m, float* v, P
             e = N
         _adamw_chunk(params + s, grads + s, m + s, v + s, e - s, lr, b1, b2, eps, wd, gs,
                      inv_bc1, inv_bc2)
+        if pbf != NULL:
+            llmctl_cast_bf16(pbf + s, params + s, e - s)  # the chunk (128 KB) is still in L2
 
 
 cdef double _sumsq_chunk(const float* g, Py_ssize_t n) noexcept nogil:
@@ -182,10 +192,18 @@ cdef double _sumsq_chunk(const float* g, Py_ssize_t n) noexcept nogil:
 
 def adamw_update(float[::1] params, const float[::1] grads, float[::1] m, float[::1] v,
                  float lr, float beta1, float beta2, float eps, float weight_decay,
-                 float grad_scale, int t, int n_threads=1):
-    """One AdamW step in place on params, m, v (all the same length as grads). t is 1-based."""
+                 float grad_scale, int t, int n_threads=1, params_bf16=None):
+    """One AdamW step in place on params, m, v (all the same length as grads). t is 1-based.
+    params_bf16 (uint16, same length) given: also set to bf16(updated params) in the same pass."""
     cdef Py_ssize_t N = params.shape[0]
+    cdef uint16_t[::1] pbf_mv
+    cdef uint16_t* pbf = NULL
     check_threads(n_threads)
+    if params_bf16 is not None:
+        pbf_mv = params_bf16
+        check_len("params_bf16", pbf_mv.shape[0], N)
+        if N:
+            pbf = &pbf_mv[0]
     if t < 1:
         raise ValueError(f"t (the 1-based step) must be >= 1, got {t}")
     check_len("grads", grads.shape[0], N)
@@ -198,7 +216,7 @@ def adamw_update(float[::1] params, const float[::1] grads, float[::1] m, float[
     cdef float inv_bc2 = <float>(1.0 / (1.0 - pow(beta2, t)))
     n_threads = eff_threads(n_threads, N, _grain)  # small tensors (biases, LN) run serially
     with nogil:
-        _adamw_update(&params[0], &grads[0], &m[0], &v[0], N, lr, beta1, beta2, eps,
+        _adamw_update(&params[0], &grads[0], &m[0], &v[0], pbf, N, lr, beta1, beta2, eps,
                       weight_decay, grad_scale, inv_bc1, inv_bc2, n_threads)
 
 

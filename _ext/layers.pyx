@@ -20,9 +20,13 @@ What it is not: attention (attention.pyx) or matmul (matmul.pyx).
 from cython.parallel cimport prange
 from libc.math cimport log, sqrt
 from libc.string cimport memcpy
+from libc.stdint cimport uint16_t
 
 from kernels cimport (check_threads, check_len, check_positive, check_disjoint, eff_threads,
                       llmctl_expf, llmctl_tanhf, llmctl_sech2f)
+
+cdef extern from "bf16.h" nogil:
+    uint16_t llmctl_f32_to_bf16(float x)
 
 cdef enum:
     CCHUNK = 64         # channels per task in the column-parallel reductions (stack accumulators)
@@ -97,11 +101,9 @@ cdef void _encoder_backward(float* dwte, float* dwpe, const float* dout, const i
 # ---------------------------------------------------------------------------------------------
 # layernorm
 
-cdef void _layernorm_row(float* out, float* mean, float* rstd, const float* x, const float* w,
-                         const float* b, int C) noexcept nogil:
+cdef void _layernorm_stats(float* mean, float* rstd, const float* x, int C) noexcept nogil:
     cdef double s[LANES]
     cdef double tot, m, var, d
-    cdef float mf, rf
     cdef int i, ib, j, cm = C - C % LANES
     for j in range(LANES):
         s[j] = 0.0
@@ -129,12 +131,31 @@ cdef void _layernorm_row(float* out, float* mean, float* rstd, const float* x, c
         d = x[i] - m
         var += d * d
     var = var / C
-    mf = <float>m
-    rf = <float>(1.0 / sqrt(var + 1e-5))
+    mean[0] = <float>m
+    rstd[0] = <float>(1.0 / sqrt(var + 1e-5))
+
+
+cdef void _layernorm_row(float* out, float* mean, float* rstd, const float* x, const float* w,
+                         const float* b, int C) noexcept nogil:
+    cdef float mf, rf
+    cdef int i
+    _layernorm_stats(mean, rstd, x, C)
+    mf = mean[0]
+    rf = rstd[0]
     for i in range(C):
         out[i] = (x[i] - mf) * rf * w[i] + b[i]
-    mean[0] = mf
-    rstd[0] = rf
+
+
+cdef void _layernorm_row_bf16(uint16_t* out, float* mean, float* rstd, const float* x, const float* w,
+                              const float* b, int C) noexcept nogil:
+    # the same values as _layernorm_row, rounded to bf16 as they are written
+    cdef float mf, rf
+    cdef int i
+    _layernorm_stats(mean, rstd, x, C)
+    mf = mean[0]
+    rf = rstd[0]
+    for i in range(C):
+        out[i] = llmctl_f32_to_bf16((x[i] - mf) * rf * w[i] + b[i])
 
 
 cdef void _layernorm_forward(float* out, float* mean, float* rstd, const float* inp,
@@ -144,6 +165,14 @@ cdef void _layernorm_forward(float* out, float* mean, float* rstd, const float* 
     cdef Py_ssize_t n
     for n in prange(N, schedule='static', num_threads=n_threads):
         _layernorm_row(out + n * C, mean + n, rstd + n, inp + n * C, weight, bias, C)
+
+
+cdef void _layernorm_forward_bf16(uint16_t* out, float* mean, float* rstd, const float* inp,
+                                  const float* weight, const float* bias, int N, int C,
+                                  int n_threads) noexcept nogil:
+    cdef Py_ssize_t n
+    for n in prange(N, schedule='static', num_threads=n_threads):
+        _layernorm_row_bf16(out + n * C, mean + n, rstd + n, inp + n * C, weight, bias, C)
 
 
 cdef void _layernorm_dinp_row(float* dx, const float* dy, const float* x, const float* w,
@@ -240,6 +269,16 @@ cdef void _gelu_fwd_chunk(float* out, const float* x, Py_ssize_t n) noexcept nog
         out[i] = half * xi * (one + llmctl_tanhf(u))
 
 
+cdef void _gelu_fwd_chunk_bf16(uint16_t* out, const float* x, Py_ssize_t n) noexcept nogil:
+    cdef float k = GELU_SCALE, c3 = 0.044715, half = 0.5, one = 1.0
+    cdef Py_ssize_t i
+    cdef float xi, u
+    for i in range(n):
+        xi = x[i]
+        u = k * (xi + c3 * xi * xi * xi)
+        out[i] = llmctl_f32_to_bf16(half * xi * (one + llmctl_tanhf(u)))
+
+
 cdef void _gelu_bwd_chunk(float* dx, const float* x, const float* dy, Py_ssize_t n) noexcept nogil:
     cdef float k = GELU_SCALE, c3 = 0.044715, three_c3 = 3.0 * 0.044715, half = 0.5, one = 1.0
     cdef Py_ssize_t i
@@ -274,6 +313,16 @@ cdef void _gelu_forward(float* out, const float* inp, Py_ssize_t N, int n_thread
         if e > N:
             e = N
         _gelu_fwd_chunk(out + s, inp + s, e - s)
+
+
+cdef void _gelu_forward_bf16(uint16_t* out, const float* inp, Py_ssize_t N, int n_threads) noexcept nogil:
+    cdef Py_ssize_t ch, s, e
+    for ch in prange(_nchunks(N, ECHUNK), schedule='static', num_threads=n_threads):
+        s = ch * ECHUNK
+        e = s + ECHUNK
+        if e > N:
+            e = N
+        _gelu_fwd_chunk_bf16(out + s, inp + s, e - s)
 
 
 cdef void _gelu_backward(float* dinp, const float* inp, const float* dout, Py_ssize_t N,
@@ -385,6 +434,24 @@ cdef void _xent_bwd_row(float* dlogits, const float* probs, int target, float dl
         dlogits[i] = 0.0
 
 
+cdef void _xent_bwd_row_bf16(uint16_t* dlogits, const float* probs, int target, float dloss,
+                             int V, int Vp) noexcept nogil:
+    cdef int i
+    for i in range(V):
+        dlogits[i] = llmctl_f32_to_bf16(probs[i] * dloss)
+    dlogits[target] = llmctl_f32_to_bf16((probs[target] - <float>1.0) * dloss)
+    for i in range(V, Vp):
+        dlogits[i] = 0
+
+
+cdef void _softmax_crossentropy_backward_bf16(uint16_t* dlogits, const float* probs, const int* targets,
+                                              const float* dlosses, int BT, int V, int Vp,
+                                              int n_threads) noexcept nogil:
+    cdef Py_ssize_t bt
+    for bt in prange(BT, schedule='static', num_threads=n_threads):
+        _xent_bwd_row_bf16(dlogits + bt * Vp, probs + bt * Vp, targets[bt], dlosses[bt], V, Vp)
+
+
 cdef void _softmax_crossentropy_backward(float* dlogits, const float* probs, const int* targets,
                                          const float* dlosses, int BT, int V, int Vp,
                                          int n_threads) noexcept nogil:
@@ -456,6 +523,23 @@ def layernorm_forward(float[::1] out, float[::1] mean, float[::1] rstd, const fl
         _layernorm_forward(&out[0], &mean[0], &rstd[0], &inp[0], &weight[0], &bias[0], N, C, n_threads)
 
 
+def layernorm_forward_bf16(uint16_t[::1] out, float[::1] mean, float[::1] rstd, const float[::1] inp,
+                           const float[::1] weight, const float[::1] bias, int N, int C, int n_threads=1):
+    """layernorm_forward with out (N,C) written as bf16 (round to nearest even) instead of fp32:
+    the matmul that follows reads bf16, and layernorm_backward needs only inp, mean and rstd."""
+    check_threads(n_threads)
+    check_positive("N", N); check_positive("C", C)
+    check_len("out", out.shape[0], <Py_ssize_t>N * C)
+    check_len("mean", mean.shape[0], N)
+    check_len("rstd", rstd.shape[0], N)
+    check_len("inp", inp.shape[0], <Py_ssize_t>N * C)
+    check_len("weight", weight.shape[0], C)
+    check_len("bias", bias.shape[0], C)
+    n_threads = eff_threads(n_threads, <Py_ssize_t>N * C, _grain)
+    with nogil:
+        _layernorm_forward_bf16(&out[0], &mean[0], &rstd[0], &inp[0], &weight[0], &bias[0], N, C, n_threads)
+
+
 def layernorm_backward(float[::1] dinp, float[::1] dweight, float[::1] dbias, const float[::1] dout,
                        const float[::1] inp, const float[::1] weight, const float[::1] mean,
                        const float[::1] rstd, int N, int C, int n_threads=1):
@@ -486,6 +570,17 @@ def gelu_forward(float[::1] out, const float[::1] inp, long N, int n_threads=1):
     n_threads = eff_threads(n_threads, N, _grain)
     with nogil:
         _gelu_forward(&out[0], &inp[0], N, n_threads)
+
+
+def gelu_forward_bf16(uint16_t[::1] out, const float[::1] inp, long N, int n_threads=1):
+    """gelu_forward with out (N) written as bf16 (the fcproj matmul reads it; gelu_backward uses inp)."""
+    check_threads(n_threads)
+    check_positive("N", N)
+    check_len("out", out.shape[0], N)
+    check_len("inp", inp.shape[0], N)
+    n_threads = eff_threads(n_threads, N, _grain)
+    with nogil:
+        _gelu_forward_bf16(&out[0], &inp[0], N, n_threads)
 
 
 def gelu_backward(float[::1] dinp, const float[::1] inp, const float[::1] dout, long N, int n_threads=1):
@@ -559,3 +654,21 @@ def softmax_crossentropy_backward(float[::1] dlogits, const float[::1] probs, co
     n_threads = eff_threads(n_threads, <Py_ssize_t>BT * V, _grain)
     with nogil:
         _softmax_crossentropy_backward(&dlogits[0], &probs[0], &targets[0], &dlosses[0], BT, V, Vp, n_threads)
+
+
+def softmax_crossentropy_backward_bf16(uint16_t[::1] dlogits, const float[::1] probs, const int[::1] targets,
+                                       const float[::1] dlosses, int BT, int V, int Vp, int n_threads=1):
+    """softmax_crossentropy_backward with dlogits (BT,Vp) written as bf16: the lm-head backward
+    GEMMs read it, and no fp32 copy is ever needed (the lm head has no bias)."""
+    check_threads(n_threads)
+    check_positive("BT", BT); check_positive("V", V)
+    if Vp < V:
+        raise ValueError(f"Vp={Vp} is smaller than V={V}")
+    check_len("dlogits", dlogits.shape[0], <Py_ssize_t>BT * Vp)
+    check_len("probs", probs.shape[0], <Py_ssize_t>BT * Vp)
+    check_len("targets", targets.shape[0], BT)
+    check_len("dlosses", dlosses.shape[0], BT)
+    _check_ids("targets", targets, V)
+    n_threads = eff_threads(n_threads, <Py_ssize_t>BT * V, _grain)
+    with nogil:
+        _softmax_crossentropy_backward_bf16(&dlogits[0], &probs[0], &targets[0], &dlosses[0], BT, V, Vp, n_threads)

@@ -1,28 +1,61 @@
 """Matrix multiply for GPT-2's linear layers: out = inp @ weight^T + bias, and its backward.
 
 Mirrors llm.c train_gpt2.c `matmul_forward` / `matmul_backward` (same shapes, same argument
-order, backward accumulates). Two interchangeable backends:
+order, backward accumulates). Three interchangeable fp32 engines ("backends"):
 
-- "blas" (default): one BLAS sgemm per product, called without the GIL through
-  scipy.linalg.cython_blas (the scikit-learn pattern). The bias is written into `out` first in a
-  prange loop and sgemm runs with beta=1, so the bias costs no extra pass. OpenBLAS has its own
+- "dnnl" (the default where it was built): oneDNN's `dnnl_sgemm`, row-major, called without the
+  GIL. The OpenMP build of oneDNN shares libgomp's thread team with llmctl's prange loops, so
+  there is one thread pool; each call sets omp_get_max_threads() to `n_threads` first.
+- "blas" (the default without oneDNN, e.g. another platform or LLMCTL_NO_DNNL=1): one BLAS sgemm
+  per product through scipy.linalg.cython_blas (the scikit-learn pattern). OpenBLAS has its own
   thread pool; every call sets it to `n_threads` (cheap when unchanged) so BLAS and our OpenMP
-  loops use the same count and never oversubscribe the cores. sgemm is never called inside a
-  prange.
+  loops use the same count and never oversubscribe the cores. sgemm is never called in a prange.
 - "tiled": a hand-written, cache-blocked Cython GEMM (4x8 register tile, K blocked by 256,
   operands packed GotoBLAS-style so the inner loop runs over contiguous memory). It is the portable
-  fallback and the in-tree reference for the BLAS path. Every output element is summed over K
-  in order by exactly one thread, so its result does not depend on the thread count.
+  fallback and the in-tree reference for the library paths. Every output element is summed over
+  K in order by exactly one thread, so its result does not depend on the thread count.
+For dnnl and blas the bias is written into `out` first and the GEMM runs with beta=1, so the
+bias costs no extra pass.
+
+Mixed precision (`*_bf16`): bf16 inputs (uint16 bit patterns, see bf16.h), fp32 accumulation
+and fp32 outputs. "dnnl" runs `dnnl_gemm_bf16bf16f32`, only on CPUs that multiply bf16 natively
+(AVX512_BF16 or AMX, checked at run time: bf16_native()); "blas" widens the bf16 operands to
+fp32 (exactly) and runs sgemm: the same products of the same rounded inputs, for CPUs without
+native bf16 and for tests. The backward casts fp32 dout to bf16 in the pass that sums dbias.
 
 What it is not: a general GEMM. Shapes are llm.c's row-major (BT,C) x (OC,C)^T.
 """
+import os
+
 from cython.parallel cimport prange
 from libc.stdlib cimport malloc, free
-from libc.stdint cimport uintptr_t
+from libc.stdint cimport uintptr_t, uint16_t, int64_t
 from scipy.linalg.cython_blas cimport sgemm
 
 from _openmp cimport omp_get_thread_num
 from kernels cimport check_threads, check_len, check_positive, check_disjoint, eff_threads
+
+cdef extern from "bf16.h" nogil:
+    uint16_t llmctl_f32_to_bf16(float x)
+    void llmctl_widen_bf16(float* dst, const uint16_t* src, Py_ssize_t n)
+
+cdef extern from "dnnl_gemm.h" nogil:
+    int llmctl_cpu_bf16_flags()
+    int llmctl_dnnl_sgemm(char ta, char tb, int64_t M, int64_t N, int64_t K, const float* A,
+                          int64_t lda, const float* B, int64_t ldb, float beta, float* C,
+                          int64_t ldc, int n_threads)
+    int llmctl_dnnl_gemm_bf16(char ta, char tb, int64_t M, int64_t N, int64_t K, const uint16_t* A,
+                              int64_t lda, const uint16_t* B, int64_t ldb, float beta, float* C,
+                              int64_t ldc, int n_threads)
+    void llmctl_dnnl_version(int* v)
+
+cdef extern from *:
+    """
+    #ifndef LLMCTL_DNNL_BUILD
+    #define LLMCTL_DNNL_BUILD 0
+    #endif
+    """
+    const int LLMCTL_DNNL_BUILD
 
 # ---------------------------------------------------------------------------------------------
 # BLAS thread control. llmctl.threads finds scipy's OpenBLAS and registers its get/set
@@ -78,9 +111,70 @@ def set_parallel_grain(Py_ssize_t grain):
     return old
 
 
+# ---------------------------------------------------------------------------------------------
+# Engines and precisions available in this build, on this CPU
+
+def _env_flag(name):
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def dnnl_built():
+    """True when this extension was linked against oneDNN (setup.py found the onednn wheels)."""
+    return bool(LLMCTL_DNNL_BUILD)
+
+
+def dnnl_version():
+    """oneDNN's (major, minor, patch), or None when not built with it."""
+    cdef int v[3]
+    if not LLMCTL_DNNL_BUILD:
+        return None
+    llmctl_dnnl_version(v)
+    return (v[0], v[1], v[2])
+
+
+def cpu_bf16_features():
+    """The native bf16 instruction sets this CPU and OS offer: a subset of ("avx512_bf16", "amx_bf16")."""
+    cdef int f = llmctl_cpu_bf16_flags()
+    return tuple(name for bit, name in ((1, "avx512_bf16"), (2, "amx_bf16")) if f & bit)
+
+
+cdef int _bf16_native = -1   # -1 unknown; 0/1 after the first bf16_native()
+
+
+def bf16_native():
+    """True when the "dnnl" engine can multiply bf16 here: oneDNN is built and enabled, the CPU
+    has AVX512_BF16 or AMX, and a small dnnl_gemm_bf16bf16f32 gives the exact product."""
+    global _bf16_native
+    cdef uint16_t a[4]
+    cdef float c[4]
+    cdef int st, i
+    if "dnnl" not in get_backends() or not cpu_bf16_features():
+        return False
+    if _bf16_native < 0:
+        for i in range(4):          # A = B = [[1, 2], [3, 4]] (exact in bf16)
+            a[i] = llmctl_f32_to_bf16(<float>(i + 1))
+            c[i] = 0.0
+        st = llmctl_dnnl_gemm_bf16(b'N', b'N', 2, 2, 2, a, 2, a, 2, 0.0, c, 2, 1)
+        _bf16_native = 1 if st == 0 and (c[0], c[1], c[2], c[3]) == (7.0, 10.0, 15.0, 22.0) else 0
+    return _bf16_native == 1
+
+
 def get_backends():
-    """The backend names matmul_forward/matmul_backward accept; the first is the default."""
+    """The fp32 engines matmul_forward/matmul_backward accept here; the first is the default.
+    "dnnl" is listed only when built with oneDNN and LLMCTL_NO_DNNL is not set."""
+    if LLMCTL_DNNL_BUILD and not _env_flag("LLMCTL_NO_DNNL"):
+        return ("dnnl", "blas", "tiled")
     return ("blas", "tiled")
+
+
+def get_bf16_backends():
+    """The engines the *_bf16 kernels accept here; the first is the default ("dnnl" only where
+    bf16_native(); "blas" emulates on fp32 sgemm everywhere)."""
+    return ("dnnl", "blas") if bf16_native() else ("blas",)
+
+
+def default_backend():
+    return get_backends()[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,6 +255,40 @@ cdef void _matmul_backward_blas(float* dinp, float* dweight, float* dbias, const
     sgemm(&tn, &tt, &C, &OC, &BT, &one, <float*>inp, &C, <float*>dout, &OC, &one, dweight, &C)
     if dbias != NULL:
         _bias_grad(dbias, dout, BT, OC, n_threads)
+
+
+# ---------------------------------------------------------------------------------------------
+# oneDNN backend: row-major GEMMs, so the products are written as they read.
+
+cdef int _matmul_forward_dnnl(float* out, const float* inp, const float* weight, const float* bias,
+                              int BT, int C, int OC, int n_threads) noexcept nogil:
+    # out (BT,OC) = inp (BT,C) @ weight (OC,C)^T [+ bias (OC)]
+    cdef float beta = 0.0
+    if bias != NULL:
+        _fill_bias_rows(out, bias, BT, OC, n_threads)
+        beta = 1.0
+    return llmctl_dnnl_sgemm(b'N', b'T', BT, OC, C, inp, C, weight, C, beta, out, OC, n_threads)
+
+
+cdef int _matmul_backward_dnnl(float* dinp, float* dweight, float* dbias, const float* dout,
+                               const float* inp, const float* weight,
+                               int BT, int C, int OC, int n_threads) noexcept nogil:
+    cdef int st = 0
+    if dinp != NULL:
+        # dinp (BT,C) += dout (BT,OC) @ weight (OC,C)
+        st = llmctl_dnnl_sgemm(b'N', b'N', BT, C, OC, dout, OC, weight, C, 1.0, dinp, C, n_threads)
+    if st == 0:
+        # dweight (OC,C) += dout^T (OC,BT) @ inp (BT,C)
+        st = llmctl_dnnl_sgemm(b'T', b'N', OC, C, BT, dout, OC, inp, C, 1.0, dweight, C, n_threads)
+    if dbias != NULL:
+        _bias_grad(dbias, dout, BT, OC, n_threads)
+    return st
+
+
+cdef int _check_dnnl(int status, str what) except -1:
+    if status != 0:
+        raise RuntimeError(f"{what}: oneDNN returned status {status}")
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -364,16 +492,26 @@ cdef inline Py_ssize_t _round_up(Py_ssize_t n, Py_ssize_t m) noexcept nogil:
     return (n + m - 1) // m * m
 
 
-cdef int _backend_id(str backend) except -1:
-    if backend == "blas":
-        return 0
-    if backend == "tiled":
-        return 1
-    raise ValueError(f"unknown matmul backend {backend!r}; choose one of {get_backends()}")
+cdef enum:
+    BLAS = 0
+    TILED = 1
+    DNNL = 2
+
+
+cdef int _backend_id(backend) except -1:
+    names = get_backends()
+    if backend is None:
+        backend = names[0]
+    if backend in names:
+        return {"blas": BLAS, "tiled": TILED, "dnnl": DNNL}[backend]
+    if backend == "dnnl":
+        why = "LLMCTL_NO_DNNL is set" if LLMCTL_DNNL_BUILD else "llmctl was built without oneDNN"
+        raise ValueError(f"matmul backend 'dnnl' is not available ({why}); choose one of {names}")
+    raise ValueError(f"unknown matmul backend {backend!r}; choose one of {names}")
 
 
 def matmul_forward(float[::1] out, const float[::1] inp, const float[::1] weight, bias,
-                   int BT, int C, int OC, int n_threads=1, str backend="blas"):
+                   int BT, int C, int OC, int n_threads=1, backend=None):
     """out (BT,OC) = inp (BT,C) @ weight (OC,C)^T + bias (OC). Overwrites out. bias may be None."""
     cdef int which = _backend_id(backend)
     cdef const float[::1] bias_mv
@@ -391,7 +529,13 @@ def matmul_forward(float[::1] out, const float[::1] inp, const float[::1] weight
     check_disjoint("out", &out[0], out.shape[0], "inp", &inp[0], inp.shape[0])
     check_disjoint("out", &out[0], out.shape[0], "weight", &weight[0], weight.shape[0])
     cdef float* panels = NULL
-    if which == 0:
+    cdef int st
+    if which == DNNL:
+        with nogil:
+            st = _matmul_forward_dnnl(&out[0], &inp[0], &weight[0], bias_ptr, BT, C, OC, n_threads)
+        _check_dnnl(st, "matmul_forward")
+        return
+    if which == BLAS:
         with nogil:
             _matmul_forward_blas(&out[0], &inp[0], &weight[0], bias_ptr, BT, C, OC, n_threads)
         return
@@ -425,7 +569,7 @@ cdef int _check_backward_disjoint(float* dinp, float* dweight, float* dbias, con
 
 def matmul_backward(dinp, float[::1] dweight, dbias, const float[::1] dout,
                     const float[::1] inp, const float[::1] weight,
-                    int BT, int C, int OC, int n_threads=1, str backend="blas"):
+                    int BT, int C, int OC, int n_threads=1, backend=None):
     """Accumulate: dinp (BT,C) += dout @ weight; dweight (OC,C) += dout^T @ inp;
     dbias (OC) += sum over BT of dout. dinp and dbias may be None (skipped)."""
     cdef int which = _backend_id(backend)
@@ -448,7 +592,14 @@ def matmul_backward(dinp, float[::1] dweight, dbias, const float[::1] dout,
         dbias_ptr = &dbias_mv[0]
     _check_backward_disjoint(dinp_ptr, &dweight[0], dbias_ptr, &dout[0], &inp[0], &weight[0], BT, C, OC)
     cdef float* apack = NULL
-    if which == 0:
+    cdef int st
+    if which == DNNL:
+        with nogil:
+            st = _matmul_backward_dnnl(dinp_ptr, &dweight[0], dbias_ptr, &dout[0], &inp[0], &weight[0],
+                                       BT, C, OC, n_threads)
+        _check_dnnl(st, "matmul_backward")
+        return
+    if which == BLAS:
         with nogil:
             _matmul_backward_blas(dinp_ptr, &dweight[0], dbias_ptr, &dout[0], &inp[0], &weight[0],
                                   BT, C, OC, n_threads)
@@ -466,3 +617,180 @@ def matmul_backward(dinp, float[::1] dweight, dbias, const float[::1] dout,
                 _bias_grad(dbias_ptr, &dout[0], BT, OC, n_threads)
     finally:
         free(apack)
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixed precision: bf16 operands (uint16 bit patterns), fp32 accumulation and fp32 outputs
+
+cdef enum:
+    ECHUNK = 16384      # elements per task in the widening/casting loops
+
+
+cdef void _widen(float* dst, const uint16_t* src, Py_ssize_t n, int n_threads) noexcept nogil:
+    cdef Py_ssize_t ch, s, e
+    n_threads = eff_threads(n_threads, n, _grain)
+    for ch in prange((n + ECHUNK - 1) // ECHUNK, schedule='static', num_threads=n_threads):
+        s = ch * ECHUNK
+        e = s + ECHUNK
+        if e > n:
+            e = n
+        llmctl_widen_bf16(dst + s, src + s, e - s)
+
+
+cdef void _bias_grad_cast_chunk(float* dbias, uint16_t* dst, const float* dout, int BT, int OC,
+                                int o0, int o1) noexcept nogil:
+    # dst[:, o0:o1] = bf16(dout[:, o0:o1]); dbias[o0:o1] += column sums (rows in order, double)
+    cdef double acc[BIAS_CHUNK]
+    cdef int o, bt, n = o1 - o0
+    cdef const float* row
+    cdef uint16_t* drow
+    for o in range(n):
+        acc[o] = 0.0
+    for bt in range(BT):
+        row = dout + <Py_ssize_t>bt * OC + o0
+        drow = dst + <Py_ssize_t>bt * OC + o0
+        for o in range(n):
+            acc[o] += row[o]
+            drow[o] = llmctl_f32_to_bf16(row[o])
+    if dbias != NULL:
+        for o in range(n):
+            dbias[o0 + o] += <float>acc[o]
+
+
+cdef void _bias_grad_cast(float* dbias, uint16_t* dst, const float* dout, int BT, int OC,
+                          int n_threads) noexcept nogil:
+    # one pass over dout: the bf16 copy the backward GEMMs read, and dbias (if not NULL); the sum
+    # is the same as _bias_grad's, so dbias does not depend on the precision of the GEMMs
+    cdef int nchunks = (OC + BIAS_CHUNK - 1) // BIAS_CHUNK
+    cdef int ch, o0, o1
+    n_threads = eff_threads(n_threads, <Py_ssize_t>BT * OC, _grain)
+    for ch in prange(nchunks, schedule='static', num_threads=n_threads):
+        o0 = ch * BIAS_CHUNK
+        o1 = o0 + BIAS_CHUNK
+        if o1 > OC:
+            o1 = OC
+        _bias_grad_cast_chunk(dbias, dst, dout, BT, OC, o0, o1)
+
+
+cdef float* _widened(const uint16_t* src, Py_ssize_t n, int n_threads) except NULL:
+    cdef float* dst = <float*>malloc(<size_t>n * sizeof(float))
+    if dst == NULL:
+        raise MemoryError(f"matmul: cannot allocate {n * 4} bytes to widen a bf16 operand")
+    with nogil:
+        _widen(dst, src, n, n_threads)
+    return dst
+
+
+cdef int _bf16_backend_id(backend) except -1:
+    names = get_bf16_backends()
+    if backend is None:
+        backend = names[0]
+    if backend in names:
+        return DNNL if backend == "dnnl" else BLAS
+    if backend == "dnnl":
+        feats = cpu_bf16_features()
+        why = ("oneDNN is not available: " + ", ".join(get_backends()) + " only") if "dnnl" not in get_backends() \
+            else ("this CPU has no native bf16 (AVX512_BF16 or AMX)" if not feats else
+                  "oneDNN's bf16 GEMM did not run on this CPU")
+        raise ValueError(f"bf16 matmul backend 'dnnl' is not available: {why}; choose one of {names}")
+    raise ValueError(f"unknown bf16 matmul backend {backend!r}; choose one of {names}")
+
+
+def matmul_forward_bf16(float[::1] out, const uint16_t[::1] inp, const uint16_t[::1] weight, bias,
+                        int BT, int C, int OC, int n_threads=1, backend=None):
+    """out (BT,OC) fp32 = inp (BT,C) bf16 @ weight (OC,C)^T bf16 + bias (OC) fp32, accumulated in
+    fp32. Overwrites out. bias may be None."""
+    cdef int which = _bf16_backend_id(backend)
+    cdef const float[::1] bias_mv
+    cdef const float* bias_ptr = NULL
+    cdef float* winp = NULL
+    cdef float* wweight = NULL
+    cdef int st = 0
+    check_threads(n_threads)
+    check_positive("BT", BT); check_positive("C", C); check_positive("OC", OC)
+    check_len("out", out.shape[0], <Py_ssize_t>BT * OC)
+    check_len("inp", inp.shape[0], <Py_ssize_t>BT * C)
+    check_len("weight", weight.shape[0], <Py_ssize_t>OC * C)
+    if bias is not None:
+        bias_mv = bias
+        check_len("bias", bias_mv.shape[0], OC)
+        bias_ptr = &bias_mv[0]
+        check_disjoint("out", &out[0], out.shape[0], "bias", bias_ptr, OC)
+    if which == DNNL:
+        with nogil:
+            if bias_ptr != NULL:
+                _fill_bias_rows(&out[0], bias_ptr, BT, OC, n_threads)
+            st = llmctl_dnnl_gemm_bf16(b'N', b'T', BT, OC, C, &inp[0], C, &weight[0], C,
+                                       1.0 if bias_ptr != NULL else 0.0, &out[0], OC, n_threads)
+        _check_dnnl(st, "matmul_forward_bf16")
+        return
+    try:
+        winp = _widened(&inp[0], <Py_ssize_t>BT * C, n_threads)
+        wweight = _widened(&weight[0], <Py_ssize_t>OC * C, n_threads)
+        with nogil:
+            _matmul_forward_blas(&out[0], winp, wweight, bias_ptr, BT, C, OC, n_threads)
+    finally:
+        free(winp)
+        free(wweight)
+
+
+def matmul_backward_bf16(dinp, float[::1] dweight, dbias, dout, uint16_t[::1] dout_bf16,
+                         const uint16_t[::1] inp, const uint16_t[::1] weight,
+                         int BT, int C, int OC, int n_threads=1, backend=None):
+    """Accumulate in fp32: dinp (BT,C) += dout @ weight; dweight (OC,C) += dout^T @ inp;
+    dbias (OC) += sum over BT of dout. inp, weight and the GEMMs' dout are bf16.
+
+    dout (BT,OC) fp32 given: this call first writes dout_bf16 = bf16(dout), in the same pass that
+    sums dbias (from the fp32 values). dout None: dout_bf16 already holds the gradient (written
+    by the kernel that produced it) and dbias must be None. dinp and dbias may be None (skipped)."""
+    cdef int which = _bf16_backend_id(backend)
+    cdef float[::1] dinp_mv, dbias_mv
+    cdef const float[::1] dout_mv
+    cdef float* dinp_ptr = NULL
+    cdef float* dbias_ptr = NULL
+    cdef float* wd = NULL
+    cdef float* wi = NULL
+    cdef float* ww = NULL
+    cdef int st = 0
+    check_threads(n_threads)
+    check_positive("BT", BT); check_positive("C", C); check_positive("OC", OC)
+    check_len("dweight", dweight.shape[0], <Py_ssize_t>OC * C)
+    check_len("dout_bf16", dout_bf16.shape[0], <Py_ssize_t>BT * OC)
+    check_len("inp", inp.shape[0], <Py_ssize_t>BT * C)
+    check_len("weight", weight.shape[0], <Py_ssize_t>OC * C)
+    if dinp is not None:
+        dinp_mv = dinp
+        check_len("dinp", dinp_mv.shape[0], <Py_ssize_t>BT * C)
+        dinp_ptr = &dinp_mv[0]
+        check_disjoint("dinp", dinp_ptr, <Py_ssize_t>BT * C, "dweight", &dweight[0], <Py_ssize_t>OC * C)
+    if dbias is not None:
+        if dout is None:
+            raise ValueError("dbias needs the fp32 dout (pass dout, or dbias=None)")
+        dbias_mv = dbias
+        check_len("dbias", dbias_mv.shape[0], OC)
+        dbias_ptr = &dbias_mv[0]
+    if dout is not None:
+        dout_mv = dout
+        check_len("dout", dout_mv.shape[0], <Py_ssize_t>BT * OC)
+        with nogil:
+            _bias_grad_cast(dbias_ptr, &dout_bf16[0], &dout_mv[0], BT, OC, n_threads)
+    if which == DNNL:
+        with nogil:
+            if dinp_ptr != NULL:
+                st = llmctl_dnnl_gemm_bf16(b'N', b'N', BT, C, OC, &dout_bf16[0], OC, &weight[0], C,
+                                           1.0, dinp_ptr, C, n_threads)
+            if st == 0:
+                st = llmctl_dnnl_gemm_bf16(b'T', b'N', OC, C, BT, &dout_bf16[0], OC, &inp[0], C,
+                                           1.0, &dweight[0], C, n_threads)
+        _check_dnnl(st, "matmul_backward_bf16")
+        return
+    try:
+        wd = _widened(&dout_bf16[0], <Py_ssize_t>BT * OC, n_threads)
+        wi = _widened(&inp[0], <Py_ssize_t>BT * C, n_threads)
+        ww = _widened(&weight[0], <Py_ssize_t>OC * C, n_threads)
+        with nogil:
+            _matmul_backward_blas(dinp_ptr, &dweight[0], NULL, wd, wi, ww, BT, C, OC, n_threads)
+    finally:
+        free(wd)
+        free(wi)
+        free(ww)

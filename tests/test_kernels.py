@@ -1,4 +1,4 @@
-"""Kernel tests: matmul (blas + tiled), encoder, layernorm, GELU, residual, softmax/CE, AdamW.
+"""Kernel tests: matmul (dnnl where built, blas, tiled), encoder, layernorm, GELU, residual, softmax/CE, AdamW.
 
 Every kernel is compared with tests/reference.py (NumPy float64) on shapes that are and are not
 multiples of the tiles/lanes/chunks (matmul tile 8x16, K block 256; 16-lane row reductions;
@@ -22,6 +22,9 @@ from llmctl._ext import adamw, layers, matmul
 
 U32 = 2.0 ** -24  # unit roundoff of float32
 THREADS = [1, 2]
+# every fp32 engine this build has: "blas" (scipy's BLAS, the fallback) is always tested
+# explicitly, whatever the default engine is
+BACKENDS = list(matmul.get_backends())
 
 
 @pytest.fixture(autouse=True)
@@ -60,7 +63,7 @@ MM_SHAPES = [  # (BT, C, OC): tiny/odd, exact tile multiples, K blocks > 256 on 
 ]
 
 
-@pytest.mark.parametrize("backend", ["blas", "tiled"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("shape", MM_SHAPES)
 @pytest.mark.parametrize("n_threads", THREADS)
 @pytest.mark.parametrize("with_bias", [True, False])
@@ -79,7 +82,7 @@ def test_matmul_forward_matches_reference(backend, shape, n_threads, with_bias):
     _assert_dot_close(out.reshape(BT, OC), want, terms, C, f"matmul_forward[{backend}]")
 
 
-@pytest.mark.parametrize("backend", ["blas", "tiled"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("shape", MM_SHAPES)
 @pytest.mark.parametrize("n_threads", THREADS)
 def test_matmul_backward_accumulates_reference(backend, shape, n_threads):
@@ -99,7 +102,7 @@ def test_matmul_backward_accumulates_reference(backend, shape, n_threads):
     _assert_dot_close(db, db0 + rdb, np.abs(db0) + np.abs(d64).sum(0), BT, f"dbias[{backend}]")
 
 
-@pytest.mark.parametrize("backend", ["blas", "tiled"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_matmul_backward_skips_none(backend):
     BT, C, OC = 10, 20, 30
     rng = np.random.default_rng(3)
@@ -110,7 +113,7 @@ def test_matmul_backward_skips_none(backend):
     np.testing.assert_allclose(dw.reshape(OC, C), want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("backend", ["blas", "tiled"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("n_threads", THREADS)
 def test_matmul_bit_identical_when_repeated(backend, n_threads):
     BT, C, OC = 37, 70, 90
@@ -157,7 +160,31 @@ def test_matmul_rejects_bad_arguments():
         matmul.matmul_backward(z(5), z(9), None, z(6), z(6), z(9), 2, 3, 3)
     with pytest.raises(ValueError, match="BT must be > 0"):
         matmul.matmul_forward(z(0), z(0), z(9), None, 0, 3, 3)
-    assert matmul.get_backends()[0] == "blas"
+    with pytest.raises(ValueError, match="unknown matmul backend"):
+        matmul.matmul_backward(None, z(9), None, z(6), z(6), z(9), 2, 3, 3, backend="cuda")
+    assert "blas" in matmul.get_backends() and "tiled" in matmul.get_backends()
+
+
+def test_matmul_default_engine_is_dnnl_where_built():
+    # oneDNN is the default wherever it was linked; scipy's BLAS otherwise
+    want = "dnnl" if matmul.dnnl_built() else "blas"
+    assert matmul.default_backend() == want == matmul.get_backends()[0]
+
+
+def test_matmul_blas_fallback_when_dnnl_disabled(monkeypatch):
+    # LLMCTL_NO_DNNL=1 at run time: the default engine is scipy's BLAS and "dnnl" is refused
+    monkeypatch.setenv("LLMCTL_NO_DNNL", "1")
+    assert matmul.get_backends() == ("blas", "tiled")
+    z = lambda n: np.zeros(n, np.float32)
+    with pytest.raises(ValueError, match="'dnnl' is not available"):
+        matmul.matmul_forward(z(6), z(6), z(9), None, 2, 3, 3, backend="dnnl")
+    rng = np.random.default_rng(2)
+    BT, C, OC = 5, 7, 3
+    inp, w = _f32(rng, BT, C), _f32(rng, OC, C)
+    out = np.empty(BT * OC, np.float32)
+    matmul.matmul_forward(out, inp.ravel(), w.ravel(), None, BT, C, OC)   # default = blas here
+    want = inp.astype(np.float64) @ w.astype(np.float64).T
+    _assert_dot_close(out.reshape(BT, OC), want, np.abs(inp) @ np.abs(w).T, C, "default without dnnl")
 
 
 def test_matmul_honours_blas_thread_count():
@@ -169,13 +196,28 @@ def test_matmul_honours_blas_thread_count():
     BT, C, OC = 8, 8, 8
     x = np.ones(BT * C, np.float32)
     out = np.empty(BT * OC, np.float32)
-    matmul.matmul_forward(out, x, x, None, BT, C, OC, n_threads=1)
+    matmul.matmul_forward(out, x, x, None, BT, C, OC, n_threads=1, backend="blas")
     scipy_pool = [n for path, n in threads.blas_thread_info() if "scipy.libs" in path]
     if scipy_pool:
         assert scipy_pool == [1]
-    matmul.matmul_forward(out, x, x, None, BT, C, OC, n_threads=2)
+    matmul.matmul_forward(out, x, x, None, BT, C, OC, n_threads=2, backend="blas")
     if scipy_pool:
         assert [n for path, n in threads.blas_thread_info() if "scipy.libs" in path] == [2]
+
+
+@pytest.mark.skipif("dnnl" not in matmul.get_backends(), reason="built without oneDNN")
+def test_matmul_dnnl_runs_on_n_threads():
+    # oneDNN's OpenMP build sizes each GEMM by omp_get_max_threads(); matmul sets it per call
+    from llmctl._ext import buildinfo
+
+    if not buildinfo.openmp_enabled():
+        pytest.skip("serial build")
+    BT, C, OC = 8, 8, 8
+    x = np.ones(BT * C, np.float32)
+    out = np.empty(BT * OC, np.float32)
+    for n in (1, 2, 1):
+        matmul.matmul_forward(out, x, x, None, BT, C, OC, n_threads=n, backend="dnnl")
+        assert buildinfo.openmp_max_threads() == n
 
 
 # ---------------------------------------------------------------------------------------------
@@ -676,7 +718,7 @@ def test_overlapping_outputs_are_rejected():
     matmul.matmul_forward(buf[:6], buf[6:12], buf[12:21], buf[21:24], 2, 3, 3)
 
 
-@pytest.mark.parametrize("backend", ["blas", "tiled"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_matmul_backward_finite_differences(backend):
     # loss = sum(out * R) is linear in each operand, so central differences have no truncation
     # error; float32 rounding of the loss (~1e-7 * sum|terms| / h) stays below 1e-3 with h = 0.5

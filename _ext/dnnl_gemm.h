@@ -1,0 +1,76 @@
+/* oneDNN's two GEMM entry points, as llmctl's matmul calls them.
+ *
+ * Built with LLMCTL_DNNL_BUILD=1 (setup.py found the onednn wheels and linked libdnnl.so.3):
+ * thin wrappers over dnnl_sgemm and dnnl_gemm_bf16bf16f32, both row-major and BLAS-like
+ * (C = alpha op(A) op(B) + beta C). dnnl_gemm_bf16bf16f32 is exported by libdnnl but not in
+ * its public header, so it is declared here with oneDNN's own signature (src/common/gemm.cpp).
+ * Without oneDNN every wrapper returns -1 and matmul uses scipy's BLAS instead.
+ *
+ * The OpenMP build of oneDNN runs a GEMM on omp_get_max_threads() threads of the same libgomp
+ * team as llmctl's prange loops, so the caller sets that count before each call.
+ */
+#ifndef LLMCTL_DNNL_GEMM_H
+#define LLMCTL_DNNL_GEMM_H
+#include <stdint.h>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
+/* bit 0: AVX512_BF16 (CPUID.(7,1):EAX[5]); bit 1: AMX-BF16 (CPUID.(7,0):EDX[22]). Each counts
+   only when the OS saves the registers it needs (XCR0: SSE/AVX/AVX-512 state bits 1,2,5-7;
+   AMX tile state bits 17-18 as well). */
+static inline int llmctl_cpu_bf16_flags(void) {
+    unsigned a, b, c, d, flags = 0;
+    if (!__get_cpuid_count(1, 0, &a, &b, &c, &d) || !(c & (1u << 27))) return 0;  /* OSXSAVE */
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & 0xE6u) != 0xE6u) return 0;
+    if (__get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22)) && (lo & 0x60000u) == 0x60000u)
+        flags |= 2u;
+    if (__get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5))) flags |= 1u;
+    return (int)flags;
+}
+#else
+static inline int llmctl_cpu_bf16_flags(void) { return 0; }
+#endif
+
+#if LLMCTL_DNNL_BUILD
+#include <oneapi/dnnl/dnnl.h>
+#ifdef _OPENMP
+#include <omp.h>
+#define LLMCTL_DNNL_THREADS(n) do { if (omp_get_max_threads() != (n)) omp_set_num_threads(n); } while (0)
+#else
+#define LLMCTL_DNNL_THREADS(n) do { (void)(n); } while (0)
+#endif
+
+dnnl_status_t DNNL_API dnnl_gemm_bf16bf16f32(char transa, char transb, dnnl_dim_t M,
+        dnnl_dim_t N, dnnl_dim_t K, float alpha, const uint16_t *A, dnnl_dim_t lda,
+        const uint16_t *B, dnnl_dim_t ldb, float beta, float *C, dnnl_dim_t ldc);
+
+static inline int llmctl_dnnl_sgemm(char ta, char tb, int64_t M, int64_t N, int64_t K,
+        const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
+        int64_t ldc, int n_threads) {
+    LLMCTL_DNNL_THREADS(n_threads);
+    return (int)dnnl_sgemm(ta, tb, M, N, K, 1.0f, A, lda, B, ldb, beta, C, ldc);
+}
+
+static inline int llmctl_dnnl_gemm_bf16(char ta, char tb, int64_t M, int64_t N, int64_t K,
+        const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float beta, float* C,
+        int64_t ldc, int n_threads) {
+    LLMCTL_DNNL_THREADS(n_threads);
+    return (int)dnnl_gemm_bf16bf16f32(ta, tb, M, N, K, 1.0f, A, lda, B, ldb, beta, C, ldc);
+}
+
+static inline void llmctl_dnnl_version(int* v) {
+    const dnnl_version_t* d = dnnl_version();
+    v[0] = d->major; v[1] = d->minor; v[2] = d->patch;
+}
+#else
+static inline int llmctl_dnnl_sgemm(char ta, char tb, int64_t M, int64_t N, int64_t K,
+        const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
+        int64_t ldc, int n_threads) { return -1; }
+static inline int llmctl_dnnl_gemm_bf16(char ta, char tb, int64_t M, int64_t N, int64_t K,
+        const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float beta, float* C,
+        int64_t ldc, int n_threads) { return -1; }
+static inline void llmctl_dnnl_version(int* v) { v[0] = v[1] = v[2] = 0; }
+#endif
+#endif
