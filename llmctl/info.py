@@ -1,4 +1,4 @@
-"""What this llmctl build and process will use: version, OpenMP, threads, BLAS."""
+"""What this llmctl build and process will use: version, OpenMP, threads, GEMM engine, precisions."""
 import os
 
 from llmctl import __version__
@@ -20,6 +20,25 @@ def default_threads():
     return usable_cores()
 
 
+def gemm_info():
+    """The matmul engines and precisions of this build on this CPU.
+
+    engine: the default fp32 GEMM engine ("dnnl" or "blas"); engines: every fp32 engine accepted;
+    onednn: oneDNN's version string or None; cpu_bf16: the native bf16 instruction sets found;
+    precisions: ["fp32"] plus "bf16" where the CPU multiplies bf16 natively through oneDNN."""
+    from llmctl._ext import matmul
+
+    v = matmul.dnnl_version()
+    return {
+        "engine": matmul.default_backend(),
+        "engines": list(matmul.get_backends()),
+        "onednn": ".".join(map(str, v)) if v else None,
+        "onednn_disabled": bool(v) and "dnnl" not in matmul.get_backends(),
+        "cpu_bf16": list(matmul.cpu_bf16_features()),
+        "precisions": ["fp32", "bf16"] if matmul.bf16_native() else ["fp32"],
+    }
+
+
 def runtime_info():
     from llmctl._ext import buildinfo
 
@@ -28,6 +47,7 @@ def runtime_info():
         "openmp": buildinfo.openmp_enabled(),
         "threads": default_threads(),
         "blas": None,
+        **gemm_info(),
     }
     try:
         from threadpoolctl import threadpool_info
@@ -42,7 +62,24 @@ def runtime_info():
     return info
 
 
+def _engine_line(info):
+    if info["engine"] == "dnnl":
+        return f"GEMM engine: oneDNN {info['onednn']} (dnnl_sgemm); fallback: scipy BLAS"
+    why = "LLMCTL_NO_DNNL is set" if info["onednn_disabled"] else "built without oneDNN"
+    return f"GEMM engine: scipy BLAS ({why})"
+
+
+def _precision_line(info):
+    if "bf16" in info["precisions"]:
+        return f"precisions: fp32, bf16 (native: {', '.join(info['cpu_bf16'])}; dnnl_gemm_bf16bf16f32)"
+    why = ("no oneDNN" if info["engine"] != "dnnl" else
+           "this CPU has no AVX512_BF16/AMX" if not info["cpu_bf16"] else "oneDNN's bf16 GEMM does not run here")
+    return f"precisions: fp32 (bf16: no, {why})"
+
+
 def format_info(info):
     return (f"llmctl {info['version']}\n"
             f"OpenMP: {'yes' if info['openmp'] else 'NO (serial build)'}, threads: {info['threads']}\n"
+            f"{_engine_line(info)}\n"
+            f"{_precision_line(info)}\n"
             f"BLAS: {info['blas'] or 'unknown'}")

@@ -1,0 +1,245 @@
+"""bf16 mixed-precision kernels: the fp32 -> bf16 cast, bf16 matmul with fp32 accumulation, the
+producers that write bf16 themselves (layernorm, GELU, the loss backward, AdamW's weight copy).
+
+References. `to_bf16` below rounds to nearest even by comparing the two neighbouring bf16 values
+in float64 (not the bit trick the kernels use); NumPy products of inputs rounded that way, in
+float64, are the matmul reference, with the float32 dot bound of test_kernels.py (bf16 x bf16
+products are exact in float32, so only the fp32 accumulation rounds). Kernels that compute an
+fp32 value and write it as bf16 must give exactly to_bf16(their fp32 kernel's output).
+
+The "dnnl" bf16 engine runs only on CPUs with AVX512_BF16 or AMX; "blas" (fp32 sgemm on the
+widened operands) everywhere, so both are tested where they exist.
+"""
+import numpy as np
+import pytest
+
+import reference as ref
+from llmctl._ext import adamw, convert, layers, matmul
+
+U32 = 2.0 ** -24
+BF16_BACKENDS = list(matmul.get_bf16_backends())
+
+
+@pytest.fixture(autouse=True)
+def _all_threads():
+    old = [mod.set_parallel_grain(0) for mod in (layers, matmul, adamw, convert)]
+    yield
+    for mod, g in zip((layers, matmul, adamw, convert), old):
+        mod.set_parallel_grain(g)
+
+
+def to_bf16(x):
+    """float32 array -> uint16 bf16 bits, round to nearest, ties to even (NaN -> 0x7FC0)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    u = x.view(np.uint32).astype(np.uint64)
+    lo = (u >> 16).astype(np.uint64)                # truncated toward zero (sign-magnitude)
+    hi = lo + 1                                     # next bf16 away from zero
+    mag = lambda h: np.where((h & 0x7FFF) == 0x7F80, 2.0 ** 128,   # round to inf as if unbounded
+                             np.abs((((h & 0x7FFF) << 16).astype(np.uint32)).view(np.float32).astype(np.float64)))
+    ax = np.abs(x.astype(np.float64))
+    with np.errstate(invalid="ignore"):   # NaN inputs: replaced below
+        d_lo, d_hi = ax - mag(lo), mag(hi) - ax
+    pick_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (lo % 2 == 1))
+    out = np.where(pick_hi, hi, lo).astype(np.uint16)
+    out[np.isinf(x)] = (u[np.isinf(x)] >> 16).astype(np.uint16)
+    out[np.isnan(x)] = 0x7FC0
+    return out
+
+
+def from_bf16(h):
+    return (np.asarray(h, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def _f32(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def _assert_dot_close(got, want, abs_terms, K, what):
+    gamma = (K + 2) * U32 / (1 - (K + 2) * U32)
+    bound = 2 * gamma * abs_terms + 1e-30
+    err = np.abs(got.astype(np.float64) - want)
+    worst = np.max(err / bound)
+    assert worst <= 1.0, f"{what}: error {err.max():.3e} exceeds the float32 dot bound ({worst:.2f}x)"
+
+
+# ---------------------------------------------------------------------------------------------
+# the cast
+
+def test_cast_rounds_to_nearest_even_like_torch():
+    rng = np.random.default_rng(0)
+    x = np.concatenate([
+        _f32(rng, 50000, scale=3.0),
+        rng.standard_normal(20000).astype(np.float32) * np.float32(1e-39),   # subnormals
+        np.array([0.0, -0.0, 1.0, -1.0, np.inf, -np.inf, np.nan, 3.4028235e38, -3.4028235e38,
+                  1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, 1.0 + 2 ** -8 + 2 ** -20], np.float32),
+    ])
+    # exact ties: bf16 values plus half an ulp (0x8000 in the dropped bits), both parities
+    base = rng.integers(0, 0x7F00, 2000).astype(np.uint32) << 16
+    x = np.concatenate([x, (base | 0x8000).view(np.float32), (base | 0x18000).view(np.float32)])
+    got = np.empty(x.size, np.uint16)
+    for n in (1, 2):
+        convert.cast_to_bf16(got, x, n)
+        np.testing.assert_array_equal(got, to_bf16(x))
+    # the cases torch documents: ties to even, NaN to the quiet NaN, overflow of the max to inf
+    t = np.array([1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, np.nan, 3.4028235e38], np.float32)
+    convert.cast_to_bf16(got[:4], t)
+    assert list(got[:4]) == [0x3F80, 0x3F82, 0x7FC0, 0x7F80]
+
+
+def test_widen_is_exact_and_inverts_the_cast():
+    bits = np.arange(0, 1 << 16, dtype=np.uint32).astype(np.uint16)
+    out = np.empty(bits.size, np.float32)
+    convert.widen_bf16(out, bits, 2)
+    np.testing.assert_array_equal(out.view(np.uint32), bits.astype(np.uint32) << 16)
+    back = np.empty(bits.size, np.uint16)
+    convert.cast_to_bf16(back, out, 2)
+    finite = ~np.isnan(out)
+    np.testing.assert_array_equal(back[finite], bits[finite])
+
+
+def test_cast_rejects_bad_lengths():
+    with pytest.raises(ValueError, match="out has 3 elements, expected 4"):
+        convert.cast_to_bf16(np.zeros(3, np.uint16), np.zeros(4, np.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# matmul
+
+MM_SHAPES = [(1, 1, 1), (7, 13, 33), (9, 300, 17), (24, 40, 270), (261, 24, 20)]
+
+
+@pytest.mark.parametrize("backend", BF16_BACKENDS)
+@pytest.mark.parametrize("shape", MM_SHAPES)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_matmul_forward_bf16_matches_rounded_reference(backend, shape, with_bias):
+    BT, C, OC = shape
+    rng = np.random.default_rng(BT * 1000 + C + OC)
+    inp, w, b = _f32(rng, BT, C), _f32(rng, OC, C), _f32(rng, OC)
+    ib, wb = to_bf16(inp), to_bf16(w)
+    out = np.full(BT * OC, np.nan, np.float32)
+    matmul.matmul_forward_bf16(out, ib.ravel(), wb.ravel(), b if with_bias else None, BT, C, OC,
+                               n_threads=2, backend=backend)
+    x64, w64 = from_bf16(ib).astype(np.float64), from_bf16(wb).astype(np.float64)
+    want = ref.matmul_forward(x64, w64, b.astype(np.float64) if with_bias else None)
+    terms = np.abs(x64) @ np.abs(w64).T + (np.abs(b) if with_bias else 0.0)
+    _assert_dot_close(out.reshape(BT, OC), want, terms, C, f"matmul_forward_bf16[{backend}]")
+    # and it really is the bf16 product: the fp32 product differs by far more than the bound
+    if BT * C > 100:
+        full = ref.matmul_forward(inp.astype(np.float64), w.astype(np.float64))
+        assert np.abs(full - (want - (b if with_bias else 0))).max() > 1e-3
+
+
+@pytest.mark.parametrize("backend", BF16_BACKENDS)
+@pytest.mark.parametrize("shape", MM_SHAPES)
+def test_matmul_backward_bf16_casts_dout_and_accumulates(backend, shape):
+    BT, C, OC = shape
+    rng = np.random.default_rng(BT + 7 * C + 13 * OC)
+    inp, w, dout = _f32(rng, BT, C), _f32(rng, OC, C), _f32(rng, BT, OC)
+    dinp0, dw0, db0 = _f32(rng, BT, C), _f32(rng, OC, C), _f32(rng, OC)
+    dinp, dw, db = dinp0.ravel().copy(), dw0.ravel().copy(), db0.copy()
+    dout_bf16 = np.zeros(BT * OC, np.uint16)
+    ib, wb = to_bf16(inp), to_bf16(w)
+    matmul.matmul_backward_bf16(dinp, dw, db, dout.ravel(), dout_bf16, ib.ravel(), wb.ravel(),
+                                BT, C, OC, n_threads=2, backend=backend)
+    np.testing.assert_array_equal(dout_bf16, to_bf16(dout).ravel())
+    d64 = from_bf16(to_bf16(dout)).astype(np.float64)
+    x64, w64 = from_bf16(ib).astype(np.float64), from_bf16(wb).astype(np.float64)
+    rdx, rdw, _ = ref.matmul_backward(d64, x64, w64)
+    _assert_dot_close(dinp.reshape(BT, C), dinp0 + rdx, np.abs(dinp0) + np.abs(d64) @ np.abs(w64), OC, "dinp")
+    _assert_dot_close(dw.reshape(OC, C), dw0 + rdw, np.abs(dw0) + np.abs(d64).T @ np.abs(x64), BT, "dweight")
+    # dbias is summed from the fp32 dout, exactly as the fp32 kernel sums it
+    db32 = db0.copy()
+    matmul.matmul_backward(None, np.zeros(OC * C, np.float32), db32, dout.ravel(), inp.ravel(), w.ravel(),
+                           BT, C, OC, backend="blas")
+    np.testing.assert_array_equal(db, db32)
+
+
+@pytest.mark.parametrize("backend", BF16_BACKENDS)
+def test_matmul_backward_bf16_reads_a_precast_dout(backend):
+    BT, C, OC = 12, 20, 30
+    rng = np.random.default_rng(4)
+    ib, wb = to_bf16(_f32(rng, BT * C)), to_bf16(_f32(rng, OC * C))
+    db16 = to_bf16(_f32(rng, BT * OC))
+    dw = np.zeros(OC * C, np.float32)
+    matmul.matmul_backward_bf16(None, dw, None, None, db16, ib, wb, BT, C, OC, backend=backend)
+    want = from_bf16(db16).reshape(BT, OC).astype(np.float64).T @ from_bf16(ib).reshape(BT, C)
+    np.testing.assert_allclose(dw.reshape(OC, C), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="dbias needs the fp32 dout"):
+        matmul.matmul_backward_bf16(None, dw, np.zeros(OC, np.float32), None, db16, ib, wb, BT, C, OC,
+                                    backend=backend)
+
+
+def test_bf16_engines_follow_the_cpu():
+    feats = matmul.cpu_bf16_features()
+    assert set(feats) <= {"avx512_bf16", "amx_bf16"}
+    assert "blas" in matmul.get_bf16_backends()
+    if not matmul.bf16_native():
+        assert matmul.get_bf16_backends() == ("blas",)
+        z16, z32 = np.zeros(9, np.uint16), np.zeros(9, np.float32)
+        with pytest.raises(ValueError, match="'dnnl' is not available"):
+            matmul.matmul_forward_bf16(z32, z16, z16, None, 3, 3, 3, backend="dnnl")
+    else:
+        assert feats and matmul.get_bf16_backends()[0] == "dnnl"
+    with pytest.raises(ValueError, match="unknown bf16 matmul backend"):
+        matmul.matmul_forward_bf16(np.zeros(9, np.float32), np.zeros(9, np.uint16), np.zeros(9, np.uint16),
+                                   None, 3, 3, 3, backend="tiled")
+
+
+# ---------------------------------------------------------------------------------------------
+# producers writing bf16: exactly the cast of their fp32 output
+
+@pytest.mark.parametrize("N,C", [(5, 7), (9, 130)])
+def test_layernorm_forward_bf16_is_the_cast_fp32_output(N, C):
+    rng = np.random.default_rng(C)
+    x, w, b = _f32(rng, N * C, scale=2.0), _f32(rng, C), _f32(rng, C)
+    out, mean, rstd = np.empty(N * C, np.float32), np.empty(N, np.float32), np.empty(N, np.float32)
+    layers.layernorm_forward(out, mean, rstd, x, w, b, N, C, 2)
+    o16, m2, r2 = np.empty(N * C, np.uint16), np.empty(N, np.float32), np.empty(N, np.float32)
+    layers.layernorm_forward_bf16(o16, m2, r2, x, w, b, N, C, 2)
+    np.testing.assert_array_equal(o16, to_bf16(out))
+    np.testing.assert_array_equal(m2, mean)
+    np.testing.assert_array_equal(r2, rstd)
+    want, _, _ = ref.layernorm_forward(x.reshape(N, C).astype(np.float64), w.astype(np.float64), b.astype(np.float64))
+    np.testing.assert_allclose(from_bf16(o16).reshape(N, C), want, rtol=2 ** -8, atol=1e-6)
+
+
+def test_gelu_forward_bf16_is_the_cast_fp32_output():
+    rng = np.random.default_rng(1)
+    x = _f32(rng, 40000, scale=3.0)
+    out, o16 = np.empty_like(x), np.empty(x.size, np.uint16)
+    layers.gelu_forward(out, x, x.size, 2)
+    layers.gelu_forward_bf16(o16, x, x.size, 2)
+    np.testing.assert_array_equal(o16, to_bf16(out))
+    np.testing.assert_allclose(from_bf16(o16), ref.gelu_forward(x.astype(np.float64)), rtol=2 ** -8, atol=1e-6)
+
+
+def test_softmax_crossentropy_backward_bf16_is_the_cast_fp32_output():
+    BT, V, Vp = 6, 50, 64
+    rng = np.random.default_rng(2)
+    logits = _f32(rng, BT * Vp, scale=3.0)
+    targets = rng.integers(0, V, BT).astype(np.int32)
+    losses, probs = np.empty(BT, np.float32), np.empty(BT * Vp, np.float32)
+    layers.softmax_crossentropy_forward(losses, probs, logits, targets, BT, V, Vp, 2)
+    dl = np.full(BT, 1.0 / BT, np.float32)
+    d32, d16 = np.empty(BT * Vp, np.float32), np.full(BT * Vp, 0xFFFF, np.uint16)
+    layers.softmax_crossentropy_backward(d32, probs, targets, dl, BT, V, Vp, 2)
+    layers.softmax_crossentropy_backward_bf16(d16, probs, targets, dl, BT, V, Vp, 2)
+    np.testing.assert_array_equal(d16, to_bf16(d32))
+    want = ref.softmax_crossentropy_backward(probs.reshape(BT, Vp).astype(np.float64), targets, dl, V)
+    np.testing.assert_allclose(from_bf16(d16).reshape(BT, Vp), want, rtol=2 ** -8, atol=1e-7)
+
+
+@pytest.mark.parametrize("N", [1, 1000, 70001])   # 70001: three AdamW chunks, ragged
+def test_adamw_writes_the_bf16_copy_without_changing_fp32(N):
+    rng = np.random.default_rng(N)
+    p, g, m, v = _f32(rng, N), _f32(rng, N), _f32(rng, N, scale=0.1), np.abs(_f32(rng, N, scale=0.1))
+    args = (3e-4, 0.9, 0.95, 1e-8, 0.1, 0.5, 3, 2)
+    p1, m1, v1 = p.copy(), m.copy(), v.copy()
+    adamw.adamw_update(p1, g, m1, v1, *args)
+    p2, m2, v2, pb = p.copy(), m.copy(), v.copy(), np.zeros(N, np.uint16)
+    adamw.adamw_update(p2, g, m2, v2, *args, params_bf16=pb)
+    for a, b in ((p1, p2), (m1, m2), (v1, v2)):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(pb, to_bf16(p1))
+    with pytest.raises(ValueError, match="params_bf16"):
+        adamw.adamw_update(p2, g, m2, v2, *args, params_bf16=np.zeros(N + 1, np.uint16))
