@@ -21,6 +21,13 @@ Differences from train_gpt2.c, on purpose:
   2-D tensors, grad_scale for clipping, t 1-based.
 - forward accepts any B, T with T <= maxT; buffers grow only when B*T grows.
 See docs/model.md for the byte count.
+
+Precision (`precision="bf16"`, mixed precision as PyTorch autocast on CPU does it): every matmul
+multiplies bf16 inputs and accumulates/outputs fp32; master weights, gradients, AdamW m/v,
+layernorm, softmax, attention and the loss stay fp32. The bf16 copy of the weights
+(`params_bf16`) is written by the AdamW kernel in its own pass; the matmul inputs are written as
+bf16 by the kernels that produce them (layernorm, GELU, the loss backward) or cast once (the
+attention output, each backward's dout in the pass that sums dbias). Checkpoints stay fp32.
 """
 import math
 
@@ -31,6 +38,30 @@ from llmctl.model.config import PARAM_NAMES, GPT2Config, num_parameters, param_o
 
 DECAY_PARAMS = {"wte", "wpe", "qkvw", "attprojw", "fcw", "fcprojw"}
 INIT_SEED = 42
+PRECISIONS = ("fp32", "bf16")
+DEFAULT_PRECISION = "fp32"   # docs/performance.md: bf16 only pays where the CPU multiplies it natively
+BF16_EMULATE_ENV = "LLMCTL_BF16_EMULATE"
+
+
+def check_precision(precision):
+    """precision if this machine can run it, else ConfigError. bf16 needs a CPU that multiplies
+    bf16 natively (AVX512_BF16 or AMX, through oneDNN); LLMCTL_BF16_EMULATE=1 runs the same bf16
+    numerics on fp32 GEMMs instead (slower than fp32: for tests and checks on any CPU)."""
+    if precision not in PRECISIONS:
+        raise ConfigError(f"unknown precision {precision!r}", hint=f"choose one of {', '.join(PRECISIONS)}")
+    if precision == "bf16":
+        from llmctl._ext import matmul
+
+        if not matmul.bf16_native() and os.environ.get(BF16_EMULATE_ENV, "") in ("", "0"):
+            feats = matmul.cpu_bf16_features()
+            why = ("llmctl was built without oneDNN" if not matmul.dnnl_built() else
+                   "LLMCTL_NO_DNNL is set" if "dnnl" not in matmul.get_backends() else
+                   "this CPU has no native bf16 (AVX512_BF16 or AMX)" if not feats else
+                   "oneDNN's bf16 GEMM does not run on this CPU")
+            raise ConfigError(f"--precision bf16 is not available: {why}",
+                              hint=f"use --precision fp32 (`llmctl info` lists the precisions); "
+                                   f"{BF16_EMULATE_ENV}=1 emulates bf16 on fp32 GEMMs (slower)")
+    return precision
 
 
 def init_llmc_(p, cfg, seed=INIT_SEED, libm=None, n_threads=1):
@@ -59,6 +90,9 @@ def init_llmc_(p, cfg, seed=INIT_SEED, libm=None, n_threads=1):
         release_libm_memo()
 
 
+LMHEAD_ROWS = 256   # bf16 lm-head backward: rows of dlogits cast at a time (25 MB of bf16, not B*T*Vp)
+
+
 def _views(buf, offsets):
     return {name: buf[off:off + n].reshape(shape) for name, (off, n, shape) in offsets.items()}
 
@@ -66,7 +100,7 @@ def _views(buf, offsets):
 def _kernels():
     """The compiled kernels, or a ConfigError saying how to build them."""
     try:
-        from llmctl._ext import adamw, attention, layers, matmul
+        from llmctl._ext import adamw, attention, convert, layers, matmul  # noqa: F401 (convert: checked here)
     except ImportError as e:
         raise ConfigError(f"llmctl's Cython kernels are not built ({e})",
                           "run: python setup.py build_ext --inplace (or pip install -e .)") from e
@@ -83,25 +117,39 @@ class GPT2:
     m/v: AdamW moments, None until the first update (assign 1-D float32 arrays to resume).
     """
 
-    def __init__(self, config, n_threads=None, matmul="blas", recompute_gelu=None):
+    def __init__(self, config, n_threads=None, matmul=None, recompute_gelu=None, precision=DEFAULT_PRECISION):
         """recompute_gelu: None = keep fch_gelu per layer only while that costs <= 256 MiB
         (small B*T: saves one GELU per layer in backward), True = always recompute it in
-        backward from fch (one layer of scratch), False = always keep it."""
+        backward from fch (one layer of scratch), False = always keep it.
+        matmul: the GEMM engine (None: the default, oneDNN where built, else scipy's BLAS).
+        precision: "fp32" or "bf16" (mixed precision, see the module docstring)."""
         self.config = config
+        self.precision = check_precision(precision)
         self.recompute_gelu = recompute_gelu
         config.validate()
         from llmctl.threads import configure_threads
 
         # one count for OpenMP kernels and scipy's OpenBLAS pool (they must not oversubscribe)
         self.n_threads = configure_threads(n_threads)
-        self.matmul_backend = matmul
         self._k_matmul, self._k_layers, self._k_attention, self._k_adamw = _kernels()
+        from llmctl._ext import convert
+
+        self._k_convert = convert
+        if self.precision == "bf16":
+            if matmul not in (None,) + tuple(self._k_matmul.get_bf16_backends()):
+                raise ConfigError(f"matmul engine {matmul!r} cannot run bf16",
+                                  hint=f"use one of {self._k_matmul.get_bf16_backends()}")
+        self.matmul_backend = matmul
         self._offs = param_offsets(config)
         self.num_parameters = num_parameters(config)
         self.params = np.zeros(self.num_parameters, dtype=np.float32)
         self.grads = np.zeros(self.num_parameters, dtype=np.float32)
         self.p = _views(self.params, self._offs)
         self.g = _views(self.grads, self._offs)
+        # bf16: the copy of the parameters the matmuls read; stale until params_changed() re-casts
+        self.params_bf16 = np.zeros(self.num_parameters, np.uint16) if self.precision == "bf16" else None
+        self.pb = _views(self.params_bf16, self._offs) if self.params_bf16 is not None else None
+        self._bf16_fresh = False
         self.m = None
         self.v = None
         self._acts = None          # dict of activation buffers, sized for _cap rows (B*T)
@@ -126,6 +174,7 @@ class GPT2:
         cfg = GPT2Config.from_descriptor(desc)
         model = cls(cfg, **kw)
         init_llmc_(model.p, cfg, seed, exact_libm, model.n_threads)  # bits independent of threads
+        model.params_changed()
         return model
 
     @classmethod
@@ -158,6 +207,19 @@ class GPT2:
         for i in range(0, self.num_parameters, step):
             chunk = data[i:i + step]
             self.params[i:i + step] = chunk if hdr.version == 3 else formats.bf16_bits_to_fp32(chunk)
+        self.params_changed()
+
+    def params_changed(self):
+        """Call after writing `params` directly (load, init, a broadcast): in bf16 the matmuls'
+        copy is re-cast before the next forward. AdamW (update) keeps it current itself."""
+        self._bf16_fresh = False
+
+    def _sync_bf16(self):
+        if self.params_bf16 is not None and not self._bf16_fresh:
+            from llmctl._ext import convert
+
+            convert.cast_to_bf16(self.params_bf16, self.params, self.n_threads)
+            self._bf16_fresh = True
 
     def save_checkpoint(self, path, dtype="float32"):
         """Write an llm.c checkpoint: v3 fp32 (dtype "float32") or v5 bf16 ("bfloat16"); atomic."""
@@ -175,22 +237,26 @@ class GPT2:
         c = self.config
         C, NH, Vp = c.channels, c.num_heads, c.padded_vocab_size
         z = lambda *shape: np.zeros(shape, dtype=np.float32)
+        # the matmul inputs (ln1, ln2, gelu, lnf, the attention output's copy) in the matmul precision
+        zm = z if self.precision == "fp32" else (lambda *shape: np.zeros(shape, dtype=np.uint16))
         self._acts = None  # free the old buffers before allocating bigger ones
         self._scratch = None
         self._acts = {
             "resid": z(L + 1, BT * C),   # resid[0] = encoded, resid[l+1] = residual3 of layer l
             "res2": z(L, BT * C),
-            "ln1": z(L, BT * C), "ln1_mean": z(L, BT), "ln1_rstd": z(L, BT),
+            "ln1": zm(L, BT * C), "ln1_mean": z(L, BT), "ln1_rstd": z(L, BT),
             "qkv": z(L, BT * 3 * C),
             "atty": z(L, BT * C), "lse": z(L, BT * NH),
-            "ln2": z(L, BT * C), "ln2_mean": z(L, BT), "ln2_rstd": z(L, BT),
+            "ln2": zm(L, BT * C), "ln2_mean": z(L, BT), "ln2_rstd": z(L, BT),
             "fch": z(L, BT * 4 * C),
             # fch_gelu: all layers, or the current layer only (then recomputed in backward)
-            "gelu": z(1 if L < c.num_layers or self._recompute(BT) else L, BT * 4 * C),
-            "lnf": z(BT * C), "lnf_mean": z(BT), "lnf_rstd": z(BT),
-            "logits": z(BT * Vp),        # logits -> probs -> dlogits, in place
+            "gelu": zm(1 if L < c.num_layers or self._recompute(BT) else L, BT * 4 * C),
+            "lnf": zm(BT * C), "lnf_mean": z(BT), "lnf_rstd": z(BT),
+            "logits": z(BT * Vp),        # logits -> probs -> dlogits, in place (fp32)
             "losses": z(BT), "dlosses": z(BT),
         }
+        if self.precision == "bf16":
+            self._acts["atty16"] = zm(L, BT * C)   # attention backward needs the fp32 atty too
         self._cap, self._cap_layers = BT, L
 
     def _recompute(self, BT):
@@ -204,6 +270,13 @@ class GPT2:
             C, BT = self.config.channels, self._cap
             self._scratch = {"dres": np.zeros(BT * C, np.float32), "dsmall": np.zeros(BT * C, np.float32),
                              "dbig": np.zeros(BT * 4 * C, np.float32)}
+            if self.precision == "bf16":
+                # d(fch) in fp32 (the fp32 path reuses the gelu buffer), every backward GEMM's
+                # bf16 dout, and the lm head's dlogits in row blocks of LMHEAD_ROWS
+                Vp = self.config.padded_vocab_size
+                self._scratch.update(dfch=np.zeros(BT * 4 * C, np.float32),
+                                     dout16=np.zeros(BT * 4 * C, np.uint16),
+                                     dlogits16=np.zeros(min(BT, LMHEAD_ROWS) * Vp, np.uint16))
         return self._scratch
 
     def activation_bytes(self):
@@ -233,6 +306,37 @@ class GPT2:
             raise ConfigError(f"{what}[{b}, {t}] = {int(a[b, t])} is not a valid token id (must be in [0, {V}))")
         return np.ascontiguousarray(a, dtype=np.int32)
 
+    # -- the precision-dependent ops: matmuls and the kernels that produce their inputs ---------
+    def _ln(self, out, mean, rstd, x, w, b, BT, C):
+        Ly = self._k_layers
+        f = Ly.layernorm_forward if self.params_bf16 is None else Ly.layernorm_forward_bf16
+        f(out, mean, rstd, x, w, b, BT, C, self.n_threads)
+
+    def _gelu(self, out, fch, N):
+        Ly = self._k_layers
+        (Ly.gelu_forward if self.params_bf16 is None else Ly.gelu_forward_bf16)(out, fch, N, self.n_threads)
+
+    def _mm(self, out, inp, name, l, BT, C, OC):
+        """out (BT,OC) = inp (BT,C) @ W^T + b for weight `name` of layer l (l None: the lm head, wte)."""
+        K, nt, mm = self._k_matmul, self.n_threads, self.matmul_backend
+        bias = self.p[name[:-1] + "b"][l] if l is not None else None
+        if self.params_bf16 is None:
+            W = self.p[name] if l is None else self.p[name][l]
+            K.matmul_forward(out, inp, W.reshape(-1), bias, BT, C, OC, nt, mm)
+        else:
+            W = self.pb[name] if l is None else self.pb[name][l]
+            K.matmul_forward_bf16(out, inp, W.reshape(-1), bias, BT, C, OC, nt, mm)
+
+    def _mm_back(self, dinp, dout, inp, name, l, BT, C, OC):
+        """matmul_backward of _mm(.., name, l, ..): dinp, dW, db += their gradients given dout (fp32)."""
+        K, nt, mm = self._k_matmul, self.n_threads, self.matmul_backend
+        gW, gb = self.g[name][l].reshape(-1), self.g[name[:-1] + "b"][l]
+        if self.params_bf16 is None:
+            K.matmul_backward(dinp, gW, gb, dout, inp, self.p[name][l].reshape(-1), BT, C, OC, nt, mm)
+        else:
+            K.matmul_backward_bf16(dinp, gW, gb, dout, self._scratch["dout16"][:BT * OC], inp,
+                                   self.pb[name][l].reshape(-1), BT, C, OC, nt, mm)
+
     # -- forward --------------------------------------------------------------------------------
     def forward(self, inputs, targets=None, keep_activations=True):
         """Run the model on inputs (B,T). With targets (B,T): per-token losses into self.losses and
@@ -250,6 +354,7 @@ class GPT2:
         L, C, NH, V, Vp = c.num_layers, c.channels, c.num_heads, c.vocab_size, c.padded_vocab_size
         BT, nt, mm = B * T, self.n_threads, self.matmul_backend
         keep = bool(keep_activations)
+        self._sync_bf16()
         self._ensure_acts(BT, L if keep else 1)
         a, p = self._acts, self.p
         row = (lambda l: l) if keep else (lambda l: 0)
@@ -266,23 +371,22 @@ class GPT2:
             x, x2, x3 = a["resid"][rrow(l), :n], a["res2"][r, :n], a["resid"][rrow(l + 1), :n]
             ln1, qkv, atty = a["ln1"][r, :n], a["qkv"][r, :3 * n], a["atty"][r, :n]
             ln2, fch = a["ln2"][r, :n], a["fch"][r, :4 * n]
-            Ly.layernorm_forward(ln1, a["ln1_mean"][r, :BT], a["ln1_rstd"][r, :BT], x,
-                                 p["ln1w"][l], p["ln1b"][l], BT, C, nt)
-            K.matmul_forward(qkv, ln1, fl(p["qkvw"][l]), p["qkvb"][l], BT, C, 3 * C, nt, mm)
+            self._ln(ln1, a["ln1_mean"][r, :BT], a["ln1_rstd"][r, :BT], x, p["ln1w"][l], p["ln1b"][l], BT, C)
+            self._mm(qkv, ln1, "qkvw", l, BT, C, 3 * C)
             At.attention_forward(atty, a["lse"][r, :BT * NH], qkv, B, T, C, NH, nt)
-            K.matmul_forward(x2, atty, fl(p["attprojw"][l]), p["attprojb"][l], BT, C, C, nt, mm)
+            if self.params_bf16 is not None:
+                self._k_convert.cast_to_bf16(a["atty16"][r, :n], atty, nt)
+            self._mm(x2, atty if self.params_bf16 is None else a["atty16"][r, :n], "attprojw", l, BT, C, C)
             Ly.residual_forward(x2, x2, x, n, nt)
-            Ly.layernorm_forward(ln2, a["ln2_mean"][r, :BT], a["ln2_rstd"][r, :BT], x2,
-                                 p["ln2w"][l], p["ln2b"][l], BT, C, nt)
-            K.matmul_forward(fch, ln2, fl(p["fcw"][l]), p["fcb"][l], BT, C, 4 * C, nt, mm)
-            Ly.gelu_forward(gelu, fch, 4 * n, nt)
-            K.matmul_forward(x3, gelu, fl(p["fcprojw"][l]), p["fcprojb"][l], BT, 4 * C, C, nt, mm)
+            self._ln(ln2, a["ln2_mean"][r, :BT], a["ln2_rstd"][r, :BT], x2, p["ln2w"][l], p["ln2b"][l], BT, C)
+            self._mm(fch, ln2, "fcw", l, BT, C, 4 * C)
+            self._gelu(gelu, fch, 4 * n)
+            self._mm(x3, gelu, "fcprojw", l, BT, 4 * C, C)
             Ly.residual_forward(x3, x3, x2, n, nt)
         lnf = a["lnf"][:n]
-        Ly.layernorm_forward(lnf, a["lnf_mean"][:BT], a["lnf_rstd"][:BT], a["resid"][rrow(L), :n],
-                             p["lnfw"], p["lnfb"], BT, C, nt)
+        self._ln(lnf, a["lnf_mean"][:BT], a["lnf_rstd"][:BT], a["resid"][rrow(L), :n], p["lnfw"], p["lnfb"], BT, C)
         logits = a["logits"][:BT * Vp]
-        K.matmul_forward(logits, lnf, fl(p["wte"]), None, BT, C, Vp, nt, mm)
+        self._mm(logits, lnf, "wte", None, BT, C, Vp)
         self._B, self._T, self._ids, self._targets, self._kept = B, T, ids, tg, keep
         self._buf_state = "logits"
         if tg is None:
@@ -350,10 +454,23 @@ class GPT2:
         dlosses = a["dlosses"][:BT]
         dlosses.fill(np.float32(loss_scale / BT))
         logits = a["logits"][:BT * Vp]
-        Ly.softmax_crossentropy_backward(logits, logits, self._targets.reshape(-1), dlosses, BT, V, Vp, nt)
-        self._buf_state = "dlogits"
+        tg = self._targets.reshape(-1)
         dsmall.fill(0.0)
-        K.matmul_backward(dsmall, fl(g["wte"]), None, logits, a["lnf"][:n], fl(p["wte"]), BT, C, Vp, nt, mm)
+        if self.params_bf16 is None:
+            Ly.softmax_crossentropy_backward(logits, logits, tg, dlosses, BT, V, Vp, nt)
+            self._buf_state = "dlogits"
+            K.matmul_backward(dsmall, fl(g["wte"]), None, logits, a["lnf"][:n], fl(p["wte"]), BT, C, Vp, nt, mm)
+        else:
+            # dlogits straight to bf16, LMHEAD_ROWS rows at a time (the probs stay fp32)
+            d16 = s["dlogits16"]
+            R = d16.size // Vp
+            for r0 in range(0, BT, R):
+                nr = min(BT, r0 + R) - r0
+                Ly.softmax_crossentropy_backward_bf16(d16[:nr * Vp], logits[r0 * Vp:(r0 + nr) * Vp], tg[r0:r0 + nr],
+                                                      dlosses[r0:r0 + nr], nr, V, Vp, nt)
+                K.matmul_backward_bf16(dsmall[r0 * C:(r0 + nr) * C], fl(g["wte"]), None, None, d16[:nr * Vp],
+                                       a["lnf"][r0 * C:(r0 + nr) * C], fl(self.pb["wte"]), nr, C, Vp, nt, mm)
+            self._buf_state = "dlogits"
         dres.fill(0.0)
         Ly.layernorm_backward(dres, g["lnfw"], g["lnfb"], dsmall, a["resid"][L, :n], p["lnfw"],
                               a["lnf_mean"][:BT], a["lnf_rstd"][:BT], BT, C, nt)
@@ -363,29 +480,27 @@ class GPT2:
             fch = a["fch"][l, :4 * n]
             gelu = a["gelu"][l if keep_gelu else 0, :4 * n]
             if not keep_gelu:
-                Ly.gelu_forward(gelu, fch, 4 * n, nt)  # recompute fch_gelu
+                self._gelu(gelu, fch, 4 * n)  # recompute fch_gelu
             dbig.fill(0.0)
-            K.matmul_backward(dbig, fl(g["fcprojw"][l]), g["fcprojb"][l], dres, gelu, fl(p["fcprojw"][l]),
-                              BT, 4 * C, C, nt, mm)
-            gelu.fill(0.0)  # now d(fch)
-            Ly.gelu_backward(gelu, fch, dbig, 4 * n, nt)
+            self._mm_back(dbig, dres, gelu, "fcprojw", l, BT, 4 * C, C)
+            dfch = gelu if self.params_bf16 is None else s["dfch"][:4 * n]  # fp32: gelu's buffer is free now
+            dfch.fill(0.0)
+            Ly.gelu_backward(dfch, fch, dbig, 4 * n, nt)
             dsmall.fill(0.0)
-            K.matmul_backward(dsmall, fl(g["fcw"][l]), g["fcb"][l], gelu, a["ln2"][l, :n], fl(p["fcw"][l]),
-                              BT, C, 4 * C, nt, mm)
+            self._mm_back(dsmall, dfch, a["ln2"][l, :n], "fcw", l, BT, C, 4 * C)
             # residual: d(res2) = dres + LN2 backward, accumulated in place
             Ly.layernorm_backward(dres, g["ln2w"][l], g["ln2b"][l], dsmall, x2, p["ln2w"][l],
                                   a["ln2_mean"][l, :BT], a["ln2_rstd"][l, :BT], BT, C, nt)
             # res2 = x + attproj(attention(qkv(ln1(x))))
             dsmall.fill(0.0)
-            K.matmul_backward(dsmall, fl(g["attprojw"][l]), g["attprojb"][l], dres, a["atty"][l, :n],
-                              fl(p["attprojw"][l]), BT, C, C, nt, mm)
+            self._mm_back(dsmall, dres, a["atty"][l, :n] if self.params_bf16 is None else a["atty16"][l, :n],
+                          "attprojw", l, BT, C, C)
             dqkv = dbig[:3 * n]
             dqkv.fill(0.0)
             At.attention_backward(dqkv, dsmall, a["qkv"][l, :3 * n], a["atty"][l, :n], a["lse"][l, :BT * NH],
                                   B, T, C, NH, nt)
             dsmall.fill(0.0)
-            K.matmul_backward(dsmall, fl(g["qkvw"][l]), g["qkvb"][l], dqkv, a["ln1"][l, :n], fl(p["qkvw"][l]),
-                              BT, C, 3 * C, nt, mm)
+            self._mm_back(dsmall, dqkv, a["ln1"][l, :n], "qkvw", l, BT, C, 3 * C)
             Ly.layernorm_backward(dres, g["ln1w"][l], g["ln1b"][l], dsmall, x, p["ln1w"][l],
                                   a["ln1_mean"][l, :BT], a["ln1_rstd"][l, :BT], BT, C, nt)
         Ly.encoder_backward(fl(g["wte"]), fl(g["wpe"]), dres, self._ids.reshape(-1), B, T, C, nt)
@@ -418,7 +533,9 @@ class GPT2:
         for arr, name in ((self.m, "m"), (self.v, "v")):
             if arr.shape != (self.num_parameters,) or arr.dtype != np.float32 or not arr.flags.c_contiguous:
                 raise ValueError(f"AdamW state {name} must be a contiguous float32 array of {self.num_parameters}")
+        pb = self.params_bf16
         for lo, hi, dec in self._decay_runs():
             self._k_adamw.adamw_update(self.params[lo:hi], self.grads[lo:hi], self.m[lo:hi], self.v[lo:hi],
                                        lr, beta1, beta2, eps, weight_decay if dec else 0.0, grad_scale,
-                                       int(step), self.n_threads)
+                                       int(step), self.n_threads, None if pb is None else pb[lo:hi])
+        self._bf16_fresh = pb is not None   # the runs cover every parameter
