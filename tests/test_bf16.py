@@ -243,3 +243,105 @@ def test_adamw_writes_the_bf16_copy_without_changing_fp32(N):
     np.testing.assert_array_equal(pb, to_bf16(p1))
     with pytest.raises(ValueError, match="params_bf16"):
         adamw.adamw_update(p2, g, m2, v2, *args, params_bf16=np.zeros(N + 1, np.uint16))
+
+
+# ---------------------------------------------------------------------------------------------
+# the model in bf16 (on CPUs without native bf16: the same numerics on fp32 GEMMs)
+
+from llmctl.errors import ConfigError  # noqa: E402
+from llmctl.model import GPT2, GPT2Config, init_llmc_  # noqa: E402
+
+MCFG = GPT2Config(max_seq_len=64, vocab_size=500, padded_vocab_size=512, num_layers=2, num_heads=4, channels=64)
+
+
+@pytest.fixture
+def bf16_ok(monkeypatch):
+    if not matmul.bf16_native():
+        monkeypatch.setenv("LLMCTL_BF16_EMULATE", "1")
+
+
+def _init(precision, cfg=MCFG, n_threads=2):
+    m = GPT2(cfg, n_threads=n_threads, precision=precision)
+    init_llmc_(m.p, cfg, n_threads=n_threads)
+    m.params_changed()
+    return m
+
+
+def _data(B=4, T=64, seed=0, V=MCFG.vocab_size):
+    x = np.random.default_rng(seed).integers(0, V, (B, T + 1))
+    return x[:, :-1], x[:, 1:]
+
+
+def _step(m, x, y, t):
+    m.zero_grad()
+    loss = m.forward(x, y)
+    m.backward()
+    norm = m.grad_norm()
+    m.update(1e-3, 0.9, 0.95, 1e-8, 0.1, 1.0 / norm if norm > 1 else 1.0, t)
+    return loss
+
+
+def test_bf16_step0_loss_and_grads_close_to_fp32(bf16_ok, tmp_path):
+    # the same checkpoint and batch in both precisions
+    ck = tmp_path / "m.bin"
+    src = _init("fp32")
+    for t in range(1, 4):          # a few steps, so the weights are not just the init
+        _step(src, *_data(seed=t), t)
+    src.save_checkpoint(ck)
+    m32 = GPT2.from_checkpoint(ck, n_threads=2)
+    m16 = GPT2.from_checkpoint(ck, n_threads=2, precision="bf16")
+    x, y = _data(seed=9)
+    l32, l16 = m32.forward(x, y), m16.forward(x, y)
+    assert abs(l16 - l32) <= 1e-2, (l16, l32)
+    assert abs(l16 - l32) > 1e-7, "bf16 gave the fp32 loss: are the matmuls really bf16?"
+    m32.zero_grad(); m16.zero_grad()
+    m32.forward(x, y); m32.backward()
+    m16.forward(x, y); m16.backward()
+    rel = np.linalg.norm(m16.grads - m32.grads) / np.linalg.norm(m32.grads)
+    assert rel < 2e-2, rel
+    # master weights stay fp32 and the bf16 copy is their cast
+    assert m16.params.dtype == np.float32 and m16.grads.dtype == np.float32
+    np.testing.assert_array_equal(m16.params, m32.params)
+    np.testing.assert_array_equal(m16.params_bf16, to_bf16(m16.params))
+
+
+def test_bf16_training_is_bit_exact_on_resume(bf16_ok, tmp_path):
+    # 4 steps straight == 2 steps, checkpoint (fp32 v3) + AdamW state, a new model, 2 more steps
+    batches = [_data(seed=s) for s in range(4)]
+    a = _init("bf16")
+    la = [_step(a, x, y, t + 1) for t, (x, y) in enumerate(batches)]
+    b = _init("bf16")
+    lb = [_step(b, x, y, t + 1) for t, (x, y) in enumerate(batches[:2])]
+    b.save_checkpoint(tmp_path / "b.bin")
+    c = GPT2.from_checkpoint(tmp_path / "b.bin", n_threads=2, precision="bf16")
+    c.m, c.v = b.m.copy(), b.v.copy()
+    lb += [_step(c, x, y, t + 3) for t, (x, y) in enumerate(batches[2:])]
+    assert la == lb
+    np.testing.assert_array_equal(a.params, c.params)
+    np.testing.assert_array_equal(a.params_bf16, c.params_bf16)
+    # the AdamW kernel kept the bf16 copy current in its pass
+    np.testing.assert_array_equal(a.params_bf16, to_bf16(a.params))
+
+
+def test_bf16_eval_forward_without_activations_matches(bf16_ok):
+    m = _init("bf16")
+    x, y = _data(B=2, T=33, seed=5)
+    ref_loss = m.forward(x, y)
+    lean = _init("bf16")
+    assert lean.forward(x, y, keep_activations=False) == ref_loss
+    lean.forward(x)
+    full = _init("bf16")
+    full.forward(x)
+    np.testing.assert_array_equal(lean.logits(), full.logits())
+
+
+def test_bf16_needs_native_bf16_or_the_emulation_switch(monkeypatch):
+    monkeypatch.delenv("LLMCTL_BF16_EMULATE", raising=False)
+    if matmul.bf16_native():
+        assert GPT2(MCFG, precision="bf16").precision == "bf16"
+    else:
+        with pytest.raises(ConfigError, match="--precision bf16 is not available") as e:
+            GPT2(MCFG, precision="bf16")
+        assert "--precision fp32" in e.value.hint
+    with pytest.raises(ConfigError, match="unknown precision 'fp16'"):
+        GPT2(MCFG, precision="fp16")
