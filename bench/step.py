@@ -1,18 +1,24 @@
-"""Benchmark one GPT-2 training step (forward + backward + AdamW) with llmctl's kernels.
+"""Benchmark one GPT-2 training step (forward + backward + AdamW): llmctl fp32 / bf16 vs PyTorch.
 
 What it reports, all measured in ONE run so the ratios are meaningful on a shared machine:
-  - this machine's fp32 GEMM peak (NumPy/BLAS, a 1024^3 product, best of 20): the larger of the
-    n-thread figure and n x the 1-thread figure (contention on a shared machine lowers the former);
-  - per model (default d12 and d6 at B=4, T=64): ms/step (best of --steps; median too), tokens/s, achieved GFLOP/s and
-    MFU = achieved / peak, with model FLOPs per token = 6*N + 12*L*C*T (llm.c's / PaLM's count);
-  - a per-kernel breakdown of one step (matmul / attention / other kernels / AdamW / Python);
-  - PyTorch eager on the same model and batch (torch.set_num_threads(n)), if torch is importable;
-  - peak RSS of a training step at B=4, T=1024 for d12 (a child process, /usr/bin/time -v or
-    getrusage), and at B=4, T=64.
+  - the GEMM roof of each precision on this machine: the best GFLOP/s of llmctl's own matmul
+    kernel (oneDNN where built) on d12's layer shapes at B*T=256 (qkv, fc, fcproj, lm head), fp32
+    and, where the CPU multiplies bf16 natively, bf16; plus NumPy's 1024^3 sgemm for reference;
+  - per run (default d12 B=4 T=64, d12 B=4 T=1024, d6 B=4 T=64) and precision: ms/step (best of
+    --steps; median too), tokens/s, GFLOP/s and MFU = achieved / the roof of the SAME precision,
+    with model FLOPs per token = 6*N + 12*L*C*T (llm.c's / PaLM's count);
+  - a per-kernel breakdown of one step (matmul / attention / other kernels / AdamW / Python) and
+    the non-matmul share of the step;
+  - PyTorch on the same model and batch (torch.set_num_threads(n)): fp32 eager and bf16
+    `torch.autocast("cpu", dtype=torch.bfloat16)`, if torch is importable;
+  - peak RSS of a d12 training step at B=4, T=1024 and T=64 per precision (a child process,
+    /usr/bin/time -v or getrusage).
+On a CPU without native bf16 (no AVX512_BF16/AMX) llmctl's bf16 is skipped unless
+--bf16-emulate (the same numerics on fp32 GEMMs: slower than fp32, shown only for completeness).
 What it is not: a kernel microbenchmark (bench/kernels.py) or a convergence test.
 
-    python bench/step.py                        # d12 + d6, B=4, T=64, 2 threads, + RSS at T=1024
-    python bench/step.py --models d6 --steps 3 --no-rss
+    python bench/step.py                              # everything above, 2 threads
+    python bench/step.py --runs d6:4x64 --steps 3 --no-rss --no-torch
 """
 import argparse
 import json
@@ -27,6 +33,36 @@ import time
 from collections import defaultdict
 
 import numpy as np
+
+
+D12_SHAPES = (("qkv", 768, 2304), ("fc", 768, 3072), ("fcproj", 3072, 768), ("lmhead", 768, 50304))
+
+
+def gemm_roof_gflops(n_threads, precision, BT=256, reps=6):
+    """{shape: best GFLOP/s} of llmctl's matmul_forward(_bf16) on d12's layer shapes, default engine."""
+    from llmctl._ext import convert, matmul
+
+    rng = np.random.default_rng(0)
+    out = {}
+    for name, C, OC in D12_SHAPES:
+        x = rng.standard_normal(BT * C, dtype=np.float32)
+        w = rng.standard_normal(OC * C, dtype=np.float32) * np.float32(0.02)
+        y = np.empty(BT * OC, np.float32)
+        if precision == "bf16":
+            xb, wb = np.empty(x.size, np.uint16), np.empty(w.size, np.uint16)
+            convert.cast_to_bf16(xb, x, n_threads)
+            convert.cast_to_bf16(wb, w, n_threads)
+            fn = lambda: matmul.matmul_forward_bf16(y, xb, wb, None, BT, C, OC, n_threads)
+        else:
+            fn = lambda: matmul.matmul_forward(y, x, w, None, BT, C, OC, n_threads)
+        fn()
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+        out[name] = 2.0 * BT * C * OC / best / 1e9
+    return out
 
 
 def gemm_peak_gflops(n_threads, size=1024, reps=20):
@@ -85,10 +121,10 @@ def _step(m, x, y, t):
     return loss
 
 
-def bench_llmctl(desc, B, T, n_threads, steps, matmul):
+def bench_llmctl(desc, B, T, n_threads, steps, matmul, precision):
     from llmctl.model import GPT2
 
-    m = GPT2.from_descriptor(desc, n_threads=n_threads, matmul=matmul)
+    m = GPT2.from_descriptor(desc, n_threads=n_threads, matmul=matmul, precision=precision)
     x, y = _batch(m.config, B, T)
     _step(m, x, y, 1)  # warm-up: allocates activations, grads' scratch and AdamW state
     times, cpu = [], []
@@ -98,19 +134,20 @@ def bench_llmctl(desc, B, T, n_threads, steps, matmul):
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
     # two more steps with every kernel call timed; keep the less disturbed one
-    originals = (m._k_matmul, m._k_layers, m._k_attention, m._k_adamw)
+    originals = (m._k_matmul, m._k_layers, m._k_attention, m._k_adamw, m._k_convert)
     best = None
     for s in range(2):
         acc = defaultdict(float)
         m._k_matmul, m._k_layers = _Timed(originals[0], acc, "matmul"), _Timed(originals[1], acc, "layers")
         m._k_attention, m._k_adamw = _Timed(originals[2], acc, "attention"), _Timed(originals[3], acc, "adamw")
+        m._k_convert = _Timed(originals[4], acc, "layers")   # the bf16 casts count with the other kernels
         t0 = time.perf_counter()
         _step(m, x, y, steps + 2 + s)
         total = time.perf_counter() - t0
         if best is None or total < best[0]:
             best = (total, acc)
     total, acc = best
-    m._k_matmul, m._k_layers, m._k_attention, m._k_adamw = originals
+    m._k_matmul, m._k_layers, m._k_attention, m._k_adamw, m._k_convert = originals
     groups = defaultdict(float)
     for k, v in acc.items():
         g = k.split(".")[0]
@@ -118,7 +155,9 @@ def bench_llmctl(desc, B, T, n_threads, steps, matmul):
             g = "grad_norm"
         groups[g] += v
     groups["python+numpy"] = total - sum(acc.values())
-    return {"model": desc, "B": B, "T": T, "threads": n_threads, "num_params": m.num_parameters,
+    return {"model": desc, "B": B, "T": T, "precision": precision, "engine": m._k_matmul.default_backend(),
+            "threads": n_threads, "num_params": m.num_parameters,
+            "non_matmul_share": 1.0 - groups.get("matmul", 0.0) / total,
             "step_s": min(times), "median_s": statistics.median(times), "all_steps_s": times,
             "cpu_s": cpu[times.index(min(times))],
             "flops_per_step": flops_per_step(m.config, B, T, m.num_parameters),
@@ -126,7 +165,7 @@ def bench_llmctl(desc, B, T, n_threads, steps, matmul):
             "kernel_calls_s": dict(sorted(acc.items(), key=lambda kv: -kv[1]))}
 
 
-def bench_torch(desc, B, T, n_threads, steps):
+def bench_torch(desc, B, T, n_threads, steps, precision="fp32"):
     try:
         import torch
         import torch.nn as nn
@@ -175,7 +214,11 @@ def bench_torch(desc, B, T, n_threads, steps):
 
     def step():
         opt.zero_grad(set_to_none=True)
-        loss = model(x, y)
+        if precision == "bf16":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x, y)
+        else:
+            loss = model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -186,13 +229,14 @@ def bench_torch(desc, B, T, n_threads, steps):
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
-    return {"torch": torch.__version__, "step_s": min(times), "median_s": statistics.median(times),
-            "all_steps_s": times}
+    return {"torch": torch.__version__, "precision": precision, "model": desc, "B": B, "T": T,
+            "step_s": min(times), "median_s": statistics.median(times), "all_steps_s": times}
 
 
-def rss_child(desc, B, T, n_threads, matmul):
+def rss_child(desc, B, T, n_threads, matmul, precision):
     """Run one training step in a fresh process; return its peak RSS in bytes."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--_rss-child", desc, str(B), str(T), str(n_threads), matmul]
+    cmd = [sys.executable, os.path.abspath(__file__), "--_rss-child", desc, str(B), str(T), str(n_threads),
+           matmul or "default", precision]
     timev = shutil.which("time") or ("/usr/bin/time" if os.path.exists("/usr/bin/time") else None)
     if timev:
         r = subprocess.run([timev, "-v"] + cmd, capture_output=True, text=True)
@@ -207,82 +251,125 @@ def rss_child(desc, B, T, n_threads, matmul):
     return max(before, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) * 1024, "getrusage"
 
 
-def _rss_child_main(desc, B, T, n_threads, matmul):
+def _rss_child_main(desc, B, T, n_threads, matmul, precision):
     from llmctl.model import GPT2
 
-    m = GPT2.from_descriptor(desc, n_threads=int(n_threads), matmul=matmul)
+    m = GPT2.from_descriptor(desc, n_threads=int(n_threads), matmul=None if matmul == "default" else matmul,
+                             precision=precision)
     x, y = _batch(m.config, int(B), int(T))
     _step(m, x, y, 1)
 
 
-def _fmt_row(name, r, peak):
-    tok = r["B"] * r["T"] / r["step_s"]
-    gf = r["flops_per_step"] / r["step_s"] / 1e9
-    return f"{name:6s} {r['num_params']:>12,d} {r['B']:>2d}x{r['T']:<5d} {r['step_s'] * 1e3:9.1f} {tok:9.1f} {gf:8.1f} {100 * gf / peak:6.1f}%"
+def _parse_runs(spec):
+    """"d12:4x64,d6:4x64" -> [("d12", 4, 64), ("d6", 4, 64)]."""
+    out = []
+    for item in spec.split(","):
+        desc, _, bt = item.strip().partition(":")
+        B, _, T = (bt or "4x64").partition("x")
+        out.append((desc, int(B), int(T)))
+    return out
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default="d12,d6", help="comma-separated descriptors (default d12,d6)")
-    ap.add_argument("-b", "--batch", type=int, default=4, help="B (default 4)")
-    ap.add_argument("-t", "--seq", type=int, default=64, help="T (default 64)")
+    ap.add_argument("--runs", default="d12:4x64,d12:4x1024,d6:4x64",
+                    help="comma-separated model:BxT (default d12:4x64,d12:4x1024,d6:4x64)")
+    ap.add_argument("--precisions", default="fp32,bf16", help="llmctl precisions (default fp32,bf16)")
     ap.add_argument("--threads", type=int, default=2, help="threads (default 2)")
-    ap.add_argument("--steps", type=int, default=5, help="timed steps per model (default 5)")
-    ap.add_argument("--matmul", default="blas", help="matmul backend: blas or tiled (default blas)")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per run (default 5)")
+    ap.add_argument("--big-steps", type=int, default=2, help="timed steps for runs with T >= 512 (default 2)")
+    ap.add_argument("--matmul", default=None, help="fp32 matmul engine: dnnl, blas or tiled (default: llmctl's)")
+    ap.add_argument("--bf16-emulate", action="store_true", help="run llmctl bf16 even without native bf16")
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
     ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS child processes")
     ap.add_argument("--rss-seq", type=int, default=1024, help="T for the big RSS run (default 1024)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    ap.add_argument("--_rss-child", nargs=5, help=argparse.SUPPRESS)
+    ap.add_argument("--_rss-child", nargs=6, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a._rss_child:
         return _rss_child_main(*a._rss_child)
 
+    from llmctl._ext import matmul as K
     from llmctl.threads import configure_threads
 
+    if a.bf16_emulate:
+        os.environ["LLMCTL_BF16_EMULATE"] = "1"
     n = configure_threads(a.threads)
-    # On a shared machine an n-thread GEMM rarely gets n idle cores for its whole run; n times the
-    # 1-thread figure is the better (and the conservative, higher) estimate of the real peak.
-    peak_n, peak_1 = gemm_peak_gflops(n), gemm_peak_gflops(1)
-    peak = max(peak_n, n * peak_1)
-    out = {"threads": n, "gemm_peak_gflops": peak, "gemm_n_threads_gflops": peak_n, "gemm_1_thread_gflops": peak_1, "load_avg": os.getloadavg(), "models": [], "torch": [], "rss": []}
-    for desc in a.models.split(","):
-        r = bench_llmctl(desc, a.batch, a.seq, n, a.steps, a.matmul)
-        r["mfu"] = r["flops_per_step"] / r["step_s"] / 1e9 / peak
-        out["models"].append(r)
+    precisions = [p for p in a.precisions.split(",") if p]
+    skipped = []
+    if "bf16" in precisions and not K.bf16_native() and not a.bf16_emulate:
+        precisions.remove("bf16")
+        skipped.append("llmctl bf16: this CPU has no native bf16 (AVX512_BF16/AMX); --bf16-emulate runs it anyway")
+    roofs = {p: gemm_roof_gflops(n, p) for p in (["fp32", "bf16"] if "bf16" in precisions else ["fp32"])}
+    peak_np = gemm_peak_gflops(n)
+    out = {"threads": n, "engine": K.default_backend(), "bf16_native": K.bf16_native(),
+           "cpu_bf16": list(K.cpu_bf16_features()), "gemm_roof_gflops": roofs,
+           "roof": {p: max(r.values()) for p, r in roofs.items()}, "numpy_1024_gflops": peak_np,
+           "load_avg_start": os.getloadavg(), "runs": [], "torch": [], "rss": [], "skipped": skipped}
+    for desc, B, T in _parse_runs(a.runs):
+        steps = a.big_steps if T >= 512 else a.steps
+        for prec in precisions:
+            r = bench_llmctl(desc, B, T, n, steps, a.matmul, prec)
+            r["mfu"] = r["flops_per_step"] / r["step_s"] / 1e9 / out["roof"][prec]
+            out["runs"].append(r)
         if not a.no_torch:
-            tr = bench_torch(desc, a.batch, a.seq, n, a.steps)
-            if tr:
-                tr["model"] = desc
-                tr["ratio_torch_over_llmctl"] = tr["step_s"] / r["step_s"]
-                out["torch"].append(tr)
+            for prec in ("fp32", "bf16"):
+                tr = bench_torch(desc, B, T, n, steps, prec)
+                if tr:
+                    tr["flops_per_step"] = out["runs"][-1]["flops_per_step"]
+                    out["torch"].append(tr)
     if not a.no_rss:
-        for desc, T in (("d12", a.seq), ("d12", a.rss_seq)):
-            b, how = rss_child(desc, a.batch, T, n, a.matmul)
-            out["rss"].append({"model": desc, "B": a.batch, "T": T, "peak_rss_bytes": b, "how": how})
+        for prec in precisions:
+            for T in (64, a.rss_seq):
+                b, how = rss_child("d12", 4, T, n, a.matmul, prec)
+                out["rss"].append({"model": "d12", "B": 4, "T": T, "precision": prec, "peak_rss_bytes": b, "how": how})
+    out["load_avg_end"] = os.getloadavg()
     if a.json:
         print(json.dumps(out, indent=1, default=float))
         return
-    print(f"threads {n}, fp32 GEMM peak (NumPy/BLAS 1024^3) {peak:.1f} GFLOP/s = max({n} threads {peak_n:.1f}, "
-          f"{n} x 1 thread {peak_1:.1f}); load avg {out['load_avg'][0]:.2f}")
+    print(f"threads {n}; fp32 GEMM engine {out['engine']}; native bf16: {out['bf16_native']} "
+          f"({', '.join(out['cpu_bf16']) or 'no AVX512_BF16/AMX'}); load avg {out['load_avg_start'][0]:.2f} "
+          f"at start, {out['load_avg_end'][0]:.2f} at end")
+    for p, r in roofs.items():
+        print(f"GEMM roof {p} (llmctl matmul, d12 shapes at B*T=256): {out['roof'][p]:.1f} GFLOP/s = max of "
+              + ", ".join(f"{k} {v:.0f}" for k, v in r.items()))
+    print(f"NumPy 1024^3 sgemm: {peak_np:.1f} GFLOP/s")
+    for line in skipped:
+        print("skipped: " + line)
     print("ms/step is the best of the timed steps (the least disturbed by other processes); median in brackets")
-    print(f"{'model':6s} {'params':>12s} {'BxT':>8s} {'ms/step':>9s} {'tok/s':>9s} {'GFLOP/s':>8s} {'MFU':>7s} {'cpu/wall':>8s} {'(median)':>9s}")
-    for r in out["models"]:
-        print(_fmt_row(r["model"], r, peak) + f" {r['cpu_s'] / r['step_s']:8.2f} {r['median_s'] * 1e3:9.1f}")
-    for r in out["models"]:
+    print(f"{'run':16s} {'impl':18s} {'ms/step':>9s} {'(median)':>9s} {'tok/s':>8s} {'GFLOP/s':>8s} {'MFU':>6s} {'non-mm':>6s}")
+    for desc, B, T in _parse_runs(a.runs):
+        tag = f"{desc} {B}x{T}"
+        rows = [r for r in out["runs"] if (r["model"], r["B"], r["T"]) == (desc, B, T)]
+        trs = [t for t in out["torch"] if (t["model"], t["B"], t["T"]) == (desc, B, T)]
+        for r in rows:
+            gf = r["flops_per_step"] / r["step_s"] / 1e9
+            print(f"{tag:16s} {'llmctl ' + r['precision']:18s} {r['step_s'] * 1e3:9.1f} {r['median_s'] * 1e3:9.1f} "
+                  f"{B * T / r['step_s']:8.1f} {gf:8.1f} {100 * r['mfu']:5.1f}% {100 * r['non_matmul_share']:5.1f}%")
+        for t in trs:
+            gf = t["flops_per_step"] / t["step_s"] / 1e9
+            name = "torch eager fp32" if t["precision"] == "fp32" else "torch autocast bf16"
+            print(f"{tag:16s} {name:18s} {t['step_s'] * 1e3:9.1f} {t['median_s'] * 1e3:9.1f} {B * T / t['step_s']:8.1f} {gf:8.1f}")
+        by = {r["precision"]: r["step_s"] for r in rows}
+        by.update({"torch " + t["precision"]: t["step_s"] for t in trs})
+        if "bf16" in by and "fp32" in by:
+            print(f"{tag:16s} ratios: llmctl bf16 / llmctl fp32 = {by['bf16'] / by['fp32']:.2f}x"
+                  + (f", llmctl bf16 / torch bf16 = {by['bf16'] / by['torch bf16']:.2f}x" if "torch bf16" in by else ""))
+        if "fp32" in by and "torch fp32" in by:
+            print(f"{tag:16s} ratios: torch fp32 / llmctl fp32 = {by['torch fp32'] / by['fp32']:.2f}x"
+                  + (f", torch bf16 / llmctl fp32 = {by['torch bf16'] / by['fp32']:.2f}x" if "torch bf16" in by else ""))
+    for r in out["runs"]:
         tot = r["breakdown_total_s"]
         parts = ", ".join(f"{k} {v * 1e3:.1f} ms ({100 * v / tot:.0f}%)" for k, v in
                           sorted(r["breakdown_s"].items(), key=lambda kv: -kv[1]))
-        print(f"{r['model']} breakdown of one step ({tot * 1e3:.0f} ms): {parts}")
+        print(f"{r['model']} {r['B']}x{r['T']} {r['precision']} breakdown of one step ({tot * 1e3:.0f} ms; "
+              f"non-matmul {100 * r['non_matmul_share']:.0f}%): {parts}")
         top = list(r["kernel_calls_s"].items())[:8]
         print("   top kernels: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in top))
-    for tr in out["torch"]:
-        print(f"torch {tr['torch']} eager {tr['model']}: {tr['step_s'] * 1e3:.1f} ms/step (median {tr['median_s'] * 1e3:.1f}); "
-              f"torch/llmctl = {tr['ratio_torch_over_llmctl']:.2f}x")
     if not out["torch"] and not a.no_torch:
         print("torch not importable: no PyTorch comparison")
     for r in out["rss"]:
-        print(f"peak RSS {r['model']} B={r['B']} T={r['T']} training step: {r['peak_rss_bytes'] / 2**30:.2f} GiB ({r['how']})")
+        print(f"peak RSS d12 B={r['B']} T={r['T']} {r['precision']} training step: {r['peak_rss_bytes'] / 2**30:.2f} GiB ({r['how']})")
 
 
 if __name__ == "__main__":
