@@ -161,7 +161,9 @@ def onednn_build_args(openmp):
             paths = sysconfig.get_paths()
             rel = os.path.relpath(os.path.join(paths["data"], "lib"),
                                   os.path.join(paths["platlib"], "llmctl", "_ext"))
-            rpaths = ["$ORIGIN/" + rel.replace(os.sep, "/"), lib]  # installed, in-place build
+            rpaths = ["$ORIGIN/" + rel.replace(os.sep, "/")]
+            if os.path.realpath(lib) == os.path.realpath(os.path.join(sys.prefix, "lib")):
+                rpaths.append(lib)  # an in-place build in this environment (not pip's temporary one)
             link = [f"-L{lib}", "-l:libdnnl.so.3"] + [f"-Wl,-rpath,{p}" for p in rpaths]
             return [("LLMCTL_DNNL_BUILD", "1")], [inc], link
     if _env_flag("LLMCTL_FAIL_NO_DNNL") and not _env_flag("LLMCTL_NO_DNNL"):
