@@ -20,8 +20,8 @@ bias costs no extra pass.
 Mixed precision (`*_bf16`): bf16 inputs (uint16 bit patterns, see bf16.h), fp32 accumulation
 and fp32 outputs. "dnnl" runs `dnnl_gemm_bf16bf16f32`, only on CPUs that multiply bf16 natively
 (AVX512_BF16 or AMX, checked at run time: bf16_native()); "blas" widens the bf16 operands to
-fp32 (exactly) and runs sgemm: the same products of the same rounded inputs, for CPUs without
-native bf16 and for tests. The backward casts fp32 dout to bf16 in the pass that sums dbias.
+fp32 (exactly; the weight in blocks of rows) and runs sgemm: the same products of the same
+rounded inputs, for CPUs without native bf16 and for tests. The backward casts fp32 dout to bf16 in the pass that sums dbias.
 
 What it is not: a general GEMM. Shapes are llm.c's row-major (BT,C) x (OC,C)^T.
 """
@@ -108,6 +108,17 @@ def set_parallel_grain(Py_ssize_t grain):
     global _grain
     old = _grain
     _grain = grain
+    return old
+
+
+def set_widen_block(int rows):
+    """Rows of a bf16 weight the "blas" bf16 engine widens at a time (tests use small blocks).
+    Returns the old value."""
+    global WBLOCK
+    if rows < 1:
+        raise ValueError(f"rows must be >= 1, got {rows}")
+    old = WBLOCK
+    WBLOCK = rows
     return old
 
 
@@ -681,6 +692,53 @@ cdef float* _widened(const uint16_t* src, Py_ssize_t n, int n_threads) except NU
     return dst
 
 
+# The "blas" bf16 engine widens the bf16 weight WBLOCK rows at a time (<= 25 MB for d12), so it
+# never holds an fp32 copy of a whole weight (the lm head's would be 154 MB)
+cdef int WBLOCK = 2048
+
+
+cdef void _forward_widened(float* out, const float* winp, const uint16_t* weight, float* wbuf,
+                           const float* bias, int BT, int C, int OC, int n_threads) noexcept nogil:
+    # out (BT,OC) = winp (BT,C) @ weight^T [+ bias], weight widened per block of rows into wbuf
+    cdef float one = 1.0, zero = 0.0
+    cdef float beta = zero
+    cdef char ta = b'T', tb = b'N'
+    cdef int o0, ob
+    if bias != NULL:
+        _fill_bias_rows(out, bias, BT, OC, n_threads)
+        beta = one
+    _ensure_blas_threads(n_threads)
+    o0 = 0
+    while o0 < OC:
+        ob = OC - o0 if OC - o0 < WBLOCK else WBLOCK
+        _widen(wbuf, weight + <Py_ssize_t>o0 * C, <Py_ssize_t>ob * C, n_threads)
+        # column-major: out^T[o0:o0+ob, :] (ob,BT) = wblock (ob,C) @ winp^T (C,BT), ldc = OC
+        sgemm(&ta, &tb, &ob, &BT, &C, &one, wbuf, &C, <float*>winp, &C, &beta, out + o0, &OC)
+        o0 = o0 + ob
+
+
+cdef void _backward_widened(float* dinp, float* dweight, const float* wdout, const float* winp,
+                            const uint16_t* weight, float* wbuf, int BT, int C, int OC,
+                            int n_threads) noexcept nogil:
+    # per block of weight rows o0..o0+ob (= columns of dout): dinp += dout[:, blk] @ W[blk];
+    # dW[blk] += dout[:, blk]^T @ inp
+    cdef float one = 1.0
+    cdef char tn = b'N', tt = b'T'
+    cdef int o0, ob
+    _ensure_blas_threads(n_threads)
+    o0 = 0
+    while o0 < OC:
+        ob = OC - o0 if OC - o0 < WBLOCK else WBLOCK
+        if dinp != NULL:
+            _widen(wbuf, weight + <Py_ssize_t>o0 * C, <Py_ssize_t>ob * C, n_threads)
+            # column-major: dinp^T (C,BT) += wblock^T (C,ob) @ dout[:, blk]^T (ob,BT), ldb = OC
+            sgemm(&tn, &tn, &C, &BT, &ob, &one, wbuf, &C, <float*>wdout + o0, &OC, &one, dinp, &C)
+        # column-major: dW^T[:, blk] (C,ob) += inp^T (C,BT) @ dout[:, blk] (BT,ob)
+        sgemm(&tn, &tt, &C, &ob, &BT, &one, <float*>winp, &C, <float*>wdout + o0, &OC, &one,
+              dweight + <Py_ssize_t>o0 * C, &C)
+        o0 = o0 + ob
+
+
 cdef int _bf16_backend_id(backend) except -1:
     names = get_bf16_backends()
     if backend is None:
@@ -726,9 +784,11 @@ def matmul_forward_bf16(float[::1] out, const uint16_t[::1] inp, const uint16_t[
         return
     try:
         winp = _widened(&inp[0], <Py_ssize_t>BT * C, n_threads)
-        wweight = _widened(&weight[0], <Py_ssize_t>OC * C, n_threads)
+        wweight = <float*>malloc(<size_t>(OC if OC < WBLOCK else WBLOCK) * C * sizeof(float))
+        if wweight == NULL:
+            raise MemoryError("matmul_forward_bf16: cannot allocate the widening buffer")
         with nogil:
-            _matmul_forward_blas(&out[0], winp, wweight, bias_ptr, BT, C, OC, n_threads)
+            _forward_widened(&out[0], winp, &weight[0], wweight, bias_ptr, BT, C, OC, n_threads)
     finally:
         free(winp)
         free(wweight)
@@ -787,9 +847,11 @@ def matmul_backward_bf16(dinp, float[::1] dweight, dbias, dout, uint16_t[::1] do
     try:
         wd = _widened(&dout_bf16[0], <Py_ssize_t>BT * OC, n_threads)
         wi = _widened(&inp[0], <Py_ssize_t>BT * C, n_threads)
-        ww = _widened(&weight[0], <Py_ssize_t>OC * C, n_threads)
+        ww = <float*>malloc(<size_t>(OC if OC < WBLOCK else WBLOCK) * C * sizeof(float))
+        if ww == NULL:
+            raise MemoryError("matmul_backward_bf16: cannot allocate the widening buffer")
         with nogil:
-            _matmul_backward_blas(dinp_ptr, &dweight[0], NULL, wd, wi, ww, BT, C, OC, n_threads)
+            _backward_widened(dinp_ptr, &dweight[0], wd, wi, &weight[0], ww, BT, C, OC, n_threads)
     finally:
         free(wd)
         free(wi)

@@ -28,6 +28,14 @@ def _all_threads():
         mod.set_parallel_grain(g)
 
 
+@pytest.fixture(params=[2048, 7], ids=["wblock2048", "wblock7"])
+def widen_block(request):
+    """The "blas" bf16 engine widens weights in blocks of rows: one block, and several + a remainder."""
+    old = matmul.set_widen_block(request.param)
+    yield request.param
+    matmul.set_widen_block(old)
+
+
 def to_bf16(x):
     """float32 array -> uint16 bf16 bits, round to nearest, ties to even (NaN -> 0x7FC0)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -111,7 +119,7 @@ MM_SHAPES = [(1, 1, 1), (7, 13, 33), (9, 300, 17), (24, 40, 270), (261, 24, 20)]
 @pytest.mark.parametrize("backend", BF16_BACKENDS)
 @pytest.mark.parametrize("shape", MM_SHAPES)
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_matmul_forward_bf16_matches_rounded_reference(backend, shape, with_bias):
+def test_matmul_forward_bf16_matches_rounded_reference(backend, shape, with_bias, widen_block):
     BT, C, OC = shape
     rng = np.random.default_rng(BT * 1000 + C + OC)
     inp, w, b = _f32(rng, BT, C), _f32(rng, OC, C), _f32(rng, OC)
@@ -131,7 +139,7 @@ def test_matmul_forward_bf16_matches_rounded_reference(backend, shape, with_bias
 
 @pytest.mark.parametrize("backend", BF16_BACKENDS)
 @pytest.mark.parametrize("shape", MM_SHAPES)
-def test_matmul_backward_bf16_casts_dout_and_accumulates(backend, shape):
+def test_matmul_backward_bf16_casts_dout_and_accumulates(backend, shape, widen_block):
     BT, C, OC = shape
     rng = np.random.default_rng(BT + 7 * C + 13 * OC)
     inp, w, dout = _f32(rng, BT, C), _f32(rng, OC, C), _f32(rng, BT, OC)
