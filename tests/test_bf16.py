@@ -302,9 +302,10 @@ def test_bf16_step0_loss_and_grads_close_to_fp32(bf16_ok, tmp_path):
     l32, l16 = m32.forward(x, y), m16.forward(x, y)
     assert abs(l16 - l32) <= 1e-2, (l16, l32)
     assert abs(l16 - l32) > 1e-7, "bf16 gave the fp32 loss: are the matmuls really bf16?"
-    m32.zero_grad(); m16.zero_grad()
-    m32.forward(x, y); m32.backward()
-    m16.forward(x, y); m16.backward()
+    for m in (m32, m16):
+        m.zero_grad()
+        m.forward(x, y)
+        m.backward()
     rel = np.linalg.norm(m16.grads - m32.grads) / np.linalg.norm(m32.grads)
     assert rel < 2e-2, rel
     # master weights stay fp32 and the bf16 copy is their cast
@@ -357,7 +358,7 @@ def test_bf16_needs_native_bf16_or_the_emulation_switch(monkeypatch):
 
 def test_bf16_lmhead_in_blocks_matches_the_full_lmhead(bf16_ok, monkeypatch):
     # large B*T in bf16: the forward keeps no logits, backward recomputes them per row block
-    import llmctl.model as gpt2
+    import llmctl.model.gpt2 as gpt2
 
     x, y = _data(B=3, T=64, seed=7)          # 192 rows: blocks of LMHEAD_ROWS = 64 below
     full = _init("bf16")
@@ -373,3 +374,25 @@ def test_bf16_lmhead_in_blocks_matches_the_full_lmhead(bf16_ok, monkeypatch):
     assert l1 == l2 and np.array_equal(m1.params, m2.params)   # bit-exact when repeated
     assert abs(l1 - l_full) <= 1e-6 * l_full
     np.testing.assert_allclose(m1.params, full.params, rtol=0, atol=1e-6)
+
+
+def test_bf16_cached_forward_matches_the_training_forward(bf16_ok):
+    # sampling / HellaSwag run the KV-cached forward: in bf16 it rounds the same matmul inputs
+    from llmctl.model.cached import KVCache, forward_cached, logits_from_hidden
+
+    m = _init("bf16")
+    x, _ = _data(B=2, T=20, seed=3)
+    m.forward(x)
+    want = m.logits()[..., :MCFG.vocab_size].astype(np.float64)
+    cache = KVCache(MCFG, 2, 20)
+    h = np.concatenate([forward_cached(m, cache, x[:, :12]), forward_cached(m, cache, x[:, 12:13]),
+                        forward_cached(m, cache, x[:, 13:])], axis=1)
+    got = logits_from_hidden(m, h)
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err < 1e-4, err
+    # ... and it is the bf16 model: the fp32 cached forward of the same weights differs more
+    m32 = GPT2(MCFG, n_threads=2)
+    m32.params[:] = m.params
+    c32 = KVCache(MCFG, 2, 20)
+    g32 = logits_from_hidden(m32, forward_cached(m32, c32, x))
+    assert np.abs(g32 - want).max() / np.abs(want).max() > 10 * err

@@ -11,6 +11,10 @@ through `weights(model)`: one set of weights, two forwards.
 What it is not: a training forward (no activations kept, no backward; that is
 llmctl/model/gpt2.py) or a sampler (llmctl/sample.py).
 
+In bf16 (a model built with precision="bf16") the matmuls multiply bf16 (the model's
+`params_bf16` and activations written as bf16 by layernorm/GELU, the attention output cast) and
+accumulate fp32, as the training forward does; layernorm, attention and the KV cache stay fp32.
+
 Mirrors train_gpt2.c `gpt2_forward` (per layer: LN, qkv matmul, attention, proj, residual, LN,
 fc, GELU, fcproj, residual; final LN; logits = lnf @ wte^T, here over the first V rows only).
 """
@@ -40,12 +44,25 @@ class Weights:
             setattr(self, name, a.reshape(shape))
         self.wte_V = self.wte[:self.V]  # the lm head: padded rows are zero and never sampled
         self.K, self.Ly, self.KV = _kernels()
+        # bf16: the matmul weights as the model's bf16 copy (kept current by the model)
+        self.bf16 = getattr(model, "precision", "fp32") == "bf16"
+        if self.bf16:
+            from llmctl._ext import convert
+
+            self.CV = convert
+            for name in ("qkvw", "attprojw", "fcw", "fcprojw", "wte"):
+                setattr(self, name + "16", np.asarray(model.pb[name]))
+            self.wte_V16 = self.wte16[:self.V]
         self.mm = getattr(model, "matmul_backend", "blas")
         self.n_threads = getattr(model, "n_threads", None) or default_threads()
 
 
 def weights(model):
-    """The model's Weights (cached on the model object; rebuilt if its parameter buffer was replaced)."""
+    """The model's Weights (cached on the model object; rebuilt if its parameter buffer was replaced).
+    In bf16 the model's bf16 copy is brought up to date first (a no-op unless params changed)."""
+    sync = getattr(model, "_sync_bf16", None)
+    if sync is not None:
+        sync()
     ptr = np.asarray(model.p["wte"]).__array_interface__["data"][0]
     w = getattr(model, "_llmctl_cached_weights", None)
     if w is None or w.src_ptr != ptr:
@@ -85,9 +102,13 @@ def _kernels():
 
 
 def linear(w, x, W, b, n_threads):
+    """out (N, OC) fp32 = x (N, Cin) @ W^T + b. In bf16, x is uint16 and W the bf16 weight."""
     N, Cin = x.shape
     OC = W.shape[0]
     out = np.empty((N, OC), dtype=np.float32)
+    if w.bf16:
+        w.K.matmul_forward_bf16(out.reshape(-1), x.reshape(-1), W.reshape(-1), b, N, Cin, OC, n_threads)
+        return out
     if N == 1:
         # a decode step is matrix-vector: BLAS sgemv (through NumPy, whose BLAS pool
         # configure_threads also sizes) streams the weights ~5x faster than sgemm with M = 1
@@ -100,12 +121,29 @@ def linear(w, x, W, b, n_threads):
 
 
 def layernorm(w, x, weight, bias, n_threads):
+    """The layernorm of x (N, C), in the matmul input precision (bf16: uint16, written by the kernel)."""
     N, C = x.shape
-    out = np.empty_like(x)
+    out = np.empty(x.shape, dtype=np.uint16 if w.bf16 else np.float32)
     mean = np.empty(N, dtype=np.float32)
     rstd = np.empty(N, dtype=np.float32)
-    w.Ly.layernorm_forward(out.reshape(-1), mean, rstd, x.reshape(-1), weight, bias, N, C, n_threads)
+    f = w.Ly.layernorm_forward_bf16 if w.bf16 else w.Ly.layernorm_forward
+    f(out.reshape(-1), mean, rstd, np.ascontiguousarray(x).reshape(-1), weight, bias, N, C, n_threads)
     return out
+
+
+def _mm_input(w, x, n_threads):
+    """x (fp32) as the matmuls read it: itself, or its bf16 cast."""
+    if not w.bf16:
+        return x
+    out = np.empty(x.shape, dtype=np.uint16)
+    w.CV.cast_to_bf16(out.reshape(-1), x.reshape(-1), n_threads)
+    return out
+
+
+def _W(w, name, l=None):
+    """Weight `name` (layer l) in the matmul precision."""
+    a = getattr(w, name + "16" if w.bf16 else name)
+    return a if l is None else a[l]
 
 
 def embed(w, tokens, pos):
@@ -132,30 +170,41 @@ def block_forward(w, l, x, k, v, pos, n_threads):
     nt_ew = n_threads if x.size * 4 >= _MIN_PARALLEL else 1
     nt_att = n_threads if B * Tq * Tcap * C >= _MIN_PARALLEL * 16 else 1
     ln1 = layernorm(w, x, w.ln1w[l], w.ln1b[l], nt_ew)
-    qkv = linear(w, ln1, w.qkvw[l], w.qkvb[l], n_threads)
+    qkv = linear(w, ln1, _W(w, "qkvw", l), w.qkvb[l], n_threads)
     kf, vf, qf = k.reshape(-1), v.reshape(-1), qkv.reshape(-1)
     w.KV.kvcache_append_forward(kf, vf, qf, pos, B, Tq, C, NH, Tcap)
     atty = np.empty_like(x)
     w.KV.attention_cached(atty.reshape(-1), qf, kf, vf, pos, B, Tq, C, NH, Tcap, nt_att)
-    x2 = linear(w, atty, w.attprojw[l], w.attprojb[l], n_threads)
+    x2 = linear(w, _mm_input(w, atty, nt_ew), _W(w, "attprojw", l), w.attprojb[l], n_threads)
     n = x2.size
     w.Ly.residual_forward(x2.reshape(-1), x2.reshape(-1), x.reshape(-1), n, nt_ew)
     ln2 = layernorm(w, x2, w.ln2w[l], w.ln2b[l], nt_ew)
-    fch = linear(w, ln2, w.fcw[l], w.fcb[l], n_threads)
-    w.Ly.gelu_forward(fch.reshape(-1), fch.reshape(-1), fch.size, nt_ew)
-    x3 = linear(w, fch, w.fcprojw[l], w.fcprojb[l], n_threads)
+    fch = linear(w, ln2, _W(w, "fcw", l), w.fcb[l], n_threads)
+    if w.bf16:
+        gelu = np.empty(fch.shape, dtype=np.uint16)
+        w.Ly.gelu_forward_bf16(gelu.reshape(-1), fch.reshape(-1), fch.size, nt_ew)
+    else:
+        gelu = fch
+        w.Ly.gelu_forward(fch.reshape(-1), fch.reshape(-1), fch.size, nt_ew)
+    x3 = linear(w, gelu, _W(w, "fcprojw", l), w.fcprojb[l], n_threads)
     w.Ly.residual_forward(x3.reshape(-1), x3.reshape(-1), x2.reshape(-1), n, nt_ew)
     return x3
 
 
 def final_norm(w, x, n_threads):
-    return layernorm(w, np.ascontiguousarray(x), w.lnfw, w.lnfb, n_threads)
+    """The final layernorm (fp32: the hidden states callers keep and slice)."""
+    N, C = x.shape
+    out = np.empty((N, C), dtype=np.float32)
+    mean, rstd = np.empty(N, dtype=np.float32), np.empty(N, dtype=np.float32)
+    w.Ly.layernorm_forward(out.reshape(-1), mean, rstd, np.ascontiguousarray(x).reshape(-1), w.lnfw, w.lnfb,
+                           N, C, n_threads)
+    return out
 
 
 def lm_logits(w, h, n_threads):
     """Logits over the real vocab V only (padded rows are zero and never sampled): (N, V)."""
     h = np.ascontiguousarray(h, dtype=np.float32).reshape(-1, w.C)
-    return linear(w, h, w.wte_V, None, n_threads)
+    return linear(w, _mm_input(w, h, n_threads), _W(w, "wte_V"), None, n_threads)
 
 
 def forward_cached(model, cache, tokens, n_threads=None):

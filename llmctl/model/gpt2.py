@@ -30,6 +30,7 @@ bf16 by the kernels that produce them (layernorm, GELU, the loss backward) or ca
 attention output, each backward's dout in the pass that sums dbias). Checkpoints stay fp32.
 """
 import math
+import os
 
 import numpy as np
 
@@ -372,14 +373,14 @@ class GPT2:
                 raise ConfigError(f"targets shape {tg.shape} does not match inputs shape {ids.shape}")
         c = self.config
         L, C, NH, V, Vp = c.num_layers, c.channels, c.num_heads, c.vocab_size, c.padded_vocab_size
-        BT, nt, mm = B * T, self.n_threads, self.matmul_backend
+        BT, nt = B * T, self.n_threads
         keep = bool(keep_activations)
         self._sync_bf16()
         self._ensure_acts(BT, L if keep else 1)
         a, p = self._acts, self.p
         row = (lambda l: l) if keep else (lambda l: 0)
         rrow = (lambda l: l) if keep else (lambda l: l % 2)  # residual stream: ping-pong
-        K, Ly, At = self._k_matmul, self._k_layers, self._k_attention
+        Ly, At = self._k_layers, self._k_attention
         fl = lambda x: x.reshape(-1)
         n = BT * C
 
