@@ -184,6 +184,7 @@ class Checkpoints:
         if st.use_master_weights and st.master is not None:
             # llm.c (bf16 builds) keeps fp32 master weights: those are the real parameters
             model.params[:] = np.asarray(st.master, dtype=np.float32)
+            model.params_changed()   # a bf16 model re-casts its matmul copy
         if not restore_loader:
             pass
         elif st.should_shuffle:

@@ -190,7 +190,7 @@ class Trainer:
         self.checkpoints.claim(cfg.resume)
 
         # 4. model, optimizer schedule, -sl/-sg's outlier detectors over loss and grad norm
-        self.model = load_model(init_spec, n_threads=self.n_threads)
+        self.model = load_model(init_spec, n_threads=self.n_threads, precision=cfg.precision)
         mc = self.model.config
         self.gen_tokens = min(cfg.gen_tokens, mc.max_seq_len)
         self.detect_outliers = cfg.skip_update_lossz != 0 or cfg.skip_update_gradz != 0

@@ -22,6 +22,7 @@ from typing import NamedTuple, Optional
 
 from llmctl import paths
 from llmctl.errors import ConfigError
+from llmctl.model.gpt2 import DEFAULT_PRECISION
 
 
 class Range(NamedTuple):
@@ -169,6 +170,10 @@ class TrainConfig:
     threads: Optional[int] = flag(None, "--threads",
                                   help="Kernel threads (0 = OMP_NUM_THREADS or all cores).",
                                   cli_default=0)
+    precision: str = flag(DEFAULT_PRECISION, "--precision",
+                          help="Matmul precision: fp32, or bf16 (bf16 inputs, fp32 accumulate; "
+                               "weights, gradients and AdamW state stay fp32; needs a CPU with "
+                               "AVX512_BF16 or AMX, see `llmctl info`).")
 
     def validate(self, P=1):
         """Raise ConfigError for settings that cannot work with P processes, before any file is
@@ -222,6 +227,9 @@ class TrainConfig:
             raise ConfigError(f"--hellaswag-limit must be >= 1, got {self.hellaswag_limit}")
         if self.resume == 1 and not self.output_dir:
             raise ConfigError("-y 1 resumes from the checkpoints in -o, but no -o was given")
+        from llmctl.model.gpt2 import check_precision
+
+        check_precision(self.precision)   # unknown, or bf16 on a CPU without it: one clear line
         if self.gen_tokens < 1 and self.sample_every > 0:
             raise ConfigError(f"gen tokens (-g) must be >= 1, got {self.gen_tokens}")
 

@@ -478,6 +478,24 @@ def _children(pid):
     return ranks
 
 
+def test_nproc2_bf16_equals_gradient_accumulation(tiny_run):
+    """The same equivalence in bf16 (on CPUs without native bf16: its emulation, inherited by
+    the ranks): the bf16 roundings are per element, so only the fp32 sums differ, as in fp32."""
+    from llmctl._ext import matmul
+
+    d = tiny_run
+    env = {} if matmul.bf16_native() else {"LLMCTL_BF16_EMULATE": "1"}
+    r1 = _cli(_train_args(d, "b1", "-d", str(2 * B * T), "-x", "3", "--precision", "bf16"), env=env)
+    assert r1.returncode == 0, r1.stderr
+    r2 = _cli(_train_args(d, "b2", "--nproc", "2", "-x", "3", "-n", "3", "--precision", "bf16"),
+              env=dict(env, LLMCTL_DIST_CHECK_PARAMS="1"))
+    assert r2.returncode == 0, r2.stderr
+    np.testing.assert_allclose(_losses(d / "b2"), _losses(d / "b1"), rtol=1e-6)
+    assert len(_losses(d / "b2")) == 3
+    # the checkpoint stays llm.c's fp32 v3
+    assert np.fromfile(d / "b2/model_00000003.bin", dtype="<i4", count=2).tolist() == [20240326, 3]
+
+
 def test_nproc2_equals_gradient_accumulation(tiny_run):
     """--nproc 2 -b B == --nproc 1 -b B -d 2*B*T: same losses and final parameters.
 

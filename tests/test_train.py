@@ -278,10 +278,15 @@ class _StopAfter(Display):
             os.kill(os.getpid(), signal.SIGINT)
 
 
-def test_bit_exact_resume(data, tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_bit_exact_resume(data, tmp_path, monkeypatch, precision):
+    from llmctl._ext import matmul
+
+    if precision == "bf16" and not matmul.bf16_native():
+        monkeypatch.setenv("LLMCTL_BF16_EMULATE", "1")  # the same numerics on fp32 GEMMs
     kw = dict(max_steps=12, checkpoint_every=12, lr_scheduler="cosine", warmup_iters=2,
               final_lr_frac=0.1, weight_decay=0.1, sample_every=6, gen_tokens=6,
-              total_batch_size=2 * 4 * 32)  # gradient accumulation too
+              total_batch_size=2 * 4 * 32, precision=precision)  # gradient accumulation too
     a, b = tmp_path / "straight", tmp_path / "split"
     train(cfg_for(data, a, **kw))
 
