@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from llmctl.errors import LlmctlError
+from llmctl.info import DEFAULT_PRECISION
 from llmctl.paths import (DATA_DIR, GPT2_124M_CHECKPOINT, HELLASWAG_VAL, PRETRAINED_DEFAULT, TINYSHAKESPEARE_URL,
                           TINYSHAKESPEARE_VAL)
 
@@ -402,11 +403,13 @@ def inspect_bin_cmd(
 # --- eval / sample (llmctl/evaluate.py, llmctl/sample.py) ------------------------------------
 
 
-def _load_model(spec, threads):
+def _load_model(spec, threads, precision):
     """A GPT2 from a checkpoint path or descriptor (-e); threads resolved as llmctl.threads does."""
     from llmctl.model import load
+    from llmctl.model.gpt2 import check_precision
 
-    return load(spec, n_threads=threads or None)
+    check_precision(precision)  # before a large model is read
+    return load(spec, n_threads=threads or None, precision=precision)
 
 
 def _rate_progress(unit):
@@ -434,6 +437,7 @@ def _check_threads(threads, nproc=1):
 
 
 _THREADS_OPT = typer.Option(0, "--threads", help="Kernel/BLAS threads (0 = OMP_NUM_THREADS or all cores; -1 = all cores). On a busy machine 1 is often fastest.")
+_PRECISION_OPT = typer.Option(DEFAULT_PRECISION, "--precision", help="Matmul precision: fp32, or bf16 (bf16 inputs, fp32 accumulate; needs AVX512_BF16 or AMX, see `llmctl info`).")
 
 
 @eval_app.command("hellaswag")
@@ -447,6 +451,7 @@ def eval_hellaswag_cmd(
     batch_tokens: int = typer.Option(2048, "--batch-tokens", min=64, help="Padded positions per forward batch (memory vs. speed)."),
     nproc: int = typer.Option(1, "--nproc", min=1, help="Processes on this host, each scoring a contiguous slice as llm.c's ranks do (llm.c -pn); threads per process = cores / N unless --threads. No --per-example or progress bar with N > 1."),
     threads: int = _THREADS_OPT,
+    precision: str = _PRECISION_OPT,
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ):
     """Multiple-choice accuracy (HellaSwag) scored exactly as llm.c's EvalLoader: acc_norm, acc, correct/total."""
@@ -470,10 +475,13 @@ def eval_hellaswag_cmd(
     if nproc > 1:
         if per_example:
             raise ConfigError("--per-example needs --nproc 1")
+        from llmctl.model.gpt2 import check_precision
+
+        check_precision(precision)
         res = eval_hellaswag_multiproc(checkpoint, input_file, nproc, threads=threads or None, limit=limit,
-                                       norm=norm, batch_tokens=batch_tokens)
+                                       norm=norm, batch_tokens=batch_tokens, precision=precision)
     else:
-        model = _load_model(checkpoint, threads)
+        model = _load_model(checkpoint, threads, precision)
         with _rate_progress("ex") as progress:
             task = progress.add_task("hellaswag", total=None)
             res = eval_hellaswag(model, input_file, limit=limit, norm=norm, per_example=per_example,
@@ -499,6 +507,7 @@ def eval_loss_cmd(
     seq_len: Optional[int] = typer.Option(None, "--seq-len", "-t", help="Sequence length T (default: min(1024, maxT)) (llm.c: -t)."),
     max_batches: int = typer.Option(-1, "--max-batches", "-m", help="Stop after N batches; -1 = every full batch of every shard (llm.c: -m)."),
     threads: int = _THREADS_OPT,
+    precision: str = _PRECISION_OPT,
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ):
     """Mean next-token loss and perplexity of a checkpoint over token shards (llm.c's val loss)."""
@@ -510,7 +519,7 @@ def eval_loss_cmd(
     from llmctl.evaluate import eval_loss
 
     _check_threads(threads)
-    model = _load_model(checkpoint, threads)
+    model = _load_model(checkpoint, threads, precision)
     with _rate_progress("batch") as progress:
         task = progress.add_task("loss", total=None)
         res = eval_loss(model, pattern, B=batch_size, T=seq_len, max_batches=max_batches,
@@ -592,6 +601,7 @@ def sample_cmd(
     num_samples: int = typer.Option(1, "--num-samples", min=1, help="Samples to draw, one after another from one RNG stream."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Recompute the full forward every token (llm.c's way; slow)."),
     threads: int = _THREADS_OPT,
+    precision: str = _PRECISION_OPT,
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object per sample (prompt_tokens, tokens, text) on stdout."),
 ):
     """Generate text with a KV cache, streaming it as it is produced; stops at -n tokens or EOT."""
@@ -614,7 +624,7 @@ def sample_cmd(
             raise ConfigError(f"{prompt_file}: cannot read the prompt: {e}") from None
     tok = get_tokenizer()
     prompt_tokens = tok.encoding.encode(prompt, allowed_special={"<|endoftext|>"}) if prompt else []
-    model = _load_model(checkpoint, threads)
+    model = _load_model(checkpoint, threads, precision)
     if not prompt_tokens:  # llm.c starts from EOT; a model whose vocabulary lacks it starts from 0
         start, note = default_start(model.config.vocab_size, tok.eot)
         if note:

@@ -25,6 +25,7 @@ from typing import List, Optional
 import numpy as np
 
 from llmctl.errors import ConfigError, DataError, FormatError
+from llmctl.info import DEFAULT_PRECISION
 from llmctl.model.cached import block_forward, embed, final_norm, lm_logits, weights
 
 NUM_COMPLETIONS = 4
@@ -285,20 +286,20 @@ def hellaswag_entry(args, comm):
     return value is what the launcher hands back)."""
     from llmctl.model import load
 
-    model = load(args["checkpoint"], n_threads=comm.n_threads)
+    model = load(args["checkpoint"], n_threads=comm.n_threads, precision=args.get("precision", DEFAULT_PRECISION))
     return eval_hellaswag(model, args["path"], limit=args.get("limit"), norm=args.get("norm", "tokens"),
                           per_example=False, batch_tokens=args.get("batch_tokens", 2048), comm=comm)
 
 
 def eval_hellaswag_multiproc(checkpoint, path, nproc, threads=None, limit=None, norm="tokens",
-                             batch_tokens=2048, timeout=30.0):
+                             batch_tokens=2048, timeout=30.0, precision=DEFAULT_PRECISION):
     """eval_hellaswag split over `nproc` local processes (llmctl.distributed.launcher); -> the result dict."""
     from llmctl.distributed.launcher import launch
 
     _check_eval_file(path)  # fail before spawning anything
     out = launch("llmctl.evaluate:hellaswag_entry",
                  {"checkpoint": str(checkpoint), "path": str(path), "limit": limit, "norm": norm,
-                  "batch_tokens": batch_tokens}, nproc, threads=threads, timeout=timeout)
+                  "batch_tokens": batch_tokens, "precision": precision}, nproc, threads=threads, timeout=timeout)
     res = out["result"]
     res["nproc"], res["threads_per_process"] = out["nproc"], out["threads"]
     return res

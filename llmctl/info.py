@@ -3,6 +3,12 @@ import os
 
 from llmctl import __version__
 
+# The matmul precisions (llmctl.model.gpt2 `check_precision`). fp32 is the default: it is llm.c's
+# CPU trainer's arithmetic, runs on every CPU, and bf16 pays only where the CPU multiplies bf16
+# natively (docs/performance.md).
+PRECISIONS = ("fp32", "bf16")
+DEFAULT_PRECISION = "fp32"
+
 
 def usable_cores():
     """Cores this process may run on (its CPU affinity mask; else all the machine's cores)."""

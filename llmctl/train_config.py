@@ -22,7 +22,7 @@ from typing import NamedTuple, Optional
 
 from llmctl import paths
 from llmctl.errors import ConfigError
-from llmctl.model.gpt2 import DEFAULT_PRECISION
+from llmctl.info import DEFAULT_PRECISION
 
 
 class Range(NamedTuple):

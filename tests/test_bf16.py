@@ -396,3 +396,40 @@ def test_bf16_cached_forward_matches_the_training_forward(bf16_ok):
     c32 = KVCache(MCFG, 2, 20)
     g32 = logits_from_hidden(m32, forward_cached(m32, c32, x))
     assert np.abs(g32 - want).max() / np.abs(want).max() > 10 * err
+
+
+def test_bf16_eval_hellaswag_and_loss_agree_with_fp32(bf16_ok, tmp_path):
+    from llmctl import formats
+    from llmctl.evaluate import eval_hellaswag, eval_loss
+
+    m32 = _init("fp32")
+    ck = tmp_path / "m.bin"
+    m32.save_checkpoint(ck)
+    m16 = GPT2.from_checkpoint(ck, n_threads=2, precision="bf16")
+    rng = np.random.default_rng(0)
+    ex = [dict(label=int(rng.integers(4)), ctx_tokens=rng.integers(0, 500, 9).tolist(),
+               ending_tokens=[rng.integers(0, 500, int(rng.integers(1, 6))).tolist() for _ in range(4)])
+          for _ in range(6)]
+    formats.write_evalfile(str(tmp_path / "hs.bin"), ex)
+    r32 = eval_hellaswag(m32, str(tmp_path / "hs.bin"), per_example=True)
+    r16 = eval_hellaswag(m16, str(tmp_path / "hs.bin"), per_example=True)
+    a = np.array([e["losses_sum"] for e in r32["examples"]])
+    b = np.array([e["losses_sum"] for e in r16["examples"]])
+    assert np.abs(a - b).max() <= 1e-2 * np.abs(a).max() and not np.array_equal(a, b)
+    formats.write_datafile(str(tmp_path / "val.bin"), rng.integers(0, 500, 2000).astype(np.uint16))
+    l32 = eval_loss(m32, str(tmp_path / "val.bin"), B=2, T=64)["loss"]
+    l16 = eval_loss(m16, str(tmp_path / "val.bin"), B=2, T=64)["loss"]
+    assert abs(l16 - l32) <= 1e-2
+
+
+@pytest.mark.skipif(matmul.bf16_native(), reason="this CPU runs bf16 natively")
+@pytest.mark.parametrize("cmd", [["sample", "-n", "1"], ["eval", "loss"], ["eval", "hellaswag"]])
+def test_cli_precision_bf16_without_native_bf16_is_one_clear_error(cmd, monkeypatch, capsys):
+    from llmctl.cli import main
+
+    monkeypatch.delenv("LLMCTL_BF16_EMULATE", raising=False)
+    with pytest.raises(SystemExit) as e:
+        main(cmd + ["-e", "d6", "--precision", "bf16"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--precision bf16 is not available" in err and "Hint:" in err  # a usage error
+    assert "Traceback" not in err

@@ -35,12 +35,11 @@ import os
 import numpy as np
 
 from llmctl.errors import ConfigError
+from llmctl.info import DEFAULT_PRECISION, PRECISIONS
 from llmctl.model.config import PARAM_NAMES, GPT2Config, num_parameters, param_offsets
 
 DECAY_PARAMS = {"wte", "wpe", "qkvw", "attprojw", "fcw", "fcprojw"}
 INIT_SEED = 42
-PRECISIONS = ("fp32", "bf16")
-DEFAULT_PRECISION = "fp32"   # docs/performance.md: bf16 only pays where the CPU multiplies it natively
 BF16_EMULATE_ENV = "LLMCTL_BF16_EMULATE"
 
 
