@@ -280,6 +280,8 @@ def main(argv=None):
     ap.add_argument("--big-steps", type=int, default=2, help="timed steps for runs with T >= 512 (default 2)")
     ap.add_argument("--matmul", default=None, help="fp32 matmul engine: dnnl, blas or tiled (default: llmctl's)")
     ap.add_argument("--bf16-emulate", action="store_true", help="run llmctl bf16 even without native bf16")
+    ap.add_argument("--compare-engine", default=None,
+                    help="also run llmctl fp32 on this matmul engine (e.g. blas: the engine before oneDNN)")
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
     ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS child processes")
     ap.add_argument("--rss-seq", type=int, default=1024, help="T for the big RSS run (default 1024)")
@@ -311,6 +313,11 @@ def main(argv=None):
         for prec in precisions:
             r = bench_llmctl(desc, B, T, n, steps, a.matmul, prec)
             r["mfu"] = r["flops_per_step"] / r["step_s"] / 1e9 / out["roof"][prec]
+            out["runs"].append(r)
+        if a.compare_engine:
+            r = bench_llmctl(desc, B, T, n, steps, a.compare_engine, "fp32")
+            r["mfu"] = r["flops_per_step"] / r["step_s"] / 1e9 / out["roof"]["fp32"]
+            r["engine"], r["precision"] = a.compare_engine, "fp32 " + a.compare_engine
             out["runs"].append(r)
         if not a.no_torch:
             for prec in ("fp32", "bf16"):
@@ -355,6 +362,9 @@ def main(argv=None):
         if "bf16" in by and "fp32" in by:
             print(f"{tag:16s} ratios: llmctl bf16 / llmctl fp32 = {by['bf16'] / by['fp32']:.2f}x"
                   + (f", llmctl bf16 / torch bf16 = {by['bf16'] / by['torch bf16']:.2f}x" if "torch bf16" in by else ""))
+        if a.compare_engine and "fp32" in by:
+            print(f"{tag:16s} ratios: llmctl fp32 {out['engine']} / llmctl fp32 {a.compare_engine} = "
+                  f"{by['fp32'] / by['fp32 ' + a.compare_engine]:.2f}x")
         if "fp32" in by and "torch fp32" in by:
             print(f"{tag:16s} ratios: torch fp32 / llmctl fp32 = {by['torch fp32'] / by['fp32']:.2f}x"
                   + (f", torch bf16 / llmctl fp32 = {by['torch bf16'] / by['fp32']:.2f}x" if "torch bf16" in by else ""))
