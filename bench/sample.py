@@ -11,6 +11,8 @@ What it is not: a quality check (tests/test_sample.py checks cached == full logi
 
     python bench/sample.py                        # d12, 32-token prompt, 256 new tokens, 2 threads
     python bench/sample.py --model d6 --new-tokens 64 --full-tokens 8 --json
+    python bench/sample.py --precision bf16       # bf16 weights (half the bytes per decode step);
+                                                  # needs native bf16 (or LLMCTL_BF16_EMULATE=1)
 """
 import argparse
 import json
@@ -27,6 +29,7 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--full-tokens", type=int, default=16, help="steps of the full-recompute run")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--precision", default="fp32", help="fp32 or bf16 (default fp32)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -34,10 +37,10 @@ def main():
     from llmctl.sample import generate
 
     t0 = time.perf_counter()
-    model = GPT2.from_init(args.model, n_threads=args.threads)
+    model = GPT2.from_init(args.model, n_threads=args.threads, precision=args.precision)
     init_s = time.perf_counter() - t0
     prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, args.prompt_tokens).tolist()
-    weight_bytes = model.params.nbytes
+    weight_bytes = model.params.nbytes if args.precision == "fp32" else model.params_bf16.nbytes
 
     def timed(n, use_cache):
         stamps = []
@@ -55,7 +58,8 @@ def main():
     full_tps = len(sf) / (sf[-1] - t_start)
 
     res = {
-        "model": args.model, "threads": args.threads, "num_parameters": model.num_parameters,
+        "model": args.model, "threads": args.threads, "precision": args.precision,
+        "num_parameters": model.num_parameters,
         "init_s": round(init_s, 2), "prompt_tokens": args.prompt_tokens,
         "cached": {"new_tokens": len(st), "prefill_ms": round(prefill_ms, 1),
                    "decode_tokens_per_s": round(cached_tps, 2),
@@ -70,7 +74,7 @@ def main():
         print(json.dumps(res))
         return
     c, f = res["cached"], res["full_recompute"]
-    print(f"{args.model} ({model.num_parameters:,} params), {args.threads} threads, "
+    print(f"{args.model} ({model.num_parameters:,} params), {args.precision}, {args.threads} threads, "
           f"{args.prompt_tokens}-token prompt (init {init_s:.1f} s; load average {res['loadavg_1min']}: "
           "other processes on these cores slow multi-threaded runs most)")
     print(f"  KV cache : prefill {c['prefill_ms']:.0f} ms, decode {c['new_tokens']} tokens at "
