@@ -433,3 +433,17 @@ def test_cli_precision_bf16_without_native_bf16_is_one_clear_error(cmd, monkeypa
     err = capsys.readouterr().err
     assert e.value.code == 2 and "--precision bf16 is not available" in err and "Hint:" in err  # a usage error
     assert "Traceback" not in err
+
+
+def test_bf16_model_reads_v5_bf16_checkpoints_bit_exactly(bf16_ok, tmp_path):
+    # -e with llm.c's bf16 (v5) file: the fp32 master weights are its exact widening, and the
+    # matmul copy is the file's own bits
+    from llmctl import formats
+
+    src = _init("fp32")
+    src.save_checkpoint(tmp_path / "m5.bin", dtype="bfloat16")
+    m = GPT2.from_checkpoint(tmp_path / "m5.bin", n_threads=2, precision="bf16")
+    m.forward(*_data(B=1, T=8))
+    _, bits = formats.read_checkpoint(str(tmp_path / "m5.bin"))
+    np.testing.assert_array_equal(m.params_bf16, np.asarray(bits))
+    np.testing.assert_array_equal(m.params, from_bf16(np.asarray(bits)))
