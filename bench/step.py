@@ -308,23 +308,29 @@ def main(argv=None):
            "cpu_bf16": list(K.cpu_bf16_features()), "gemm_roof_gflops": roofs,
            "roof": {p: max(r.values()) for p, r in roofs.items()}, "numpy_1024_gflops": peak_np,
            "load_avg_start": os.getloadavg(), "runs": [], "torch": [], "rss": [], "skipped": skipped}
+    def progress(what, r):   # on stderr as each run ends: a long run can be followed, or cut short
+        print(f"[{time.strftime('%H:%M:%S')}] {what}: {r['step_s'] * 1e3:.1f} ms/step", file=sys.stderr, flush=True)
+
     for desc, B, T in _parse_runs(a.runs):
         steps = a.big_steps if T >= 512 else a.steps
         for prec in precisions:
             r = bench_llmctl(desc, B, T, n, steps, a.matmul, prec)
             r["mfu"] = r["flops_per_step"] / r["step_s"] / 1e9 / out["roof"][prec]
             out["runs"].append(r)
+            progress(f"{desc} {B}x{T} llmctl {prec}", r)
         if a.compare_engine:
             r = bench_llmctl(desc, B, T, n, steps, a.compare_engine, "fp32")
             r["mfu"] = r["flops_per_step"] / r["step_s"] / 1e9 / out["roof"]["fp32"]
             r["engine"], r["precision"] = a.compare_engine, "fp32 " + a.compare_engine
             out["runs"].append(r)
+            progress(f"{desc} {B}x{T} llmctl fp32 {a.compare_engine}", r)
         if not a.no_torch:
             for prec in ("fp32", "bf16"):
                 tr = bench_torch(desc, B, T, n, steps, prec)
                 if tr:
                     tr["flops_per_step"] = out["runs"][-1]["flops_per_step"]
                     out["torch"].append(tr)
+                    progress(f"{desc} {B}x{T} torch {prec}", tr)
     if not a.no_rss:
         for prec in precisions:
             for T in (64, a.rss_seq):
