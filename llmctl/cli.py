@@ -465,6 +465,9 @@ def eval_hellaswag_cmd(
     if norm not in ("tokens", "chars"):
         raise ConfigError(f"--norm must be 'tokens' or 'chars', got {norm!r}")
     _check_threads(threads, nproc)
+    from llmctl.model.gpt2 import check_precision
+
+    check_precision(precision)  # before any data is fetched or a model read
     log = _prepro_log(json_out)
     input_file = hellaswag_file(input_file, log=log)
     if checkpoint is None:
@@ -475,9 +478,6 @@ def eval_hellaswag_cmd(
     if nproc > 1:
         if per_example:
             raise ConfigError("--per-example needs --nproc 1")
-        from llmctl.model.gpt2 import check_precision
-
-        check_precision(precision)
         res = eval_hellaswag_multiproc(checkpoint, input_file, nproc, threads=threads or None, limit=limit,
                                        norm=norm, batch_tokens=batch_tokens, precision=precision)
     else:
