@@ -403,12 +403,20 @@ def inspect_bin_cmd(
 # --- eval / sample (llmctl/evaluate.py, llmctl/sample.py) ------------------------------------
 
 
-def _load_model(spec, threads, precision):
-    """A GPT2 from a checkpoint path or descriptor (-e); threads resolved as llmctl.threads does."""
+def _load_model(spec, threads, precision, json_out=False):
+    """A GPT2 from -e (a checkpoint, descriptor, pretrained name or HF directory; None = llm.c's
+    default, llmctl.paths.default_init); threads resolved as llmctl.threads does."""
     from llmctl.model import load
     from llmctl.model.gpt2 import check_precision
 
     check_precision(precision)  # before a large model is read
+    if spec is None:
+        from llmctl.paths import default_init
+
+        log = _prepro_log(json_out)
+        spec, how = default_init(log=log, progress=not json_out)
+        if log:
+            log(f"model: {spec} (no -e: {how})")
     return load(spec, n_threads=threads or None, precision=precision)
 
 
@@ -501,7 +509,7 @@ def eval_hellaswag_cmd(
 @eval_app.command("loss")
 @_interruptible("no result")
 def eval_loss_cmd(
-    checkpoint: str = typer.Option(..., "--checkpoint", "-e", help="Model: llm.c .bin checkpoint, descriptor (d6, d12, ...), pretrained gpt2|gpt2-medium|gpt2-large|gpt2-xl, or a Hugging Face model DIR (llm.c: -e)."),
+    checkpoint: Optional[str] = typer.Option(None, "--checkpoint", "-e", show_default=False, help=f"Model: llm.c .bin checkpoint, descriptor (d6, d12, ...), pretrained gpt2|gpt2-medium|gpt2-large|gpt2-xl, or a Hugging Face model DIR (llm.c: -e) (default: {GPT2_124M_CHECKPOINT} if it is in the working directory, else {PRETRAINED_DEFAULT}: GPT-2 124M, as train)."),
     pattern: str = typer.Option(TINYSHAKESPEARE_VAL, "--val", "-j", help="Token shard glob, quoted (llm.c: -j)."),
     batch_size: int = typer.Option(4, "--batch-size", "-b", help="Sequences per forward (llm.c: -b)."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", "-t", help="Sequence length T (default: min(1024, maxT)) (llm.c: -t)."),
@@ -519,14 +527,14 @@ def eval_loss_cmd(
     from llmctl.evaluate import eval_loss
 
     _check_threads(threads)
-    model = _load_model(checkpoint, threads, precision)
+    model = _load_model(checkpoint, threads, precision, json_out)
     with _rate_progress("batch") as progress:
         task = progress.add_task("loss", total=None)
         res = eval_loss(model, pattern, B=batch_size, T=seq_len, max_batches=max_batches,
                         on_start=lambda n: progress.update(task, total=n),
                         on_progress=lambda d: progress.update(task, completed=d))
     if not math.isfinite(res["loss"]):
-        raise DataError(f"{checkpoint}: the mean loss over {pattern} is {res['loss']} (not finite)",
+        raise DataError(f"{checkpoint or 'the default model'}: the mean loss over {pattern} is {res['loss']} (not finite)",
                         hint="the checkpoint's weights are probably corrupt (NaN/inf) or diverged")
     if json_out:
         print(json.dumps(res))
@@ -590,7 +598,7 @@ def plot_cmd(
 @app.command("sample")
 @_interruptible("the text above is what was generated")
 def sample_cmd(
-    checkpoint: str = typer.Option(..., "--checkpoint", "-e", help="Model: llm.c .bin checkpoint, descriptor (d6, d12, ...), pretrained gpt2|gpt2-medium|gpt2-large|gpt2-xl, or a Hugging Face model DIR (llm.c: -e)."),
+    checkpoint: Optional[str] = typer.Option(None, "--checkpoint", "-e", show_default=False, help=f"Model: llm.c .bin checkpoint, descriptor (d6, d12, ...), pretrained gpt2|gpt2-medium|gpt2-large|gpt2-xl, or a Hugging Face model DIR (llm.c: -e) (default: {GPT2_124M_CHECKPOINT} if it is in the working directory, else {PRETRAINED_DEFAULT}: GPT-2 124M, as train)."),
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text (<|endoftext|> is the EOT token). Default: start from EOT like llm.c."),
     prompt_file: Optional[str] = typer.Option(None, "--prompt-file", help="Read the prompt from a UTF-8 file (verbatim)."),
     num_tokens: int = typer.Option(64, "-n", "--max-new-tokens", min=1, help="Tokens to generate; truncated with a message if prompt + n > maxT (llm.c train: -g)."),
@@ -624,7 +632,7 @@ def sample_cmd(
             raise ConfigError(f"{prompt_file}: cannot read the prompt: {e}") from None
     tok = get_tokenizer()
     prompt_tokens = tok.encoding.encode(prompt, allowed_special={"<|endoftext|>"}) if prompt else []
-    model = _load_model(checkpoint, threads, precision)
+    model = _load_model(checkpoint, threads, precision, json_out)
     if not prompt_tokens:  # llm.c starts from EOT; a model whose vocabulary lacks it starts from 0
         start, note = default_start(model.config.vocab_size, tok.eot)
         if note:

@@ -32,3 +32,42 @@ def test_default_init_without_huggingface_hub_names_the_install_command(monkeypa
         paths.default_init(progress=False)
     assert "huggingface_hub is not installed" in e.value.message
     assert e.value.hint.startswith("install it: pip install") and "-e d12" in e.value.hint
+
+
+def _llmctl(*args, env_extra=None):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, **(env_extra or {}))
+    return subprocess.run([sys.executable, "-m", "llmctl", *args], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def test_eval_loss_and_sample_without_e_use_gpt2_124M_bin_here(tmp_path):
+    import json
+    import shutil
+
+    from tinyrun import write_tiny_run
+
+    (tmp_path / "run").mkdir()
+    d = write_tiny_run(tmp_path / "run", train_tokens=300)
+    shutil.copy(d / "init.bin", "gpt2_124M.bin")  # the cwd is the test's empty directory
+    r = _llmctl("eval", "loss", "-j", str(d / "val.bin"), "-t", "16", "--threads", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    with_e = _llmctl("eval", "loss", "-e", "gpt2_124M.bin", "-j", str(d / "val.bin"), "-t", "16",
+                     "--threads", "1", "--json")
+    assert json.loads(r.stdout)["loss"] == json.loads(with_e.stdout)["loss"]
+    r = _llmctl("sample", "-n", "4", "--temperature", "0", "--threads", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(r.stdout.splitlines()[0])["tokens"]) == 4
+
+
+def test_eval_loss_and_sample_without_e_offline_is_one_error_naming_e_d12(tmp_path):
+    env = {"HF_HOME": str(tmp_path / "empty_hf_home"), "LLMCTL_CACHE": str(tmp_path / "empty_cache"),
+           "HF_HUB_OFFLINE": "1"}
+    for args in (("eval", "loss"), ("sample", "-n", "4")):
+        r = _llmctl(*args, env_extra=env)
+        assert r.returncode == 1, (args, r.stderr)
+        assert "Traceback" not in r.stderr
+        assert "no -e given" in r.stderr and "-e d12" in r.stderr, r.stderr
