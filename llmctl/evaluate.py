@@ -316,11 +316,12 @@ def eval_loss(model, pattern, B=4, T=None, max_batches=-1, on_progress=None, on_
     from llmctl.formats import open_shard
 
     cfg = model.config
-    T = int(T or min(1024, cfg.max_seq_len))
+    T = int(min(1024, cfg.max_seq_len) if T is None else T)  # -t 0 is an error, not "the default"
     if not 1 <= T <= cfg.max_seq_len:
-        raise ConfigError(f"-t {T} must be in 1..maxT = {cfg.max_seq_len}")
+        raise ConfigError(f"-t {T} must be in 1..maxT = {cfg.max_seq_len}",
+                          hint=f"pass -t between 1 and {cfg.max_seq_len}, or leave it out for {min(1024, cfg.max_seq_len)}")
     if B < 1:
-        raise ConfigError(f"-b {B} must be >= 1")
+        raise ConfigError(f"-b {B} must be >= 1", hint="pass -b 1 or more (llm.c's default is 4)")
     files = sorted(_glob.glob(pattern))
     if not files:
         raise DataError(f"no files match {pattern!r}", hint="check the -j pattern (quote it in the shell)")

@@ -278,6 +278,17 @@ def test_eval_loss_matches_reference(tiny, tmp_path, capsys):
     assert json.loads(out)["loss"] == pytest.approx(np.mean(want), rel=1e-5)
 
 
+def test_eval_loss_rejects_t_0_instead_of_running_the_default(tiny, tmp_path):
+    model, _, _, _ = tiny
+    formats.write_datafile(str(tmp_path / "z_val_000000.bin"), np.arange(40) % V)
+    for bad in (0, -1, 257):
+        with pytest.raises(ConfigError, match=f"-t {bad} must be in 1..maxT = 256") as e:
+            eval_loss(model, str(tmp_path / "z_val_000000.bin"), B=1, T=bad)
+        assert e.value.hint
+    with pytest.raises(ConfigError, match="-b 0 must be >= 1"):
+        eval_loss(model, str(tmp_path / "z_val_000000.bin"), B=0, T=8)
+
+
 def test_eval_loss_allocates_one_layer_of_activations(tiny, tmp_path):
     _, _, _, ckpt = tiny
     toks = np.random.default_rng(3).integers(0, V, size=40)
