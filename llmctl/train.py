@@ -505,6 +505,8 @@ class Trainer:
                 where = f"; checkpoint: {path}"
             else:
                 self.write_checkpoint(step)
+                if self.cfg.checkpoint_every > 0 and step % self.cfg.checkpoint_every == 0:
+                    self.rotate_checkpoints(step)  # on the -n grid: -nk applies as to a regular one
                 where = f"; checkpoint written: {path}"
         summary["checkpoint"] = self.last_checkpoint
         raise TrainInterrupted(f"interrupted after step {step}/{N}{where}", summary)

@@ -1095,6 +1095,17 @@ def test_ctrl_c_checkpoint_is_rotated_by_nk(data, tmp_path, major, want):
     assert steps("model_") == want and steps("state_") == want
 
 
+def test_ctrl_c_checkpoint_on_the_grid_rotates_like_a_regular_one(data, tmp_path):
+    """-n 2 -nk 1: Ctrl-C during step 4 writes checkpoint 4, which is on the -n grid, so 2 goes
+    (left behind, no later rotation would delete it: 2 is on the grid and older than 4 - nk*n)."""
+    out = tmp_path / "r"
+    with pytest.raises(TrainInterrupted, match="after step 4/12"):
+        train(cfg_for(data, out, max_steps=12, checkpoint_every=2, checkpoints_keep=1,
+                      val_loss_every=0), display=_StopAfter(3))
+    assert sorted(n for n in os.listdir(out) if n.startswith(("DONE_", "model_", "state_"))) == \
+        ["DONE_00000004", "model_00000004.bin", "state_00000004_00000.bin"]
+
+
 class _ValSigint:
     """Wraps the val loader's next_batch: sends this process `n` SIGINTs on val batch `at` of
     step `step` and counts the batches read."""
