@@ -80,6 +80,22 @@ def _fail(path, problem, hint=None):
     raise err
 
 
+_DAMAGED_HINT = "re-create it (`llmctl prepro ...`, `llmctl train -o`, llm.c); `llmctl inspect-bin FILE` says what a file is"
+
+_KIND_TEXT = {"shard": "a GPT-2 token shard", "shard-llama3": "a llama-3 token shard", "eval": "an eval file",
+              "checkpoint": "a model checkpoint", "tokenizer": "a tokenizer file",
+              "state": "an optimizer state file (the model is the model_*.bin next to it)",
+              "debug-state": "a debug state file"}
+
+
+def _wrong_kind_hint(magic, wanted):
+    """Hint for a bad magic: what the file is instead (llm.c kinds), and what was wanted."""
+    kind = KIND_NAMES.get(magic)
+    if kind is None:
+        return f"not an llm.c file; pass {wanted}"
+    return f"this is {_KIND_TEXT[kind]}; pass {wanted}"
+
+
 def _n(x):
     return f"{x:,}"
 
@@ -89,11 +105,11 @@ def _file_size(path):
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        _fail(path, "no such file")
+        _fail(path, "no such file", "check the path (and quote globs so the shell leaves them alone)")
     except OSError as e:
         _fail(path, f"cannot stat file: {e.strerror or e}")
     if stat.S_ISDIR(st.st_mode):
-        _fail(path, "is a directory, not a file")
+        _fail(path, "is a directory, not a file", "pass a file in it, or a quoted glob such as 'DIR/*.bin'")
     if not stat.S_ISREG(st.st_mode):
         _fail(path, "is not a regular file")
     return st.st_size
@@ -112,10 +128,10 @@ def _read_header(path, what):
     """(header int32[256] as a list of Python ints, raw 1024 bytes, file size)."""
     size = _file_size(path)
     if size == 0:
-        _fail(path, f"file is empty (0 bytes); expected a {what}")
+        _fail(path, f"file is empty (0 bytes); expected a {what}", _DAMAGED_HINT)
     if size < HEADER_BYTES:
         _fail(path, f"file is {_n(size)} bytes, shorter than the {_n(HEADER_BYTES)}-byte header of a {what}: "
-                    "truncated or not an llm.c file?")
+                    "truncated or not an llm.c file?", _DAMAGED_HINT)
     raw = _read_bytes(path, 0, HEADER_BYTES)
     if len(raw) < HEADER_BYTES:
         _fail(path, f"could read only {_n(len(raw))} of the {_n(HEADER_BYTES)} header bytes")
@@ -152,7 +168,7 @@ def identify(path):
     size = _file_size(path)
     if size < 4:
         _fail(path, f"file is {_n(size)} bytes, too short to hold a magic number (llm.c files start "
-                    f"with a {_n(HEADER_BYTES)}-byte header)")
+                    f"with a {_n(HEADER_BYTES)}-byte header)", _DAMAGED_HINT)
     (magic,) = struct.unpack("<i", _read_bytes(path, 0, 4))
     if magic in KIND_NAMES:
         return KIND_NAMES[magic]
@@ -326,7 +342,8 @@ def read_eval_header(path):
     """Validated header fields of an eval file (no payload walk; read_evalfile does that)."""
     h, _, size = _read_header(path, "eval file")
     if h[0] != EVAL_MAGIC:
-        _fail(path, f"bad magic {h[0]}: not an eval file (expected {EVAL_MAGIC})")
+        _fail(path, f"bad magic {h[0]}: not an eval file (expected {EVAL_MAGIC})",
+              _wrong_kind_hint(h[0], "an eval file such as data/hellaswag_val.bin (`llmctl prepro hellaswag`)"))
     if h[1] != EVAL_VERSION:
         _fail(path, f"unsupported eval file version {h[1]} (expected {EVAL_VERSION})")
     n, longest = h[2], h[3]
@@ -507,7 +524,8 @@ def _validate_checkpoint_header(path, h, size):
     if h[0] != MODEL_MAGIC:
         if h[0] == MODEL_MAGIC_LLAMA3:
             _fail(path, f"llama-3 checkpoint (magic {MODEL_MAGIC_LLAMA3}) is not supported")
-        _fail(path, f"bad magic {h[0]}: not a GPT-2 checkpoint (expected {MODEL_MAGIC})")
+        _fail(path, f"bad magic {h[0]}: not a GPT-2 checkpoint (expected {MODEL_MAGIC})",
+              _wrong_kind_hint(h[0], "an llm.c GPT-2 checkpoint (model_*.bin, gpt2_124M.bin)"))
     version = h[1]
     if version in (1, 2):
         _fail(path, f"checkpoint version {version} (unpadded vocab) is no longer supported",
@@ -528,7 +546,7 @@ def _validate_checkpoint_header(path, h, size):
     if size != want:
         why = "file truncated?" if size < want else "trailing bytes or wrong config in header?"
         _fail(path, f"expected {_n(want)} bytes ({_n(hdr.num_params)} {hdr.dtype} parameters + header), "
-                    f"found {_n(size)}: {why}")
+                    f"found {_n(size)}: {why}", _DAMAGED_HINT)
     return hdr
 
 

@@ -122,6 +122,35 @@ def test_short_missing_and_odd_files(tmp_path):
     expect_problem(lambda: F.identify(ll), ll, "llama-3 checkpoint")
 
 
+def test_unusable_files_carry_a_hint(tmp_path):
+    """Missing, directory, empty, short, truncated: each error has a Hint (the CLI prints it)."""
+    empty = write(tmp_path / "empty.bin", b"")
+    short = write(tmp_path / "short.bin", hdr(20240326, 3)[:100])
+    cut = write(tmp_path / "cut.bin", hdr(20240326, 3, 32, 256, 2, 2, 32, 256) + bytes(400))
+    cases = [(F.read_shard_header, tmp_path / "missing.bin", "check the path"),
+             (F.read_shard_header, tmp_path, "'DIR/*.bin'"),
+             (F.read_shard_header, empty, "re-create it"),
+             (F.read_checkpoint_header, short, "re-create it"),
+             (F.read_checkpoint_header, cut, "re-create it"),
+             (F.identify, write(tmp_path / "two.bin", b"ab"), "re-create it")]
+    for fn, path, frag in cases:
+        err = expect_problem(lambda: fn(path), path)
+        assert err.hint and frag in err.hint, (path, err.hint)
+
+
+def test_wrong_kind_hint_names_what_the_file_is(tmp_path):
+    shard = write(tmp_path / "shard.bin", hdr(20240520, 1, 4) + bytes(8))
+    state = write(tmp_path / "state.bin", hdr(20240527, 1) + bytes(64))
+    err = expect_problem(lambda: F.read_checkpoint_header(shard), shard, "not a GPT-2 checkpoint")
+    assert "this is a GPT-2 token shard" in err.hint
+    err = expect_problem(lambda: F.read_checkpoint_header(state), state, "not a GPT-2 checkpoint")
+    assert "optimizer state" in err.hint and "model_*.bin" in err.hint
+    err = expect_problem(lambda: F.read_eval_header(shard), shard, "not an eval file")
+    assert "this is a GPT-2 token shard" in err.hint and "prepro hellaswag" in err.hint
+    junk = write(tmp_path / "junk.bin", hdr(12345) + bytes(8))
+    assert "not an llm.c file" in expect_problem(lambda: F.read_eval_header(junk), junk).hint
+
+
 def test_identify_every_kind(tmp_path):
     for magic, kind in [(20240520, "shard"), (20240801, "shard-llama3"), (20240522, "eval"),
                         (20240326, "checkpoint"), (20240328, "tokenizer"), (20240527, "state"),
