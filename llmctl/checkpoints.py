@@ -157,6 +157,11 @@ class Checkpoints:
         self.written.add(step)
         return model_path
 
+    def damaged(self, err, step):
+        """A FormatError for a file of checkpoint `step` read by -y 1, hinting the way out."""
+        return FormatError(err.message, hint=f"delete {self.paths(step)[2]} to resume from the "
+                                             "checkpoint before it (or start over with -y 0)")
+
     def load(self, step, model, loader, detectors=None, restore_loader=True):
         """Resume from checkpoint `step` (its model was loaded as -e): this rank's state file
         into model.m/v (and fp32 master weights), the loader's position and shuffle state
@@ -170,7 +175,10 @@ class Checkpoints:
             raise FormatError(f"{path}: missing (DONE_{step:08d} exists but this rank's state "
                               "file does not)", hint="resume with the same number of processes, "
                               "or delete the incomplete checkpoint")
-        st = read_state_file(path, num_parameters=model.num_parameters)
+        try:
+            st = read_state_file(path, num_parameters=model.num_parameters)
+        except FormatError as e:
+            raise self.damaged(e, step) from None
         if st.step != step:
             raise FormatError(f"{path}: says step {st.step} but belongs to checkpoint {step}",
                               hint="the checkpoint directory is inconsistent; delete DONE_"

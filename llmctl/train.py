@@ -36,7 +36,7 @@ from llmctl.checkpoints import OUTPUT_HINT, Checkpoints, os_error
 from llmctl.data import TokenWindows, WindowBatches, split_inputs
 from llmctl.distributed.base import SingleProcessComm
 from llmctl.display import Display
-from llmctl.errors import ConfigError, DataError, LlmctlError
+from llmctl.errors import ConfigError, DataError, FormatError, LlmctlError
 from llmctl.loader import DataLoader
 from llmctl.model import load as load_model, peek_config
 from llmctl.outlier import OutlierDetector, as_float32, skip_update
@@ -186,7 +186,13 @@ class Trainer:
                                           progress=self.is_master)
             self.init_note = f"{init_spec} (no -e: {how})"
         self.init_spec = init_spec
-        self.hellaswag_examples = self._check_fits(peek_config(init_spec))
+        try:
+            init_config = peek_config(init_spec)
+        except FormatError as e:
+            if self.resume_step < 0:
+                raise
+            raise self.checkpoints.damaged(e, self.resume_step) from None
+        self.hellaswag_examples = self._check_fits(init_config)
         self.checkpoints.claim(cfg.resume)
 
         # 4. model, optimizer schedule, -sl/-sg's outlier detectors over loss and grad norm

@@ -23,7 +23,7 @@ import pytest
 from conftest import shared_file
 from spikes import poisoned_trainer
 from llmctl.display import Display, PlainDisplay
-from llmctl.errors import ConfigError
+from llmctl.errors import ConfigError, FormatError
 from llmctl.schedulers import get_learning_rate
 from llmctl.train import TrainConfig, TrainingDiverged, TrainInterrupted, train
 
@@ -1104,6 +1104,21 @@ def test_ctrl_c_checkpoint_on_the_grid_rotates_like_a_regular_one(data, tmp_path
                       val_loss_every=0), display=_StopAfter(3))
     assert sorted(n for n in os.listdir(out) if n.startswith(("DONE_", "model_", "state_"))) == \
         ["DONE_00000004", "model_00000004.bin", "state_00000004_00000.bin"]
+
+
+@pytest.mark.parametrize("victim", ["model_00000004.bin", "state_00000004_00000.bin"])
+def test_resume_from_a_damaged_checkpoint_hints_deleting_its_done(data, tmp_path, victim):
+    out = tmp_path / "r"
+    kw = dict(max_steps=4, checkpoint_every=2, val_loss_every=0)
+    train(cfg_for(data, out, **kw))
+    with open(out / victim, "r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(FormatError, match=victim) as e:
+        train(cfg_for(data, out, resume=1, max_steps=6, checkpoint_every=2, val_loss_every=0))
+    assert "DONE_00000004" in e.value.hint
+    os.remove(out / "DONE_00000004")  # what the hint says: resume from step 2 instead
+    s = train(cfg_for(data, out, resume=1, max_steps=6, checkpoint_every=2, val_loss_every=0))
+    assert s["start_step"] == 2 and s["steps_run"] == 4
 
 
 class _ValSigint:
