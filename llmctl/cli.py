@@ -623,13 +623,17 @@ def sample_cmd(
     check_sampling(temperature, top_k, top_p)
     _check_threads(threads)
     if prompt is not None and prompt_file is not None:
-        raise ConfigError("give --prompt or --prompt-file, not both")
+        raise ConfigError("give --prompt or --prompt-file, not both", hint="drop one of the two")
     if prompt_file is not None:
         try:
             with open(prompt_file, encoding="utf-8") as f:
                 prompt = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{prompt_file}: cannot read the prompt: {e}") from None
+        except OSError as e:
+            raise ConfigError(f"--prompt-file {prompt_file}: cannot read it ({e.strerror or e})",
+                              hint="pass a UTF-8 text file, or the prompt itself with -p") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"--prompt-file {prompt_file}: not UTF-8 text (byte {e.start}: {e.reason})",
+                              hint="pass a UTF-8 text file, or the prompt itself with -p") from None
     tok = get_tokenizer()
     prompt_tokens = tok.encoding.encode(prompt, allowed_special={"<|endoftext|>"}) if prompt else []
     model = _load_model(checkpoint, threads, precision, json_out)

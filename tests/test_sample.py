@@ -293,6 +293,14 @@ def test_cli_prompt_file_and_eot_text(tiny, tmp_path, capsys):
     assert code == 2 and "not both" in err
     code, out, err = _run(["sample", "--threads", "1", "-e", path, "--prompt-file", str(tmp_path / "nope.txt")], capsys)
     assert code == 2 and "nope.txt" in err
+    for bad, why in [(tmp_path / "nope.txt", "No such file"), (tmp_path, "Is a directory")]:
+        code, out, err = _run(["sample", "--threads", "1", "-e", path, "--prompt-file", str(bad)], capsys)
+        assert code == 2 and f"Error: --prompt-file {bad}: cannot read it ({why}" in err
+        assert "Hint: pass a UTF-8 text file" in err and "Errno" not in err
+    (tmp_path / "bin.txt").write_bytes(b"ab\xff")
+    code, out, err = _run(["sample", "--threads", "1", "-e", path, "--prompt-file", str(tmp_path / "bin.txt")],
+                          capsys)
+    assert code == 2 and "not UTF-8 text (byte 2" in err and "Hint:" in err
 
 
 # ----------------------------------------------------------------------------------------------
