@@ -134,7 +134,7 @@ def test_unusable_files_carry_a_hint(tmp_path):
              (F.read_checkpoint_header, cut, "re-create it"),
              (F.identify, write(tmp_path / "two.bin", b"ab"), "re-create it")]
     for fn, path, frag in cases:
-        err = expect_problem(lambda: fn(path), path)
+        err = expect_problem(lambda fn=fn, path=path: fn(path), path)
         assert err.hint and frag in err.hint, (path, err.hint)
 
 
