@@ -596,36 +596,27 @@ def write_checkpoint(path, header_or_config, params, dtype="float32"):
     (max_seq_len, vocab_size, num_layers, num_heads, channels, padded_vocab_size) or the letters
     maxT, V, L, NH, C, Vp. params: the flat fp32 parameters in checkpoint order.
     """
-    if dtype in ("float32", "fp32"):
-        version = 3
-    elif dtype in ("bfloat16", "bf16"):
-        version = 5
-    else:
-        raise ValueError(f"dtype must be 'float32' or 'bfloat16', not {dtype!r}")
-    hdr = _as_checkpoint_header(header_or_config, version)
     p = np.asarray(params).reshape(-1)
+    hdr = _as_checkpoint_header(header_or_config, _checkpoint_version(dtype))
     if p.size != hdr.num_params:
         raise ValueError(f"params has {_n(p.size)} values but the config needs {_n(hdr.num_params)}")
-    with atomic_open(path) as f:
-        f.write(hdr.to_bytes())
-        if version == 3:
-            _write_array(f, p, "<f4")
-        else:
-            step = 1 << 22
-            for i in range(0, p.size, step):
-                f.write(fp32_to_bf16_bits(p[i:i + step]).astype("<u2").tobytes())
+    step = 1 << 22  # bf16 is converted a chunk at a time, not as a second copy of the model
+    write_checkpoint_tensors(path, hdr, (p[i:i + step] for i in range(0, p.size, step)), dtype)
+
+
+def _checkpoint_version(dtype):
+    if dtype in ("float32", "fp32"):
+        return 3
+    if dtype in ("bfloat16", "bf16"):
+        return 5
+    raise ValueError(f"dtype must be 'float32' or 'bfloat16', not {dtype!r}")
 
 
 def write_checkpoint_tensors(path, header_or_config, tensors, dtype="float32"):
     """write_checkpoint from an iterable of fp32 arrays that together are the flat parameters in
     checkpoint order (any split: a tensor, one layer of a tensor, ...), so a converter never holds
     the whole model twice. Atomic; the count must come out exactly at num_params."""
-    if dtype in ("float32", "fp32"):
-        version = 3
-    elif dtype in ("bfloat16", "bf16"):
-        version = 5
-    else:
-        raise ValueError(f"dtype must be 'float32' or 'bfloat16', not {dtype!r}")
+    version = _checkpoint_version(dtype)
     hdr = _as_checkpoint_header(header_or_config, version)
     written = 0
     with atomic_open(path) as f:
