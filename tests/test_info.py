@@ -41,14 +41,29 @@ def test_info_json_reports_version_openmp_threads_and_blas():
     assert info["blas"] is not None and info["blas"].rsplit(" (", 1)[0] in apis
 
 
-def test_info_and_version_print_the_same_three_lines():
+def test_info_and_version_print_the_same_five_lines():
+    from llmctl._ext import matmul
+
     text = _cli("info", env={"OMP_NUM_THREADS": "2"})
     lines = text.splitlines()
+    assert len(lines) == 5, text
     assert lines[0] == f"llmctl {_project_version()}"
     want = "yes" if buildinfo.openmp_enabled() else "NO (serial build)"
     assert lines[1] == f"OpenMP: {want}, threads: 2"
-    assert re.fullmatch(r"BLAS: \S+ \S+ \(.*\)|BLAS: unknown", lines[2]), lines[2]
+    v = matmul.dnnl_version()
+    if matmul.default_backend() == "dnnl":
+        assert lines[2] == f"GEMM engine: oneDNN {'.'.join(map(str, v))} (dnnl_sgemm); fallback: scipy BLAS"
+    else:
+        assert lines[2].startswith("GEMM engine: scipy BLAS ("), lines[2]
+    if matmul.bf16_native():
+        assert lines[3].startswith("precisions: fp32, bf16 (native: "), lines[3]
+    else:
+        assert lines[3].startswith("precisions: fp32 (bf16: no, "), lines[3]
+    assert re.fullmatch(r"BLAS: \S+ \S+ \(.*\)|BLAS: unknown", lines[4]), lines[4]
     assert _cli("--version", env={"OMP_NUM_THREADS": "2"}) == text
+    # the same facts as --json gives
+    info = json.loads(_cli("info", "--json"))
+    assert info["engine"] == matmul.default_backend() and ("bf16" in info["precisions"]) == matmul.bf16_native()
 
 
 def test_ci_build_has_openmp():
