@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import reference as ref
+from test_kernels import _assert_dot_close, _f32  # the float32 dot-product error bound
 from llmctl._ext import adamw, convert, layers, matmul
 
 U32 = 2.0 ** -24
@@ -58,16 +59,6 @@ def from_bf16(h):
     return (np.asarray(h, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
-def _f32(rng, *shape, scale=1.0):
-    return (rng.standard_normal(shape) * scale).astype(np.float32)
-
-
-def _assert_dot_close(got, want, abs_terms, K, what):
-    gamma = (K + 2) * U32 / (1 - (K + 2) * U32)
-    bound = 2 * gamma * abs_terms + 1e-30
-    err = np.abs(got.astype(np.float64) - want)
-    worst = np.max(err / bound)
-    assert worst <= 1.0, f"{what}: error {err.max():.3e} exceeds the float32 dot bound ({worst:.2f}x)"
 
 
 # ---------------------------------------------------------------------------------------------
