@@ -195,6 +195,13 @@ class Checkpoints:
             model.params_changed()   # a bf16 model re-casts its matmul copy
         if not restore_loader:
             pass
+        elif st.should_shuffle != (loader.sampler == "llmc"):
+            # a train loader is llm.c's shuffled one or the window sampler, whose state is unshuffled
+            written = "llmc" if st.should_shuffle else "windows"
+            raise ConfigError(f"{path}: written by a run with --sampler {written}, but this run "
+                              f"uses --sampler {loader.sampler}",
+                              hint=f"resume with --sampler {written}, or start over with -y 0 "
+                                   "or a new -o")
         elif st.should_shuffle:
             loader.load_state(st.shard_indices, st.intra_shard_indices, st.mt_state,
                               st.current_shard_idx, st.current_sample_idx, source=path)

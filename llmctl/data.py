@@ -123,6 +123,7 @@ class WindowBatches:
     llmctl.loader.DataLoader's checkpoint interface: `state()` in the shape of llm.c's loader
     state (unshuffled; the position fields hold epoch and batch) and `resume(epoch, batch)`.
     """
+    sampler = "windows"
 
     def __init__(self, dataset, B, process_rank=0, num_processes=1, seed=42):
         self.ds = dataset

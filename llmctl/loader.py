@@ -49,6 +49,7 @@ class DataLoader:
     pattern: a glob (sorted, as llm.c's glob) or a list of shard paths, used in that order.
     seed: the shuffle RNG of rank r is seeded with seed + r (llm.c hard-codes 42).
     """
+    sampler = "llmc"  # `train --sampler` of this loader (checkpoints.load compares it on resume)
 
     def __init__(self, pattern, B, T, process_rank=0, num_processes=1, shuffle=True, seed=42,
                  vocab_size=None, n_threads=1):

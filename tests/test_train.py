@@ -1267,3 +1267,17 @@ def test_sampler_windows_trains_on_shuffled_windows_and_resumes(data, tmp_path):
     # and it is not llm.c's order
     train(cfg_for(data, tmp_path / "llmc", **dict(kw, sampler="llmc")))
     assert metrics(tmp_path / "llmc")[0]["train_loss"] != metrics(a)[0]["train_loss"]
+
+
+@pytest.mark.parametrize("first,then", [("windows", "llmc"), ("llmc", "windows")])
+def test_resume_with_the_other_sampler_is_one_error_naming_both(data, tmp_path, first, then):
+    out = tmp_path / "run"
+    kw = dict(max_steps=2, checkpoint_every=2, val_loss_every=0, total_batch_size=4 * 32)
+    train(cfg_for(data, out, sampler=first, **kw))
+    with pytest.raises(ConfigError) as e:
+        train(cfg_for(data, out, sampler=then, resume=1, **dict(kw, max_steps=4)))
+    assert f"written by a run with --sampler {first}, but this run uses --sampler {then}" in e.value.message
+    assert "state_00000002_00000.bin" in e.value.message and f"--sampler {first}" in e.value.hint
+    assert not (out / "DONE_00000004").exists()
+    train(cfg_for(data, out, sampler=first, resume=1, **dict(kw, max_steps=4)))  # the same sampler resumes
+    assert (out / "DONE_00000004").exists()
