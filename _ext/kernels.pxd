@@ -105,6 +105,9 @@ cdef inline int eff_threads(int n_threads, Py_ssize_t work, Py_ssize_t grain) no
     return <int>t
 
 
+cdef inline Py_ssize_t imin(Py_ssize_t a, Py_ssize_t b) noexcept nogil:
+    return a if a < b else b
+
 
 cdef inline int check_disjoint(str a, const float* pa, Py_ssize_t na, str b, const float* pb,
                                Py_ssize_t nb) except -1:

@@ -22,11 +22,9 @@ from libc.math cimport log, sqrt
 from libc.string cimport memcpy
 from libc.stdint cimport uint16_t
 
-from kernels cimport (check_threads, check_len, check_positive, check_disjoint, eff_threads,
+from bf16 cimport out_t, store
+from kernels cimport (check_threads, check_len, check_positive, check_disjoint, eff_threads, imin,
                       llmctl_expf, llmctl_tanhf, llmctl_sech2f)
-
-cdef extern from "bf16.h" nogil:
-    uint16_t llmctl_f32_to_bf16(float x)
 
 cdef enum:
     CCHUNK = 64         # channels per task in the column-parallel reductions (stack accumulators)
@@ -135,7 +133,7 @@ cdef void _layernorm_stats(float* mean, float* rstd, const float* x, int C) noex
     rstd[0] = <float>(1.0 / sqrt(var + 1e-5))
 
 
-cdef void _layernorm_row(float* out, float* mean, float* rstd, const float* x, const float* w,
+cdef void _layernorm_row(out_t* out, float* mean, float* rstd, const float* x, const float* w,
                          const float* b, int C) noexcept nogil:
     cdef float mf, rf
     cdef int i
@@ -143,36 +141,16 @@ cdef void _layernorm_row(float* out, float* mean, float* rstd, const float* x, c
     mf = mean[0]
     rf = rstd[0]
     for i in range(C):
-        out[i] = (x[i] - mf) * rf * w[i] + b[i]
+        store(out, i, (x[i] - mf) * rf * w[i] + b[i])
 
 
-cdef void _layernorm_row_bf16(uint16_t* out, float* mean, float* rstd, const float* x, const float* w,
-                              const float* b, int C) noexcept nogil:
-    # the same values as _layernorm_row, rounded to bf16 as they are written
-    cdef float mf, rf
-    cdef int i
-    _layernorm_stats(mean, rstd, x, C)
-    mf = mean[0]
-    rf = rstd[0]
-    for i in range(C):
-        out[i] = llmctl_f32_to_bf16((x[i] - mf) * rf * w[i] + b[i])
-
-
-cdef void _layernorm_forward(float* out, float* mean, float* rstd, const float* inp,
+cdef void _layernorm_forward(out_t* out, float* mean, float* rstd, const float* inp,
                              const float* weight, const float* bias, int N, int C,
                              int n_threads) noexcept nogil:
     # out (N,C) = (inp - mean) * rstd * weight (C) + bias (C); mean, rstd (N) cached; eps 1e-5
     cdef Py_ssize_t n
     for n in prange(N, schedule='static', num_threads=n_threads):
         _layernorm_row(out + n * C, mean + n, rstd + n, inp + n * C, weight, bias, C)
-
-
-cdef void _layernorm_forward_bf16(uint16_t* out, float* mean, float* rstd, const float* inp,
-                                  const float* weight, const float* bias, int N, int C,
-                                  int n_threads) noexcept nogil:
-    cdef Py_ssize_t n
-    for n in prange(N, schedule='static', num_threads=n_threads):
-        _layernorm_row_bf16(out + n * C, mean + n, rstd + n, inp + n * C, weight, bias, C)
 
 
 cdef void _layernorm_dinp_row(float* dx, const float* dy, const float* x, const float* w,
@@ -258,7 +236,7 @@ cdef void _layernorm_backward(float* dinp, float* dweight, float* dbias, const f
 # ---------------------------------------------------------------------------------------------
 # GELU (tanh form) and residual: elementwise, chunked so the inner loops vectorise
 
-cdef void _gelu_fwd_chunk(float* out, const float* x, Py_ssize_t n) noexcept nogil:
+cdef void _gelu_fwd_chunk(out_t* out, const float* x, Py_ssize_t n) noexcept nogil:
     # float constants in locals so the arithmetic stays in float (as llm.c), not double
     cdef float k = GELU_SCALE, c3 = 0.044715, half = 0.5, one = 1.0
     cdef Py_ssize_t i
@@ -266,17 +244,7 @@ cdef void _gelu_fwd_chunk(float* out, const float* x, Py_ssize_t n) noexcept nog
     for i in range(n):
         xi = x[i]
         u = k * (xi + c3 * xi * xi * xi)
-        out[i] = half * xi * (one + llmctl_tanhf(u))
-
-
-cdef void _gelu_fwd_chunk_bf16(uint16_t* out, const float* x, Py_ssize_t n) noexcept nogil:
-    cdef float k = GELU_SCALE, c3 = 0.044715, half = 0.5, one = 1.0
-    cdef Py_ssize_t i
-    cdef float xi, u
-    for i in range(n):
-        xi = x[i]
-        u = k * (xi + c3 * xi * xi * xi)
-        out[i] = llmctl_f32_to_bf16(half * xi * (one + llmctl_tanhf(u)))
+        store(out, i, half * xi * (one + llmctl_tanhf(u)))
 
 
 cdef void _gelu_bwd_chunk(float* dx, const float* x, const float* dy, Py_ssize_t n) noexcept nogil:
@@ -305,57 +273,36 @@ cdef void _residual_bwd_chunk(float* da, float* db, const float* dy, Py_ssize_t 
         db[i] += dy[i]
 
 
-cdef void _gelu_forward(float* out, const float* inp, Py_ssize_t N, int n_threads) noexcept nogil:
-    cdef Py_ssize_t ch, s, e
+# each task: elements [s, s + ECHUNK) clipped to N
+cdef void _gelu_forward(out_t* out, const float* inp, Py_ssize_t N, int n_threads) noexcept nogil:
+    cdef Py_ssize_t ch, s
     for ch in prange(_nchunks(N, ECHUNK), schedule='static', num_threads=n_threads):
         s = ch * ECHUNK
-        e = s + ECHUNK
-        if e > N:
-            e = N
-        _gelu_fwd_chunk(out + s, inp + s, e - s)
-
-
-cdef void _gelu_forward_bf16(uint16_t* out, const float* inp, Py_ssize_t N, int n_threads) noexcept nogil:
-    cdef Py_ssize_t ch, s, e
-    for ch in prange(_nchunks(N, ECHUNK), schedule='static', num_threads=n_threads):
-        s = ch * ECHUNK
-        e = s + ECHUNK
-        if e > N:
-            e = N
-        _gelu_fwd_chunk_bf16(out + s, inp + s, e - s)
+        _gelu_fwd_chunk(out + s, inp + s, imin(ECHUNK, N - s))
 
 
 cdef void _gelu_backward(float* dinp, const float* inp, const float* dout, Py_ssize_t N,
                          int n_threads) noexcept nogil:
-    cdef Py_ssize_t ch, s, e
+    cdef Py_ssize_t ch, s
     for ch in prange(_nchunks(N, ECHUNK), schedule='static', num_threads=n_threads):
         s = ch * ECHUNK
-        e = s + ECHUNK
-        if e > N:
-            e = N
-        _gelu_bwd_chunk(dinp + s, inp + s, dout + s, e - s)
+        _gelu_bwd_chunk(dinp + s, inp + s, dout + s, imin(ECHUNK, N - s))
 
 
 cdef void _residual_forward(float* out, const float* inp1, const float* inp2, Py_ssize_t N,
                             int n_threads) noexcept nogil:
-    cdef Py_ssize_t ch, s, e
+    cdef Py_ssize_t ch, s
     for ch in prange(_nchunks(N, ECHUNK), schedule='static', num_threads=n_threads):
         s = ch * ECHUNK
-        e = s + ECHUNK
-        if e > N:
-            e = N
-        _residual_fwd_chunk(out + s, inp1 + s, inp2 + s, e - s)
+        _residual_fwd_chunk(out + s, inp1 + s, inp2 + s, imin(ECHUNK, N - s))
 
 
 cdef void _residual_backward(float* dinp1, float* dinp2, const float* dout, Py_ssize_t N,
                              int n_threads) noexcept nogil:
-    cdef Py_ssize_t ch, s, e
+    cdef Py_ssize_t ch, s
     for ch in prange(_nchunks(N, ECHUNK), schedule='static', num_threads=n_threads):
         s = ch * ECHUNK
-        e = s + ECHUNK
-        if e > N:
-            e = N
-        _residual_bwd_chunk(dinp1 + s, dinp2 + s, dout + s, e - s)
+        _residual_bwd_chunk(dinp1 + s, dinp2 + s, dout + s, imin(ECHUNK, N - s))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -423,36 +370,18 @@ cdef void _softmax_crossentropy_forward(float* losses, float* probs, const float
         _softmax_xent_row(losses + bt, probs + bt * Vp, logits + bt * Vp, targets[bt], V, Vp)
 
 
-cdef void _xent_bwd_row(float* dlogits, const float* probs, int target, float dloss,
+cdef void _xent_bwd_row(out_t* dlogits, const float* probs, int target, float dloss,
                         int V, int Vp) noexcept nogil:
     cdef int i
-    cdef float pt = probs[target]  # read first: dlogits may alias probs
+    cdef float pt = probs[target]  # read first: fp32 dlogits may alias probs
     for i in range(V):
-        dlogits[i] = probs[i] * dloss
-    dlogits[target] = (pt - <float>1.0) * dloss
+        store(dlogits, i, probs[i] * dloss)
+    store(dlogits, target, (pt - <float>1.0) * dloss)
     for i in range(V, Vp):
-        dlogits[i] = 0.0
+        dlogits[i] = 0  # +0.0 in fp32 and in bf16
 
 
-cdef void _xent_bwd_row_bf16(uint16_t* dlogits, const float* probs, int target, float dloss,
-                             int V, int Vp) noexcept nogil:
-    cdef int i
-    for i in range(V):
-        dlogits[i] = llmctl_f32_to_bf16(probs[i] * dloss)
-    dlogits[target] = llmctl_f32_to_bf16((probs[target] - <float>1.0) * dloss)
-    for i in range(V, Vp):
-        dlogits[i] = 0
-
-
-cdef void _softmax_crossentropy_backward_bf16(uint16_t* dlogits, const float* probs, const int* targets,
-                                              const float* dlosses, int BT, int V, int Vp,
-                                              int n_threads) noexcept nogil:
-    cdef Py_ssize_t bt
-    for bt in prange(BT, schedule='static', num_threads=n_threads):
-        _xent_bwd_row_bf16(dlogits + bt * Vp, probs + bt * Vp, targets[bt], dlosses[bt], V, Vp)
-
-
-cdef void _softmax_crossentropy_backward(float* dlogits, const float* probs, const int* targets,
+cdef void _softmax_crossentropy_backward(out_t* dlogits, const float* probs, const int* targets,
                                          const float* dlosses, int BT, int V, int Vp,
                                          int n_threads) noexcept nogil:
     cdef Py_ssize_t bt
@@ -507,9 +436,11 @@ def encoder_backward(float[::1] dwte, float[::1] dwpe, const float[::1] dout, co
         _encoder_backward(&dwte[0], &dwpe[0], &dout[0], &inp[0], B, T, C, n_threads)
 
 
-def layernorm_forward(float[::1] out, float[::1] mean, float[::1] rstd, const float[::1] inp,
-                      const float[::1] weight, const float[::1] bias, int N, int C, int n_threads=1):
-    """out (N,C) = layernorm(inp (N,C)) * weight (C) + bias (C); caches mean, rstd (N). eps 1e-5."""
+# The fp32 and bf16 forms of a kernel share one checked body (`_checked_*`, over out_t).
+
+cdef int _checked_layernorm_forward(out_t[::1] out, float[::1] mean, float[::1] rstd,
+                                    const float[::1] inp, const float[::1] weight,
+                                    const float[::1] bias, int N, int C, int n_threads) except -1:
     check_threads(n_threads)
     check_positive("N", N); check_positive("C", C)
     check_len("out", out.shape[0], <Py_ssize_t>N * C)
@@ -521,23 +452,20 @@ def layernorm_forward(float[::1] out, float[::1] mean, float[::1] rstd, const fl
     n_threads = eff_threads(n_threads, <Py_ssize_t>N * C, _grain)
     with nogil:
         _layernorm_forward(&out[0], &mean[0], &rstd[0], &inp[0], &weight[0], &bias[0], N, C, n_threads)
+    return 0
+
+
+def layernorm_forward(float[::1] out, float[::1] mean, float[::1] rstd, const float[::1] inp,
+                      const float[::1] weight, const float[::1] bias, int N, int C, int n_threads=1):
+    """out (N,C) = layernorm(inp (N,C)) * weight (C) + bias (C); caches mean, rstd (N). eps 1e-5."""
+    _checked_layernorm_forward(out, mean, rstd, inp, weight, bias, N, C, n_threads)
 
 
 def layernorm_forward_bf16(uint16_t[::1] out, float[::1] mean, float[::1] rstd, const float[::1] inp,
                            const float[::1] weight, const float[::1] bias, int N, int C, int n_threads=1):
     """layernorm_forward with out (N,C) written as bf16 (round to nearest even) instead of fp32:
     the matmul that follows reads bf16, and layernorm_backward needs only inp, mean and rstd."""
-    check_threads(n_threads)
-    check_positive("N", N); check_positive("C", C)
-    check_len("out", out.shape[0], <Py_ssize_t>N * C)
-    check_len("mean", mean.shape[0], N)
-    check_len("rstd", rstd.shape[0], N)
-    check_len("inp", inp.shape[0], <Py_ssize_t>N * C)
-    check_len("weight", weight.shape[0], C)
-    check_len("bias", bias.shape[0], C)
-    n_threads = eff_threads(n_threads, <Py_ssize_t>N * C, _grain)
-    with nogil:
-        _layernorm_forward_bf16(&out[0], &mean[0], &rstd[0], &inp[0], &weight[0], &bias[0], N, C, n_threads)
+    _checked_layernorm_forward(out, mean, rstd, inp, weight, bias, N, C, n_threads)
 
 
 def layernorm_backward(float[::1] dinp, float[::1] dweight, float[::1] dbias, const float[::1] dout,
@@ -561,8 +489,7 @@ def layernorm_backward(float[::1] dinp, float[::1] dweight, float[::1] dbias, co
                             &mean[0], &rstd[0], N, C, n_threads)
 
 
-def gelu_forward(float[::1] out, const float[::1] inp, long N, int n_threads=1):
-    """out (N) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). out may alias inp."""
+cdef int _checked_gelu_forward(out_t[::1] out, const float[::1] inp, long N, int n_threads) except -1:
     check_threads(n_threads)
     check_positive("N", N)
     check_len("out", out.shape[0], N)
@@ -570,17 +497,17 @@ def gelu_forward(float[::1] out, const float[::1] inp, long N, int n_threads=1):
     n_threads = eff_threads(n_threads, N, _grain)
     with nogil:
         _gelu_forward(&out[0], &inp[0], N, n_threads)
+    return 0
+
+
+def gelu_forward(float[::1] out, const float[::1] inp, long N, int n_threads=1):
+    """out (N) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). out may alias inp."""
+    _checked_gelu_forward(out, inp, N, n_threads)
 
 
 def gelu_forward_bf16(uint16_t[::1] out, const float[::1] inp, long N, int n_threads=1):
     """gelu_forward with out (N) written as bf16 (the fcproj matmul reads it; gelu_backward uses inp)."""
-    check_threads(n_threads)
-    check_positive("N", N)
-    check_len("out", out.shape[0], N)
-    check_len("inp", inp.shape[0], N)
-    n_threads = eff_threads(n_threads, N, _grain)
-    with nogil:
-        _gelu_forward_bf16(&out[0], &inp[0], N, n_threads)
+    _checked_gelu_forward(out, inp, N, n_threads)
 
 
 def gelu_backward(float[::1] dinp, const float[::1] inp, const float[::1] dout, long N, int n_threads=1):
@@ -620,55 +547,50 @@ def residual_backward(float[::1] dinp1, float[::1] dinp2, const float[::1] dout,
         _residual_backward(&dinp1[0], &dinp2[0], &dout[0], N, n_threads)
 
 
-def softmax_crossentropy_forward(float[::1] losses, float[::1] probs, const float[::1] logits,
-                                 const int[::1] targets, int BT, int V, int Vp, int n_threads=1):
-    """Per row of logits (BT,Vp): probs = softmax over the first V (probs[V:Vp] = 0) and
-    losses (BT) = -log probs[target]. probs may be the same buffer as logits (in place)."""
+cdef int _check_xent(str rows, Py_ssize_t rows_len, str vec, Py_ssize_t vec_len, const float[::1] probs,
+                     const int[::1] targets, int BT, int V, int Vp, int n_threads) except -1:
+    # shared checks of the loss kernels: `rows` is the other (BT,Vp) buffer, `vec` the other (BT)
     check_threads(n_threads)
     check_positive("BT", BT); check_positive("V", V)
     if Vp < V:
         raise ValueError(f"Vp={Vp} is smaller than V={V}")
-    check_len("losses", losses.shape[0], BT)
+    check_len(rows, rows_len, <Py_ssize_t>BT * Vp)
     check_len("probs", probs.shape[0], <Py_ssize_t>BT * Vp)
-    check_len("logits", logits.shape[0], <Py_ssize_t>BT * Vp)
+    check_len(vec, vec_len, BT)
     check_len("targets", targets.shape[0], BT)
     _check_ids("targets", targets, V)
+    return 0
+
+
+def softmax_crossentropy_forward(float[::1] losses, float[::1] probs, const float[::1] logits,
+                                 const int[::1] targets, int BT, int V, int Vp, int n_threads=1):
+    """Per row of logits (BT,Vp): probs = softmax over the first V (probs[V:Vp] = 0) and
+    losses (BT) = -log probs[target]. probs may be the same buffer as logits (in place)."""
+    _check_xent("logits", logits.shape[0], "losses", losses.shape[0], probs, targets, BT, V, Vp, n_threads)
     n_threads = eff_threads(n_threads, <Py_ssize_t>BT * V, _grain)
     with nogil:
         _softmax_crossentropy_forward(&losses[0], &probs[0], &logits[0], &targets[0], BT, V, Vp, n_threads)
+
+
+cdef int _checked_softmax_crossentropy_backward(out_t[::1] dlogits, const float[::1] probs,
+                                                const int[::1] targets, const float[::1] dlosses,
+                                                int BT, int V, int Vp, int n_threads) except -1:
+    _check_xent("dlogits", dlogits.shape[0], "dlosses", dlosses.shape[0], probs, targets, BT, V, Vp, n_threads)
+    n_threads = eff_threads(n_threads, <Py_ssize_t>BT * V, _grain)
+    with nogil:
+        _softmax_crossentropy_backward(&dlogits[0], &probs[0], &targets[0], &dlosses[0], BT, V, Vp, n_threads)
+    return 0
 
 
 def softmax_crossentropy_backward(float[::1] dlogits, const float[::1] probs, const int[::1] targets,
                                   const float[::1] dlosses, int BT, int V, int Vp, int n_threads=1):
     """OVERWRITE dlogits (BT,Vp): (probs - onehot(target)) * dlosses[bt] for i < V, 0 for padded.
     dlogits may be the same buffer as probs."""
-    check_threads(n_threads)
-    check_positive("BT", BT); check_positive("V", V)
-    if Vp < V:
-        raise ValueError(f"Vp={Vp} is smaller than V={V}")
-    check_len("dlogits", dlogits.shape[0], <Py_ssize_t>BT * Vp)
-    check_len("probs", probs.shape[0], <Py_ssize_t>BT * Vp)
-    check_len("targets", targets.shape[0], BT)
-    check_len("dlosses", dlosses.shape[0], BT)
-    _check_ids("targets", targets, V)
-    n_threads = eff_threads(n_threads, <Py_ssize_t>BT * V, _grain)
-    with nogil:
-        _softmax_crossentropy_backward(&dlogits[0], &probs[0], &targets[0], &dlosses[0], BT, V, Vp, n_threads)
+    _checked_softmax_crossentropy_backward(dlogits, probs, targets, dlosses, BT, V, Vp, n_threads)
 
 
 def softmax_crossentropy_backward_bf16(uint16_t[::1] dlogits, const float[::1] probs, const int[::1] targets,
                                        const float[::1] dlosses, int BT, int V, int Vp, int n_threads=1):
     """softmax_crossentropy_backward with dlogits (BT,Vp) written as bf16: the lm-head backward
     GEMMs read it, and no fp32 copy is ever needed (the lm head has no bias)."""
-    check_threads(n_threads)
-    check_positive("BT", BT); check_positive("V", V)
-    if Vp < V:
-        raise ValueError(f"Vp={Vp} is smaller than V={V}")
-    check_len("dlogits", dlogits.shape[0], <Py_ssize_t>BT * Vp)
-    check_len("probs", probs.shape[0], <Py_ssize_t>BT * Vp)
-    check_len("targets", targets.shape[0], BT)
-    check_len("dlosses", dlosses.shape[0], BT)
-    _check_ids("targets", targets, V)
-    n_threads = eff_threads(n_threads, <Py_ssize_t>BT * V, _grain)
-    with nogil:
-        _softmax_crossentropy_backward_bf16(&dlogits[0], &probs[0], &targets[0], &dlosses[0], BT, V, Vp, n_threads)
+    _checked_softmax_crossentropy_backward(dlogits, probs, targets, dlosses, BT, V, Vp, n_threads)
