@@ -9,11 +9,8 @@ the loss backward, AdamW) write bf16 in their own pass.
 from cython.parallel cimport prange
 from libc.stdint cimport uint16_t
 
-from kernels cimport check_threads, check_len, eff_threads
-
-cdef extern from "bf16.h" nogil:
-    void llmctl_cast_bf16(uint16_t* dst, const float* src, Py_ssize_t n)
-    void llmctl_widen_bf16(float* dst, const uint16_t* src, Py_ssize_t n)
+from bf16 cimport llmctl_cast_bf16, llmctl_widen_bf16
+from kernels cimport check_threads, check_len, eff_threads, imin
 
 cdef enum:
     ECHUNK = 16384
@@ -29,37 +26,40 @@ def set_parallel_grain(Py_ssize_t grain):
     return old
 
 
-def cast_to_bf16(uint16_t[::1] out, const float[::1] inp, int n_threads=1):
-    """out (N) = bf16(inp (N)), round to nearest even; NaN -> 0x7FC0."""
-    cdef Py_ssize_t n = inp.shape[0], ch, s, e
+ctypedef fused dst_t:
+    float
+    uint16_t
+
+ctypedef fused src_t:
+    float
+    uint16_t
+
+
+cdef int _convert(dst_t[::1] out, const src_t[::1] inp, int n_threads) except -1:
+    # out = inp converted elementwise in ECHUNK tasks; only (bf16 <- fp32) and (fp32 <- bf16)
+    # are called, the other two specialisations are empty
+    cdef Py_ssize_t n = inp.shape[0], ch, s
     cdef int nt
     check_threads(n_threads)
     check_len("out", out.shape[0], n)
     if n == 0:
-        return
+        return 0
     nt = eff_threads(n_threads, n, _grain)
     with nogil:
         for ch in prange((n + ECHUNK - 1) // ECHUNK, schedule='static', num_threads=nt):
             s = ch * ECHUNK
-            e = s + ECHUNK
-            if e > n:
-                e = n
-            llmctl_cast_bf16(&out[0] + s, &inp[0] + s, e - s)
+            if dst_t is uint16_t and src_t is float:
+                llmctl_cast_bf16(&out[0] + s, &inp[0] + s, imin(ECHUNK, n - s))
+            elif dst_t is float and src_t is uint16_t:
+                llmctl_widen_bf16(&out[0] + s, &inp[0] + s, imin(ECHUNK, n - s))
+    return 0
+
+
+def cast_to_bf16(uint16_t[::1] out, const float[::1] inp, int n_threads=1):
+    """out (N) = bf16(inp (N)), round to nearest even; NaN -> 0x7FC0."""
+    _convert(out, inp, n_threads)
 
 
 def widen_bf16(float[::1] out, const uint16_t[::1] inp, int n_threads=1):
     """out (N) = float32(inp (N)), exact."""
-    cdef Py_ssize_t n = inp.shape[0], ch, s, e
-    cdef int nt
-    check_threads(n_threads)
-    check_len("out", out.shape[0], n)
-    if n == 0:
-        return
-    nt = eff_threads(n_threads, n, _grain)
-    with nogil:
-        for ch in prange((n + ECHUNK - 1) // ECHUNK, schedule='static', num_threads=nt):
-            s = ch * ECHUNK
-            e = s + ECHUNK
-            if e > n:
-                e = n
-            llmctl_widen_bf16(&out[0] + s, &inp[0] + s, e - s)
+    _convert(out, inp, n_threads)
