@@ -33,11 +33,8 @@ from libc.stdint cimport uintptr_t, uint16_t, int64_t
 from scipy.linalg.cython_blas cimport sgemm
 
 from _openmp cimport omp_get_thread_num
-from kernels cimport check_threads, check_len, check_positive, check_disjoint, eff_threads
-
-cdef extern from "bf16.h" nogil:
-    uint16_t llmctl_f32_to_bf16(float x)
-    void llmctl_widen_bf16(float* dst, const uint16_t* src, Py_ssize_t n)
+from bf16 cimport llmctl_f32_to_bf16, llmctl_widen_bf16
+from kernels cimport check_threads, check_len, check_positive, check_disjoint, eff_threads, imin
 
 cdef extern from "dnnl_gemm.h" nogil:
     int llmctl_cpu_bf16_flags()
@@ -207,32 +204,42 @@ cdef void _fill_bias_rows(float* out, const float* bias, int BT, int OC, int n_t
             row[o] = bias[o]
 
 
-cdef void _bias_grad_chunk(float* dbias, const float* dout, int BT, int OC, int o0, int o1) noexcept nogil:
-    # dbias[o0:o1] += sum over bt (in order) of dout[bt, o0:o1]; double accumulators
+cdef void _bias_grad_chunk(float* dbias, uint16_t* dst, const float* dout, int BT, int OC,
+                           int o0, int o1) noexcept nogil:
+    # dbias[o0:o1] += sum over bt (in order) of dout[bt, o0:o1], double accumulators; and, if dst
+    # is not NULL, dst[:, o0:o1] = bf16(dout[:, o0:o1]) in the same pass
     cdef double acc[BIAS_CHUNK]
     cdef int o, bt, n = o1 - o0
     cdef const float* row
+    cdef uint16_t* drow
     for o in range(n):
         acc[o] = 0.0
     for bt in range(BT):
         row = dout + <Py_ssize_t>bt * OC + o0
+        if dst == NULL:
+            for o in range(n):
+                acc[o] += row[o]
+        else:
+            drow = dst + <Py_ssize_t>bt * OC + o0
+            for o in range(n):
+                acc[o] += row[o]
+                drow[o] = llmctl_f32_to_bf16(row[o])
+    if dbias != NULL:
         for o in range(n):
-            acc[o] += row[o]
-    for o in range(n):
-        dbias[o0 + o] += <float>acc[o]
+            dbias[o0 + o] += <float>acc[o]
 
 
-cdef void _bias_grad(float* dbias, const float* dout, int BT, int OC, int n_threads) noexcept nogil:
-    # dbias (OC) += sum_bt dout (BT,OC); parallel over OC chunks -> deterministic at any thread count
+cdef void _bias_grad(float* dbias, uint16_t* dst, const float* dout, int BT, int OC,
+                     int n_threads) noexcept nogil:
+    # dbias (OC) += sum_bt dout (BT,OC) (dbias may be NULL), and dst = bf16(dout) unless dst is
+    # NULL: the bf16 copy the backward GEMMs read costs no extra pass, and dbias is the same sum
+    # whatever the precision of the GEMMs. Parallel over OC chunks: the same bits at any thread count
     cdef int nchunks = (OC + BIAS_CHUNK - 1) // BIAS_CHUNK
-    cdef int ch, o0, o1
+    cdef int ch, o0
     n_threads = eff_threads(n_threads, <Py_ssize_t>BT * OC, _grain)
     for ch in prange(nchunks, schedule='static', num_threads=n_threads):
         o0 = ch * BIAS_CHUNK
-        o1 = o0 + BIAS_CHUNK
-        if o1 > OC:
-            o1 = OC
-        _bias_grad_chunk(dbias, dout, BT, OC, o0, o1)
+        _bias_grad_chunk(dbias, dst, dout, BT, OC, o0, imin(o0 + BIAS_CHUNK, OC))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,7 +272,7 @@ cdef void _matmul_backward_blas(float* dinp, float* dweight, float* dbias, const
     # dweight (OC,C) += dout^T (OC,BT) @ inp (BT,C); column-major: dW^T (C,OC) += inp^T (C,BT) @ dout (BT,OC)
     sgemm(&tn, &tt, &C, &OC, &BT, &one, <float*>inp, &C, <float*>dout, &OC, &one, dweight, &C)
     if dbias != NULL:
-        _bias_grad(dbias, dout, BT, OC, n_threads)
+        _bias_grad(dbias, NULL, dout, BT, OC, n_threads)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,7 +299,7 @@ cdef int _matmul_backward_dnnl(float* dinp, float* dweight, float* dbias, const 
         # dweight (OC,C) += dout^T (OC,BT) @ inp (BT,C)
         st = llmctl_dnnl_sgemm(b'T', b'N', OC, C, BT, dout, OC, inp, C, 1.0, dweight, C, n_threads)
     if dbias != NULL:
-        _bias_grad(dbias, dout, BT, OC, n_threads)
+        _bias_grad(dbias, NULL, dout, BT, OC, n_threads)
     return st
 
 
@@ -390,20 +397,14 @@ cdef void _matmul_forward_tiled(float* out, const float* inp, const float* weigh
     for cb in prange(ncb, schedule='static', num_threads=n_threads):
         panel = panels + <Py_ssize_t>omp_get_thread_num() * KC * NR
         o0 = cb * NR
-        nc = OC - o0
-        if nc > NR:
-            nc = NR
+        nc = imin(NR, OC - o0)
         k0 = 0
         while k0 < C:
-            kc = C - k0
-            if kc > KC:
-                kc = KC
+            kc = imin(KC, C - k0)
             _pack_wT(panel, weight, C, o0, nc, k0, kc)
             r0 = 0
             while r0 < BT:
-                nr = BT - r0
-                if nr > MR:
-                    nr = MR
+                nr = imin(MR, BT - r0)
                 _tile(out + <Py_ssize_t>r0 * OC + o0, OC, apack + <Py_ssize_t>r0 * C + <Py_ssize_t>k0 * MR, MR,
                       panel, NR, kc, nr, nc, k0 > 0)
                 r0 = r0 + MR
@@ -427,21 +428,15 @@ cdef void _matmul_dinp_tiled(float* dinp, const float* dout, const float* weight
     cdef int tile, rb, cb, r0, c0, nr, nc, k0, kc
     k0 = 0
     while k0 < OC:
-        kc = OC - k0
-        if kc > KC:
-            kc = KC
+        kc = imin(KC, OC - k0)
         _pack_rows(apack, dout, OC, BT, k0, kc, n_threads)
         for tile in prange(nrb * ncb, schedule='static', num_threads=n_threads):
             cb = tile // nrb
             rb = tile - cb * nrb
             r0 = rb * MR
             c0 = cb * NR
-            nr = BT - r0
-            if nr > MR:
-                nr = MR
-            nc = C - c0
-            if nc > NR:
-                nc = NR
+            nr = imin(MR, BT - r0)
+            nc = imin(NR, C - c0)
             _tile(dinp + <Py_ssize_t>r0 * C + c0, C, apack + <Py_ssize_t>r0 * kc, MR,
                   weight + <Py_ssize_t>k0 * C + c0, C, kc, nr, nc, True)
         k0 = k0 + KC
@@ -460,17 +455,11 @@ cdef void _matmul_dweight_tiled(float* dweight, const float* dout, const float* 
         cb = tile - rb * ncb
         r0 = rb * MR
         c0 = cb * NR
-        nr = OC - r0
-        if nr > MR:
-            nr = MR
-        nc = C - c0
-        if nc > NR:
-            nc = NR
+        nr = imin(MR, OC - r0)
+        nc = imin(NR, C - c0)
         k0 = 0
         while k0 < BT:
-            kc = BT - k0
-            if kc > KC:
-                kc = KC
+            kc = imin(KC, BT - k0)
             _tile_rows(dweight + <Py_ssize_t>r0 * C + c0, C, dout + <Py_ssize_t>k0 * OC + r0, OC,
                        inp + <Py_ssize_t>k0 * C + c0, C, kc, nr, nc)
             k0 = k0 + KC
@@ -509,6 +498,17 @@ cdef enum:
     DNNL = 2
 
 
+cdef int _check_sizes(str out, Py_ssize_t out_len, Py_ssize_t inp_len, Py_ssize_t weight_len,
+                      int BT, int C, int OC, int n_threads) except -1:
+    # the checks every wrapper shares: `out` (BT,OC) is out or dout, inp (BT,C), weight (OC,C)
+    check_threads(n_threads)
+    check_positive("BT", BT); check_positive("C", C); check_positive("OC", OC)
+    check_len(out, out_len, <Py_ssize_t>BT * OC)
+    check_len("inp", inp_len, <Py_ssize_t>BT * C)
+    check_len("weight", weight_len, <Py_ssize_t>OC * C)
+    return 0
+
+
 cdef int _backend_id(backend) except -1:
     names = get_backends()
     if backend is None:
@@ -527,11 +527,7 @@ def matmul_forward(float[::1] out, const float[::1] inp, const float[::1] weight
     cdef int which = _backend_id(backend)
     cdef const float[::1] bias_mv
     cdef const float* bias_ptr = NULL
-    check_threads(n_threads)
-    check_positive("BT", BT); check_positive("C", C); check_positive("OC", OC)
-    check_len("out", out.shape[0], <Py_ssize_t>BT * OC)
-    check_len("inp", inp.shape[0], <Py_ssize_t>BT * C)
-    check_len("weight", weight.shape[0], <Py_ssize_t>OC * C)
+    _check_sizes("out", out.shape[0], inp.shape[0], weight.shape[0], BT, C, OC, n_threads)
     if bias is not None:
         bias_mv = bias
         check_len("bias", bias_mv.shape[0], OC)
@@ -587,12 +583,8 @@ def matmul_backward(dinp, float[::1] dweight, dbias, const float[::1] dout,
     cdef float[::1] dinp_mv, dbias_mv
     cdef float* dinp_ptr = NULL
     cdef float* dbias_ptr = NULL
-    check_threads(n_threads)
-    check_positive("BT", BT); check_positive("C", C); check_positive("OC", OC)
+    _check_sizes("dout", dout.shape[0], inp.shape[0], weight.shape[0], BT, C, OC, n_threads)
     check_len("dweight", dweight.shape[0], <Py_ssize_t>OC * C)
-    check_len("dout", dout.shape[0], <Py_ssize_t>BT * OC)
-    check_len("inp", inp.shape[0], <Py_ssize_t>BT * C)
-    check_len("weight", weight.shape[0], <Py_ssize_t>OC * C)
     if dinp is not None:
         dinp_mv = dinp
         check_len("dinp", dinp_mv.shape[0], <Py_ssize_t>BT * C)
@@ -625,7 +617,7 @@ def matmul_backward(dinp, float[::1] dweight, dbias, const float[::1] dout,
                 _matmul_dinp_tiled(dinp_ptr, &dout[0], &weight[0], BT, C, OC, apack, n_threads)
             _matmul_dweight_tiled(&dweight[0], &dout[0], &inp[0], BT, C, OC, n_threads)
             if dbias_ptr != NULL:
-                _bias_grad(dbias_ptr, &dout[0], BT, OC, n_threads)
+                _bias_grad(dbias_ptr, NULL, &dout[0], BT, OC, n_threads)
     finally:
         free(apack)
 
@@ -638,49 +630,11 @@ cdef enum:
 
 
 cdef void _widen(float* dst, const uint16_t* src, Py_ssize_t n, int n_threads) noexcept nogil:
-    cdef Py_ssize_t ch, s, e
+    cdef Py_ssize_t ch, s
     n_threads = eff_threads(n_threads, n, _grain)
     for ch in prange((n + ECHUNK - 1) // ECHUNK, schedule='static', num_threads=n_threads):
         s = ch * ECHUNK
-        e = s + ECHUNK
-        if e > n:
-            e = n
-        llmctl_widen_bf16(dst + s, src + s, e - s)
-
-
-cdef void _bias_grad_cast_chunk(float* dbias, uint16_t* dst, const float* dout, int BT, int OC,
-                                int o0, int o1) noexcept nogil:
-    # dst[:, o0:o1] = bf16(dout[:, o0:o1]); dbias[o0:o1] += column sums (rows in order, double)
-    cdef double acc[BIAS_CHUNK]
-    cdef int o, bt, n = o1 - o0
-    cdef const float* row
-    cdef uint16_t* drow
-    for o in range(n):
-        acc[o] = 0.0
-    for bt in range(BT):
-        row = dout + <Py_ssize_t>bt * OC + o0
-        drow = dst + <Py_ssize_t>bt * OC + o0
-        for o in range(n):
-            acc[o] += row[o]
-            drow[o] = llmctl_f32_to_bf16(row[o])
-    if dbias != NULL:
-        for o in range(n):
-            dbias[o0 + o] += <float>acc[o]
-
-
-cdef void _bias_grad_cast(float* dbias, uint16_t* dst, const float* dout, int BT, int OC,
-                          int n_threads) noexcept nogil:
-    # one pass over dout: the bf16 copy the backward GEMMs read, and dbias (if not NULL); the sum
-    # is the same as _bias_grad's, so dbias does not depend on the precision of the GEMMs
-    cdef int nchunks = (OC + BIAS_CHUNK - 1) // BIAS_CHUNK
-    cdef int ch, o0, o1
-    n_threads = eff_threads(n_threads, <Py_ssize_t>BT * OC, _grain)
-    for ch in prange(nchunks, schedule='static', num_threads=n_threads):
-        o0 = ch * BIAS_CHUNK
-        o1 = o0 + BIAS_CHUNK
-        if o1 > OC:
-            o1 = OC
-        _bias_grad_cast_chunk(dbias, dst, dout, BT, OC, o0, o1)
+        llmctl_widen_bf16(dst + s, src + s, imin(ECHUNK, n - s))
 
 
 cdef float* _widened(const uint16_t* src, Py_ssize_t n, int n_threads) except NULL:
@@ -764,11 +718,7 @@ def matmul_forward_bf16(float[::1] out, const uint16_t[::1] inp, const uint16_t[
     cdef float* winp = NULL
     cdef float* wweight = NULL
     cdef int st = 0
-    check_threads(n_threads)
-    check_positive("BT", BT); check_positive("C", C); check_positive("OC", OC)
-    check_len("out", out.shape[0], <Py_ssize_t>BT * OC)
-    check_len("inp", inp.shape[0], <Py_ssize_t>BT * C)
-    check_len("weight", weight.shape[0], <Py_ssize_t>OC * C)
+    _check_sizes("out", out.shape[0], inp.shape[0], weight.shape[0], BT, C, OC, n_threads)
     if bias is not None:
         bias_mv = bias
         check_len("bias", bias_mv.shape[0], OC)
@@ -812,12 +762,8 @@ def matmul_backward_bf16(dinp, float[::1] dweight, dbias, dout, uint16_t[::1] do
     cdef float* wi = NULL
     cdef float* ww = NULL
     cdef int st = 0
-    check_threads(n_threads)
-    check_positive("BT", BT); check_positive("C", C); check_positive("OC", OC)
+    _check_sizes("dout_bf16", dout_bf16.shape[0], inp.shape[0], weight.shape[0], BT, C, OC, n_threads)
     check_len("dweight", dweight.shape[0], <Py_ssize_t>OC * C)
-    check_len("dout_bf16", dout_bf16.shape[0], <Py_ssize_t>BT * OC)
-    check_len("inp", inp.shape[0], <Py_ssize_t>BT * C)
-    check_len("weight", weight.shape[0], <Py_ssize_t>OC * C)
     if dinp is not None:
         dinp_mv = dinp
         check_len("dinp", dinp_mv.shape[0], <Py_ssize_t>BT * C)
@@ -833,7 +779,7 @@ def matmul_backward_bf16(dinp, float[::1] dweight, dbias, dout, uint16_t[::1] do
         dout_mv = dout
         check_len("dout", dout_mv.shape[0], <Py_ssize_t>BT * OC)
         with nogil:
-            _bias_grad_cast(dbias_ptr, &dout_bf16[0], &dout_mv[0], BT, OC, n_threads)
+            _bias_grad(dbias_ptr, &dout_bf16[0], &dout_mv[0], BT, OC, n_threads)
     if which == DNNL:
         with nogil:
             if dinp_ptr != NULL:
