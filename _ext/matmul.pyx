@@ -214,12 +214,15 @@ cdef void _bias_grad_chunk(float* dbias, uint16_t* dst, const float* dout, int B
     cdef uint16_t* drow
     for o in range(n):
         acc[o] = 0.0
-    for bt in range(BT):
-        row = dout + <Py_ssize_t>bt * OC + o0
-        if dst == NULL:
+    # the test is outside the row loop: gcc unrolls and jams the fp32 nest (two rows a pass)
+    if dst == NULL:
+        for bt in range(BT):
+            row = dout + <Py_ssize_t>bt * OC + o0
             for o in range(n):
                 acc[o] += row[o]
-        else:
+    else:
+        for bt in range(BT):
+            row = dout + <Py_ssize_t>bt * OC + o0
             drow = dst + <Py_ssize_t>bt * OC + o0
             for o in range(n):
                 acc[o] += row[o]
