@@ -618,7 +618,7 @@ def train(cfg, comm=None, display=None, *, check_params=False):
     comm: a llmctl.distributed Comm (default: one process); when its all-reduce is zero-copy on
     its own memory (Comm.shares_memory) the model's gradients are placed there. display: a
     llmctl.display.Display. check_params: every scalar collective first checks that all ranks
-    hold bit-identical parameters (Comm.watch; a debug mode).
+    hold bit-identical parameters, and in bf16 the same bf16 copy (Comm.watch; a debug mode).
     Raises ConfigError/DataError/FormatError for bad input (before any file is written),
     TrainingDiverged on a NaN/Inf loss, TrainInterrupted (exit code 130) after Ctrl-C.
     """
@@ -628,6 +628,8 @@ def train(cfg, comm=None, display=None, *, check_params=False):
         _adopt_grads(comm, trainer.model)
     if check_params:
         comm.watch(trainer.model.params, "parameters")
+        if trainer.model.params_bf16 is not None:  # each rank's own copy the matmuls read
+            comm.watch(trainer.model.params_bf16, "bf16 parameters")
     return trainer.run()
 
 

@@ -22,7 +22,8 @@ from llmctl.distributed import rendezvous as rdzv
 from llmctl.distributed.ring import RingComm, init_ring, ring_connect
 from llmctl.distributed.selftest import rank_data
 from llmctl.errors import ConfigError, DistError
-from tinyrun import OVERFIT_TOKENS, assert_overfit_losses_match, overfit_args, tiny_train_args, write_tiny_run
+from tinyrun import (OVERFIT_TOKENS, assert_overfit_losses_match, bf16_env, overfit_args, tiny_train_args,
+                     write_tiny_run)
 
 SECRET_TEXT = "test-secret-0123456789abcdef"
 SECRET = rdzv.resolve_secret({"LLMCTL_SECRET": SECRET_TEXT})
@@ -542,6 +543,62 @@ def test_overfit_ring_of_2_trains_on_the_tokens_of_1_process(procs, tmp_path):
         out, err = p.communicate(timeout=120)
         assert p.returncode == 0, err
     assert_overfit_losses_match(d / "p1", d / "p2")
+
+
+def test_ring_of_2_bf16_equals_shm_and_gradient_accumulation(procs, tmp_path):
+    """--precision bf16 over one flat TCP ring of 2 ranks (started per rank, as torchrun would,
+    on two loopback hosts) vs the same 2 ranks over shared memory (--nproc 2) and vs 1 process
+    with -d 2*B*T, on the one-sample shard of tests/test_dist.py (same tokens per rank).
+
+    Ring vs shm: with 2 ranks every backend's mean is (g0 + g1) / 2, one fp32 addition
+    (commutative bit for bit) and an exact halving, and each rank's bf16 roundings see the same
+    weights and tokens, so the two runs must agree to the bit: losses and final parameters.
+    Ring vs 1 process: the bf16 roundings are per element of the matmul inputs, and the
+    1-process run's loss scale of 1/2 is exact in bf16, so only the fp32 summation order of the
+    gradients differs, as in fp32 (~1e-7 relative). A weight that sits within that distance of
+    a bf16 rounding boundary could round the other way in the next step's bf16 copy; that
+    changes one matmul term by one bf16 ulp of one weight, far below the losses' 1e-6 relative
+    and the parameters' 1e-6 absolute (1/1000 of one lr=1e-3 step) asked for, as in fp32;
+    training moves the parameters ~1000x more. Every rank's fp32 parameters and bf16 copy are
+    compared bit-for-bit at every step (LLMCTL_DIST_CHECK_PARAMS=1)."""
+    d = write_tiny_run(tmp_path, 2 * B * T + 6)
+    env = bf16_env()
+
+    def args(out, *extra):
+        return tiny_train_args(d, out, B, T, "-x", "6", "-n", "6", "--precision", "bf16", *extra)
+
+    port = _free_port()
+    ranks = [procs.start([sys.executable, "-m", "llmctl.cli", *args("ring", "--dist-timeout", "10",
+                                                                    "--rdzv-timeout", "30")],
+                         env=_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                                  MASTER_ADDR=_host(0), MASTER_PORT=str(port), LLMCTL_BIND_ADDR=_host(r),
+                                  LLMCTL_DIST_CHECK_PARAMS="1", **env))
+             for r in range(2)]
+    for p in ranks:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+    r = _cli(args("shm", "--nproc", "2", "--backend", "shm"), env=dict(env, LLMCTL_DIST_CHECK_PARAMS="1"))
+    assert r.returncode == 0, r.stderr
+    r = _cli(args("one", "-d", str(2 * B * T)), env=env)
+    assert r.returncode == 0, r.stderr
+
+    def losses(out):
+        with open(d / out / "metrics.jsonl") as f:
+            return [json.loads(ln)["train_loss"] for ln in f if "train_loss" in ln]
+
+    def params(out):
+        return np.fromfile(d / out / "model_00000006.bin", dtype=np.float32)[256:]  # skip the header
+
+    assert len(losses("ring")) == 6
+    assert losses("ring") == losses("shm")
+    np.testing.assert_array_equal(params("ring"), params("shm"))
+    np.testing.assert_allclose(losses("ring"), losses("one"), rtol=1e-6)
+    np.testing.assert_allclose(params("ring"), params("one"), rtol=0, atol=1e-6)
+    assert np.abs(params("one") - np.fromfile(d / "init.bin", dtype=np.float32)[256:]).max() > 1e-3
+    # and bf16 was in use: fp32 on the same job gives other losses
+    r = _cli(tiny_train_args(d, "fp32", B, T, "-x", "6", "-n", "6", "-d", str(2 * B * T)))
+    assert r.returncode == 0, r.stderr
+    assert np.abs(np.array(losses("fp32")) - losses("one")).max() > 1e-6
 
 
 def test_ctrl_c_on_one_host_stops_every_host_at_the_same_step(procs, tmp_path):

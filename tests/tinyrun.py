@@ -28,6 +28,15 @@ def write_tiny_run(d, train_tokens, seed=0, val_tokens=200):
     return d
 
 
+def bf16_env():
+    """The environment that runs `--precision bf16` here: nothing on a CPU that multiplies bf16
+    natively, else LLMCTL_BF16_EMULATE=1 (the same bf16 numerics on fp32 GEMMs), which the ranks
+    a launcher starts inherit."""
+    from llmctl._ext import matmul
+
+    return {} if matmul.bf16_native() else {"LLMCTL_BF16_EMULATE": "1"}
+
+
 def tiny_train_args(d, out, B, T, *extra):
     """`llmctl train` arguments for the tiny run in d, writing to d/out, 1 thread, no val/samples."""
     return ["train", "-i", str(d / "train.bin"), "-j", str(d / "val.bin"), "-e", str(d / "init.bin"),

@@ -46,8 +46,8 @@ class Comm:
         return np.zeros(n, dtype=np.float32)
 
     def watch(self, buf: np.ndarray, what: str = "buffer") -> None:
-        """Check buf with assert_identical before every scalar collective (a debug mode); the
-        world of one has nothing to compare."""
+        """Check buf with assert_identical before every scalar collective (a debug mode; each
+        call adds a buffer); the world of one has nothing to compare."""
 
     def close(self) -> None:
         pass

@@ -51,7 +51,7 @@ class HierComm(Comm):
         self.local_world_size = lw
         self.n_threads = shm.n_threads
         self.stop_requested = False
-        self._watch = None
+        self._watch = []
         self.allreduce_calls = 0
         self.allreduce_seconds = 0.0
 
@@ -83,8 +83,8 @@ class HierComm(Comm):
         self.allreduce_seconds += time.perf_counter() - t0
 
     def all_reduce_sum_scalar(self, x):
-        if self._watch is not None:
-            self.assert_identical(*self._watch)
+        for watched in self._watch:
+            self.assert_identical(*watched)
         local = self.shm.all_reduce_sum_scalar(float(x))
         # every local rank saw the same hub release, so the flag agrees within the node
         total, stops = self.ring.all_reduce_sum_vec([local, 1.0 if self.shm.stop_requested else 0.0])
@@ -105,7 +105,7 @@ class HierComm(Comm):
         self.shm.broadcast(buf, root=root_local)
 
     def watch(self, buf, what="buffer"):
-        self._watch = (buf, what)
+        self._watch.append((buf, what))
 
     def assert_identical(self, buf, what="buffer"):
         self.shm.assert_identical(buf, what)

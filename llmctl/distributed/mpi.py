@@ -70,7 +70,7 @@ class MpiComm(Comm):
         self.exact = bool(exact)
         self.step = -1
         self.stop_requested = False
-        self._watch = None
+        self._watch = []
         self.allreduce_calls = 0
         self.allreduce_seconds = 0.0
 
@@ -91,8 +91,8 @@ class MpiComm(Comm):
         self.allreduce_seconds += time.perf_counter() - t0
 
     def all_reduce_sum_scalar(self, x):
-        if self._watch is not None:
-            self.assert_identical(*self._watch)
+        for watched in self._watch:
+            self.assert_identical(*watched)
         # gather all values and sum them in rank order: the same bits on every rank
         vals = self.comm.allgather(float(x))
         total = 0.0
@@ -112,7 +112,7 @@ class MpiComm(Comm):
             self.comm.Bcast([buf.reshape(-1).view(np.uint8), self.MPI.BYTE], root=root)
 
     def watch(self, buf, what="buffer"):
-        self._watch = (buf, what)
+        self._watch.append((buf, what))
 
     def assert_identical(self, buf, what="buffer"):
         if self.world_size == 1:

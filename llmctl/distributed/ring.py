@@ -157,7 +157,7 @@ class RingComm(Comm):
         self._send_err = None
         self._failed = None
         self._scratch = {}
-        self._watch = None
+        self._watch = []
         nxt, prv = members[(pos + 1) % self.size], members[(pos - 1) % self.size]
         self._next_name = f"rank {nxt['rank']} ({nxt['host']} {_fmt(nxt['addr'], nxt['port'])})"
         self._prev_name = f"rank {prv['rank']} ({prv['host']} {_fmt(prv['addr'], prv['port'])})"
@@ -343,8 +343,8 @@ class RingComm(Comm):
         return v
 
     def all_reduce_sum_scalar(self, x):
-        if self._watch is not None:
-            self.assert_identical(*self._watch)
+        for watched in self._watch:
+            self.assert_identical(*watched)
         return float(self.all_reduce_sum_vec([float(x)])[0])
 
     def barrier(self):
@@ -397,7 +397,7 @@ class RingComm(Comm):
 
     def watch(self, buf, what="buffer"):
         """Debug mode: assert_identical(buf) before every all_reduce_sum_scalar from now on."""
-        self._watch = (buf, what)
+        self._watch.append((buf, what))
 
     def assert_identical(self, buf, what="buffer"):
         if self.size == 1:

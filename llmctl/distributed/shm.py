@@ -217,7 +217,7 @@ class HubComm(Comm):
         self.collective_timeout = float(collective_timeout)
         self.stop_requested = False
         self._stop_delivered = False
-        self._watch = None
+        self._watch = []
         self._seq = 0
         self.allreduce_calls = 0
         self.allreduce_seconds = 0.0
@@ -262,11 +262,11 @@ class HubComm(Comm):
 
     def watch(self, buf, what="buffer"):
         """Debug mode: assert_identical(buf) before every all_reduce_sum_scalar from now on."""
-        self._watch = (buf, what)
+        self._watch.append((buf, what))
 
     def _check_watched(self):
-        if self._watch is not None:
-            self.assert_identical(*self._watch)
+        for watched in self._watch:
+            self.assert_identical(*watched)
 
     def close(self):
         self.client.close(bye=True)
