@@ -20,7 +20,8 @@ import pytest
 pytest.importorskip("mpi4py", reason="mpi4py is not installed: pip install 'llmctl[mpi]'")
 
 from llmctl.distributed.selftest import rank_data  # noqa: E402
-from tinyrun import OVERFIT_TOKENS, assert_overfit_losses_match, overfit_args, tiny_train_args, write_tiny_run
+from tinyrun import (OVERFIT_TOKENS, assert_overfit_losses_match, bf16_env, overfit_args, tiny_train_args,
+                     write_tiny_run)
 
 U32 = 2.0 ** -24
 
@@ -138,6 +139,44 @@ def test_mpiexec_train_equals_gradient_accumulation(tmp_path):
     assert sorted(os.listdir(d / "p2")) == ["DONE_00000006", "main.log", "metrics.jsonl",
                                             "model_00000006.bin", "state_00000006_00000.bin",
                                             "state_00000006_00001.bin"]
+
+
+def test_mpiexec_bf16_equals_shm_and_gradient_accumulation(tmp_path):
+    """`mpiexec -n 2 llmctl train --backend mpi --precision bf16` vs the same 2 ranks over shared
+    memory (--nproc 2) and vs 1 process with -d 2*B*T, on the one-sample shard (same tokens).
+    MPI vs shm: with 2 ranks MPI_SUM is one fp32 addition (commutative bit for bit) and the
+    halving is exact, so both runs must agree to the bit. vs 1 process: only the fp32 summation
+    order of the gradients differs, as in fp32 (the bf16 roundings are per element and the
+    1-process loss scale 1/2 is exact); tests/test_ring.py's bf16 test argues the 1e-6 bounds.
+    Every rank's fp32 parameters and bf16 copy are compared bit-for-bit every step."""
+    d = write_tiny_run(tmp_path, 2 * B * T + 6)
+    env = bf16_env()
+
+    def args(out, *extra):
+        return tiny_train_args(d, out, B, T, "-x", "6", "-n", "6", "--precision", "bf16", *extra)
+
+    r = _run(2, [sys.executable, "-m", "llmctl.cli", *args("mpi", "--backend", "mpi")],
+             env=dict(env, LLMCTL_DIST_CHECK_PARAMS="1"))
+    assert r.returncode == 0, r.stderr
+    for out, extra, e in (("shm", ("--nproc", "2", "--backend", "shm"), dict(env, LLMCTL_DIST_CHECK_PARAMS="1")),
+                          ("one", ("-d", str(2 * B * T)), env)):
+        r = subprocess.run([sys.executable, "-m", "llmctl.cli", *args(out, *extra)], capture_output=True,
+                           text=True, timeout=120, env=dict(os.environ, **e))
+        assert r.returncode == 0, r.stderr
+
+    def losses(out):
+        with open(d / out / "metrics.jsonl") as f:
+            return [json.loads(ln)["train_loss"] for ln in f if "train_loss" in ln]
+
+    def params(out):
+        return np.fromfile(d / out / "model_00000006.bin", dtype=np.float32)[256:]
+
+    assert len(losses("mpi")) == 6
+    assert losses("mpi") == losses("shm")
+    np.testing.assert_array_equal(params("mpi"), params("shm"))
+    np.testing.assert_allclose(losses("mpi"), losses("one"), rtol=1e-6)
+    np.testing.assert_allclose(params("mpi"), params("one"), rtol=0, atol=1e-6)
+    assert np.abs(params("one") - np.fromfile(d / "init.bin", dtype=np.float32)[256:]).max() > 1e-3
 
 
 def test_overfit_mpiexec_2_trains_on_the_tokens_of_1_process(tmp_path):
