@@ -23,7 +23,8 @@ from llmctl.distributed.env import parse_int, resolve_env, threads_per_rank
 from llmctl.distributed.launcher import launch
 from llmctl.distributed.shm import PREFIX, SHM_DIR, sweep_segments
 from llmctl.errors import ConfigError, DistError
-from tinyrun import OVERFIT_TOKENS, assert_overfit_losses_match, overfit_args, tiny_train_args, write_tiny_run
+from tinyrun import (OVERFIT_TOKENS, assert_overfit_losses_match, bf16_env, overfit_args, tiny_train_args,
+                     write_tiny_run)
 
 TOY = "llmctl.distributed.selftest:collectives"
 
@@ -481,10 +482,8 @@ def _children(pid):
 def test_nproc2_bf16_equals_gradient_accumulation(tiny_run):
     """The same equivalence in bf16 (on CPUs without native bf16: its emulation, inherited by
     the ranks): the bf16 roundings are per element, so only the fp32 sums differ, as in fp32."""
-    from llmctl._ext import matmul
-
     d = tiny_run
-    env = {} if matmul.bf16_native() else {"LLMCTL_BF16_EMULATE": "1"}
+    env = bf16_env()
     r1 = _cli(_train_args(d, "b1", "-d", str(2 * B * T), "-x", "3", "--precision", "bf16"), env=env)
     assert r1.returncode == 0, r1.stderr
     r2 = _cli(_train_args(d, "b2", "--nproc", "2", "-x", "3", "-n", "3", "--precision", "bf16"),
@@ -600,6 +599,52 @@ def test_sigint_checkpoints_every_rank_and_exits_130(tiny_run):
     for f in (f"model_{S:08d}.bin", f"state_{S:08d}_00000.bin", f"state_{S:08d}_00001.bin"):
         assert (d / "run" / f).exists(), f
     assert len(_losses(d / "run")) == S  # the checkpoint is taken after the last completed step
+
+
+def test_sigint_in_bf16_checkpoints_every_rank_and_resumes_bit_exactly(tiny_run):
+    """Ctrl-C during `--nproc 2 --precision bf16`: exit 130 with a complete checkpoint (model,
+    both state files) after the last completed step; `-y 1` from it continues bit for bit like
+    an uninterrupted bf16 run: each rank rebuilds its bf16 weight copy from the fp32 checkpoint
+    (a stale or missing copy on either rank would change its gradients, hence the all-reduced
+    mean and every later step). Both runs compare the ranks' fp32 parameters and bf16 copies
+    bit-for-bit at every step (LLMCTL_DIST_CHECK_PARAMS=1). The launcher is frozen (SIGSTOP)
+    when the signal is sent, as tests/test_cli.py does, so the SIGINT lands while it runs."""
+    d = tiny_run
+    env = dict(os.environ, LLMCTL_DIST_CHECK_PARAMS="1", **bf16_env())
+    bf16 = ("--precision", "bf16")
+    p = subprocess.Popen([sys.executable, "-m", "llmctl.cli",
+                          *_train_args(d, "run", "--nproc", "2", "-x", "100000", "-n", "0", *bf16)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        _wait_for(lambda: (d / "run" / "metrics.jsonl").exists()
+                  and len(_losses(d / "run")) >= 3, 60, "three training steps")
+        for r, pid in _children(p.pid).items():
+            with open(d / f"{r}.pid", "w") as f:
+                json.dump({"pid": pid}, f)
+        p.send_signal(signal.SIGSTOP)
+        p.send_signal(signal.SIGINT)
+        p.send_signal(signal.SIGCONT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, err
+    assert "Traceback" not in err
+    from llmctl.checkpoints import find_max_step
+    S = find_max_step(str(d / "run"))
+    assert S >= 3, err
+    for f in (f"model_{S:08d}.bin", f"state_{S:08d}_00000.bin", f"state_{S:08d}_00001.bin"):
+        assert (d / "run" / f).exists(), f
+    assert len(_losses(d / "run")) == S  # the checkpoint is taken after the last completed step
+    ok = _cli(_train_args(d, "run", "--nproc", "2", "-y", "1", "-x", str(S + 3), "-n", "1000", *bf16),
+              env=env)
+    assert ok.returncode == 0, ok.stderr
+    assert f"resuming from the checkpoint at step {S}" in ok.stdout + ok.stderr
+    ref = _cli(_train_args(d, "ref", "--nproc", "2", "-x", str(S + 3), "-n", "1000", *bf16), env=env)
+    assert ref.returncode == 0, ref.stderr
+    assert _losses(d / "run") == _losses(d / "ref") and len(_losses(d / "ref")) == S + 3
+    np.testing.assert_array_equal(_params(d / f"run/model_{S + 3:08d}.bin"),
+                                  _params(d / f"ref/model_{S + 3:08d}.bin"))
 
 
 def test_adopted_gradient_buffer_is_what_backward_writes(tiny_run):
