@@ -51,6 +51,7 @@ class PlainDisplay(Display):
 
     def __init__(self, stream=None):
         self.stream = stream or sys.stderr
+        self.mfu_roof = "fp32"   # the precision of the GEMM roof MFU is over (start's info)
 
     def _print(self, s):
         try:
@@ -60,6 +61,7 @@ class PlainDisplay(Display):
             pass
 
     def start(self, info):
+        self.mfu_roof = info.get("mfu_roof", "fp32")
         for k, v in info.items():
             self._print(f"| {k:<22} | {v!s:<50} |")
 
@@ -79,7 +81,7 @@ class PlainDisplay(Display):
         self._print(
             f"step {rec['step'] + 1:4d}/{rec['num_steps']} | loss {rec['train_loss']:.6f}{zl} | "
             f"norm {rec['grad_norm']:6.4f}{zg} | lr {rec['lr']:.2e} | {rec['ms']:.2f} ms | "
-            f"{100 * _nz(rec.get('mfu')):.1f}% fp32 MFU | {rec['tokens_per_s']:.0f} tok/s"
+            f"{100 * _nz(rec.get('mfu')):.1f}% {self.mfu_roof} MFU | {rec['tokens_per_s']:.0f} tok/s"
             + (" | update skipped" if rec.get("skipped") else ""))
 
     def message(self, text):

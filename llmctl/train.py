@@ -70,24 +70,55 @@ class TrainingDiverged(LlmctlError):
 _PEAK_CACHE = {}
 
 
-def measure_peak_flops(n_threads):
-    """fp32 GEMM FLOP/s of this machine: best of 3 NumPy 1024^3 sgemm at n_threads (~0.1 s)."""
-    if n_threads in _PEAK_CACHE:
-        return _PEAK_CACHE[n_threads]
-    from threadpoolctl import threadpool_limits
+def mfu_roof_precision(precision):
+    """The precision whose GEMM roof a run in `precision` is measured against: "bf16" only where
+    the CPU multiplies bf16 natively (oneDNN's dnnl_gemm_bf16bf16f32); emulated bf16
+    (LLMCTL_BF16_EMULATE=1 without native bf16) widens the operands and multiplies in fp32
+    sgemm, so its honest roof is fp32's."""
+    from llmctl._ext import matmul
 
+    return "bf16" if precision == "bf16" and matmul.bf16_native() else "fp32"
+
+
+def measure_peak_flops(n_threads, precision="fp32"):
+    """GEMM FLOP/s of this machine, the denominator of MFU: best of 3 1024^3 GEMMs at n_threads
+    (~0.1 s), in the precision the run's matmuls really multiply in (mfu_roof_precision):
+    fp32 -> NumPy sgemm; native bf16 -> llmctl's own bf16 matmul (matmul_forward_bf16 on the
+    "dnnl" engine: bf16 inputs, fp32 accumulation); emulated bf16 -> the fp32 roof, since its
+    GEMMs run in fp32. Cached per (threads, roof precision)."""
+    roof = mfu_roof_precision(precision)
+    key = (n_threads, roof)
+    if key in _PEAK_CACHE:
+        return _PEAK_CACHE[key]
     rs = np.random.default_rng(0)
     a = rs.standard_normal((1024, 1024), dtype=np.float32)
     b = rs.standard_normal((1024, 1024), dtype=np.float32)
-    with threadpool_limits(limits=n_threads, user_api="blas"):
-        a @ b
+    if roof == "bf16":
+        from llmctl._ext import convert, matmul
+
+        a16, b16 = np.empty(a.size, np.uint16), np.empty(b.size, np.uint16)
+        convert.cast_to_bf16(a16, a.reshape(-1), n_threads)
+        convert.cast_to_bf16(b16, b.reshape(-1), n_threads)
+        out = np.empty(a.size, np.float32)
+
+        def gemm():
+            matmul.matmul_forward_bf16(out, a16, b16, None, 1024, 1024, 1024, n_threads, "dnnl")
+        limits = contextlib.nullcontext()
+    else:
+        from threadpoolctl import threadpool_limits
+
+        def gemm():
+            a @ b
+        limits = threadpool_limits(limits=n_threads, user_api="blas")
+    with limits:
+        gemm()
         best = math.inf
         for _ in range(3):
             t0 = time.perf_counter()
-            a @ b
+            gemm()
             best = min(best, time.perf_counter() - t0)
-    _PEAK_CACHE[n_threads] = 2.0 * 1024 ** 3 / best
-    return _PEAK_CACHE[n_threads]
+    _PEAK_CACHE[key] = 2.0 * 1024 ** 3 / best
+    return _PEAK_CACHE[key]
 
 
 def flops_per_token(num_parameters, L, C, T):
@@ -218,7 +249,8 @@ class Trainer:
 
         self.flops_per_step = flops_per_token(self.model.num_parameters, mc.num_layers,
                                               mc.channels, T) * B * T * self.grad_accum_steps
-        self.peak_flops = measure_peak_flops(self.n_threads)
+        self.mfu_roof = mfu_roof_precision(cfg.precision)
+        self.peak_flops = measure_peak_flops(self.n_threads, cfg.precision)
         self.allreduce_ms = 0.0
 
     def _open_data(self):
@@ -435,6 +467,9 @@ class Trainer:
             "lr_schedule": f"{c.lr_scheduler} lr={c.learning_rate:g} warmup={c.warmup_iters} "
                            f"final_frac={c.final_lr_frac:g}",
             "threads": self.n_threads,
+            "precision": c.precision + (" (emulated: fp32 GEMMs)" if c.precision != self.mfu_roof else ""),
+            "mfu_roof": self.mfu_roof,
+            "peak_flops": f"{self.peak_flops / 1e9:.1f} GFLOP/s ({self.mfu_roof} GEMM 1024^3)",
             "output_dir": self.out or "-",
         }
         if self.detect_outliers:

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from conftest import shared_file
+from llmctl._ext import matmul as _matmul
 from spikes import poisoned_trainer
 from llmctl.display import Display, PlainDisplay
 from llmctl.errors import ConfigError, FormatError
@@ -754,6 +755,86 @@ def test_plain_display_lines():
     assert buf.getvalue().splitlines() == [
         "step    1/10 | loss 5.500000 | norm 1.2500 | lr 3.00e-04 | 12.50 ms | 5.0% fp32 MFU | 10240 tok/s",
         "val loss 5.250000"]
+
+
+# ---------------------------------------------------------------------------------------------
+# MFU: over the GEMM roof of the precision the run's matmuls multiply in
+
+_NATIVE_BF16 = _matmul.bf16_native()
+
+
+def _spy_bf16_matmul(monkeypatch):
+    """Record the calls of the real matmul_forward_bf16 (it still runs)."""
+    from llmctl._ext import matmul
+
+    calls, real = [], matmul.matmul_forward_bf16
+
+    def spy(*a, **k):
+        calls.append(a[4:] + tuple(k.values()))
+        return real(*a, **k)
+    monkeypatch.setattr(matmul, "matmul_forward_bf16", spy)
+    return calls
+
+
+@pytest.mark.skipif(_NATIVE_BF16, reason="this CPU multiplies bf16 natively: bf16 is not emulated")
+def test_peak_flops_of_emulated_bf16_is_the_fp32_roof(monkeypatch):
+    # emulated bf16 multiplies widened operands in fp32 sgemm: the fp32 roof is its denominator
+    import llmctl.train as tr
+
+    monkeypatch.setenv("LLMCTL_BF16_EMULATE", "1")
+    monkeypatch.setattr(tr, "_PEAK_CACHE", {})
+    calls = _spy_bf16_matmul(monkeypatch)
+    assert tr.mfu_roof_precision("bf16") == "fp32" == tr.mfu_roof_precision("fp32")
+    bf16 = tr.measure_peak_flops(1, "bf16")
+    assert bf16 > 0 and calls == []                   # no bf16 GEMM was timed
+    assert tr.measure_peak_flops(1, "fp32") == bf16   # one fp32 measurement serves both
+    assert list(tr._PEAK_CACHE) == [(1, "fp32")]
+
+
+@pytest.mark.skipif(not _NATIVE_BF16, reason="no native bf16 on this CPU (AVX512_BF16/AMX): "
+                                             "oneDNN's bf16 GEMM cannot run, so there is no bf16 roof")
+def test_peak_flops_of_native_bf16_times_llmctls_bf16_matmul(monkeypatch):
+    import llmctl.train as tr
+
+    monkeypatch.setattr(tr, "_PEAK_CACHE", {})
+    calls = _spy_bf16_matmul(monkeypatch)
+    assert tr.mfu_roof_precision("bf16") == "bf16"
+    peak = tr.measure_peak_flops(2, "bf16")
+    # a warm-up and best of 3, each one 1024^3 bf16 GEMM on the native engine
+    assert calls == [(1024, 1024, 1024, 2, "dnnl")] * 4 and peak > 0
+    assert tr.measure_peak_flops(2, "fp32") > 0 and set(tr._PEAK_CACHE) == {(2, "bf16"), (2, "fp32")}
+    assert len(calls) == 4   # the fp32 roof is NumPy's sgemm, not the bf16 kernel
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_mfu_in_metrics_is_flops_over_time_over_the_peak_of_the_precision(data, tmp_path, monkeypatch,
+                                                                          precision):
+    import llmctl.train as tr
+
+    if precision == "bf16" and not _NATIVE_BF16:
+        monkeypatch.setenv("LLMCTL_BF16_EMULATE", "1")
+    peaks, asked = {"fp32": 3.0e9, "bf16": 7.0e9}, []
+
+    def peak(n_threads, precision="fp32"):
+        asked.append((n_threads, precision))
+        return peaks[precision]
+    monkeypatch.setattr(tr, "measure_peak_flops", peak)
+    import io
+
+    shown = io.StringIO()
+    train(cfg_for(data, tmp_path / "o", max_steps=3, val_loss_every=0, total_batch_size=2 * 4 * 32,
+                  precision=precision), display=PlainDisplay(shown))
+    assert asked == [(1, precision)]
+    # the step lines name the roof: bf16's only where bf16 multiplies natively
+    roof = "bf16" if precision == "bf16" and _NATIVE_BF16 else "fp32"
+    assert shown.getvalue().count(f"% {roof} MFU |") == 3, shown.getvalue()
+    c = TINY
+    N = n_params(**c)
+    flops_per_step = (6 * N + 6 * c["L"] * c["C"] * 32) * 4 * 32 * 2   # llm.c's count, B=4 T=32, 2 micro-steps
+    recs = [r for r in metrics(tmp_path / "o") if "train_loss" in r]
+    assert len(recs) == 3
+    for r in recs:
+        assert r["mfu"] == pytest.approx(flops_per_step / (r["ms"] / 1000.0) / peaks[precision], rel=1e-12)
 
 
 def test_rich_display_renders():
