@@ -1,12 +1,17 @@
 """Benchmark `llmctl eval hellaswag`: examples/s on real HellaSwag examples with a d12 model.
 
-What it reports: examples/s (and the implied time for the full 10,042-example validation set)
-for the first --examples examples of the HellaSwag validation jsonl (prepro'd to a
-temporary llm.c eval file), with random-init weights (speed does not depend on their values),
-plus the positions actually computed vs. llm.c's 4 rows x T=1024 per example.
+What it reports, for each --precision asked, side by side in ONE run (the same examples, the
+same weights): examples/s and the projected time for the full 10,042-example validation set
+(from the measured subset: the first --examples examples of the HellaSwag validation jsonl,
+prepro'd to a temporary llm.c eval file), with random-init weights (speed does not depend on
+their values), plus the positions actually computed vs. llm.c's 4 rows x T=1024 per example.
+bf16 needs a CPU that multiplies bf16 natively (AVX512_BF16/AMX); elsewhere it is skipped
+unless --bf16-emulate (the same numerics on fp32 GEMMs: slower than fp32, shown only to check
+the path runs).
 What it is not: an accuracy figure (random weights score ~25%).
 
-    python bench/eval.py                       # d12, 50 examples, 2 threads
+    python bench/eval.py                                  # d12, 50 examples, fp32, 2 threads
+    python bench/eval.py --precision fp32,bf16            # both, side by side
     python bench/eval.py --model d6 --examples 20 --threads 1 --json
 """
 import argparse
@@ -17,23 +22,49 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JSONL = os.path.join(HERE, "..", "..", "shared", "data", "hellaswag", "hellaswag_val.jsonl")
+FULL_VAL = 10042   # examples in HellaSwag's validation split (dev/data/hellaswag.py)
+TARGET_MIN = 15    # the full d12 HellaSwag target, minutes
 
 
-def main():
+def _precisions(text):
+    from llmctl.info import PRECISIONS
+
+    ps = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in ps if p not in PRECISIONS]
+    if bad or not ps:
+        raise argparse.ArgumentTypeError(f"unknown precision {', '.join(bad) or text!r}: "
+                                         f"use {', '.join(PRECISIONS)} or a comma list of them")
+    return list(dict.fromkeys(ps))
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="d12")
     ap.add_argument("--examples", type=int, default=50)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch-tokens", type=int, default=2048)
+    ap.add_argument("--precision", type=_precisions, default=["fp32"],
+                    help="fp32, bf16 or fp32,bf16 (side by side; default fp32)")
+    ap.add_argument("--bf16-emulate", action="store_true", help="run bf16 even without native bf16")
     ap.add_argument("--jsonl", default=JSONL)
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
+    from llmctl._ext import matmul
     from llmctl.evaluate import eval_hellaswag
     from llmctl.formats import read_evalfile
     from llmctl.model import GPT2
     from llmctl.prepro.hellaswag import prepro_hellaswag
 
+    if args.bf16_emulate:
+        os.environ["LLMCTL_BF16_EMULATE"] = "1"
+    precisions, skipped = list(args.precision), []
+    if "bf16" in precisions and not matmul.bf16_native() and not args.bf16_emulate:
+        precisions.remove("bf16")
+        skipped.append("bf16: this CPU has no native bf16 (AVX512_BF16/AMX); --bf16-emulate runs it anyway")
+    if not precisions:
+        ap.error(skipped[0])
+    runs = []
     with tempfile.TemporaryDirectory() as d:
         part = os.path.join(d, "part.jsonl")
         with open(args.jsonl, encoding="utf-8") as f, open(part, "w", encoding="utf-8") as g:
@@ -43,24 +74,46 @@ def main():
         exs = read_evalfile(path)
         # positions run: each context once + each completion minus its last token (a target only)
         positions = sum(len(e.context) + sum(len(c) - 1 for c in e.endings) for e in exs)
-        model = GPT2.from_init(args.model, n_threads=args.threads)
-        eval_hellaswag(model, path, limit=2, batch_tokens=args.batch_tokens)  # warm-up
-        t0 = time.perf_counter()
-        res = eval_hellaswag(model, path, batch_tokens=args.batch_tokens)
-        dt = time.perf_counter() - t0
-    eps = res["num_examples"] / dt
-    out = {"model": args.model, "threads": args.threads, "examples": res["num_examples"],
-           "seconds": round(dt, 2), "examples_per_s": round(eps, 3),
-           "full_val_minutes": round(10042 / eps / 60, 1),
-           "positions_per_example": round(positions / len(exs), 1),
-           "llmc_positions_per_example": 4 * 1024, "acc_norm": res["acc_norm"],
+        ref = GPT2.from_init(args.model, n_threads=args.threads)   # one init: the same weights for all
+        for prec in precisions:
+            model = ref if prec == "fp32" else GPT2(ref.config, n_threads=args.threads, precision=prec)
+            if model is not ref:
+                model.params[:] = ref.params
+                model.params_changed()
+            eval_hellaswag(model, path, limit=2, batch_tokens=args.batch_tokens)  # warm-up
+            t0 = time.perf_counter()
+            res = eval_hellaswag(model, path, batch_tokens=args.batch_tokens)
+            dt = time.perf_counter() - t0
+            eps = res["num_examples"] / dt
+            runs.append({"precision": prec,
+                         "gemm": f"fp32 ({matmul.default_backend()})" if prec == "fp32" else
+                                 ("bf16 (dnnl)" if matmul.bf16_native() else "bf16 emulated on fp32"),
+                         "examples": res["num_examples"], "seconds": round(dt, 2),
+                         "examples_per_s": round(eps, 3),
+                         "full_val_minutes": round(FULL_VAL / eps / 60, 1), "acc_norm": res["acc_norm"]})
+    out = {"model": args.model, "threads": args.threads, "examples": len(exs), "runs": runs,
+           "full_val_examples": FULL_VAL, "positions_per_example": round(positions / len(exs), 1),
+           "llmc_positions_per_example": 4 * 1024, "skipped": skipped,
            "loadavg_1min": round(os.getloadavg()[0], 2)}
     if args.json:
         print(json.dumps(out))
         return
-    print(f"{args.model}, {args.threads} threads: {out['examples']} HellaSwag examples in {dt:.1f} s = "
-          f"{eps:.2f} examples/s -> full val (10,042) in ~{out['full_val_minutes']} min "
-          f"(load average {out['loadavg_1min']})")
+    print(f"{args.model}, {args.threads} threads, {len(exs)} HellaSwag examples, projected to the full "
+          f"val set ({FULL_VAL:,}) (load average {out['loadavg_1min']}: other processes on these cores "
+          "slow multi-threaded runs most)")
+    print(f"  {'precision':9s} {'GEMMs':22s} {'seconds':>8s} {'examples/s':>11s} {'full val':>10s}")
+    for r in runs:
+        print(f"  {r['precision']:9s} {r['gemm']:22s} {r['seconds']:8.1f} {r['examples_per_s']:11.2f} "
+              f"{r['full_val_minutes']:7.1f} min")
+    by = {r["precision"]: r["seconds"] for r in runs}
+    if len(by) == 2:
+        print(f"  bf16 / fp32 time: {by['bf16'] / by['fp32']:.2f}x")
+    if args.model == "d12":
+        for r in runs:
+            met = "met" if r["full_val_minutes"] <= TARGET_MIN else "not met"
+            print(f"  target full d12 HellaSwag <= {TARGET_MIN} min, {r['precision']}: {met}")
+    for line in skipped:
+        print("  skipped: " + line)
     print(f"  positions computed per example: {out['positions_per_example']} "
           f"(llm.c pads 4 rows to T=1024: 4096)")
 

@@ -1,18 +1,20 @@
 """Benchmark `llmctl sample`: tokens/s with the KV cache vs. llm.c-style full recompute, in ONE run.
 
-What it reports (random-init weights: speed does not depend on their values):
+What it reports (random-init weights: speed does not depend on their values), for each
+--precision asked, side by side (the same weights and prompt):
   - cached: prefill of the prompt (ms), then decode of --new-tokens one position per step:
-    tokens/s and the implied weight-streaming bandwidth (every decode step reads all fp32
-    weights once: ~498 MB for d12);
+    tokens/s and the implied weight-streaming bandwidth (every decode step reads all matmul
+    weights once: ~498 MB for d12 in fp32, half in bf16);
   - full recompute (llm.c's way: the whole sequence through the model for every new token):
     tokens/s over --full-tokens steps from the same prompt (fewer steps: it is slow; its cost
     grows with the sequence length, so at the end of a 288-token sequence it is slower still).
+bf16 needs a CPU that multiplies bf16 natively (AVX512_BF16/AMX); elsewhere it is skipped
+unless --bf16-emulate (the same numerics on fp32 GEMMs: slower than fp32).
 What it is not: a quality check (tests/test_sample.py checks cached == full logits).
 
     python bench/sample.py                        # d12, 32-token prompt, 256 new tokens, 2 threads
     python bench/sample.py --model d6 --new-tokens 64 --full-tokens 8 --json
-    python bench/sample.py --precision bf16       # bf16 weights (half the bytes per decode step);
-                                                  # needs native bf16 (or LLMCTL_BF16_EMULATE=1)
+    python bench/sample.py --precision fp32,bf16  # both, side by side (bf16: target >= 80 tokens/s)
 """
 import argparse
 import json
@@ -22,25 +24,10 @@ import time
 import numpy as np
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="d12", help="descriptor or checkpoint (default d12)")
-    ap.add_argument("--prompt-tokens", type=int, default=32)
-    ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--full-tokens", type=int, default=16, help="steps of the full-recompute run")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--precision", default="fp32", help="fp32 or bf16 (default fp32)")
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
-
-    from llmctl.model import GPT2
+def _measure(model, prompt, args):
     from llmctl.sample import generate
 
-    t0 = time.perf_counter()
-    model = GPT2.from_init(args.model, n_threads=args.threads, precision=args.precision)
-    init_s = time.perf_counter() - t0
-    prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, args.prompt_tokens).tolist()
-    weight_bytes = model.params.nbytes if args.precision == "fp32" else model.params_bf16.nbytes
+    weight_bytes = model.params.nbytes if model.precision == "fp32" else model.params_bf16.nbytes
 
     def timed(n, use_cache):
         stamps = []
@@ -56,11 +43,8 @@ def main():
     cached_tps = (len(st) - 1) / decode_s if len(st) > 1 else float("nan")
     t_start, sf = timed(args.full_tokens, False)
     full_tps = len(sf) / (sf[-1] - t_start)
-
-    res = {
-        "model": args.model, "threads": args.threads, "precision": args.precision,
-        "num_parameters": model.num_parameters,
-        "init_s": round(init_s, 2), "prompt_tokens": args.prompt_tokens,
+    return {
+        "precision": model.precision,
         "cached": {"new_tokens": len(st), "prefill_ms": round(prefill_ms, 1),
                    "decode_tokens_per_s": round(cached_tps, 2),
                    "overall_tokens_per_s": round(len(st) / (st[-1] - cached_start), 2),
@@ -68,21 +52,69 @@ def main():
         "full_recompute": {"new_tokens": len(sf), "tokens_per_s": round(full_tps, 3),
                            "positions": [args.prompt_tokens, args.prompt_tokens + len(sf)]},
         "speedup_decode": round(cached_tps / full_tps, 1),
-        "loadavg_1min": round(os.getloadavg()[0], 2),
     }
+
+
+def main(argv=None):
+    from eval import _precisions   # bench/eval.py: the same --precision list
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="d12", help="descriptor or checkpoint (default d12)")
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--full-tokens", type=int, default=16, help="steps of the full-recompute run")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--precision", type=_precisions, default=["fp32"],
+                    help="fp32, bf16 or fp32,bf16 (side by side; default fp32)")
+    ap.add_argument("--bf16-emulate", action="store_true", help="run bf16 even without native bf16")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+
+    from llmctl._ext import matmul
+    from llmctl.model import GPT2
+
+    if args.bf16_emulate:
+        os.environ["LLMCTL_BF16_EMULATE"] = "1"
+    precisions, skipped = list(args.precision), []
+    if "bf16" in precisions and not matmul.bf16_native() and not args.bf16_emulate:
+        precisions.remove("bf16")
+        skipped.append("bf16: this CPU has no native bf16 (AVX512_BF16/AMX); --bf16-emulate runs it anyway")
+    if not precisions:
+        ap.error(skipped[0])
+    t0 = time.perf_counter()
+    ref = GPT2.from_init(args.model, n_threads=args.threads)   # one init: the same weights for all
+    init_s = time.perf_counter() - t0
+    prompt = np.random.default_rng(0).integers(0, ref.config.vocab_size, args.prompt_tokens).tolist()
+    runs = []
+    for prec in precisions:
+        model = ref if prec == "fp32" else GPT2(ref.config, n_threads=args.threads, precision=prec)
+        if model is not ref:
+            model.params[:] = ref.params
+            model.params_changed()
+        runs.append(_measure(model, prompt, args))
+        if prec == "bf16":
+            runs[-1]["gemm"] = "native" if matmul.bf16_native() else "emulated on fp32"
+
+    res = {"model": args.model, "threads": args.threads, "num_parameters": ref.num_parameters,
+           "init_s": round(init_s, 2), "prompt_tokens": args.prompt_tokens, "runs": runs,
+           "skipped": skipped, "loadavg_1min": round(os.getloadavg()[0], 2)}
     if args.json:
         print(json.dumps(res))
         return
-    c, f = res["cached"], res["full_recompute"]
-    print(f"{args.model} ({model.num_parameters:,} params), {args.precision}, {args.threads} threads, "
+    print(f"{args.model} ({ref.num_parameters:,} params), {args.threads} threads, "
           f"{args.prompt_tokens}-token prompt (init {init_s:.1f} s; load average {res['loadavg_1min']}: "
           "other processes on these cores slow multi-threaded runs most)")
-    print(f"  KV cache : prefill {c['prefill_ms']:.0f} ms, decode {c['new_tokens']} tokens at "
-          f"{c['decode_tokens_per_s']:.2f} tokens/s ({c['weight_GB_per_s']:.1f} GB/s of weights), "
-          f"overall {c['overall_tokens_per_s']:.2f} tokens/s")
-    print(f"  full     : {f['new_tokens']} tokens at {f['tokens_per_s']:.3f} tokens/s "
-          f"(sequence {f['positions'][0]}..{f['positions'][1]} positions)")
-    print(f"  speedup  : {res['speedup_decode']}x")
+    for r in runs:
+        c, f = r["cached"], r["full_recompute"]
+        print(f"  {r['precision']}" + (f" ({r['gemm']})" if "gemm" in r else ""))
+        print(f"    KV cache : prefill {c['prefill_ms']:.0f} ms, decode {c['new_tokens']} tokens at "
+              f"{c['decode_tokens_per_s']:.2f} tokens/s ({c['weight_GB_per_s']:.1f} GB/s of weights), "
+              f"overall {c['overall_tokens_per_s']:.2f} tokens/s")
+        print(f"    full     : {f['new_tokens']} tokens at {f['tokens_per_s']:.3f} tokens/s "
+              f"(sequence {f['positions'][0]}..{f['positions'][1]} positions)")
+        print(f"    speedup  : {r['speedup_decode']}x")
+    for line in skipped:
+        print("  skipped: " + line)
 
 
 if __name__ == "__main__":
