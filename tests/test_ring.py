@@ -601,10 +601,12 @@ def test_ring_of_2_bf16_equals_shm_and_gradient_accumulation(procs, tmp_path):
     assert np.abs(np.array(losses("fp32")) - losses("one")).max() > 1e-6
 
 
-def test_ctrl_c_on_one_host_stops_every_host_at_the_same_step(procs, tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_ctrl_c_on_one_host_stops_every_host_at_the_same_step(procs, tmp_path, precision):
     """SIGINT to node 0's launcher only: the stop flag rides on the next scalar all-reduce, so
     all 4 ranks stop after the same step and write one complete checkpoint (model, 4 state
-    files, DONE); node 0 exits 130, node 1 exits 0 (its part finished as asked)."""
+    files, DONE); node 0 exits 130, node 1 exits 0 (its part finished as asked). The same in
+    bf16 (emulated where the CPU has no native bf16)."""
     from llmctl.formats import write_datafile
     from llmctl.model import GPT2, GPT2Config
     from llmctl.checkpoints import find_max_step
@@ -622,7 +624,8 @@ def test_ctrl_c_on_one_host_stops_every_host_at_the_same_step(procs, tmp_path):
                           "-t", str(T), "-v", "0", "-s", "0", "--threads", "1", "-x", "100000",
                           "-o", str(d / "run"), "--nnodes", "2", "--node-rank", str(i), "--nproc", "2",
                           "--master-addr", _host(0), "--master-port", str(port), "--bind-addr",
-                          _host(i), "--dist-timeout", "10", "--rdzv-timeout", "30"], env=_env())
+                          _host(i), "--dist-timeout", "10", "--rdzv-timeout", "30", "--precision", precision],
+                         env=_env(**(bf16_env() if precision == "bf16" else {})))
              for i in range(2)]
     deadline = time.monotonic() + 60
     while not ((d / "run" / "metrics.jsonl").exists()
