@@ -83,7 +83,10 @@ def gemm_peak_gflops(n_threads, size=1024, reps=20):
 
 
 def flops_per_step(cfg, B, T, num_params):
-    return (6 * num_params + 12 * cfg.num_layers * cfg.channels * T) * B * T
+    """llm.c's gpt2_estimate_mfu count, the one `llmctl train` reports MFU with."""
+    from llmctl.train import flops_per_token
+
+    return flops_per_token(num_params, cfg.num_layers, cfg.channels, T) * B * T
 
 
 class _Timed:

@@ -315,15 +315,19 @@ def test_sigint_subprocess_then_resume(data, tmp_path):
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                             cwd=str(tmp_path))
     mfile = out / "metrics.jsonl"
-    deadline = time.time() + 60
-    # SIGINT only once 3 steps are logged (the guard is installed) and the run is far from done
-    while time.time() < deadline and proc.poll() is None:
-        if mfile.exists() and mfile.read_text().count("\n") >= 3:
-            break
+    deadline = time.time() + 180
+    # SIGINT only once 3 steps are logged (the guard is installed) and the run is far from done;
+    # frozen first (SIGSTOP), so it cannot run on to its end between the check and the signal
+    logged = 0
+    while time.time() < deadline and proc.poll() is None and logged < 3:
+        logged = mfile.read_text().count("\n") if mfile.exists() else 0
         time.sleep(0.01)
+    proc.send_signal(signal.SIGSTOP)
     assert proc.poll() is None, "the run ended before it could be interrupted"
+    assert logged >= 3, f"only {logged} steps logged in 180 s"
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    proc.send_signal(signal.SIGCONT)
+    _, err = proc.communicate(timeout=120)
     err = err.decode()
     assert proc.returncode == 130, err
     assert "Interrupted" in err and "Traceback" not in err
