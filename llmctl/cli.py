@@ -2,7 +2,8 @@
 
 Each subcommand is a small function whose body calls into a module (prepro, inspect, train,
 evaluate, sample); everything a command does is callable from Python without this file.
-Exit codes: 0 ok, 1 runtime error (an LlmctlError), 2 usage error, 130 interrupted.
+Exit codes: 0 ok, 1 runtime error (an LlmctlError), 2 usage error (click's: a bad flag value, an
+unknown option, a missing argument, rendered as Error/Hint by _Group; or a ConfigError), 130 interrupted.
 Messages and progress go to stderr, results to stdout; `--json` prints machine output only.
 """
 import functools
@@ -21,16 +22,89 @@ from llmctl.paths import (DATA_DIR, GPT2_124M_CHECKPOINT, HELLASWAG_VAL, PRETRAI
 err_console = Console(stderr=True, highlight=False)
 out_console = Console(highlight=False)
 
+try:  # typer >= 0.22 carries its own copy of click
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
+except ImportError:  # older typer runs on click itself (NoArgsIsHelpError: click >= 8.2)
+    from click.exceptions import ClickException, UsageError
+
+    try:
+        from click.exceptions import NoArgsIsHelpError
+    except ImportError:
+        class NoArgsIsHelpError(Exception):
+            pass
+
+
+def _print_error(message, hint=None):
+    """llmctl's form of every user-facing error: `Error: ...` and, when there is one, `Hint: ...`."""
+    err_console.print(f"[bold red]Error:[/] {escape(message)}", soft_wrap=True)
+    if hint:
+        err_console.print(f"[bold]Hint:[/] {escape(hint)}", soft_wrap=True)
+
+
+def _bad_value(e):
+    """The value a BadParameter rejected, when typer's converter says it (pydantic's `input`)."""
+    errors = getattr(e.__cause__, "errors", None)
+    try:
+        return errors()[0]["input"] if callable(errors) else None
+    except (IndexError, KeyError, TypeError):
+        return None
+
+
+def _usage_error_text(e):
+    """(message, hint) of a click usage error: its own text naming the flag, plus the bad value
+    and, for a group run without its command, the commands it has."""
+    ctx = e.ctx
+    path = ctx.command_path if ctx is not None else "llmctl"
+    msg = e.format_message()
+    value = _bad_value(e)
+    if value is not None and repr(value) not in msg:
+        prefix = "Invalid value for "
+        msg = (f"Invalid value {value!r} for {msg[len(prefix):]}" if msg.startswith(prefix)
+               else f"{msg} (got {value!r})")
+    if ctx is not None and msg == "Missing command." and hasattr(ctx.command, "list_commands"):
+        msg = f"'{path}' needs a command: {', '.join(ctx.command.list_commands(ctx))}"
+    return msg, f"run '{path} --help'"
+
+
+class _Group(typer.core.TyperGroup):
+    """The root command. Usage errors (a bad flag value, an unknown option, a missing argument or
+    command) get llmctl's `Error:` / `Hint:` lines and click's exit code 2 instead of typer's
+    boxed usage panel: the one place they are rendered, whoever calls the app (main(), a test's
+    CliRunner)."""
+
+    def main(self, args=None, prog_name=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args=args, prog_name=prog_name, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args=args, prog_name=prog_name, standalone_mode=False, **extra)
+        except NoArgsIsHelpError as e:  # bare `llmctl`: the help (rich help is printed already)
+            if e.format_message().strip():
+                e.show()
+            sys.exit(e.exit_code)
+        except UsageError as e:
+            _print_error(*_usage_error_text(e))
+            sys.exit(e.exit_code)
+        except ClickException as e:
+            _print_error(e.format_message())
+            sys.exit(e.exit_code)
+        except typer.Abort:
+            err_console.print("Aborted.")
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)  # typer.Exit(n) in a command returns n here
+
+
 app = typer.Typer(
     name="llmctl",
+    cls=_Group,
     help="Prepare data for, train, evaluate and sample GPT-2 models on CPUs (llm.c-compatible).",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["--help"]},
 )
-prepro_app = typer.Typer(help="Text -> GPT-2 tokens -> llm.c .bin files.", no_args_is_help=True)
-eval_app = typer.Typer(help="Evaluate a checkpoint (HellaSwag, loss).", no_args_is_help=True)
+# no no_args_is_help: a bare `llmctl prepro` is a usage error naming its commands (_Group)
+prepro_app = typer.Typer(help="Text -> GPT-2 tokens -> llm.c .bin files.")
+eval_app = typer.Typer(help="Evaluate a checkpoint (HellaSwag, loss).")
 app.add_typer(prepro_app, name="prepro")
 app.add_typer(eval_app, name="eval")
 
@@ -736,14 +810,12 @@ app.command("train", context_settings={"help_option_names": ["--help"]})(train_c
 
 def main(argv: Optional[List[str]] = None):
     """Entry point: run the typer app, mapping user errors to one line and a non-zero exit."""
-    # Standalone mode: typer prints usage errors (exit 2) and maps Ctrl-C to a silent exit 130,
+    # Usage errors (exit 2) are rendered by _Group.main; typer maps Ctrl-C to a silent exit 130,
     # so each command prints its own "Interrupted: ..." line (@_interruptible; train: train.py).
     try:
         app(args=argv, prog_name="llmctl")
     except LlmctlError as e:
-        err_console.print(f"[bold red]Error:[/] {escape(e.message)}", soft_wrap=True)
-        if e.hint:
-            err_console.print(f"[bold]Hint:[/] {escape(e.hint)}", soft_wrap=True)
+        _print_error(e.message, e.hint)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         err_console.print("Interrupted.")

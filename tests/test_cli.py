@@ -1,5 +1,6 @@
 """Tests for llmctl/cli.py's shared behaviour: Ctrl-C in any command (other than train, which
-llmctl/train.py handles) prints one "Interrupted" line saying what was kept and exits 130.
+llmctl/train.py handles) prints one "Interrupted" line saying what was kept and exits 130; usage
+errors (bad flag values, unknown options, missing arguments) are one Error line and a Hint, exit 2.
 
 The commands run as real subprocesses and get a real SIGINT once they are visibly busy (text on
 stdout, a first shard on disk, the input mapped), since typer's own KeyboardInterrupt handling is
@@ -99,3 +100,94 @@ def test_ctrl_c_during_eval_says_interrupted(tmp_path, cmd):
         raise
     code, out, err = _interrupt(p)
     assert code == 130 and "Interrupted: no result." in err and "Traceback" not in err, err
+
+
+# ---------------------------------------------------------------------------------------------
+# usage errors: llmctl's Error/Hint lines and exit 2, not typer's boxed usage panel
+
+def _run(args, cwd=None):
+    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="80")
+    r = subprocess.run([sys.executable, "-m", "llmctl", *args], cwd=cwd, env=env, capture_output=True,
+                       text=True, stdin=subprocess.DEVNULL, timeout=120)
+    return r.returncode, r.stdout, r.stderr
+
+
+def _run_tty(args, cwd=None):
+    """As _run, with stderr a terminal (a pty), so rich renders for a terminal; escape codes and
+    the pty's carriage returns are stripped from what it shows."""
+    import pty
+    import re
+
+    master, slave = pty.openpty()
+    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="80", TERM="xterm-256color")
+    p = subprocess.Popen([sys.executable, "-m", "llmctl", *args], cwd=cwd, env=env,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=slave)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 4096)
+        except OSError:  # EIO: the command closed its end
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    out = p.stdout.read().decode()
+    p.wait(timeout=120)
+    p.stdout.close()
+    err = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(chunks).decode()).replace("\r", "")
+    return p.returncode, out, err
+
+
+# (argv, the subcommand the hint names, what the Error line must name)
+USAGE_ERRORS = [
+    (["train", "-b", "abc"], "llmctl train", ["'-b'", "'abc'"]),
+    (["eval", "loss", "-t", "x"], "llmctl eval loss", ["'-t'", "'x'"]),
+    (["sample", "--top-p", "2"], "llmctl sample", ["'--top-p'", "'2'"]),
+    (["train", "--nope"], "llmctl train", ["--nope"]),
+    (["prepro", "text"], "llmctl prepro text", ["Missing argument", "files"]),
+    (["prepro"], "llmctl prepro", ["needs a command", "tinyshakespeare", "gpt2"]),
+    (["eval"], "llmctl eval", ["needs a command", "hellaswag", "loss"]),
+    (["nosuch"], "llmctl", ["nosuch"]),
+]
+
+
+@pytest.mark.parametrize("tty", [False, True], ids=["plain", "terminal"])
+@pytest.mark.parametrize("argv, command, named", USAGE_ERRORS, ids=[" ".join(a) for a, _, _ in USAGE_ERRORS])
+def test_usage_error_is_one_error_line_and_a_hint_exit_2(tmp_path, argv, command, named, tty):
+    code, out, err = (_run_tty if tty else _run)(argv, cwd=tmp_path)
+    assert code == 2, err
+    assert out == ""
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 2, err
+    assert lines[0].startswith("Error: ") and all(n in lines[0] for n in named), err
+    assert lines[1] == f"Hint: run '{command} --help'", err
+    assert not any(c in err for c in "╭╮╰╯│─") and "Usage:" not in err and "Traceback" not in err
+
+
+def test_bad_choice_is_one_error_and_a_hint_exit_2(tmp_path):
+    code, out, err = _run(["train", "--precision", "fp8"], cwd=tmp_path)
+    assert code == 2 and out == ""
+    assert err.splitlines() == ["Error: unknown precision 'fp8'", "Hint: choose one of fp32, bf16"]
+
+
+def test_usage_errors_render_the_same_through_clirunner():
+    """The rendering lives in the app's root command, so calling the app directly (as a test or
+    a script does) shows the same two lines as `llmctl` itself."""
+    from typer.testing import CliRunner
+
+    from llmctl.cli import app
+
+    r = CliRunner().invoke(app, ["train", "-b", "abc"])
+    assert r.exit_code == 2
+    error, hint = r.output.splitlines()[-2:]
+    assert error.startswith("Error: Invalid value 'abc' for '-b' / '--batch-size': ")
+    assert hint == "Hint: run 'llmctl train --help'"
+
+
+def test_help_and_a_bare_llmctl_still_show_the_help(tmp_path):
+    code, out, err = _run(["train", "--help"], cwd=tmp_path)
+    assert code == 0 and "--batch-size" in out and err == ""
+    code, out, err = _run([], cwd=tmp_path)
+    assert code == 2 and "Usage: llmctl" in out + err and "Error" not in out + err
