@@ -560,3 +560,93 @@ def test_an_invalid_hub_repo_id_is_one_error(tmp_path):
         pretrained_checkpoint("hf:bad..name/x", cache_dir=tmp_path / "hub", convert_dir=tmp_path / "c",
                               local_files_only=True)
     assert e.value.hint
+
+
+# ---------------------------------------------------------------------------------------------
+# online (HF_HUB_OFFLINE unset) with a Hub that cannot be reached: HF_ENDPOINT on 127.0.0.1 only
+
+
+class _Endpoint:
+    """An HF_ENDPOINT on 127.0.0.1 that cannot serve: "refused" is a port that was bound and
+    closed again (what a machine without network gives a connection), "reset" accepts each
+    connection, records its request line and closes it unanswered, so the test can count the
+    requests huggingface_hub makes."""
+
+    def __init__(self, kind):
+        import socket
+        import threading
+
+        self.kind = kind
+        self.requests = []
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        if kind == "refused":
+            self.sock.close()
+            return
+        self.sock.listen(16)
+
+        def serve():
+            while True:
+                try:
+                    conn, _ = self.sock.accept()
+                except OSError:
+                    return
+                conn.settimeout(5)
+                try:
+                    self.requests.append(conn.recv(4096).split(b"\r\n")[0].decode(errors="replace"))
+                except OSError:
+                    pass
+                conn.close()
+
+        threading.Thread(target=serve, daemon=True).start()
+
+    def heads(self):
+        return [r for r in self.requests if r.startswith("HEAD ")]
+
+
+@pytest.fixture(params=["refused", "reset"])
+def dead_hub(request):
+    ep = _Endpoint(request.param)
+    yield ep
+    ep.sock.close()
+
+
+def _sample_online(hf_home, endpoint, tmp_path):
+    """`llmctl sample -e gpt2` with downloads allowed (no HF_HUB_OFFLINE), the Hub at endpoint."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update(OMP_NUM_THREADS="1", HF_HOME=str(hf_home), HF_ENDPOINT=endpoint.url,
+               LLMCTL_CACHE=str(tmp_path / "c"))
+    return subprocess.run([sys.executable, "-m", "llmctl", "sample", "-e", "gpt2", "-n", "2", "--threads", "1",
+                           "--json"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_unreachable_hub_and_no_cache_is_one_error_at_once_naming_the_repo(dead_hub, tmp_path):
+    r = _sample_online(tmp_path / "empty", dead_hub, tmp_path)
+    assert r.returncode == 1 and r.stdout == "" and "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 2, r.stderr
+    assert lines[0].startswith("Error: openai-community/gpt2: config.json is not in the Hugging Face cache")
+    assert f"the Hub ({dead_hub.url}) cannot be reached" in lines[0]
+    assert lines[1].startswith("Hint:") and "HF_HUB_OFFLINE=1" in lines[1] and "-e DIR" in lines[1]
+    # huggingface_hub's backoff (5 retries, ~25 s of sleep) did not run: one request for the file
+    assert "Retrying" not in r.stderr
+    if dead_hub.kind == "reset":  # its requests were seen
+        assert dead_hub.heads() == ["HEAD /openai-community/gpt2/resolve/main/config.json HTTP/1.1"]
+    assert not (tmp_path / "c").exists()
+
+
+def test_unreachable_hub_with_a_complete_cache_uses_the_cache(tiny, hub, dead_hub, tmp_path):
+    from huggingface_hub import scan_cache_dir
+
+    hf_home, _ = hub
+    repos = {r.repo_id: r for r in scan_cache_dir(hf_home / "hub").repos}  # a cache huggingface_hub reads
+    assert {f.file_name for f in next(iter(repos["openai-community/gpt2"].revisions)).files} == {
+        "config.json", "model.safetensors"}
+    r = _sample_online(hf_home, dead_hub, tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "Error" not in r.stderr and "Retrying" not in r.stderr and "Traceback" not in r.stderr
+    assert len(json.loads(r.stdout)["tokens"]) == 2
+    ckpt = tmp_path / "c" / "hub" / "v1" / "openai-community--gpt2" / COMMIT / "gpt2_811K.bin"
+    assert ckpt.read_bytes() == expected_bytes(tiny[0], tiny[1])
+    assert len(dead_hub.heads()) <= 1  # at most one look at the Hub per run ("refused": none seen)

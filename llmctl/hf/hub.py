@@ -110,10 +110,60 @@ def _fetch_hint(repo_id):
             f"holds it; -e d12 starts from random weights instead")
 
 
-def hub_file(repo_id, filename, *, revision=None, local_files_only=None, cache_dir=None, progress=True):
-    """Path of one file of a hub repo via hf_hub_download (cache first; downloads unless offline)."""
+def _unreachable_hint(repo_id):
+    return ("no network here? pass a local model directory (config.json + model.safetensors) as -e DIR, "
+            "or point HF_HOME at a Hugging Face cache that holds it and set HF_HUB_OFFLINE=1 so nothing "
+            f"is tried online; with network, `llmctl prepro gpt2 --model {repo_id}` fetches it once; "
+            "-e d12 starts from random weights instead")
+
+
+def _transport_errors():
+    """The network-level exceptions of huggingface_hub's HTTP client (name resolution, connection
+    refused or reset, timeouts), whichever client this huggingface_hub uses (httpx2, httpx or
+    requests). Their HTTP-status errors are huggingface_hub's own HfHubHTTPError."""
+    import sys
+
+    errs = []
+    for mod, name in (("httpx2", "TransportError"), ("httpx", "TransportError"),
+                      ("requests", "RequestException")):
+        cls = getattr(sys.modules.get(mod), name, None)
+        if isinstance(cls, type):
+            errs.append(cls)
+    return tuple(errs)
+
+
+def _unreachable(repo_id, filename, where, err):
+    from huggingface_hub import constants
+
+    return NotCached(f"{repo_id}: {filename} is not in the Hugging Face cache ({where}) and the Hub "
+                     f"({constants.ENDPOINT}) cannot be reached: {err}", _unreachable_hint(repo_id))
+
+
+def _check_reachable(repo_id, filename, revision, where):
+    """One HEAD request for a file that is not cached, before hf_hub_download: when the Hub
+    cannot be reached at all (no network, DNS fails, the endpoint refuses), hf_hub_download
+    finds no cached copy to fall back on and retries with backoff (5 retries, 1+2+4+8+8 s of
+    sleep, each attempt with a 60 s timeout), ~25 s before it gives up on a machine without
+    network. This request is made once, with huggingface_hub's etag timeout (HF_HUB_ETAG_TIMEOUT,
+    10 s), and no retry. Any answer from a server (200, 404, 401, 5xx) is left to
+    hf_hub_download, which reports or retries it as it does."""
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
+
     try:
-        from huggingface_hub import constants, hf_hub_download
+        get_hf_file_metadata(hf_hub_url(repo_id, filename, revision=revision),
+                             timeout=constants.HF_HUB_ETAG_TIMEOUT)
+    except _transport_errors() as e:
+        raise _unreachable(repo_id, filename, where, e) from None
+    except Exception:  # the Hub answered; hf_hub_download says what (not found, gated, ...)
+        pass
+
+
+def hub_file(repo_id, filename, *, revision=None, local_files_only=None, cache_dir=None, progress=True):
+    """Path of one file of a hub repo via hf_hub_download (cache first; downloads unless offline).
+    A Hub that cannot be reached costs one request: the cached copy is used if there is one
+    (as huggingface_hub does), else one NotCached error at once (_check_reachable)."""
+    try:
+        from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
         from huggingface_hub.utils import (EntryNotFoundError, HfHubHTTPError, HFValidationError,
                                            LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError,
                                            are_progress_bars_disabled, disable_progress_bars,
@@ -126,8 +176,26 @@ def hub_file(repo_id, filename, *, revision=None, local_files_only=None, cache_d
     if quiet:
         disable_progress_bars()
     try:
-        return Path(hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir,
-                                    local_files_only=offline))
+        if not offline:
+            try:
+                cached = try_to_load_from_cache(repo_id, filename, cache_dir=cache_dir, revision=revision)
+            except HFValidationError:
+                cached = None  # hf_hub_download reports it below
+            if not isinstance(cached, str):
+                _check_reachable(repo_id, filename, revision, where)
+        try:
+            return Path(hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir,
+                                        local_files_only=offline))
+        except _transport_errors() as e:
+            # a connection reset or protocol error, which huggingface_hub does not fall back on
+            # (it does on a refused connection or a timeout): the cached copy, as it would
+            if offline:
+                raise
+            try:
+                return Path(hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir,
+                                            local_files_only=True))
+            except LocalEntryNotFoundError:
+                raise _unreachable(repo_id, filename, where, e) from None
     except HFValidationError as e:
         raise ConfigError(f"{repo_id}: not a valid Hugging Face repo id or revision ({e})",
                           "a repo id is ORG/NAME of letters, digits, '-', '_' and '.'") from None
@@ -135,7 +203,7 @@ def hub_file(repo_id, filename, *, revision=None, local_files_only=None, cache_d
         why = ("downloads are off (HF_HUB_OFFLINE=1 or local_files_only)" if offline
                else "the Hub cannot be reached")
         raise NotCached(f"{repo_id}: {filename} is not in the Hugging Face cache ({where}) and {why}",
-                        _fetch_hint(repo_id)) from None
+                        _fetch_hint(repo_id) if offline else _unreachable_hint(repo_id)) from None
     except RevisionNotFoundError:
         raise DataError(f"{repo_id}: no revision {revision!r} on the Hugging Face Hub",
                         "use a branch, tag or commit of the repo, or leave @revision out") from None
