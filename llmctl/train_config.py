@@ -50,13 +50,17 @@ def _float(v):
         return math.nan
 
 
-# check name -> (test, message); {name} {flag} {v} are filled in
+# check name -> (test, message, hint); {name} {flag} {v} {default} are filled in
 CHECKS = {
-    "positive": (lambda v: v > 0, "{name} ({flag}) must be positive, got {v}"),
-    "nonnegative": (lambda v: v >= 0, "{name} ({flag}) must be >= 0, got {v}"),
+    "positive": (lambda v: v > 0, "{name} ({flag}) must be positive, got {v}",
+                 "pass {flag} N with N >= 1 (default: {default})"),
+    "nonnegative": (lambda v: v >= 0, "{name} ({flag}) must be >= 0, got {v}",
+                    "pass {flag} N with N >= 0 (default: {default})"),
     "zscore": (lambda v: math.isfinite(_float(v)) and _float(v) >= 0,
-               "{name} ({flag}) must be a z-score >= 0 (0 = off), got {v}"),
-    "bool01": (lambda v: v in (0, 1), "{flag} must be 0 or 1, got {v}"),
+               "{name} ({flag}) must be a z-score >= 0 (0 = off), got {v}",
+               "pass e.g. {flag} 3 (skip updates beyond 3 standard deviations), or {flag} 0 for off"),
+    "bool01": (lambda v: v in (0, 1), "{flag} must be 0 or 1, got {v}",
+               "pass {flag} 1 (on) or {flag} 0 (off; default: {default})"),
 }
 
 
@@ -186,11 +190,14 @@ class TrainConfig:
             if isinstance(check, Range):
                 if not check.ok(_float(v)):
                     raise ConfigError(f"{f.metadata['name']} ({flag_}) must be a finite number "
-                                      f"in {check.text()}{check.why}, got {v}")
+                                      f"in {check.text()}{check.why}, got {v}",
+                                      hint=f"pass {flag_} X with X in {check.text()} "
+                                           f"(default: {f.default:g})")
                 continue
-            test, msg = CHECKS[check]
+            test, msg, hint = CHECKS[check]
             if not test(v):
-                raise ConfigError(msg.format(name=f.metadata["name"], flag=flag_, v=v))
+                kw = dict(name=f.metadata["name"], flag=flag_, v=v, default=f.default)
+                raise ConfigError(msg.format(**kw), hint=hint.format(**kw))
         self._validate_together()
         tokens_per_fwdbwd = self.batch_size * self.seq_len * P
         total = tokens_per_fwdbwd if self.total_batch_size == -1 else self.total_batch_size
@@ -213,25 +220,32 @@ class TrainConfig:
                                   "core(s) of this machine; each step would mostly wait on "
                                   "threads", hint=f"use --threads {cores} (or leave it unset)")
         if self.sampler not in ("llmc", "windows"):
-            raise ConfigError(f"unknown --sampler {self.sampler!r}", hint="use llmc or windows")
+            raise ConfigError(f"unknown --sampler {self.sampler!r}",
+                              hint="pass --sampler llmc or --sampler windows")
         if self.lr_scheduler not in SCHEDULERS:
             raise ConfigError(f"unknown learning-rate schedule -k {self.lr_scheduler!r}",
-                              hint=f"use one of: {', '.join(SCHEDULERS)}")
+                              hint=f"pass -k with one of: {', '.join(SCHEDULERS)}")
         if self.max_steps < -1:
             raise ConfigError(f"max steps (-x) must be -1 (one epoch) or >= 0, got "
-                              f"{self.max_steps}")
+                              f"{self.max_steps}", hint="pass -x N for N steps, or -x -1 for "
+                                                        "one epoch of the train data")
         if self.val_max_steps < -1 or self.val_max_steps == 0 and self.val_loss_every > 0:
             raise ConfigError(f"val max steps (-m) must be -1 (whole split) or >= 1, got "
-                              f"{self.val_max_steps}", hint="use -v 0 to skip validation")
+                              f"{self.val_max_steps}", hint="pass -m N with N >= 1, -m -1 for the "
+                                                            "whole split, or -v 0 to skip validation")
         if self.hellaswag_limit is not None and self.hellaswag_limit < 1:
-            raise ConfigError(f"--hellaswag-limit must be >= 1, got {self.hellaswag_limit}")
+            raise ConfigError(f"--hellaswag-limit must be >= 1, got {self.hellaswag_limit}",
+                              hint="pass --hellaswag-limit N with N >= 1, or leave it out to "
+                                   "score every example")
         if self.resume == 1 and not self.output_dir:
-            raise ConfigError("-y 1 resumes from the checkpoints in -o, but no -o was given")
+            raise ConfigError("-y 1 resumes from the checkpoints in -o, but no -o was given",
+                              hint="pass -o DIR, the output directory of the run to resume")
         from llmctl.model.gpt2 import check_precision
 
         check_precision(self.precision)   # unknown, or bf16 on a CPU without it: one clear line
         if self.gen_tokens < 1 and self.sample_every > 0:
-            raise ConfigError(f"gen tokens (-g) must be >= 1, got {self.gen_tokens}")
+            raise ConfigError(f"gen tokens (-g) must be >= 1, got {self.gen_tokens}",
+                              hint="pass -g N with N >= 1, or -s 0 to generate no samples")
 
     @classmethod
     def from_cli(cls, **values):

@@ -142,6 +142,66 @@ def test_unknown_schedule():
         get_learning_rate("exp", 0, 1e-3, 0, 10, 1.0)
 
 
+def _out_of_range_cases():
+    """(field, value, the flag the error must name) for every TrainConfig field with a range: each
+    field checked by its metadata gets values just outside its range (and nan/inf for reals),
+    then the ranges validate() checks with the other settings."""
+    from dataclasses import fields
+
+    from llmctl.info import usable_cores
+    from llmctl.train_config import Range
+
+    bad = {"positive": [0, -1], "nonnegative": [-1], "zscore": [-0.5, math.nan], "bool01": [2, -1]}
+    cases = []
+    for f in fields(TrainConfig):
+        check = f.metadata["check"]
+        if check is None:
+            continue
+        flag = f.metadata["flags"][0] if f.metadata["flags"] else f.metadata["long"]
+        if isinstance(check, Range):
+            values = [math.nan, -math.inf, check.lo if check.lo_open else check.lo - 0.5]
+            values += [check.hi] if check.hi_open and math.isfinite(check.hi) else []
+            values += [check.hi + 0.5] if not check.hi_open else []
+        else:
+            values = bad[check]
+        cases += [(f.name, v, flag) for v in values]
+    return cases + [("max_steps", -2, "-x"), ("val_max_steps", -2, "-m"), ("val_max_steps", 0, "-m"),
+                    ("hellaswag_limit", 0, "--hellaswag-limit"), ("gen_tokens", 0, "-g"),
+                    ("threads", 4 * usable_cores() + 1, "--threads"), ("total_batch_size", 5, "-d"),
+                    ("resume", 1, "-o"), ("sampler", "random", "--sampler"), ("lr_scheduler", "exp", "-k")]
+
+
+OUT_OF_RANGE = _out_of_range_cases()
+
+
+@pytest.mark.parametrize("name, value, flag", OUT_OF_RANGE, ids=[f"{n}={v}" for n, v, _ in OUT_OF_RANGE])
+def test_each_out_of_range_setting_is_an_error_with_a_hint_naming_the_flag(name, value, flag):
+    from dataclasses import replace
+
+    with pytest.raises(ConfigError) as e:
+        replace(TrainConfig(), **{name: value}).validate(P=1)
+    assert flag in e.value.message and e.value.exit_code == 2, e.value.message
+    assert e.value.hint and flag in e.value.hint, (e.value.message, e.value.hint)
+
+
+@pytest.mark.parametrize("name, value, flag", OUT_OF_RANGE, ids=[f"{n}={v}" for n, v, _ in OUT_OF_RANGE])
+def test_each_out_of_range_flag_is_one_error_and_a_hint_from_llmctl_train(name, value, flag, tmp_path,
+                                                                          monkeypatch, capsys):
+    from dataclasses import fields
+
+    from llmctl.cli import main
+
+    f = {f.name: f for f in fields(TrainConfig)}[name]
+    if not f.metadata["flags"]:
+        pytest.skip(f"{name} has no command-line flag")
+    monkeypatch.chdir(tmp_path)  # nothing to train on here: only the check can answer
+    with pytest.raises(SystemExit) as e:
+        main(["train", f.metadata["flags"][0], str(value)])
+    err = capsys.readouterr().err.splitlines()
+    assert e.value.code == 2 and len(err) == 2, err
+    assert err[0].startswith("Error: ") and flag in err[0] and err[1].startswith("Hint: "), err
+
+
 def test_config_defaults_pass_and_every_range_check_names_its_flag():
     """TrainConfig's field metadata drive validate(): the defaults pass, and a value outside a
     field's range is a ConfigError (exit 2) naming that field's llm.c flag."""
