@@ -54,8 +54,28 @@ def find_max_step(output_dir):
     return best
 
 
+def _not_a_directory(path):
+    """The first existing part of path (itself, else its nearest existing parent) when that is
+    a file or anything else but a directory; None when path can be a directory."""
+    p = os.path.normpath(path)
+    while not os.path.lexists(p):
+        parent = os.path.dirname(p)
+        if parent in ("", p):
+            return None
+        p = parent
+    return None if os.path.isdir(p) else p
+
+
 def prepare_output_dir(path, rank=0):
     """Create -o and prove it is writable before anything is trained; no file is left behind."""
+    blocker = _not_a_directory(path)
+    if blocker is not None:
+        what = "a file" if os.path.isfile(blocker) else "not a directory"
+        where = (f"output path {path} is {what}" if blocker == os.path.normpath(path)
+                 else f"output path {path}: {blocker} is {what}")
+        raise LlmctlError(f"{where}, and -o must be a directory",
+                          hint="-o names the directory main.log, metrics.jsonl and checkpoints go "
+                               "into: pass a new or existing directory")
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:

@@ -564,6 +564,9 @@ class Trainer:
                     f"no complete checkpoint in {self.out}: starting from {self.init_note or cfg.init}")
             for note in self.resume_notes:
                 self.display.message(note)
+            if cfg.checkpoint_every > 0 and not self.out:  # llm.c says nothing and writes nothing
+                self.display.message(f"Note: -n {cfg.checkpoint_every} writes no checkpoint without "
+                                     "-o DIR (checkpoints go into the output directory)")
             if self.left_out:
                 self.display.message(
                     f"-i {self.cfg.train_data!r} also matched {len(self.left_out)} file(s) that are "

@@ -1426,3 +1426,30 @@ def test_resume_with_the_other_sampler_is_one_error_naming_both(data, tmp_path, 
     assert not (out / "DONE_00000004").exists()
     train(cfg_for(data, out, sampler=first, resume=1, **dict(kw, max_steps=4)))  # the same sampler resumes
     assert (out / "DONE_00000004").exists()
+
+
+def test_checkpoint_every_without_output_dir_writes_nothing_and_says_so(data, tmp_path, monkeypatch, capsys):
+    """llm.c writes no checkpoint for -n N without -o, silently; llmctl writes none either and
+    prints one note saying -n needs -o."""
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = run_cli(_base(data, **{"-n": "1"}), capsys)
+    assert rc == 0, err
+    notes = [ln for ln in err.splitlines() if "-n 1" in ln]
+    assert notes == ["Note: -n 1 writes no checkpoint without -o DIR (checkpoints go into the output directory)"]
+    assert os.listdir(tmp_path) == []  # nothing written where it runs
+    rc, out, err = run_cli(_base(data, **{"-n": "1", "-o": str(tmp_path / "o")}), capsys)
+    assert rc == 0 and "Note: -n" not in err and (tmp_path / "o" / "DONE_00000002").is_file()
+
+
+@pytest.mark.parametrize("under", ["", "sub"])
+def test_output_dir_that_is_a_file_is_one_error_naming_it(data, tmp_path, capsys, under):
+    f = tmp_path / "run.txt"
+    f.write_text("not a directory")
+    out = f / under if under else f
+    rc, stdout, err = run_cli(_base(data, **{"-o": str(out)}), capsys)
+    assert rc == 1 and stdout == "", err
+    line = _one_error(err)
+    assert line == (f"Error: output path {out} is a file, and -o must be a directory" if not under else
+                    f"Error: output path {out}: {f} is a file, and -o must be a directory")
+    assert err.splitlines()[-1].startswith("Hint: -o names the directory")
+    assert f.read_text() == "not a directory" and os.listdir(tmp_path) == ["run.txt"]
