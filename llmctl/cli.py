@@ -468,9 +468,9 @@ def inspect_bin_cmd(
                     print(f"--- ending {i} ---\n{text}")
             elif r.get("decode_error"):
                 sys.stderr.write(f"{r['path']}: cannot decode: {r['decode_error']}\n")
-    for r in results:  # one line per bad file, plain text (paths may contain rich markup)
+    for r in results:  # per bad file its problem and hint, plain text (paths may contain rich markup)
         if not r["valid"]:
-            sys.stderr.write(f"{r['path']}: {r['problem']}\n")
+            sys.stderr.write(f"{r['path']}: {r['problem']}\n" + (f"Hint: {r['hint']}\n" if r["hint"] else ""))
     raise typer.Exit(0 if all(r["valid"] for r in results) else 1)
 
 

@@ -262,7 +262,7 @@ def test_fuzz_through_cli_in_process(tmp_path, capsys):
         main(["inspect-bin", *paths])
     assert ei.value.code == 1
     err = capsys.readouterr().err
-    lines = err.strip().splitlines()
+    lines = [ln for ln in err.strip().splitlines() if not ln.startswith("Hint: ")]
     assert len(lines) == len(expected_bad)
     for line, path in zip(lines, expected_bad):
         assert line.startswith(f"{path}: ")
@@ -313,7 +313,7 @@ def test_cli_bad_files_exit_1(tmp_path, valid_files):
     r = run_cli(*args)
     assert r.returncode == 1
     assert "Traceback" not in r.stderr
-    err = r.stderr.strip().splitlines()
+    err = [ln for ln in r.stderr.strip().splitlines() if not ln.startswith("Hint: ")]
     assert err == [
         f"{trunc}: expected 611,544 bytes of tokens, found 611,000: file truncated?",
         f"{three}: file is 3 bytes, too short to hold a magic number (llm.c files start with a 1,024-byte header)",
@@ -328,6 +328,22 @@ def test_cli_bad_files_exit_1(tmp_path, valid_files):
     r = run_cli("--json", *args)
     assert r.returncode == 1
     assert [d["valid"] for d in json.loads(r.stdout)] == [True] + [False] * 7
+
+
+def test_cli_text_output_shows_each_bad_files_hint(tmp_path, valid_files):
+    """Text mode prints a bad file's hint under its problem line, as --json carries it."""
+    three = tmp_path / "three.bin"
+    three.write_bytes(b"abc")
+    noise = tmp_path / "noise.bin"
+    noise.write_bytes(np.random.default_rng(0).bytes(5000))
+    args = [valid_files["shard"], three, noise, tmp_path / "missing.bin", tmp_path]
+    results = json.loads(run_cli("--json", *args).stdout)
+    want = []
+    for res in results[1:]:
+        assert not res["valid"] and res["hint"], res  # each of these bad files has a hint
+        want += [f"{res['path']}: {res['problem']}", f"Hint: {res['hint']}"]
+    r = run_cli(*args)
+    assert r.returncode == 1 and r.stderr.splitlines() == want, r.stderr
 
 
 def test_cli_no_files_checks_every_bin_under_data(valid_files):
