@@ -16,8 +16,8 @@ from rich.markup import escape
 
 from llmctl.errors import LlmctlError
 from llmctl.info import DEFAULT_PRECISION
-from llmctl.paths import (DATA_DIR, GPT2_124M_CHECKPOINT, HELLASWAG_VAL, PRETRAINED_DEFAULT, TINYSHAKESPEARE_URL,
-                          TINYSHAKESPEARE_VAL)
+from llmctl.paths import (DATA_DIR, GPT2_124M_CHECKPOINT, HELLASWAG_VAL, PLOT_OUTPUT, PRETRAINED_DEFAULT,
+                          TINYSHAKESPEARE_URL, TINYSHAKESPEARE_VAL)
 
 err_console = Console(stderr=True, highlight=False)
 out_console = Console(highlight=False)
@@ -618,16 +618,22 @@ def eval_loss_cmd(
                       f"from {len(res['files'])} file(s)[/]")
 
 
+# runlog.EMA_ALPHA, written out: the CLI builds its help without importing NumPy (runlog does);
+# tests/test_plot.py checks that the two agree
+_PLOT_SMOOTH = 0.9
+
+
 @app.command("plot")
 @_interruptible()
 def plot_cmd(
+    ctx: typer.Context,
     runs: List[str] = typer.Argument(..., help="Runs: `llmctl train -o` directories (metrics.jsonl, else main.log), metrics.jsonl or llm.c main.log files; NAME=PATH names a run in the legend (default: its directory)."),
-    output: Optional[str] = typer.Option(None, "--output", "-o", show_default="runs.png; none with --terminal", help="Image file, type by extension: .png, .svg or .pdf."),
+    output: str = typer.Option(PLOT_OUTPUT, "--output", "-o", help="Image file, type by extension: .png, .svg or .pdf (with --terminal: only when -o is given)."),
     x: str = typer.Option("step", "--x", help="x axis: step, or tokens (tokens seen = step x tokens per step)."),
     tokens_per_step: Optional[int] = typer.Option(None, "--tokens-per-step", min=1, help="For --x tokens, the tokens per step of runs that do not record it (an llm.c main.log): llm.c's -d total batch size."),
     logy: bool = typer.Option(False, "--logy", help="Log-scale y axis on the loss panels."),
     baseline: Optional[List[str]] = typer.Option(None, "--baseline", help="[PANEL:]NAME=VALUE: a dashed horizontal line on panel train, val or hellaswag (no PANEL: both loss panels), e.g. 'hellaswag:GPT-2 124M=0.2955'. Repeatable."),
-    smooth: Optional[float] = typer.Option(None, "--smooth", min=0.0, max=0.999, show_default="0.9", help="EMA weight of the past for the smoothed train-loss line; 0 = off."),
+    smooth: float = typer.Option(_PLOT_SMOOTH, "--smooth", min=0.0, max=0.999, help="EMA weight of the past for the smoothed train-loss line; 0 = off."),
     terminal: bool = typer.Option(False, "--terminal", help="Draw the panels in the terminal (braille characters; no matplotlib needed)."),
     width: int = typer.Option(0, "--width", min=0, help="--terminal: chart width in columns (0 = the terminal's)."),
     height: int = typer.Option(14, "--height", min=6, help="--terminal: lines per panel."),
@@ -637,8 +643,8 @@ def plot_cmd(
     import json
 
     from llmctl.errors import ConfigError
-    from llmctl.plot import DEFAULT_OUTPUT, panels_of, parse_baseline, save_plot, terminal_panels
-    from llmctl.runlog import EMA_ALPHA, SERIES_TITLES, read_runs
+    from llmctl.plot import panels_of, parse_baseline, save_plot, terminal_panels
+    from llmctl.runlog import SERIES_TITLES, read_runs
 
     if terminal and json_out:
         raise ConfigError("--terminal and --json both print to stdout", hint="use one of them")
@@ -653,15 +659,14 @@ def plot_cmd(
         if not any(p in shown for p in b.panel):
             err_console.print(f"Note: no {' or '.join(SERIES_TITLES[p] for p in b.panel)} points: "
                               f"baseline {escape(b.name)!r} is not drawn")
-    kw = dict(x=x, logy=logy, baselines=baselines, tokens_per_step=tokens_per_step,
-              smooth=EMA_ALPHA if smooth is None else smooth)
+    kw = dict(x=x, logy=logy, baselines=baselines, tokens_per_step=tokens_per_step, smooth=smooth)
     if terminal:
         w = width or out_console.width
         for block in terminal_panels(loaded, width=w, height=height, **kw):
             out_console.print(block, no_wrap=True, crop=True)
-        if output is None:
+        if ctx.get_parameter_source("output").name.startswith("DEFAULT"):  # no -o: no image
             return
-    res = save_plot(loaded, output or DEFAULT_OUTPUT, **kw)
+    res = save_plot(loaded, output, **kw)
     if json_out:
         print(json.dumps(res))
     else:

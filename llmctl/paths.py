@@ -26,6 +26,9 @@ GPT2_TOKENIZER = "gpt2_tokenizer.bin"
 # what `-e` is when it is not given (train, eval hellaswag): llm.c's pretrained GPT-2 124M
 PRETRAINED_DEFAULT = "gpt2"
 
+# the image `llmctl plot` writes when -o is not given (none with --terminal)
+PLOT_OUTPUT = "runs.png"
+
 
 def default_init(log=None, progress=True):
     """The checkpoint `-e` means when not given, and how it was found: (path, note).

@@ -17,9 +17,10 @@ import numpy as np
 
 from llmctl.atomic import atomic_write
 from llmctl.errors import ConfigError, DataError
+from llmctl.paths import PLOT_OUTPUT
 from llmctl.runlog import EMA_ALPHA, SERIES, SERIES_TITLES, ema, finite
 
-DEFAULT_OUTPUT = "runs.png"
+DEFAULT_OUTPUT = PLOT_OUTPUT
 FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
 X_AXES = ("step", "tokens")
 LOSS_PANELS = ("train", "val")

@@ -446,15 +446,28 @@ def test_cli_bad_log_is_one_error_line(tmp_path):
     assert err[0].startswith("Error: main.log: empty") and err[1].startswith("Hint:")
 
 
-def test_cli_help_names_the_defaults():
+def test_cli_help_names_the_defaults_plainly():
+    """--help shows -o's and --smooth's defaults as every other default, `[default: runs.png]`
+    (not typer's `[default: (runs.png...)]` for a text in their place), and they are the library's."""
+    import typer
     from typer.testing import CliRunner
 
     from llmctl.cli import app
     from llmctl.plot import DEFAULT_OUTPUT
 
     out = CliRunner().invoke(app, ["plot", "--help"], env={"COLUMNS": "400"}).output
-    # the CLI does not import NumPy to build its help, so these are written out there
-    assert f"[default: ({EMA_ALPHA:g})]" in out and f"[default: ({DEFAULT_OUTPUT};" in out
+    assert f"[default: {DEFAULT_OUTPUT}]" in out and f"[default: {EMA_ALPHA:g}]" in out
+    assert "[default: (" not in out
+    params = {p.name: p for p in typer.main.get_command(app).commands["plot"].params}
+    assert (params["output"].default, params["smooth"].default) == (DEFAULT_OUTPUT, EMA_ALPHA)
+
+
+def test_cli_terminal_writes_an_image_only_with_o(tmp_path, run_dir):
+    p = _llmctl(["plot", str(run_dir), "--terminal", "--width", "60", "-o", "curves.svg"], tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert sum(c in BRAILLE for c in p.stdout) > 40 and os.listdir(tmp_path) == ["curves.svg"]
+    p = _llmctl(["plot", str(run_dir), "--terminal", "--width", "60", "-o", "runs.png"], tmp_path)
+    assert p.returncode == 0 and sorted(os.listdir(tmp_path)) == ["curves.svg", "runs.png"]
 
 
 # ---------------------------------------------------------------------------------------------
