@@ -22,9 +22,9 @@ from llmctl.paths import (DATA_DIR, GPT2_124M_CHECKPOINT, HELLASWAG_VAL, PLOT_OU
 err_console = Console(stderr=True, highlight=False)
 out_console = Console(highlight=False)
 
-try:  # typer >= 0.22 carries its own copy of click
+try:  # recent typer carries its own copy of click
     from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
-except ImportError:  # older typer runs on click itself (NoArgsIsHelpError: click >= 8.2)
+except ImportError:  # older typer runs on click (NoArgsIsHelpError: click >= 8.2)
     from click.exceptions import ClickException, UsageError
 
     try:

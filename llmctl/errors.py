@@ -1,7 +1,9 @@
 """The exceptions llmctl raises for problems a user can fix.
 
 The CLI turns each into one line `Error: <message>` (plus `Hint: <hint>` when there is one) and a
-non-zero exit; library callers catch them like any exception. Anything else escaping is a bug.
+non-zero exit (`exit_code`: 1, or 2 for a ConfigError, the exit code click gives its own usage
+errors, which llmctl/cli.py renders in the same two lines); library callers catch them like any
+exception. Anything else escaping is a bug.
 """
 
 
