@@ -746,7 +746,7 @@ def test_bad_input_one_line_error(data, tmp_path, capsys, case):
         (tmp_path / "afile").write_text("x")
         out = tmp_path / "afile" / "sub"
         over["-o"] = str(out)
-        want = "cannot create output directory"
+        want = f"{tmp_path / 'afile'} is a file, and -o must be a directory"
     elif case == "corrupt_ckpt":
         bad = tmp_path / "bad.bin"
         bad.write_bytes(Path(data["ckpt"]).read_bytes()[:5000])
