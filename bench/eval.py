@@ -37,15 +37,35 @@ def _precisions(text):
     return list(dict.fromkeys(ps))
 
 
+def add_precision_args(ap):
+    """--precision and --bf16-emulate, as bench/eval.py and bench/sample.py take them."""
+    ap.add_argument("--precision", type=_precisions, default=["fp32"],
+                    help="fp32, bf16 or fp32,bf16 (side by side; default fp32)")
+    ap.add_argument("--bf16-emulate", action="store_true", help="run bf16 even without native bf16")
+
+
+def runnable_precisions(ap, args):
+    """-> (the asked precisions this CPU runs, notes on those left out); none left is a usage error."""
+    from llmctl._ext import matmul
+
+    if args.bf16_emulate:
+        os.environ["LLMCTL_BF16_EMULATE"] = "1"
+    precisions, skipped = list(args.precision), []
+    if "bf16" in precisions and not matmul.bf16_native() and not args.bf16_emulate:
+        precisions.remove("bf16")
+        skipped.append("bf16: this CPU has no native bf16 (AVX512_BF16/AMX); --bf16-emulate runs it anyway")
+    if not precisions:
+        ap.error(skipped[0])
+    return precisions, skipped
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="d12")
     ap.add_argument("--examples", type=int, default=50)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch-tokens", type=int, default=2048)
-    ap.add_argument("--precision", type=_precisions, default=["fp32"],
-                    help="fp32, bf16 or fp32,bf16 (side by side; default fp32)")
-    ap.add_argument("--bf16-emulate", action="store_true", help="run bf16 even without native bf16")
+    add_precision_args(ap)
     ap.add_argument("--jsonl", default=JSONL)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -56,14 +76,7 @@ def main(argv=None):
     from llmctl.model import GPT2
     from llmctl.prepro.hellaswag import prepro_hellaswag
 
-    if args.bf16_emulate:
-        os.environ["LLMCTL_BF16_EMULATE"] = "1"
-    precisions, skipped = list(args.precision), []
-    if "bf16" in precisions and not matmul.bf16_native() and not args.bf16_emulate:
-        precisions.remove("bf16")
-        skipped.append("bf16: this CPU has no native bf16 (AVX512_BF16/AMX); --bf16-emulate runs it anyway")
-    if not precisions:
-        ap.error(skipped[0])
+    precisions, skipped = runnable_precisions(ap, args)
     runs = []
     with tempfile.TemporaryDirectory() as d:
         part = os.path.join(d, "part.jsonl")

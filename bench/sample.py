@@ -56,7 +56,7 @@ def _measure(model, prompt, args):
 
 
 def main(argv=None):
-    from eval import _precisions   # bench/eval.py: the same --precision list
+    from eval import add_precision_args, runnable_precisions   # bench/eval.py: the same flags
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="d12", help="descriptor or checkpoint (default d12)")
@@ -64,23 +64,14 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--full-tokens", type=int, default=16, help="steps of the full-recompute run")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--precision", type=_precisions, default=["fp32"],
-                    help="fp32, bf16 or fp32,bf16 (side by side; default fp32)")
-    ap.add_argument("--bf16-emulate", action="store_true", help="run bf16 even without native bf16")
+    add_precision_args(ap)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
     from llmctl._ext import matmul
     from llmctl.model import GPT2
 
-    if args.bf16_emulate:
-        os.environ["LLMCTL_BF16_EMULATE"] = "1"
-    precisions, skipped = list(args.precision), []
-    if "bf16" in precisions and not matmul.bf16_native() and not args.bf16_emulate:
-        precisions.remove("bf16")
-        skipped.append("bf16: this CPU has no native bf16 (AVX512_BF16/AMX); --bf16-emulate runs it anyway")
-    if not precisions:
-        ap.error(skipped[0])
+    precisions, skipped = runnable_precisions(ap, args)
     t0 = time.perf_counter()
     ref = GPT2.from_init(args.model, n_threads=args.threads)   # one init: the same weights for all
     init_s = time.perf_counter() - t0
