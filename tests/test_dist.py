@@ -576,44 +576,15 @@ def test_killed_rank_stops_the_job_and_the_checkpoint_resumes(tiny_run):
                                   _params(d / f"ref/model_{S + 2:08d}.bin"))
 
 
-def test_sigint_checkpoints_every_rank_and_exits_130(tiny_run):
-    d = tiny_run
-    p = subprocess.Popen([sys.executable, "-m", "llmctl.cli",
-                          *_train_args(d, "run", "--nproc", "2", "-x", "100000", "-n", "0")],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        _wait_for(lambda: (d / "run" / "metrics.jsonl").exists()
-                  and len(_losses(d / "run")) >= 3, 60, "three training steps")
-        for r, pid in _children(p.pid).items():
-            with open(d / f"{r}.pid", "w") as f:
-                json.dump({"pid": pid}, f)
-        p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=60)
-    finally:
-        if p.poll() is None:
-            p.kill()
-    assert p.returncode == 130, err
+def _interrupt_nproc2(d, *extra, env=None):
+    """Ctrl-C to `llmctl train --nproc 2` once it has logged three steps -> the checkpoint step.
+    The launcher is frozen (SIGSTOP) when the signal is sent, as tests/test_cli.py does, so the
+    SIGINT lands while it runs. Asserts exit 130, no traceback and a complete checkpoint (model,
+    both state files) taken after the last completed step."""
     from llmctl.checkpoints import find_max_step
-    S = find_max_step(str(d / "run"))
-    assert S >= 3, err
-    for f in (f"model_{S:08d}.bin", f"state_{S:08d}_00000.bin", f"state_{S:08d}_00001.bin"):
-        assert (d / "run" / f).exists(), f
-    assert len(_losses(d / "run")) == S  # the checkpoint is taken after the last completed step
 
-
-def test_sigint_in_bf16_checkpoints_every_rank_and_resumes_bit_exactly(tiny_run):
-    """Ctrl-C during `--nproc 2 --precision bf16`: exit 130 with a complete checkpoint (model,
-    both state files) after the last completed step; `-y 1` from it continues bit for bit like
-    an uninterrupted bf16 run: each rank rebuilds its bf16 weight copy from the fp32 checkpoint
-    (a stale or missing copy on either rank would change its gradients, hence the all-reduced
-    mean and every later step). Both runs compare the ranks' fp32 parameters and bf16 copies
-    bit-for-bit at every step (LLMCTL_DIST_CHECK_PARAMS=1). The launcher is frozen (SIGSTOP)
-    when the signal is sent, as tests/test_cli.py does, so the SIGINT lands while it runs."""
-    d = tiny_run
-    env = dict(os.environ, LLMCTL_DIST_CHECK_PARAMS="1", **bf16_env())
-    bf16 = ("--precision", "bf16")
     p = subprocess.Popen([sys.executable, "-m", "llmctl.cli",
-                          *_train_args(d, "run", "--nproc", "2", "-x", "100000", "-n", "0", *bf16)],
+                          *_train_args(d, "run", "--nproc", "2", "-x", "100000", "-n", "0", *extra)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         _wait_for(lambda: (d / "run" / "metrics.jsonl").exists()
@@ -630,12 +601,28 @@ def test_sigint_in_bf16_checkpoints_every_rank_and_resumes_bit_exactly(tiny_run)
             p.kill()
     assert p.returncode == 130, err
     assert "Traceback" not in err
-    from llmctl.checkpoints import find_max_step
     S = find_max_step(str(d / "run"))
     assert S >= 3, err
     for f in (f"model_{S:08d}.bin", f"state_{S:08d}_00000.bin", f"state_{S:08d}_00001.bin"):
         assert (d / "run" / f).exists(), f
     assert len(_losses(d / "run")) == S  # the checkpoint is taken after the last completed step
+    return S
+
+
+def test_sigint_checkpoints_every_rank_and_exits_130(tiny_run):
+    _interrupt_nproc2(tiny_run)
+
+
+def test_sigint_in_bf16_checkpoints_every_rank_and_resumes_bit_exactly(tiny_run):
+    """Ctrl-C during `--nproc 2 --precision bf16`: exit 130 with a complete checkpoint; `-y 1`
+    from it continues bit for bit like an uninterrupted bf16 run: each rank rebuilds its bf16
+    weight copy from the fp32 checkpoint (a stale or missing copy on either rank would change its
+    gradients, hence the all-reduced mean and every later step). Both runs compare the ranks' fp32
+    parameters and bf16 copies bit-for-bit at every step (LLMCTL_DIST_CHECK_PARAMS=1)."""
+    d = tiny_run
+    env = dict(os.environ, LLMCTL_DIST_CHECK_PARAMS="1", **bf16_env())
+    bf16 = ("--precision", "bf16")
+    S = _interrupt_nproc2(d, *bf16, env=env)
     ok = _cli(_train_args(d, "run", "--nproc", "2", "-y", "1", "-x", str(S + 3), "-n", "1000", *bf16),
               env=env)
     assert ok.returncode == 0, ok.stderr
