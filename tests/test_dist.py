@@ -29,9 +29,33 @@ from tinyrun import (OVERFIT_TOKENS, assert_overfit_losses_match, bf16_env, over
 TOY = "llmctl.distributed.selftest:collectives"
 
 
+def _ppid(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _ours(name):
+    """A segment this test run may own: its launcher pid (llmctl-PID-JOB-GEN) is this process, a
+    descendant of it, or dead. A live launcher elsewhere is another run sharing /dev/shm."""
+    head = name[len(PREFIX):].split("-")[0]
+    if not head.isdigit():
+        return True
+    pid = int(head)
+    if not _alive(pid):
+        return True
+    while pid > 1:
+        if pid == os.getpid():
+            return True
+        pid = _ppid(pid)
+    return False
+
+
 def _segments():
     try:
-        return {n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX)}
+        return {n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX) and _ours(n)}
     except FileNotFoundError:
         return set()
 
