@@ -11,7 +11,11 @@ bit for bit, and every chunk's result is independent of the thread count.
 
 With `params_bf16` given, the same pass also writes bf16(p) (round to nearest even) for the
 mixed-precision matmuls: each chunk is cast while it is still in cache, instead of a second pass
-over 124M parameters.
+over 124M parameters. With `zero_grads=True` the pass also clears each gradient chunk right after
+its update has read it (a memset of the chunk, still in cache), so the training loop needs no
+separate zeroing pass before the next step's backward (GPT2.zero_grad skips it); the update
+itself is the same float operations on the same chunks, so params/m/v and the bf16 copy come out
+bit-identical either way.
 
 global_norm_sq sums squares in float64 over fixed-size chunks and adds the chunk sums in order,
 so it returns the same bits at ANY thread count (llm.c CU sums in fp32 per block, racily).
@@ -21,6 +25,7 @@ What it is not: the schedule, clipping policy or weight-decay split (those live 
 from cython.parallel cimport prange
 from libc.math cimport pow
 from libc.stdlib cimport malloc, free
+from libc.string cimport memset
 from libc.stdint cimport uint16_t
 
 from kernels cimport check_threads, check_len, eff_threads
@@ -155,8 +160,10 @@ cdef void _adamw_chunk(float* p, const float* g, float* m, float* v, Py_ssize_t 
 
 
 cdef void _adamw_update(float* params, const float* grads, float* m, float* v, uint16_t* pbf,
-                        Py_ssize_t N, float lr, float b1, float b2, float eps, float wd, float gs,
-                        float inv_bc1, float inv_bc2, int n_threads) noexcept nogil:
+                        float* gzero, Py_ssize_t N, float lr, float b1, float b2, float eps,
+                        float wd, float gs, float inv_bc1, float inv_bc2,
+                        int n_threads) noexcept nogil:
+    # gzero: NULL, or grads itself (writable) to be cleared chunk by chunk after use
     cdef Py_ssize_t nch = (N + CHUNK - 1) // CHUNK
     cdef Py_ssize_t ch, s, e
     for ch in prange(nch, schedule='static', num_threads=n_threads):
@@ -168,6 +175,8 @@ cdef void _adamw_update(float* params, const float* grads, float* m, float* v, u
                      inv_bc1, inv_bc2)
         if pbf != NULL:
             llmctl_cast_bf16(pbf + s, params + s, e - s)  # the chunk (128 KB) is still in L2
+        if gzero != NULL:
+            memset(gzero + s, 0, (e - s) * sizeof(float))  # read above, still in cache too
 
 
 cdef double _sumsq_chunk(const float* g, Py_ssize_t n) noexcept nogil:
@@ -190,15 +199,25 @@ cdef double _sumsq_chunk(const float* g, Py_ssize_t n) noexcept nogil:
     return tot
 
 
-def adamw_update(float[::1] params, const float[::1] grads, float[::1] m, float[::1] v,
+def adamw_update(float[::1] params, grads, float[::1] m, float[::1] v,
                  float lr, float beta1, float beta2, float eps, float weight_decay,
-                 float grad_scale, int t, int n_threads=1, params_bf16=None):
+                 float grad_scale, int t, int n_threads=1, params_bf16=None, bint zero_grads=False):
     """One AdamW step in place on params, m, v (all the same length as grads). t is 1-based.
-    params_bf16 (uint16, same length) given: also set to bf16(updated params) in the same pass."""
+    params_bf16 (uint16, same length) given: also set to bf16(updated params) in the same pass.
+    zero_grads: also set grads (then writable) to 0 in the same pass, each chunk after its update
+    has read it; params/m/v/params_bf16 are the same bits as without it."""
     cdef Py_ssize_t N = params.shape[0]
     cdef uint16_t[::1] pbf_mv
     cdef uint16_t* pbf = NULL
+    cdef const float[::1] g_ro
+    cdef float[::1] g_rw
+    cdef float* gzero = NULL
     check_threads(n_threads)
+    if zero_grads:
+        g_rw = grads   # a read-only grads array is refused here
+        g_ro = g_rw
+    else:
+        g_ro = grads
     if params_bf16 is not None:
         pbf_mv = params_bf16
         check_len("params_bf16", pbf_mv.shape[0], N)
@@ -206,7 +225,7 @@ def adamw_update(float[::1] params, const float[::1] grads, float[::1] m, float[
             pbf = &pbf_mv[0]
     if t < 1:
         raise ValueError(f"t (the 1-based step) must be >= 1, got {t}")
-    check_len("grads", grads.shape[0], N)
+    check_len("grads", g_ro.shape[0], N)
     check_len("m", m.shape[0], N)
     check_len("v", v.shape[0], N)
     if N == 0:
@@ -214,9 +233,11 @@ def adamw_update(float[::1] params, const float[::1] grads, float[::1] m, float[
     # bias corrections in double, applied as float multipliers
     cdef float inv_bc1 = <float>(1.0 / (1.0 - pow(beta1, t)))
     cdef float inv_bc2 = <float>(1.0 / (1.0 - pow(beta2, t)))
+    if zero_grads:
+        gzero = &g_rw[0]
     n_threads = eff_threads(n_threads, N, _grain)  # small tensors (biases, LN) run serially
     with nogil:
-        _adamw_update(&params[0], &grads[0], &m[0], &v[0], pbf, N, lr, beta1, beta2, eps,
+        _adamw_update(&params[0], &g_ro[0], &m[0], &v[0], pbf, gzero, N, lr, beta1, beta2, eps,
                       weight_decay, grad_scale, inv_bc1, inv_bc2, n_threads)
 
 

@@ -596,6 +596,47 @@ def test_adamw_bit_identical_and_thread_independent():
     assert np.array_equal(out[0], out[1]) and np.array_equal(out[1], out[2])
 
 
+@pytest.mark.parametrize("n_threads", THREADS)
+@pytest.mark.parametrize("N", [1, 17, 32768, 32769, 100003])  # < lane, ragged, 1 chunk, chunk + 1, > 3 chunks
+@pytest.mark.parametrize("bf16", [False, True])
+def test_adamw_zero_grads_same_bits_and_clears_grads(n_threads, N, bf16):
+    """zero_grads=True (the trainer's fused zeroing) gives the same params/m/v/bf16 copy as
+    zero_grads=False, over steps that each get fresh gradients, and leaves exactly the gradients
+    passed (a slice of a larger buffer, as the model passes them) all zero."""
+    rng = np.random.default_rng(N + 7)
+    p0 = _f32(rng, N)
+    state = {}
+    for zero in (False, True):
+        p, m, v = p0.copy(), np.zeros(N, np.float32), np.zeros(N, np.float32)
+        pb = np.zeros(N, np.uint16) if bf16 else None
+        gbuf = np.empty(N + 5, np.float32)
+        rs = np.random.default_rng(N)   # the same gradients for both runs
+        for t, (wd, gs) in enumerate([(0.0, 1.0), (0.1, 0.5), (0.01, 1.3)], start=1):
+            gbuf[:] = _f32(rs, N + 5, scale=0.1)
+            around = np.concatenate([gbuf[:3], gbuf[3 + N:]])
+            g = gbuf[3:3 + N]
+            adamw.adamw_update(p, g, m, v, 1e-3, 0.9, 0.95, 1e-8, wd, gs, t, n_threads,
+                               params_bf16=pb, zero_grads=zero)
+            if zero:
+                assert not g.any(), f"step {t}: {np.count_nonzero(g)} of {N} gradients left"
+            else:
+                assert g.any()
+            assert np.array_equal(np.concatenate([gbuf[:3], gbuf[3 + N:]]), around)
+        state[zero] = (p, m, v, pb)
+    for a, b in zip(state[False], state[True]):
+        assert (a is None and b is None) or a.tobytes() == b.tobytes()
+
+
+def test_adamw_zero_grads_refuses_read_only_grads():
+    z = np.zeros(4, np.float32)
+    g = np.ones(4, np.float32)
+    g.flags.writeable = False
+    adamw.adamw_update(z.copy(), g, z.copy(), z.copy(), 1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0, 1)
+    with pytest.raises(ValueError, match="read-only"):
+        adamw.adamw_update(z.copy(), g, z.copy(), z.copy(), 1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0, 1,
+                           zero_grads=True)
+
+
 def test_adamw_rejects_bad_arguments():
     z = np.zeros(4, np.float32)
     with pytest.raises(ValueError, match="t \\(the 1-based step\\) must be >= 1"):
