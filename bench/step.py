@@ -121,7 +121,8 @@ def _step(m, x, y, t):
     loss = m.forward(x, y)
     m.backward()
     norm = m.grad_norm()
-    m.update(3e-4, 0.9, 0.95, 1e-8, 0.0, 1.0 / norm if norm > 1 else 1.0, t)
+    # zero_grads as `llmctl train` does: AdamW clears the gradients, the next zero_grad is free
+    m.update(3e-4, 0.9, 0.95, 1e-8, 0.0, 1.0 / norm if norm > 1 else 1.0, t, zero_grads=True)
     return loss
 
 

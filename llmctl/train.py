@@ -439,8 +439,15 @@ class Trainer:
             return loss, lr, grad_norm, outlier
         clip = self.cfg.grad_clip
         grad_scale = clip / grad_norm if clip > 0 and grad_norm > clip else 1.0
+        # AdamW also clears the gradients (no zeroing pass before the next step; a skipped or
+        # diverged step returns above without it, and zero_grad then fills). With shm's shared
+        # gradient buffer this is safe: the all-reduce's last collective comes after every
+        # rank's reduce of its slice across all rows, so from here on each rank reads and
+        # writes only its own row until the next step's all-reduce, whose first collective
+        # waits for every rank's update and backward. Ring, MPI and hier reduce a private
+        # buffer in place (ring's sends are flushed before it returns).
         model.update(lr, self.cfg.beta1, self.cfg.beta2, self.cfg.eps, self.cfg.weight_decay,
-                     grad_scale, step + 1)
+                     grad_scale, step + 1, zero_grads=True)
         return loss, lr, grad_norm, outlier
 
     # -- the loop -------------------------------------------------------------------------------

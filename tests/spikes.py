@@ -1,7 +1,16 @@
 """A Trainer with injected loss or gradient spikes, for the -sl/-sg tests, in one process or as
 the target of a real `--nproc N` job (llmctl's launcher imports `train_entry` in every rank)."""
 from llmctl.display import Display
+from llmctl.model import GPT2
 from llmctl.train import Trainer, TrainConfig
+
+
+def unfused_update(update):
+    """GPT2.update that never clears the gradients (zero_grads=False whatever the caller asks),
+    so every zero_grad() fills: the separate zeroing pass the fused one is checked against."""
+    def update_then_fill(self, *args, zero_grads=False, **kw):
+        return update(self, *args, zero_grads=False, **kw)
+    return update_then_fill
 
 
 def poisoned_trainer(cfg, poison, display=None, comm=None):
@@ -24,8 +33,11 @@ def poisoned_trainer(cfg, poison, display=None, comm=None):
 
 
 def train_entry(args, comm):
-    """Launcher target: args["config"] (TrainConfig fields), args["poison"] {rank: {step: kind}}.
+    """Launcher target: args["config"] (TrainConfig fields), args["poison"] {rank: {step: kind}},
+    args["unfused"] (optional): zero_grad fills every step (unfused_update).
     The job checks after every step that all ranks hold bit-identical parameters."""
+    if args.get("unfused"):
+        GPT2.update = unfused_update(GPT2.update)
     cfg = TrainConfig(**args["config"])
     poison = {int(k): v for k, v in args["poison"].get(str(comm.rank), {}).items()}
     t = poisoned_trainer(cfg, poison, comm=comm)

@@ -257,6 +257,63 @@ def test_bit_identical_reruns(n_threads):
     assert runs[0] == runs[1]
 
 
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_fused_zero_grads_same_bits_as_the_fill(n_threads):
+    """update(zero_grads=True) leaves grads zero and zero_grad() skips its fill: 3 steps of 2
+    accumulated micro-batches give the same losses/params/m/v bits as update() + a fill."""
+    runs = []
+    for zero in (False, True):
+        m = GPT2(CFG, n_threads=n_threads)
+        m.params[:] = R.params_to_flat(R.random_params(CFG, 1, 0.1), CFG)
+        out = []
+        for step in range(3):
+            m.zero_grad()
+            for k in range(2):
+                out.append(m.forward(*_batch(2, 16, seed=10 * step + k)))
+                m.backward(loss_scale=0.5)
+            norm = m.grad_norm()
+            out.append(norm)
+            m.update(grad_scale=1.0 / norm if norm > 1.0 else 1.0, step=step + 1, zero_grads=zero, **OPT)
+            assert m.grads.any() != zero
+        runs.append((out, m.params.tobytes(), m.m.tobytes(), m.v.tobytes()))
+    assert runs[0] == runs[1]
+
+
+def test_zero_grad_fills_whenever_grads_were_written_after_the_fused_update():
+    m, _ = _model(1, seed=3)
+    x, y = _batch(2, 8, seed=5)
+
+    def fused_step():
+        m.zero_grad()
+        m.forward(x, y)
+        m.backward()
+        m.update(1e-3, 0.9, 0.95, 1e-8, 0.1, 1.0, 1, zero_grads=True)
+        assert not m.grads.any()
+
+    fused_step()
+    m.forward(x, y)
+    m.backward()                     # accumulates with no zero_grad first: zero_grad must fill
+    m.zero_grad()
+    assert not m.grads.any()
+    fused_step()
+    m.zero_grad()                    # free
+    m.grads[::7] = 1.0               # written after zero_grad: the next zero_grad must fill
+    m.zero_grad()
+    assert not m.grads.any()
+    m.forward(x, y)
+    m.backward()
+    with pytest.raises(ValueError):  # a refused update leaves the gradients for zero_grad
+        m.update(1e-3, 0.9, 0.95, 1e-8, 0.1, 1.0, 0, zero_grads=True)
+    assert m.grads.any()
+    m.zero_grad()
+    assert not m.grads.any()
+    fused_step()
+    buf = np.full(m.num_parameters, np.nan, np.float32)
+    m.bind_grads(buf)                # the (zero) gradients are copied in: still known zero
+    m.zero_grad()
+    assert m.grads is buf and not buf.any()
+
+
 def test_update_weight_decay_only_on_2d_tensors():
     m, _ = _model(1)
     before = m.params.copy()

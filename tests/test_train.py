@@ -22,7 +22,7 @@ import pytest
 
 from conftest import shared_file
 from llmctl._ext import matmul as _matmul
-from spikes import poisoned_trainer
+from spikes import poisoned_trainer, unfused_update
 from llmctl.display import Display, PlainDisplay
 from llmctl.errors import ConfigError, FormatError
 from llmctl.schedulers import get_learning_rate
@@ -1110,6 +1110,88 @@ def test_two_ranks_skip_the_same_step(data, tmp_path):
     s0, s1 = (json.loads((out / f"state_00000132_0000{r}.outlier.json").read_text())
               for r in (0, 1))
     assert s0 == s1 and s0["grad_norm"]["count"] == 128
+
+
+# ---------------------------------------------------------------------------------------------
+# the gradients are cleared by AdamW's pass (update(zero_grads=True)), not by a fill in zero_grad
+
+
+def _run_files(out):
+    return {n: (out / n).read_bytes() for n in sorted(os.listdir(out)) if n != "metrics.jsonl"}
+
+
+def _zero_grad_spy(monkeypatch):
+    """Record, at every zero_grad, whether it skips the fill (the grads are known zero)."""
+    from llmctl.model import GPT2
+
+    seen, zero_grad = [], GPT2.zero_grad
+
+    def spy(self):
+        seen.append(self._grads_zero)
+        zero_grad(self)
+        assert not self.grads.any()
+    monkeypatch.setattr(GPT2, "zero_grad", spy)
+    return seen
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_fused_zero_grad_same_run_as_the_fill(data, tmp_path, monkeypatch, precision):
+    """-d 2*B*T (two micro-batches per step): the run whose AdamW clears the gradients writes the
+    same checkpoints, logs and metrics as the one whose zero_grad fills every step, and it does
+    skip the fill after every update."""
+    from llmctl.model import GPT2
+
+    if precision == "bf16" and not _matmul.bf16_native():
+        monkeypatch.setenv("LLMCTL_BF16_EMULATE", "1")
+    kw = dict(max_steps=6, checkpoint_every=3, total_batch_size=2 * 4 * 32, precision=precision)
+    seen = _zero_grad_spy(monkeypatch)
+    train(cfg_for(data, tmp_path / "fused", **kw))
+    assert seen == [False] + [True] * 5
+    monkeypatch.setattr(GPT2, "update", unfused_update(GPT2.update))
+    train(cfg_for(data, tmp_path / "fill", **kw))
+    assert seen[6:] == [False] * 6
+    assert _run_files(tmp_path / "fused") == _run_files(tmp_path / "fill")
+    assert no_timing(metrics(tmp_path / "fused")) == no_timing(metrics(tmp_path / "fill"))
+
+
+@pytest.mark.parametrize("kind", ["loss", "grad"])
+def test_fused_zero_grad_fills_after_a_skipped_update(data, tmp_path, monkeypatch, kind):
+    """-sl/-sg skip the update of step 135 (a spike, tests/spikes.py): no AdamW pass cleared that
+    step's gradients, so the next zero_grad fills; the run equals the always-fill one."""
+    from llmctl.model import GPT2
+
+    flag = {"skip_update_lossz": 3.0} if kind == "loss" else {"skip_update_gradz": 3.0}
+    kw = dict(max_steps=137, checkpoint_every=137, val_loss_every=0, total_batch_size=2 * 4 * 32, **flag)
+    seen = _zero_grad_spy(monkeypatch)
+    poisoned_trainer(cfg_for(data, tmp_path / "fused", **kw), {135: kind}).run()
+    assert [r["step"] for r in metrics(tmp_path / "fused") if r["skipped"]] == [135]
+    assert [s for s, fused in enumerate(seen) if not fused] == [0, 136]
+    monkeypatch.setattr(GPT2, "update", unfused_update(GPT2.update))
+    poisoned_trainer(cfg_for(data, tmp_path / "fill", **kw), {135: kind}).run()
+    assert _run_files(tmp_path / "fused") == _run_files(tmp_path / "fill")
+    assert no_timing(metrics(tmp_path / "fused")) == no_timing(metrics(tmp_path / "fill"))
+
+
+def test_fused_zero_grad_two_ranks_over_shm(data, tmp_path):
+    """--nproc 2 over the shm backend, gradients in the shared segment: each rank's AdamW clears
+    its own row after the all-reduce. Rank 1's gradients spike at step 130 (skipped update, then
+    a fill on both ranks); the parameters are checked identical across ranks after every step,
+    and the run equals the always-fill one byte for byte."""
+    from dataclasses import asdict
+
+    from llmctl.distributed.launcher import launch
+
+    path = [str(Path(__file__).resolve().parent)] + [
+        p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    for name, unfused in (("fused", False), ("fill", True)):
+        cfg = cfg_for(data, tmp_path / name, batch_size=2, max_steps=132, checkpoint_every=132,
+                      val_loss_every=0, total_batch_size=2 * 2 * 2 * 32, skip_update_gradz=3.0)
+        launch("spikes:train_entry", {"config": asdict(cfg), "poison": {"1": {"130": "grad"}},
+                                      "unfused": unfused},
+               2, threads=1, timeout=60, extra_env={"PYTHONPATH": os.pathsep.join(path)})
+    assert [r["step"] for r in metrics(tmp_path / "fused") if r["skipped"]] == [130]
+    assert _run_files(tmp_path / "fused") == _run_files(tmp_path / "fill")
+    assert no_timing(metrics(tmp_path / "fused")) == no_timing(metrics(tmp_path / "fill"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,6 +20,8 @@ Differences from train_gpt2.c, on purpose:
 - AdamW is llm.c's GPU trainer's (llmc/adamw.cuh `adamw_kernel3`): weight decay only on the
   2-D tensors, grad_scale for clipping, t 1-based.
 - forward accepts any B, T with T <= maxT; buffers grow only when B*T grows.
+- No separate gradient-zeroing pass in training: update(zero_grads=True) has the AdamW kernel
+  clear each gradient chunk right after reading it, and the next zero_grad() is then free.
 See docs/model.md for the byte count.
 
 Precision (`precision="bf16"`, mixed precision as PyTorch autocast on CPU does it): every matmul
@@ -153,6 +155,9 @@ class GPT2:
         self._bf16_fresh = False
         self.m = None
         self.v = None
+        # grads known to be all zero because the last thing that touched them was
+        # update(zero_grads=True); backward() and zero_grad() clear it (see zero_grad)
+        self._grads_zero = False
         self._acts = None          # dict of activation buffers, sized for _cap rows (B*T)
         self._cap = 0
         self._cap_layers = 0
@@ -444,8 +449,8 @@ class GPT2:
     def bind_grads(self, buf):
         """Keep the gradients in `buf` from now on (e.g. a rank's row of shared memory, so the
         all-reduce needs no copy): buf is a 1-D C-contiguous float32 array of num_parameters.
-        The current gradients are copied in; `grads` and the named views `g` then point into buf.
-        -> buf."""
+        The current gradients are copied in (so all-zero ones stay known zero for zero_grad);
+        `grads` and the named views `g` then point into buf. -> buf."""
         b = buf
         if (not isinstance(b, np.ndarray) or b.dtype != np.float32 or b.ndim != 1
                 or b.shape[0] != self.num_parameters or not b.flags.c_contiguous or not b.flags.writeable):
@@ -459,7 +464,13 @@ class GPT2:
         return b
 
     def zero_grad(self):
-        self.grads.fill(0.0)
+        """Set grads to 0 before a step's backward. Free right after update(zero_grads=True),
+        whose AdamW pass already cleared them; otherwise (the first step, a skipped or refused
+        update, grads written by backward since) one fill over the buffer. Code that writes grads
+        other than through backward() must do it after zero_grad(), not between update() and it."""
+        if not self._grads_zero:
+            self.grads.fill(0.0)
+        self._grads_zero = False
 
     def backward(self, loss_scale=1.0):
         """Accumulate d(loss_scale * mean loss)/d(params) into self.grads (dloss per token =
@@ -467,6 +478,7 @@ class GPT2:
         if self._buf_state != "probs" or not self._kept:
             raise RuntimeError("backward() needs a forward(inputs, targets) right before it "
                                "(with keep_activations=True)")
+        self._grads_zero = False
         c = self.config
         L, C, NH, V, Vp = c.num_layers, c.channels, c.num_heads, c.vocab_size, c.padded_vocab_size
         B, T = self._B, self._T
@@ -554,8 +566,10 @@ class GPT2:
                 runs.append([off, off + n, dec])
         return runs
 
-    def update(self, lr, beta1, beta2, eps, weight_decay, grad_scale, step):
-        """One AdamW step (train_gpt2.cu `gpt2_update`): t = step is 1-based; weight decay only on DECAY_PARAMS."""
+    def update(self, lr, beta1, beta2, eps, weight_decay, grad_scale, step, zero_grads=False):
+        """One AdamW step (train_gpt2.cu `gpt2_update`): t = step is 1-based; weight decay only on DECAY_PARAMS.
+        zero_grads: the same pass also sets grads to 0, each chunk right after AdamW read it (the
+        parameters, m, v and bf16 copy are the same bits), and the next zero_grad() skips its fill."""
         if step < 1:
             raise ValueError(f"AdamW step t is 1-based, got {step}")
         if self.m is None:
@@ -569,5 +583,7 @@ class GPT2:
         for lo, hi, dec in self._decay_runs():
             self._k_adamw.adamw_update(self.params[lo:hi], self.grads[lo:hi], self.m[lo:hi], self.v[lo:hi],
                                        lr, beta1, beta2, eps, weight_decay if dec else 0.0, grad_scale,
-                                       int(step), self.n_threads, None if pb is None else pb[lo:hi])
+                                       int(step), self.n_threads, None if pb is None else pb[lo:hi],
+                                       zero_grads=zero_grads)
         self._bf16_fresh = pb is not None   # the runs cover every parameter
+        self._grads_zero = bool(zero_grads)   # ... and every gradient
