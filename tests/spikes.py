@@ -33,13 +33,28 @@ def poisoned_trainer(cfg, poison, display=None, comm=None):
 
 
 def train_entry(args, comm):
-    """Launcher target: args["config"] (TrainConfig fields), args["poison"] {rank: {step: kind}},
-    args["unfused"] (optional): zero_grad fills every step (unfused_update).
-    The job checks after every step that all ranks hold bit-identical parameters."""
+    """Launcher target: args["config"] (TrainConfig fields), args["poison"] {rank: {step: kind}};
+    optional args["shared_grads"]: the gradients live in the comm's shared memory, as train()
+    places them; args["unfused"]: zero_grad fills every step (unfused_update).
+    The job checks after every step that all ranks hold bit-identical parameters. Returns the
+    run's summary plus "grads_shared" and "fills_skipped" (zero_grad calls that found the
+    gradients already cleared by AdamW)."""
+    from llmctl.train import _adopt_grads
+
     if args.get("unfused"):
         GPT2.update = unfused_update(GPT2.update)
     cfg = TrainConfig(**args["config"])
     poison = {int(k): v for k, v in args["poison"].get(str(comm.rank), {}).items()}
     t = poisoned_trainer(cfg, poison, comm=comm)
+    if args.get("shared_grads") and comm.shares_memory:
+        _adopt_grads(comm, t.model)
     comm.watch(t.model.params, "parameters")
-    return t.run()
+    skipped, zero_grad = [0], t.model.zero_grad
+
+    def counted_zero_grad():
+        skipped[0] += t.model._grads_zero
+        zero_grad()
+    t.model.zero_grad = counted_zero_grad
+    summary = t.run()
+    shared = getattr(comm, "_is_shared", None)
+    return {**summary, "grads_shared": bool(shared and shared(t.model.grads)), "fills_skipped": skipped[0]}

@@ -1186,9 +1186,11 @@ def test_fused_zero_grad_two_ranks_over_shm(data, tmp_path):
     for name, unfused in (("fused", False), ("fill", True)):
         cfg = cfg_for(data, tmp_path / name, batch_size=2, max_steps=132, checkpoint_every=132,
                       val_loss_every=0, total_batch_size=2 * 2 * 2 * 32, skip_update_gradz=3.0)
-        launch("spikes:train_entry", {"config": asdict(cfg), "poison": {"1": {"130": "grad"}},
-                                      "unfused": unfused},
-               2, threads=1, timeout=60, extra_env={"PYTHONPATH": os.pathsep.join(path)})
+        res = launch("spikes:train_entry", {"config": asdict(cfg), "poison": {"1": {"130": "grad"}},
+                                            "shared_grads": True, "unfused": unfused},
+                     2, threads=1, timeout=60, extra_env={"PYTHONPATH": os.pathsep.join(path)})
+        # rank 0: every zero_grad but step 0's and step 131's (after the skip) was free
+        assert res["result"]["grads_shared"] and res["result"]["fills_skipped"] == (0 if unfused else 130)
     assert [r["step"] for r in metrics(tmp_path / "fused") if r["skipped"]] == [130]
     assert _run_files(tmp_path / "fused") == _run_files(tmp_path / "fill")
     assert no_timing(metrics(tmp_path / "fused")) == no_timing(metrics(tmp_path / "fill"))
