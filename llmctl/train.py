@@ -5,8 +5,9 @@ display), and `train(cfg, comm, display)`, which runs the loop of train_gpt2.cu 
 for step = start..N inclusive:
 val loss -> HellaSwag (-h 1) -> sample -> checkpoint -> (stop at the last step) -> micro-steps of
 forward/backward with gradient accumulation -> all-reduce of the flat gradient buffer -> lr
-schedule, grad-norm clip, AdamW (skipped when -sl/-sg's outlier z-score says so, llmctl/outlier.py)
--> log `s:%d trl:%.4f lr:%.6f norm:%.2f`. Checkpoints are llm.c's `model_%08d.bin` (rank 0),
+schedule, grad-norm clip, AdamW (skipped when -sl/-sg's outlier z-score says so, llmctl/outlier.py;
+it also clears the gradients, so the next step's zero_grad has nothing to fill) -> log
+`s:%d trl:%.4f lr:%.6f norm:%.2f`. Checkpoints are llm.c's `model_%08d.bin` (rank 0),
 `state_%08d_%05d.bin` (every rank; with -sl/-sg also a `state_%08d_%05d.outlier.json` sidecar
 holding the detectors, which llm.c does not save) and an empty `DONE_%08d` written last; `-y 1`
 resumes from the newest DONE and continues bit for bit (fixed thread count). Also writes
