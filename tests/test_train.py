@@ -1172,6 +1172,19 @@ def test_fused_zero_grad_fills_after_a_skipped_update(data, tmp_path, monkeypatc
     assert no_timing(metrics(tmp_path / "fused")) == no_timing(metrics(tmp_path / "fill"))
 
 
+def test_fused_zero_grad_fills_after_a_diverged_step(data, tmp_path):
+    """TrainingDiverged stops before the update: that step's (non-finite) gradients were not
+    cleared by AdamW, so the model's next zero_grad must fill them."""
+    from llmctl.train import Trainer
+
+    tr = Trainer(cfg_for(data, None, max_steps=10, learning_rate=1e30, grad_clip=0.0, val_loss_every=0))
+    with pytest.raises(TrainingDiverged):
+        tr.run()
+    assert not np.isfinite(tr.model.grads).all()
+    tr.model.zero_grad()
+    assert not tr.model.grads.any()
+
+
 def test_fused_zero_grad_two_ranks_over_shm(data, tmp_path):
     """--nproc 2 over the shm backend, gradients in the shared segment: each rank's AdamW clears
     its own row after the all-reduce. Rank 1's gradients spike at step 130 (skipped update, then
