@@ -1,0 +1,93 @@
+"""One training step of this tree against another version of llmctl, side by side in one run.
+
+What it does: times zero_grad + forward + backward + grad_norm + AdamW (bench/step.py's step, fp32)
+in two source trees, this one and `--other DIR` (a checkout of an earlier commit with its
+extensions built in place: `git worktree add DIR COMMIT && cd DIR && python setup.py build_ext
+--inplace`), each in its own child process, alternating between the two `--rounds` times so
+that both see the same machine load. Prints the best and median step of each and the ratio.
+What it is not: a breakdown (bench/step.py) or a bf16 benchmark (this tree only has bf16).
+
+    python bench/versions.py --other ../llmctl-before              # d12 B=4 T=64, 3 rounds x 3 steps
+    python bench/versions.py --other ../llmctl-before --model d6 --rounds 4 --json
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+CHILD = r"""
+import inspect, json, sys, time
+import numpy as np
+import llmctl
+from llmctl.model import GPT2
+desc, B, T, steps, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+m = GPT2.from_descriptor(desc, n_threads=threads)
+x = np.random.default_rng(0).integers(0, m.config.vocab_size, (B, T + 1))
+# the trainer's AdamW call: versions that can clear the gradients in AdamW's pass are asked to
+kw = {"zero_grads": True} if "zero_grads" in inspect.signature(m.update).parameters else {}
+times = []
+for t in range(1, steps + 2):
+    t0 = time.perf_counter()
+    m.zero_grad()
+    m.forward(x[:, :T], x[:, 1:])
+    m.backward()
+    norm = m.grad_norm()
+    m.update(3e-4, 0.9, 0.95, 1e-8, 0.0, 1.0 / norm if norm > 1 else 1.0, t, **kw)
+    times.append(time.perf_counter() - t0)
+print(json.dumps({"times": times[1:], "file": llmctl.__file__}))
+"""
+
+
+def run(tree, args):
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
+    out = subprocess.run([sys.executable, "-c", CHILD, args.model, str(args.batch_size), str(args.seq_len),
+                          str(args.steps), str(args.threads)],
+                         env=env, cwd=os.path.abspath(tree), check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--other", required=True, help="source tree of the other version (extensions built in place)")
+    ap.add_argument("--model", default="d12", help="descriptor (default d12)")
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per child (after one warm-up)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternations of the two trees")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    trees = {"this": os.path.join(HERE, ".."), "other": args.other}
+    times = {k: [] for k in trees}
+    files = {}
+    load0 = os.getloadavg()[0]
+    for r in range(args.rounds):
+        for k in (("this", "other") if r % 2 == 0 else ("other", "this")):
+            res = run(trees[k], args)
+            times[k] += res["times"]
+            files[k] = res["file"]
+    if os.path.realpath(files["this"]) == os.path.realpath(files["other"]):
+        raise SystemExit(f"both trees imported the same llmctl ({files['this']}): is --other a source tree?")
+    out = {"model": args.model, "B": args.batch_size, "T": args.seq_len, "threads": args.threads,
+           "load_avg": [load0, os.getloadavg()[0]], "llmctl": files,
+           **{k: {"best_ms": 1e3 * min(v), "median_ms": 1e3 * statistics.median(v), "steps": len(v)}
+              for k, v in times.items()}}
+    out["best_ratio"] = out["this"]["best_ms"] / out["other"]["best_ms"]
+    out["median_ratio"] = out["this"]["median_ms"] / out["other"]["median_ms"]
+    if args.json:
+        print(json.dumps(out))
+        return
+    print(f"{args.model} B={args.batch_size} T={args.seq_len} fp32, {args.threads} threads, "
+          f"{args.rounds} alternating rounds x {args.steps} steps; load avg {load0:.2f} -> {os.getloadavg()[0]:.2f}")
+    for k in trees:
+        print(f"  {k:>5}: best {out[k]['best_ms']:8.1f} ms  median {out[k]['median_ms']:8.1f} ms   ({files[k]})")
+    print(f"  this / other: best {out['best_ratio']:.3f}x, median {out['median_ratio']:.3f}x")
+
+
+if __name__ == "__main__":
+    main()
