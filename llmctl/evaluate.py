@@ -311,7 +311,7 @@ def eval_hellaswag_multiproc(checkpoint, path, nproc, threads=None, limit=None, 
 def eval_loss(model, pattern, B=4, T=None, max_batches=-1, on_progress=None, on_start=None):
     """Mean next-token loss over token shards matching `pattern` (sorted), read like llm.c's
     unshuffled loader: each shard gives (N-1) // (B*T) windows of B*T inputs + shifted targets.
-    max_batches > 0 stops early (llm.c's -m). The forward keeps no activations (one layer of buffers,
+    max_batches >= 1 stops early (llm.c's -m; -1 = all). The forward keeps no activations (one layer of buffers,
     not L). -> dict(loss, perplexity, num_batches, num_tokens, files)."""
     from llmctl.formats import open_shard
 
@@ -322,6 +322,9 @@ def eval_loss(model, pattern, B=4, T=None, max_batches=-1, on_progress=None, on_
                           hint=f"pass -t between 1 and {cfg.max_seq_len}, or leave it out for {min(1024, cfg.max_seq_len)}")
     if B < 1:
         raise ConfigError(f"-b {B} must be >= 1", hint="pass -b 1 or more (llm.c's default is 4)")
+    if max_batches is None or max_batches == 0 or max_batches < -1:  # as train's -m (train_config.py)
+        raise ConfigError(f"-m {max_batches} must be -1 (every full batch) or >= 1",
+                          hint="pass -m N with N >= 1, or -m -1 (the default) for every full batch")
     files = sorted(_glob.glob(pattern))
     if not files:
         raise DataError(f"no files match {pattern!r}", hint="check the -j pattern (quote it in the shell)")
@@ -333,7 +336,7 @@ def eval_loss(model, pattern, B=4, T=None, max_batches=-1, on_progress=None, on_
     if not plan:
         raise DataError(f"{pattern}: no shard holds B*T+1 = {B * T + 1} tokens",
                         hint="lower -b or -t")
-    if max_batches and max_batches > 0:
+    if max_batches > 0:
         plan = plan[:max_batches]
     if on_start is not None:
         on_start(len(plan))

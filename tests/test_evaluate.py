@@ -289,6 +289,17 @@ def test_eval_loss_rejects_t_0_instead_of_running_the_default(tiny, tmp_path):
         eval_loss(model, str(tmp_path / "z_val_000000.bin"), B=0, T=8)
 
 
+def test_eval_loss_rejects_m_0_and_below_minus_1_instead_of_scoring_everything(tiny, tmp_path):
+    model, _, _, _ = tiny
+    formats.write_datafile(str(tmp_path / "z_val_000000.bin"), np.arange(40) % V)
+    for bad in (0, -2, -7):
+        with pytest.raises(ConfigError, match=f"-m {bad} must be -1 .* or >= 1") as e:
+            eval_loss(model, str(tmp_path / "z_val_000000.bin"), B=1, T=8, max_batches=bad)
+        assert e.value.hint
+    assert eval_loss(model, str(tmp_path / "z_val_000000.bin"), B=1, T=8, max_batches=-1)["num_batches"] == 4
+    assert eval_loss(model, str(tmp_path / "z_val_000000.bin"), B=1, T=8, max_batches=1)["num_batches"] == 1
+
+
 def test_eval_loss_allocates_one_layer_of_activations(tiny, tmp_path):
     _, _, _, ckpt = tiny
     toks = np.random.default_rng(3).integers(0, V, size=40)
