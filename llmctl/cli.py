@@ -684,7 +684,7 @@ def sample_cmd(
     temperature: float = typer.Option(1.0, "--temperature", min=0.0, help="Softmax temperature; 0 = greedy."),
     top_k: int = typer.Option(0, "--top-k", min=0, help="Sample among the K most likely tokens (0 = off)."),
     top_p: float = typer.Option(1.0, "--top-p", min=0.0, max=1.0, help="Nucleus sampling: smallest set with probability >= P (1 = off)."),
-    seed: int = typer.Option(1337, "--seed", help="Sampler seed (llm.c's xorshift; same seed -> same text)."),
+    seed: int = typer.Option(1337, "--seed", help="Sampler seed, 1..2^64-1 (llm.c's xorshift64*; same seed -> same text)."),
     num_samples: int = typer.Option(1, "--num-samples", min=1, help="Samples to draw, one after another from one RNG stream."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Recompute the full forward every token (llm.c's way; slow)."),
     threads: int = _THREADS_OPT,
@@ -699,7 +699,7 @@ def sample_cmd(
     from llmctl.sample import _escape_controls, check_sample_length, check_sampling, default_start, sample
     from llmctl.tokenizer import get_tokenizer
 
-    check_sampling(temperature, top_k, top_p)
+    check_sampling(temperature, top_k, top_p, seed)
     _check_threads(threads)
     if prompt is not None and prompt_file is not None:
         raise ConfigError("give --prompt or --prompt-file, not both", hint="drop one of the two")

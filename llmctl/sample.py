@@ -39,7 +39,8 @@ class Xorshift:
     _MASK = (1 << 64) - 1
 
     def __init__(self, seed=1337):
-        self.state = int(seed) & self._MASK
+        check_seed(seed)
+        self.state = int(seed)
 
     def random_u32(self):
         s = self.state
@@ -97,8 +98,21 @@ def sample_token(logits, coin, temperature=1.0, top_k=None, top_p=None):
     return i
 
 
-def check_sampling(temperature=1.0, top_k=None, top_p=None):
-    """ConfigError (exit 2) unless temperature is finite and >= 0, top_p in (0, 1], top_k >= 0."""
+def check_seed(seed):
+    """ConfigError (exit 2) unless seed is a xorshift64* state in 1..2**64-1: state 0 never
+    changes (every coin is 0, so every sample is the lowest-id token), and a seed outside the
+    range would silently alias another one mod 2**64."""
+    if not 1 <= int(seed) <= Xorshift._MASK:
+        raise ConfigError(f"--seed {seed}: must be in 1..{Xorshift._MASK} (llm.c's xorshift64* state)",
+                          hint="xorshift state 0 never changes, so every coin would be 0; pass e.g. --seed 1337 "
+                               "(the default)")
+
+
+def check_sampling(temperature=1.0, top_k=None, top_p=None, seed=None):
+    """ConfigError (exit 2) unless temperature is finite and >= 0, top_p in (0, 1], top_k >= 0
+    and the seed (when given) a valid xorshift state (check_seed)."""
+    if seed is not None:
+        check_seed(seed)
     if not (math.isfinite(float(temperature)) and temperature >= 0):
         raise ConfigError(f"--temperature {temperature}: must be a finite number >= 0",
                           hint="0 = greedy, 1 = the model's distribution")

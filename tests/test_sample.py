@@ -200,6 +200,21 @@ def test_same_seed_same_text_and_seeds_differ(tiny):
         generate(model, [50256, 11], 10, seed=5, stop_at_eot=False)
 
 
+def test_seed_0_and_seeds_outside_64_bits_are_errors_not_a_constant_or_aliased_stream():
+    # xorshift64* from state 0 stays 0: every coin 0, every sampled token the lowest id
+    for bad in (0, -1, 1 << 64, (1 << 64) + 1):
+        with pytest.raises(ConfigError, match=f"--seed {bad}: must be in 1\\.\\.") as e:
+            Xorshift(bad)
+        assert e.value.hint
+    assert Xorshift((1 << 64) - 1).random_u32() != Xorshift(1).random_u32()
+
+
+def test_cli_sample_seed_0_is_a_usage_error_before_the_model_is_read(capsys):
+    code, out, err = _run(["sample", "-e", "no-such-model.bin", "--seed", "0", "--json"], capsys)
+    assert code == 2 and out == ""
+    assert "Error: --seed 0: must be in 1.." in err and "Hint:" in err and "Traceback" not in err
+
+
 def test_length_limits(tiny):
     model = tiny[0]
     n, msg = check_sample_length(model.config, 10, 100)
