@@ -246,6 +246,33 @@ def test_datasets_absent_then_http_download(shakespeare_out, tmp_path, http_serv
     assert not no_partial_files(tmp_path / "o")
 
 
+def test_downloaded_cache_file_gets_the_umask_mode_not_mkstemps_0600(shakespeare_out, tmp_path, http_server,
+                                                                    datasets_not_installed):
+    src, _, _ = shakespeare_out
+    url = http_server("/input.txt", open(src, "rb").read())
+    old = os.umask(0o022)
+    try:
+        prepro_tinyshakespeare(out_dir=tmp_path / "o", url=url)
+    finally:
+        os.umask(old)
+    mode = lambda name: (tmp_path / "o" / name).stat().st_mode & 0o777  # noqa: E731
+    assert mode("tiny_shakespeare.txt") == 0o644 == mode("tiny_shakespeare_val.bin")
+
+
+@pytest.mark.parametrize("bad", [-1.0, 0.0, float("nan"), float("inf")])
+def test_bad_download_timeout_is_a_usage_error_before_anything_is_fetched(tmp_path, bad, capsys):
+    from llmctl.cli import main
+
+    with pytest.raises(ConfigError, match="--timeout .*: must be a finite number of seconds > 0"):
+        prepro_tinyshakespeare(out_dir=tmp_path / "o", url="http://127.0.0.1:9/x", timeout=bad)
+    with pytest.raises(SystemExit) as e:
+        main(["prepro", "hellaswag", "--out-dir", str(tmp_path / "h"), "--url", "http://127.0.0.1:9/x",
+              "--timeout", str(bad)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Error: --timeout" in err and "Hint:" in err
+    assert not (tmp_path / "o").exists() and not (tmp_path / "h").exists()
+
+
 def test_datasets_offline_not_cached_then_http(shakespeare_out, tmp_path, http_server, datasets_cache):
     src, _, _ = shakespeare_out
     url = http_server("/input.txt", open(src, "rb").read())

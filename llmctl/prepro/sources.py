@@ -8,13 +8,14 @@ Mirrors: llm.c `dev/data/data_common.py` `download_file` (stream the canonical U
 dataset's cache dir, `DATA_CACHE_DIR/<file>`), made atomic (temp name + rename) and offline-safe.
 """
 import http.client
+import math
 import os
 import tempfile
 import urllib.error
 import urllib.request
 
 from llmctl.atomic import atomic_write
-from llmctl.errors import DataError
+from llmctl.errors import ConfigError, DataError
 
 DEFAULT_TIMEOUT = 30.0
 _CHUNK = 1 << 20
@@ -24,6 +25,20 @@ def _usable_file(path):
     return os.path.isfile(path) and os.path.getsize(path) > 0
 
 
+def check_timeout(timeout):
+    """ConfigError (exit 2) unless the download timeout is a finite number of seconds > 0."""
+    if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
+        raise ConfigError(f"--timeout {timeout}: must be a finite number of seconds > 0",
+                          hint=f"the default is {DEFAULT_TIMEOUT:g}")
+
+
+def _umask_mode():
+    """The mode open() gives a new file (0o666 minus the umask); mkstemp's is 0o600."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def download(url, path, timeout=DEFAULT_TIMEOUT):
     """Stream `url` to `path` via a temp file in the same directory; never leaves a partial file.
     Raises OSError/urllib errors (incl. a short read against Content-Length)."""
@@ -31,6 +46,7 @@ def download(url, path, timeout=DEFAULT_TIMEOUT):
     os.makedirs(d, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".part", dir=d)
     try:
+        os.fchmod(fd, _umask_mode())  # the cached copy is as readable as the .bin files beside it
         with os.fdopen(fd, "wb") as f, urllib.request.urlopen(url, timeout=timeout) as r:
             expected = r.headers.get("Content-Length")
             n = 0
@@ -59,6 +75,7 @@ def obtain(what, *, source=None, cache_path, url=None, from_datasets=None,
     then an HTTP download of `url` into the cache. `log(msg)` is told before a download starts;
     the returned "notes" say why each earlier level was skipped.
     """
+    check_timeout(timeout)
     notes = []
     note = notes.append
 
