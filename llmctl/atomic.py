@@ -7,10 +7,15 @@ or failed write never leaves a valid-looking partial file (a checkpoint, shard o
 An OSError (missing directory, disk full, a directory in the file's place) becomes one DataError
 naming the path.
 
+A `path` that already exists as something other than a regular file (a device such as
+/dev/null, a FIFO, /dev/stdout) is written in place: renaming a temp file onto it would replace
+the device node itself. A symlink to a regular file keeps the link: its target is replaced.
+
 What it is not: durable against power loss (no fsync), and it creates no directories.
 """
 import contextlib
 import os
+import stat
 
 from llmctl.errors import DataError
 
@@ -25,7 +30,15 @@ def _error(path, e, hint):
 def atomic_open(path, hint=WRITE_HINT):
     """Open a temp file next to `path` for binary writing; os.replace it into place on success."""
     path = os.fspath(path)
-    d, base = os.path.split(os.path.abspath(path))
+    try:
+        special = not stat.S_ISREG(os.stat(path).st_mode) and not os.path.isdir(path)
+    except OSError:  # missing (or a dangling link): a new file
+        special = False
+    if special:
+        yield from _write_in_place(path, hint)
+        return
+    target = os.path.realpath(path) if os.path.islink(path) else os.path.abspath(path)
+    d, base = os.path.split(target)
     tmp = os.path.join(d, f".{base}.tmp-{os.getpid()}")
     try:
         f = open(tmp, "wb")
@@ -34,13 +47,21 @@ def atomic_open(path, hint=WRITE_HINT):
     try:
         with f:
             yield f
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         if isinstance(e, OSError):  # disk full, I/O error: one line, not a traceback
             raise _error(path, e, hint) from None
         raise
+
+
+def _write_in_place(path, hint):
+    try:
+        with open(path, "wb") as f:
+            yield f
+    except OSError as e:
+        raise _error(path, e, hint) from None
 
 
 def atomic_write(path, data, hint=WRITE_HINT):

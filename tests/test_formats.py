@@ -174,6 +174,35 @@ def test_atomic_write_leaves_nothing_on_failure(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == ["s.bin"]
 
 
+def test_atomic_write_onto_a_fifo_writes_into_it_instead_of_replacing_the_node(tmp_path):
+    # the same path as /dev/null, /dev/stdout or /dev/full given to --out: renaming a temp file
+    # onto it would replace the device node itself (as root, in /dev)
+    import stat
+
+    from llmctl.atomic import atomic_write
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    r = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # a reader, so the writer's open does not block
+    try:
+        atomic_write(fifo, b"tokens")
+        assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+        assert os.read(r, 100) == b"tokens"
+    finally:
+        os.close(r)
+    assert os.listdir(tmp_path) == ["fifo"]
+
+
+def test_atomic_write_through_a_symlink_replaces_its_target_and_keeps_the_link(tmp_path):
+    from llmctl.atomic import atomic_write
+
+    (tmp_path / "real.bin").write_bytes(b"old")
+    os.symlink("real.bin", tmp_path / "link.bin")
+    atomic_write(tmp_path / "link.bin", b"new")
+    assert os.path.islink(tmp_path / "link.bin") and (tmp_path / "real.bin").read_bytes() == b"new"
+    assert sorted(os.listdir(tmp_path)) == ["link.bin", "real.bin"]
+
+
 # ---------------------------------------------------------------------------------------------
 # eval files
 
