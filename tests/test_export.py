@@ -179,6 +179,28 @@ def test_failed_write_leaves_no_out_dir(ckpt, tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
+def _file_size_limit(nbytes):
+    """preexec_fn: writes past nbytes fail with EFBIG (SIGXFSZ ignored), like a full disk."""
+    import resource
+    import signal
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
+    return limit
+
+
+def test_cli_export_onto_a_full_disk_is_one_error_and_leaves_no_out_dir(ckpt, tmp_path):
+    # safetensors' own writer fails (a SafetensorError, not an OSError) on the 3 MB model.safetensors
+    r = subprocess.run([sys.executable, "-m", "llmctl", "export", str(ckpt[0]), "hf"], cwd=tmp_path,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=120,
+                       preexec_fn=_file_size_limit(100_000))
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr and r.stderr.count("Error:") == 1 and "Hint:" in r.stderr
+    assert "hf: cannot write the export" in r.stderr and "model.safetensors" in r.stderr
+    assert os.listdir(tmp_path) == []
+
+
 def test_cli_export_json_and_error(ckpt, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-m", "llmctl", "export", str(ckpt[0]), "hf", "--json"], cwd=tmp_path,

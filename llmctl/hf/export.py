@@ -67,6 +67,7 @@ def export_checkpoint(checkpoint, out_dir, force=False):
     files). Returns a summary dict (what `--json` prints)."""
     try:
         import safetensors.numpy as stn
+        from safetensors import SafetensorError
     except ImportError:
         from llmctl.hf.hub import missing_dependency
 
@@ -93,7 +94,10 @@ def export_checkpoint(checkpoint, out_dir, force=False):
         tmp.mkdir()
         _write_json(tmp / "config.json", config_from_header(hdr))
         _write_json(tmp / "generation_config.json", {"bos_token_id": GPT2_EOT, "eos_token_id": GPT2_EOT})
-        stn.save_file(hf_tensors(hdr, params), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        try:
+            stn.save_file(hf_tensors(hdr, params), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        except SafetensorError as e:  # its writer's I/O errors (disk full) are not OSErrors
+            raise OSError(f"model.safetensors: {e}") from None
         del params
         tokenizer = hdr.vocab_size == GPT2_VOCAB_SIZE
         if tokenizer:  # GPT-2's BPE only fits GPT-2's vocabulary
