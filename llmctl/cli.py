@@ -92,6 +92,21 @@ class _Group(typer.core.TyperGroup):
             sys.exit(1)
         sys.exit(rv if isinstance(rv, int) else 0)  # typer.Exit(n) in a command returns n here
 
+    # Ctrl-C outside a command's body (@_interruptible covers that): while the root's options are
+    # parsed (typer imports pydantic there), a subcommand's, or before the call. typer's core
+    # would turn it into a silent exit 130.
+    def make_context(self, *args, **kwargs):
+        try:
+            return super().make_context(*args, **kwargs)
+        except KeyboardInterrupt:
+            _interrupted("nothing was written")
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            _interrupted("nothing was written")
+
 
 app = typer.Typer(
     name="llmctl",
@@ -138,16 +153,21 @@ def _interruptible(kept="nothing was written"):
             try:
                 return fn(*args, **kwargs)
             except KeyboardInterrupt as e:
-                try:
-                    sys.stdout.flush()
-                except (BrokenPipeError, ValueError):
-                    pass
-                lead = "\n" if sys.stderr.isatty() else ""  # ^C leaves the cursor mid-line
-                sys.stderr.write(f"{lead}Interrupted: {getattr(e, 'kept', None) or kept}.\n")
-                sys.stderr.flush()
-                raise typer.Exit(130) from None
+                _interrupted(getattr(e, 'kept', None) or kept)
         return wrapper
     return deco
+
+
+def _interrupted(kept):
+    """The one "Interrupted: <what was kept>." line on stderr, then exit 130."""
+    try:
+        sys.stdout.flush()
+    except (BrokenPipeError, ValueError):
+        pass
+    lead = "\n" if sys.stderr.isatty() else ""  # ^C leaves the cursor mid-line
+    sys.stderr.write(f"{lead}Interrupted: {kept}.\n")
+    sys.stderr.flush()
+    raise typer.Exit(130) from None
 
 
 _PREPRO_KEPT = "every file is written under a temp name and renamed, so no partial .bin was left"
@@ -822,8 +842,8 @@ def main(argv: Optional[List[str]] = None):
     except LlmctlError as e:
         _print_error(e.message, e.hint)
         sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        err_console.print("Interrupted.")
+    except KeyboardInterrupt:  # while typer builds the commands, before any runs
+        err_console.print("Interrupted: nothing was written.")
         sys.exit(130)
     except BrokenPipeError:
         sys.exit(1)

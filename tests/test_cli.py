@@ -102,6 +102,35 @@ def test_ctrl_c_during_eval_says_interrupted(tmp_path, cmd):
     assert code == 130 and "Interrupted: no result." in err and "Traceback" not in err, err
 
 
+_CTRL_C_ON_IMPORT = """
+import runpy, sys
+
+MODULE = sys.argv[1]
+
+
+class CtrlC:  # the SIGINT arriving while MODULE is first imported
+    def find_spec(self, name, path=None, target=None):
+        if name == MODULE:
+            raise KeyboardInterrupt
+        return None
+
+sys.meta_path.insert(0, CtrlC())
+sys.argv = ["llmctl"] + sys.argv[2:]
+runpy.run_module("llmctl", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("module", [
+    "typer",     # `from llmctl.cli import main`: the CLI's modules are still loading
+    "pydantic",  # typer imports it while it parses the root's options, outside any command's body
+])
+def test_ctrl_c_before_a_command_runs_is_one_line_and_exit_130(tmp_path, module):
+    r = subprocess.run([sys.executable, "-c", _CTRL_C_ON_IMPORT, module, "info"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 130, r.stderr
+    assert r.stderr == "Interrupted: nothing was written.\n" and r.stdout == ""
+
+
 # ---------------------------------------------------------------------------------------------
 # usage errors: llmctl's Error/Hint lines and exit 2, not typer's boxed usage panel
 
