@@ -565,7 +565,11 @@ def eval_hellaswag_cmd(
     from llmctl.paths import default_init
 
     if norm not in ("tokens", "chars"):
-        raise ConfigError(f"--norm must be 'tokens' or 'chars', got {norm!r}")
+        raise ConfigError(f"--norm must be 'tokens' or 'chars', got {norm!r}",
+                          hint="tokens is llm.c's acc_norm, chars lm-evaluation-harness's")
+    if per_example and nproc > 1:  # before any data is fetched
+        raise ConfigError("--per-example needs --nproc 1",
+                          hint="drop --nproc (each process keeps only its own examples' results)")
     _check_threads(threads, nproc)
     from llmctl.model.gpt2 import check_precision
 
@@ -578,8 +582,6 @@ def eval_hellaswag_cmd(
             log(f"model: {checkpoint} (no -e: {how})")
     t0 = time.time()
     if nproc > 1:
-        if per_example:
-            raise ConfigError("--per-example needs --nproc 1")
         res = eval_hellaswag_multiproc(checkpoint, input_file, nproc, threads=threads or None, limit=limit,
                                        norm=norm, batch_tokens=batch_tokens, precision=precision)
     else:

@@ -241,7 +241,12 @@ def hellaswag_file(path=None, log=None):
 
         if log:
             log(f"{HELLASWAG_VAL} is missing: writing it first (llmctl prepro hellaswag)")
-        prepro_hellaswag(out_dir=os.path.dirname(HELLASWAG_VAL), log=log)
+        jsonl = os.path.join(os.path.dirname(HELLASWAG_VAL), "hellaswag_val.jsonl")
+        try:
+            prepro_hellaswag(out_dir=os.path.dirname(HELLASWAG_VAL), log=log)
+        except DataError as e:  # its hint names prepro's --source, which eval does not have
+            raise DataError(e.message, hint=f"download hellaswag_val.jsonl and run `llmctl prepro hellaswag "
+                                            f"--source PATH` (or put it at {jsonl}), or pass -i EVAL_FILE") from None
     return HELLASWAG_VAL
 
 

@@ -73,8 +73,9 @@ KIND_NAMES = {
 
 
 def _fail(path, problem, hint=None):
-    """Raise FormatError('<path>: <problem>'); the bare problem is kept on the exception."""
-    err = FormatError(f"{path}: {problem}", hint)
+    """Raise FormatError('<path>: <problem>'); the bare problem is kept on the exception. Without
+    a hint of its own the error says how to re-create or identify the file (_DAMAGED_HINT)."""
+    err = FormatError(f"{path}: {problem}", hint or _DAMAGED_HINT)
     err.path = str(path)
     err.problem = problem
     raise err

@@ -220,3 +220,53 @@ def test_help_and_a_bare_llmctl_still_show_the_help(tmp_path):
     assert code == 0 and "--batch-size" in out and err == ""
     code, out, err = _run([], cwd=tmp_path)
     assert code == 2 and "Usage: llmctl" in out + err and "Error" not in out + err
+
+
+# ---------------------------------------------------------------------------------------------
+# every error a user can meet carries a Hint
+
+def _eval_file_truncated(d):
+    from llmctl import formats
+
+    path = d / "hs.bin"
+    formats.write_evalfile(path, [dict(label=0, ctx_tokens=[5], ending_tokens=[[1], [2], [3], [4]])] * 3)
+    path.write_bytes(path.read_bytes()[:-40])
+    return ["eval", "hellaswag", "-e", "d6", "-i", str(path)]
+
+
+@pytest.mark.parametrize("make_argv", [
+    lambda d: ["eval", "hellaswag", "-e", "d6", "--norm", "foo"],
+    lambda d: ["eval", "hellaswag", "-e", "d6", "--per-example", "--nproc", "2", "--threads", "1"],
+    lambda d: ["train", "-e", "d6", "--nproc", "0"],
+    _eval_file_truncated,
+    lambda d: (d / "l.jsonl").write_text("[1, 2, 3]\n") and ["prepro", "hellaswag", "--source", str(d / "l.jsonl"),
+                                                              "--out-dir", str(d / "o")],
+    lambda d: (d / "b.jsonl").write_text('{"ctx": "a", "label": 9, "endings": ["x"]}\n') and
+    ["prepro", "hellaswag", "--source", str(d / "b.jsonl"), "--out-dir", str(d / "o")],
+], ids=["norm", "per-example-nproc", "train-nproc-0", "eval-file-truncated", "jsonl-list", "jsonl-1-ending"])
+def test_error_is_one_error_line_and_a_hint(tmp_path, capsys, make_argv):
+    from llmctl.cli import main
+
+    argv = make_argv(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert e.value.code in (1, 2) and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("Error: ") and lines[1].startswith("Hint: "), err
+    assert "Traceback" not in err and "list indices" not in err
+
+
+def test_eval_hellaswag_that_cannot_write_its_default_input_hints_at_eval_s_own_flags(tmp_path, monkeypatch, capsys):
+    # no -i: data/hellaswag_val.bin is written first from the cached jsonl, here a broken one
+    from llmctl.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "hellaswag_val.jsonl").write_text("{not json\n")
+    with pytest.raises(SystemExit) as e:
+        main(["eval", "hellaswag", "-e", "d6", "--json"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 1 and out == ""
+    assert "Error: data/hellaswag_val.jsonl:1: not valid JSON" in err
+    assert "llmctl prepro hellaswag --source PATH" in err and "-i EVAL_FILE" in err

@@ -747,7 +747,7 @@ def test_hellaswag_undecodable_malformed_or_incomplete_lines_name_file_and_line(
     cases = [(good.encode() + b"\n" + bytes(range(128, 256)) + b"\n", r"bad.jsonl:2: not UTF-8"),
              (good.encode() + b"\n" + b'{"ctx": "x", "label": \n', r"bad.jsonl:2: not valid JSON"),
              (b'{"ctx": "x", "endings": ["a", "b", "c", "d"]}\n', r"bad.jsonl:1: missing or bad field"),
-             (b'[1, 2, 3]\n', r"bad.jsonl:1: missing or bad field"),
+             (b'[1, 2, 3]\n', r"bad.jsonl:1: a JSON list, not an object with ctx, label, endings"),
              (b'{"ctx": "x", "label": 1e999, "endings": ["a", "b", "c", "d"]}\n', r"bad.jsonl:1: ")]
     for data, msg in cases:
         bad.write_bytes(data)

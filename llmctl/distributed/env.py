@@ -94,6 +94,6 @@ def threads_per_rank(nproc, threads=None):
     """Kernel threads each of `nproc` local ranks uses: `threads` if given, else cores // nproc."""
     if threads is not None:
         if int(threads) < 1:
-            raise ConfigError(f"--threads {threads} must be >= 1")
+            raise ConfigError(f"--threads {threads} must be >= 1", hint="or leave --threads out for cores / --nproc")
         return int(threads)
     return max(1, usable_cores() // max(1, nproc))

@@ -88,7 +88,7 @@ def launch(target, args, nproc, *, threads=None, timeout=30.0, collective_timeou
     failed rank, ConfigError for bad arguments, KeyboardInterrupt after a Ctrl-C stop.
     """
     if int(nproc) < 1:
-        raise ConfigError(f"--nproc {nproc} must be >= 1")
+        raise ConfigError(f"--nproc {nproc} must be >= 1", hint="pass --nproc 1 (the default) or more")
     from llmctl.distributed.rendezvous import check_seconds
 
     timeout = check_seconds("--dist-timeout", timeout)

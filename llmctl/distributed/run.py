@@ -79,7 +79,7 @@ def run_train(cfg, *, nproc=1, nnodes=None, node_rank=None, master_addr=None, ma
     timeout = check_seconds("--dist-timeout", timeout)  # before anything is spawned or joined
     rdzv_timeout = check_seconds("--rdzv-timeout", rdzv_timeout)
     if int(nproc) < 1:
-        raise ConfigError(f"--nproc {nproc} must be >= 1")
+        raise ConfigError(f"--nproc {nproc} must be >= 1", hint="pass --nproc 1 (the default) or more")
     launcher_form = int(nproc) > 1 or (nnodes is not None and int(nnodes) > 1)
     if backend == "mpi" or (backend == "auto" and not launcher_form
                             and choose_backend("auto", 1, env) == "mpi"):

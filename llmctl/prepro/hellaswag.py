@@ -41,7 +41,7 @@ def read_examples(path):
     try:
         f = open(path, "rb")
     except OSError as e:
-        raise DataError(f"{path}: cannot read ({e.strerror})") from None
+        raise DataError(f"{path}: cannot read ({e.strerror})", hint="check the path and its permissions") from None
     with f:
         for no, raw in enumerate(f, 1):
             try:
@@ -53,6 +53,9 @@ def read_examples(path):
                 continue
             try:
                 ex = json.loads(line)
+                if not isinstance(ex, dict):
+                    raise DataError(f"{path}:{no}: a JSON {type(ex).__name__}, not an object with ctx, label, endings",
+                                    hint="is this a HellaSwag .jsonl file?")
                 ctx, label, endings = ex["ctx"], int(ex["label"]), ex["endings"]
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{no}: not valid JSON ({e.msg})", hint="is this a HellaSwag .jsonl file?") from None
@@ -61,9 +64,9 @@ def read_examples(path):
                                 hint="is this a HellaSwag .jsonl file with labels (not the test split)?") from None
             if not isinstance(ctx, str) or not isinstance(endings, list) or len(endings) != 4 \
                     or not all(isinstance(e, str) for e in endings):
-                raise DataError(f"{path}:{no}: need a ctx string and exactly 4 ending strings")
+                raise DataError(f"{path}:{no}: need a ctx string and exactly 4 ending strings", hint="is this a HellaSwag .jsonl file with labels (not the test split)?")
             if not 0 <= label < 4:
-                raise DataError(f"{path}:{no}: label {label} is not in 0..3")
+                raise DataError(f"{path}:{no}: label {label} is not in 0..3", hint="is this a HellaSwag .jsonl file with labels (not the test split)?")
             out.append((no, ctx, label, endings))
     if not out:
         raise DataError(f"{path}: no examples", hint="is this a HellaSwag .jsonl file?")
