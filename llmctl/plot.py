@@ -78,7 +78,8 @@ def curves(runs, x="step", tokens_per_step=None, smooth=EMA_ALPHA):
     x: "step" or "tokens" (tokens seen before the step's update: step x tokens per step; a
     metrics.jsonl records it, a main.log needs tokens_per_step)."""
     if x not in X_AXES:
-        raise ConfigError(f"--x must be one of {', '.join(X_AXES)}, got {x!r}")
+        raise ConfigError(f"--x must be one of {', '.join(X_AXES)}, got {x!r}",
+                          hint="step, or tokens for tokens seen (step x tokens per step)")
     out = {}
     for k in panels_of(runs):
         out[k] = []
@@ -177,7 +178,8 @@ def terminal_panels(runs, width=80, height=14, x="step", logy=False, baselines=(
     from llmctl.termchart import Curve, HLine, chart
 
     if width < MIN_TERM_WIDTH:
-        raise ConfigError(f"--width {width}: a terminal chart needs at least {MIN_TERM_WIDTH} columns")
+        raise ConfigError(f"--width {width}: a terminal chart needs at least {MIN_TERM_WIDTH} columns",
+                          hint=f"pass --width {MIN_TERM_WIDTH} or more, or 0 for the terminal's width")
     panels = curves(runs, x, tokens_per_step, smooth)
     if not panels:
         raise DataError("no run has any point to plot")

@@ -243,7 +243,12 @@ def _eval_file_truncated(d):
                                                               "--out-dir", str(d / "o")],
     lambda d: (d / "b.jsonl").write_text('{"ctx": "a", "label": 9, "endings": ["x"]}\n') and
     ["prepro", "hellaswag", "--source", str(d / "b.jsonl"), "--out-dir", str(d / "o")],
-], ids=["norm", "per-example-nproc", "train-nproc-0", "eval-file-truncated", "jsonl-list", "jsonl-1-ending"])
+    lambda d: (d / "m.jsonl").write_text('{"step": 0, "train_loss": 3.5}\n') and
+    ["plot", str(d / "m.jsonl"), "--x", "foo", "-o", str(d / "p.png")],
+    lambda d: (d / "m.jsonl").write_text('{"step": 0, "train_loss": 3.5}\n') and
+    ["plot", str(d / "m.jsonl"), "--terminal", "--width", "5"],
+], ids=["norm", "per-example-nproc", "train-nproc-0", "eval-file-truncated", "jsonl-list", "jsonl-1-ending",
+        "plot-x", "plot-width"])
 def test_error_is_one_error_line_and_a_hint(tmp_path, capsys, make_argv):
     from llmctl.cli import main
 
