@@ -280,7 +280,7 @@ def prepro_tinyshakespeare_cmd(
 @_interruptible(_PREPRO_KEPT)
 def prepro_hellaswag_cmd(
     out_dir: str = typer.Option(DATA_DIR, "--out-dir", help="Output directory; the jsonl is cached there as hellaswag_{split}.jsonl."),
-    source: Optional[str] = typer.Option(None, "--source", help="Local hellaswag_{split}.jsonl to use."),
+    source: Optional[str] = typer.Option(None, "--source", help="Local hellaswag_{split}.jsonl to use (default: the cached copy in --out-dir, else datasets, else the download)."),
     split: str = typer.Option("val", "--split", help="val (what llm.c writes) or train."),
     url: Optional[str] = typer.Option(None, "--url", help="Download URL (default: rowanz/hellaswag on GitHub)."),
     timeout: float = typer.Option(30.0, "--timeout", help="Download timeout in seconds."),
@@ -652,9 +652,9 @@ def plot_cmd(
     runs: List[str] = typer.Argument(..., help="Runs: `llmctl train -o` directories (metrics.jsonl, else main.log), metrics.jsonl or llm.c main.log files; NAME=PATH names a run in the legend (default: its directory)."),
     output: str = typer.Option(PLOT_OUTPUT, "--output", "-o", help="Image file, type by extension: .png, .svg or .pdf (with --terminal: only when -o is given)."),
     x: str = typer.Option("step", "--x", help="x axis: step, or tokens (tokens seen = step x tokens per step)."),
-    tokens_per_step: Optional[int] = typer.Option(None, "--tokens-per-step", min=1, help="For --x tokens, the tokens per step of runs that do not record it (an llm.c main.log): llm.c's -d total batch size."),
+    tokens_per_step: Optional[int] = typer.Option(None, "--tokens-per-step", min=1, help="For --x tokens, the tokens per step of runs that do not record it (an llm.c main.log): llm.c's -d total batch size (default: none; such runs need it for --x tokens)."),
     logy: bool = typer.Option(False, "--logy", help="Log-scale y axis on the loss panels."),
-    baseline: Optional[List[str]] = typer.Option(None, "--baseline", help="[PANEL:]NAME=VALUE: a dashed horizontal line on panel train, val or hellaswag (no PANEL: both loss panels), e.g. 'hellaswag:GPT-2 124M=0.2955'. Repeatable."),
+    baseline: Optional[List[str]] = typer.Option(None, "--baseline", help="[PANEL:]NAME=VALUE: a dashed horizontal line on panel train, val or hellaswag (no PANEL: both loss panels), e.g. 'hellaswag:GPT-2 124M=0.2955'. Repeatable (default: none)."),
     smooth: float = typer.Option(_PLOT_SMOOTH, "--smooth", min=0.0, max=0.999, help="EMA weight of the past for the smoothed train-loss line; 0 = off."),
     terminal: bool = typer.Option(False, "--terminal", help="Draw the panels in the terminal (braille characters; no matplotlib needed)."),
     width: int = typer.Option(0, "--width", min=0, help="--terminal: chart width in columns (0 = the terminal's)."),
@@ -701,7 +701,7 @@ def plot_cmd(
 def sample_cmd(
     checkpoint: Optional[str] = typer.Option(None, "--checkpoint", "-e", show_default=False, help=f"Model: llm.c .bin checkpoint, descriptor (d6, d12, ...), pretrained gpt2|gpt2-medium|gpt2-large|gpt2-xl, or a Hugging Face model DIR (llm.c: -e) (default: {GPT2_124M_CHECKPOINT} if it is in the working directory, else {PRETRAINED_DEFAULT}: GPT-2 124M, as train)."),
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text (<|endoftext|> is the EOT token). Default: start from EOT like llm.c."),
-    prompt_file: Optional[str] = typer.Option(None, "--prompt-file", help="Read the prompt from a UTF-8 file (verbatim)."),
+    prompt_file: Optional[str] = typer.Option(None, "--prompt-file", help="Read the prompt from a UTF-8 file (verbatim; default: none, see --prompt)."),
     num_tokens: int = typer.Option(64, "-n", "--max-new-tokens", min=1, help="Tokens to generate; truncated with a message if prompt + n > maxT (llm.c train: -g)."),
     temperature: float = typer.Option(1.0, "--temperature", min=0.0, help="Softmax temperature; 0 = greedy."),
     top_k: int = typer.Option(0, "--top-k", min=0, help="Sample among the K most likely tokens (0 = off)."),
