@@ -224,6 +224,8 @@ def inspect_file(path, decode=0, tokenizer=None, n_threads=None, vocab_size=None
     res = {"path": path, "kind": None, "valid": False, "problem": None, "hint": None, "size_bytes": None}
     try:
         res["size_bytes"] = os.path.getsize(path) if os.path.isfile(path) else None
+        if res["size_bytes"] is not None and _run_file(path, res):
+            return res
         kind = F.identify(path)
         res["kind"] = kind
         if kind in ("shard", "shard-llama3"):
@@ -246,6 +248,37 @@ def inspect_file(path, decode=0, tokenizer=None, n_threads=None, vocab_size=None
     except (OSError, ValueError, MemoryError) as e:  # e.g. the file vanished or changed mid-read
         res["problem"] = f"cannot read file: {type(e).__name__}: {e}"
     return res
+
+
+_RUN_TEXT = {"main.log": "the training log (llm.c's main.log lines)", "metrics.jsonl": "the training metrics (JSON lines)"}
+
+
+def _run_file(path, res):
+    """The files besides llm.c binaries that `llmctl train -o` (and llm.c) write into a run
+    directory, so `inspect-bin runs/d6/*` checks a whole run: the empty DONE_%08d marker (valid
+    when empty and its model_%08d.bin is beside it) and the text logs (named, not parsed).
+    -> True when `path` is one of them (res filled in), else False."""
+    d, name = os.path.split(path)
+    m = re.fullmatch(r"DONE_(\d{8})", name)
+    if m:
+        step = int(m.group(1))
+        res.update(kind="done", step=step)
+        model = os.path.join(d, f"model_{step:08d}.bin")
+        if res["size_bytes"]:
+            res["problem"] = f"a DONE marker is empty, this one is {_n(res['size_bytes'])} bytes"
+            res["hint"] = "DONE_%08d is the empty file llm.c writes after a complete checkpoint; is it something else?"
+        elif not os.path.isfile(model):
+            res["problem"] = f"marks step {step}'s checkpoint complete, but {model} is missing"
+            res["hint"] = (f"delete {path} so a resume (-y 1) starts from an earlier checkpoint")
+        else:
+            res["valid"] = True
+        return True
+    what = _RUN_TEXT.get(name) or ("the -sl/-sg outlier detectors' state"
+                                   if re.fullmatch(r"state_\d{8}_\d{5}\.outlier\.json", name) else None)
+    if what is None:
+        return False
+    res.update(kind="text", valid=True, describes=what)
+    return True
 
 
 def inspect_files(paths, decode=0, tokenizer=None, n_threads=None, vocab_size=None, num_parameters=None):
@@ -292,6 +325,10 @@ def summary_line(res):
         if res["should_shuffle"]:
             s += f", shuffled ({res['num_shards']} shards, {_n(res['shard_num_samples'])} samples)"
         return s
+    if k == "done":
+        return f"step {_n(res['step'])}'s checkpoint is complete"
+    if k == "text":
+        return f"{res['describes']} (text, not an llm.c binary: not checked)"
     if k == "debug-state":
         p = "?" if res["num_params"] is None else _n(res["num_params"])
         return f"v{res['version']}, B={res['B']} T={res['T']}, {p} params (assuming V=50,257)"

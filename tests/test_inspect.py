@@ -373,3 +373,37 @@ def test_cli_usage_errors_exit_2(valid_files):
     r = run_cli("--decode", "-3", valid_files["shard"])
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert run_cli("--no-such-flag", valid_files["shard"]).returncode == 2
+
+
+def test_cli_a_whole_train_output_directory_is_valid(tmp_path, capsys):
+    # the README's `llmctl inspect-bin runs/d6/*`: besides model_/state_ the run holds the empty
+    # DONE_ marker and the text logs, which are llmctl's own files, not bad llm.c binaries
+    from tinyrun import tiny_train_args, write_tiny_run
+
+    from llmctl.cli import main
+
+    from llmctl.model import GPT2
+
+    write_tiny_run(tmp_path, 2000)
+    m = GPT2.from_checkpoint(str(tmp_path / "init.bin"), n_threads=1)
+    c = m.config
+    m.params[c.vocab_size * c.channels:c.padded_vocab_size * c.channels] = 0  # as llm.c pads wte
+    m.save_checkpoint(str(tmp_path / "init.bin"))
+    with pytest.raises(SystemExit) as e:
+        main(tiny_train_args(tmp_path, "run", 2, 8, "-x", "2", "-n", "2"))
+    assert e.value.code in (0, None)
+    capsys.readouterr()
+    run = tmp_path / "run"
+    names = sorted(os.listdir(run))
+    assert names == ["DONE_00000002", "main.log", "metrics.jsonl", "model_00000002.bin", "state_00000002_00000.bin"]
+    r = run_cli("--json", *sorted(run.iterdir()))
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert [d["kind"] for d in data] == ["done", "text", "text", "checkpoint", "state"]
+    assert all(d["valid"] for d in data) and data[0]["step"] == 2
+    # a DONE marker whose checkpoint is gone (or that is not empty) is reported, with a hint
+    os.unlink(run / "model_00000002.bin")
+    (run / "DONE_00000001").write_bytes(b"x")
+    bad = inspect_files([run / "DONE_00000001", run / "DONE_00000002"])
+    assert [b["valid"] for b in bad] == [False, False] and all(b["hint"] for b in bad)
+    assert "model_00000002.bin is missing" in bad[1]["problem"]
