@@ -247,8 +247,17 @@ def _eval_file_truncated(d):
     ["plot", str(d / "m.jsonl"), "--x", "foo", "-o", str(d / "p.png")],
     lambda d: (d / "m.jsonl").write_text('{"step": 0, "train_loss": 3.5}\n') and
     ["plot", str(d / "m.jsonl"), "--terminal", "--width", "5"],
+    lambda d: (d / "t.txt").write_text("hello\n") and ["prepro", "text", str(d / "t.txt"), "--val-tokens", "0",
+                                                         "--out-dir", str(d / "o")],
+    lambda d: (d / "t.txt").write_text("hello\n") and ["prepro", "text", str(d / "t.txt"), "-s", str(2**40),
+                                                         "--out-dir", str(d / "o")],
+    lambda d: (d / "t.txt").write_text("hello\n") and ["prepro", "text", str(d / "t.txt"), "--name", "../x",
+                                                         "--out-dir", str(d / "o")],
+    lambda d: (d / "t.txt").write_text("hello\n") and ["prepro", "text", str(d / "t.txt"), "--backend", "foo",
+                                                         "--out-dir", str(d / "o")],
+    lambda d: (d / "t.jsonl").write_text("[1]\n") and ["prepro", "text", str(d / "t.jsonl"), "--out-dir", str(d / "o")],
 ], ids=["norm", "per-example-nproc", "train-nproc-0", "eval-file-truncated", "jsonl-list", "jsonl-1-ending",
-        "plot-x", "plot-width"])
+        "plot-x", "plot-width", "text-val-0", "text-shard-2^40", "text-name-path", "text-backend", "text-jsonl-list"])
 def test_error_is_one_error_line_and_a_hint(tmp_path, capsys, make_argv):
     from llmctl.cli import main
 

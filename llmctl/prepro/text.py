@@ -71,7 +71,8 @@ def iter_json_documents(path, field):
     """Documents from .jsonl (one object per line) or .json (an array of objects)."""
     def get(obj, where):
         if not isinstance(obj, dict) or not isinstance(obj.get(field), str):
-            raise DataError(f"{where}: expected an object with a string field {field!r}")
+            raise DataError(f"{where}: expected an object with a string field {field!r}",
+                            hint=f"each .jsonl line must be a JSON object with the text in {field!r}")
         return obj[field]
 
     if path.endswith(".json"):
@@ -184,7 +185,8 @@ def _stream_field(ds, field, what, strip=False):
 
 def _safe_name(name):
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name or ""):
-        raise ConfigError(f"--name {name!r}: use letters, digits, '.', '_' or '-' (it becomes a file name)")
+        raise ConfigError(f"--name {name!r}: use letters, digits, '.', '_' or '-' (it becomes a file name)",
+                          hint="put the shards elsewhere with --out-dir, not with a path in --name")
     return name
 
 

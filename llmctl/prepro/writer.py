@@ -123,7 +123,8 @@ def tokenize_chunks(docs, workers=1, backend="threads"):
     concatenation of [EOT] + encode_ordinary(doc) for the chunk's docs, `lengths` their sizes.
     Working per chunk, not per document, keeps the single-threaded consumer cheap."""
     if backend not in BACKENDS:  # checked now, not at the generator's first step
-        raise ConfigError(f"--backend {backend!r}: use threads or processes")
+        raise ConfigError(f"--backend {backend!r}: use threads or processes",
+                          hint="threads (the default) tokenizes GIL-free with tiktoken")
     return _tokenize_chunks(docs, max(1, int(workers or 1)), backend)
 
 
@@ -168,9 +169,11 @@ class ShardWriter:
 
     def __init__(self, out_dir, name_fn, shard_size, val_tokens=None, max_shards=None, kind="gpt2"):
         if shard_size <= 0 or shard_size >= 2**31:
-            raise ConfigError(f"--shard-size {shard_size}: must be in 1..2^31-1")
+            raise ConfigError(f"--shard-size {shard_size}: must be in 1..2^31-1",
+                              hint="pass a count in 1..2147483647 (llm.c's header stores it as int32; llm.c uses 10**8)")
         if val_tokens is not None and not 0 < val_tokens < 2**31:
-            raise ConfigError(f"--val-tokens {val_tokens}: must be in 1..2^31-1")
+            raise ConfigError(f"--val-tokens {val_tokens}: must be in 1..2^31-1",
+                              hint="pass a count in 1..2147483647 (llm.c's header stores it as int32)")
         self.out_dir = os.fspath(out_dir)
         self.name_fn = name_fn
         self.shard_size = int(shard_size)
