@@ -766,13 +766,18 @@ def sample_cmd(
         sys.stdout.flush()
 
     t0 = time.time()
-    results = sample(model, prompt_tokens, num_samples=num_samples, max_new_tokens=n,
-                     temperature=temperature, top_k=top_k or None,
-                     top_p=top_p if top_p < 1.0 else None, seed=seed, use_cache=not no_cache,
-                     tokenizer=tok, n_threads=model.n_threads, escape=tty,
-                     on_text=None if json_out else on_text,
-                     on_sample_start=None if json_out else on_sample_start,
-                     on_sample_end=on_sample_end)
+    try:
+        results = sample(model, prompt_tokens, num_samples=num_samples, max_new_tokens=n,
+                         temperature=temperature, top_k=top_k or None,
+                         top_p=top_p if top_p < 1.0 else None, seed=seed, use_cache=not no_cache,
+                         tokenizer=tok, n_threads=model.n_threads, escape=tty,
+                         on_text=None if json_out else on_text,
+                         on_sample_start=None if json_out else on_sample_start,
+                         on_sample_end=on_sample_end)
+    except KeyboardInterrupt as e:  # --json prints whole samples only: say so (@_interruptible)
+        if json_out:
+            e.kept = "each JSON line above is a complete sample; the one being generated was dropped"
+        raise
     if not json_out:
         dt = time.time() - t0
         ntok = sum(len(r["tokens"]) for r in results)

@@ -6,6 +6,7 @@ The commands run as real subprocesses and get a real SIGINT once they are visibl
 stdout, a first shard on disk, the input mapped), since typer's own KeyboardInterrupt handling is
 what hid the message. The signal is sent to the frozen process (SIGSTOP, SIGINT, SIGCONT), so no
 test depends on a command being slow enough to still run when the signal arrives."""
+import json
 import os
 import signal
 import subprocess
@@ -53,6 +54,21 @@ def test_ctrl_c_during_sample_says_interrupted(tmp_path):
     assert code == 130, err
     assert "Interrupted" in err and "Traceback" not in err
     assert len([ln for ln in err.splitlines() if "Interrupted" in ln]) == 1
+
+
+def test_ctrl_c_during_sample_json_says_the_lines_printed_are_whole_samples(tmp_path):
+    p = _start(["sample", "-e", "d6", "-n", "2", "--num-samples", "1000", "--threads", "1", "--json"], tmp_path)
+    try:
+        first = p.stdout.readline()  # one sample done, 999 to come
+    except BaseException:
+        p.kill()
+        raise
+    code, out, err = _interrupt(p)
+    assert code == 130, err
+    lines = [first.decode()] + out.splitlines()
+    assert all(len(json.loads(ln)["tokens"]) <= 2 for ln in lines if ln.strip())
+    assert "Interrupted: each JSON line above is a complete sample" in err and "Traceback" not in err
+    assert "the text above" not in err
 
 
 def test_ctrl_c_during_prepro_text_names_the_kept_shards(tmp_path):
