@@ -14,6 +14,7 @@ the device node itself. A symlink to a regular file keeps the link: its target i
 What it is not: durable against power loss (no fsync), and it creates no directories.
 """
 import contextlib
+import errno
 import os
 import stat
 
@@ -22,7 +23,12 @@ from llmctl.errors import DataError
 WRITE_HINT = "check that the directory exists and is writable"
 
 
+FULL_HINT = "free some disk space (or write somewhere else) and run again; nothing half-written was left"
+
+
 def _error(path, e, hint):
+    if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):  # not a permissions problem
+        hint = FULL_HINT
     return DataError(f"{path}: cannot write file: {e.strerror or e}", hint)
 
 

@@ -193,6 +193,27 @@ def test_atomic_write_onto_a_fifo_writes_into_it_instead_of_replacing_the_node(t
     assert os.listdir(tmp_path) == ["fifo"]
 
 
+def test_a_full_disk_is_one_error_whose_hint_is_about_space_and_leaves_nothing(tmp_path):
+    # RLIMIT_FSIZE: writes past 100 kB fail with EFBIG, as on a full disk (SIGXFSZ ignored); the
+    # tokenizer file is 372,108 bytes
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+
+    r = subprocess.run([sys.executable, "-m", "llmctl", "prepro", "tokenizer", "--out", "tok.bin"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120, preexec_fn=limit)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.splitlines() == ["Error: tok.bin: cannot write file: File too large",
+                                     "Hint: free some disk space (or write somewhere else) and run again; "
+                                     "nothing half-written was left"]
+    assert os.listdir(tmp_path) == []
+
+
 def test_atomic_write_through_a_symlink_replaces_its_target_and_keeps_the_link(tmp_path):
     from llmctl.atomic import atomic_write
 
