@@ -386,6 +386,12 @@ def test_descriptors():
             GPT2Config.from_descriptor(bad)
 
 
+def test_a_mistyped_pretrained_name_is_told_the_pretrained_names_too():
+    with pytest.raises(ConfigError, match="unsupported model descriptor 'gpt2-huge'") as e:
+        GPT2Config.from_descriptor("gpt2-huge")
+    assert all(n in e.value.hint for n in ("gpt2-medium", "gpt2-large", "gpt2-xl", "Hugging Face model directory"))
+
+
 def test_checkpoint_round_trip(tmp_path):
     m, _ = _model(1, seed=11)
     p3, p5 = tmp_path / "m3.bin", tmp_path / "m5.bin"

@@ -38,7 +38,8 @@ class GPT2Config:
         """llm.c's -e descriptors: "d12", "gpt2:d12", "gpt3:c768". Unknown -> ConfigError."""
         d = str(desc).strip()
         hint = (f"use dN with N in {sorted(GPT2_DEPTHS)}, gpt2:dN, or gpt3:cC with C in "
-                f"{sorted(GPT3_CHANNELS)}, or a checkpoint .bin file")
+                f"{sorted(GPT3_CHANNELS)}; or pretrained gpt2, gpt2-medium, gpt2-large, gpt2-xl; or a checkpoint "
+                f".bin file or a Hugging Face model directory")
         m = re.fullmatch(r"(?:gpt2:)?d(\d+)", d)
         if m:
             L = int(m.group(1))
