@@ -300,3 +300,21 @@ def test_eval_hellaswag_that_cannot_write_its_default_input_hints_at_eval_s_own_
     assert e.value.code == 1 and out == ""
     assert "Error: data/hellaswag_val.jsonl:1: not valid JSON" in err
     assert "llmctl prepro hellaswag --source PATH" in err and "-i EVAL_FILE" in err
+
+
+@pytest.mark.parametrize("bad, error", [
+    (["-b", "0"], "Error: micro batch size (-b) must be positive, got 0"),
+    (["-d", "64"], "Error: total batch size -d 64 is not a positive multiple of B*T*P = 4*16*2 = 128"),
+    (["--precision", "fp8"], "Error: unknown precision 'fp8'"),
+])
+def test_train_nproc_2_rejects_bad_settings_before_spawning_a_rank(tmp_path, capsys, bad, error):
+    from llmctl import formats
+    from llmctl.cli import main
+
+    formats.write_datafile(tmp_path / "t.bin", list(range(1000)))
+    with pytest.raises(SystemExit) as e:
+        main(["train", "-i", str(tmp_path / "t.bin"), "-j", str(tmp_path / "t.bin"), "-e", "d6", "-t", "16",
+              "--nproc", "2", "--threads", "1", *bad])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == ""
+    assert err.splitlines()[0] == error and "rank 0" not in err and "Hint:" in err

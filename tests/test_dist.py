@@ -673,8 +673,8 @@ def test_adopted_gradient_buffer_is_what_backward_writes(tiny_run):
 def test_bad_input_under_nproc_is_one_line_with_the_ranks_hint(tiny_run):
     d = tiny_run
     r = _cli(_train_args(d, "o", "--nproc", "2", "-d", str(2 * B * T + 1), "-x", "2"))
-    assert r.returncode == 2, r.stderr  # a usage error stays a usage error through the launcher
-    assert "failed: total batch size -d 33 is not a positive multiple" in r.stderr
+    assert r.returncode == 2, r.stderr  # a usage error, found before any rank is spawned
+    assert r.stderr.startswith("Error: total batch size -d 33 is not a positive multiple of B*T*P = 2*8*2 = 32")
     assert "Hint: use -d 32" in r.stderr and "Traceback" not in r.stderr
     r = _cli(["train", "-i", str(d / "missing_*.bin"), "-j", str(d / "val.bin"), "-e", str(d / "init.bin"),
               "-b", str(B), "-t", str(T), "-x", "2", "-v", "0", "-s", "0", "--nproc", "2"])

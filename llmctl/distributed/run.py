@@ -81,6 +81,9 @@ def run_train(cfg, *, nproc=1, nnodes=None, node_rank=None, master_addr=None, ma
     if int(nproc) < 1:
         raise ConfigError(f"--nproc {nproc} must be >= 1", hint="pass --nproc 1 (the default) or more")
     launcher_form = int(nproc) > 1 or (nnodes is not None and int(nnodes) > 1)
+    if launcher_form and cfg is not None:  # what each rank checks, once here, before any is spawned
+        # across hosts P is known only after the rendezvous; P=1 accepts every -d some P accepts
+        cfg.validate(int(nproc) if nnodes is None or int(nnodes) == 1 else 1)
     if backend == "mpi" or (backend == "auto" and not launcher_form
                             and choose_backend("auto", 1, env) == "mpi"):
         if launcher_form:
