@@ -20,7 +20,8 @@ import pytest
 pytest.importorskip("mpi4py", reason="mpi4py is not installed: pip install 'llmctl[mpi]'")
 
 from llmctl.distributed.selftest import rank_data  # noqa: E402
-from tinyrun import (OVERFIT_TOKENS, assert_overfit_losses_match, bf16_env, overfit_args, tiny_train_args,
+from tinyrun import (OVERFIT_TOKENS, assert_bf16_backend_matches_shm_and_one_process,
+                     assert_overfit_losses_match, bf16_env, overfit_args, tiny_train_args,
                      write_tiny_run)
 
 U32 = 2.0 ** -24
@@ -164,19 +165,7 @@ def test_mpiexec_bf16_equals_shm_and_gradient_accumulation(tmp_path):
                            text=True, timeout=120, env=dict(os.environ, **e))
         assert r.returncode == 0, r.stderr
 
-    def losses(out):
-        with open(d / out / "metrics.jsonl") as f:
-            return [json.loads(ln)["train_loss"] for ln in f if "train_loss" in ln]
-
-    def params(out):
-        return np.fromfile(d / out / "model_00000006.bin", dtype=np.float32)[256:]
-
-    assert len(losses("mpi")) == 6
-    assert losses("mpi") == losses("shm")
-    np.testing.assert_array_equal(params("mpi"), params("shm"))
-    np.testing.assert_allclose(losses("mpi"), losses("one"), rtol=1e-6)
-    np.testing.assert_allclose(params("mpi"), params("one"), rtol=0, atol=1e-6)
-    assert np.abs(params("one") - np.fromfile(d / "init.bin", dtype=np.float32)[256:]).max() > 1e-3
+    assert_bf16_backend_matches_shm_and_one_process(d, "mpi")
 
 
 def test_overfit_mpiexec_2_trains_on_the_tokens_of_1_process(tmp_path):

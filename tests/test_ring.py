@@ -22,8 +22,9 @@ from llmctl.distributed import rendezvous as rdzv
 from llmctl.distributed.ring import RingComm, init_ring, ring_connect
 from llmctl.distributed.selftest import rank_data
 from llmctl.errors import ConfigError, DistError
-from tinyrun import (OVERFIT_TOKENS, assert_overfit_losses_match, bf16_env, overfit_args, tiny_train_args,
-                     write_tiny_run)
+from tinyrun import (OVERFIT_TOKENS, assert_bf16_backend_matches_shm_and_one_process,
+                     assert_overfit_losses_match, bf16_env, overfit_args, tiny_train_args,
+                     train_losses, write_tiny_run)
 
 SECRET_TEXT = "test-secret-0123456789abcdef"
 SECRET = rdzv.resolve_secret({"LLMCTL_SECRET": SECRET_TEXT})
@@ -582,23 +583,11 @@ def test_ring_of_2_bf16_equals_shm_and_gradient_accumulation(procs, tmp_path):
     r = _cli(args("one", "-d", str(2 * B * T)), env=env)
     assert r.returncode == 0, r.stderr
 
-    def losses(out):
-        with open(d / out / "metrics.jsonl") as f:
-            return [json.loads(ln)["train_loss"] for ln in f if "train_loss" in ln]
-
-    def params(out):
-        return np.fromfile(d / out / "model_00000006.bin", dtype=np.float32)[256:]  # skip the header
-
-    assert len(losses("ring")) == 6
-    assert losses("ring") == losses("shm")
-    np.testing.assert_array_equal(params("ring"), params("shm"))
-    np.testing.assert_allclose(losses("ring"), losses("one"), rtol=1e-6)
-    np.testing.assert_allclose(params("ring"), params("one"), rtol=0, atol=1e-6)
-    assert np.abs(params("one") - np.fromfile(d / "init.bin", dtype=np.float32)[256:]).max() > 1e-3
+    assert_bf16_backend_matches_shm_and_one_process(d, "ring")
     # and bf16 was in use: fp32 on the same job gives other losses
     r = _cli(tiny_train_args(d, "fp32", B, T, "-x", "6", "-n", "6", "-d", str(2 * B * T)))
     assert r.returncode == 0, r.stderr
-    assert np.abs(np.array(losses("fp32")) - losses("one")).max() > 1e-6
+    assert np.abs(np.array(train_losses(d / "fp32")) - train_losses(d / "one")).max() > 1e-6
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -97,3 +97,18 @@ def assert_overfit_losses_match(ref, run):
     assert len(l1) == len(l2) == 4
     np.testing.assert_allclose(l2, l1, rtol=1e-4)
     assert l1[-1] < l1[0] - 1e-3  # the steps trained (the comparison is not vacuous)
+
+
+def assert_bf16_backend_matches_shm_and_one_process(d, name):
+    """The 6-step bf16 job of run `name` (2 ranks over some backend) against run "shm" (the same 2
+    ranks over shared memory: one fp32 addition and an exact halving, so bit for bit) and run
+    "one" (1 process with -d 2*B*T: only the gradients' fp32 summation order differs, 1e-6)."""
+    def params(out):
+        return np.fromfile(d / out / "model_00000006.bin", dtype=np.float32)[256:]  # skip the header
+
+    assert len(train_losses(d / name)) == 6
+    assert train_losses(d / name) == train_losses(d / "shm")
+    np.testing.assert_array_equal(params(name), params("shm"))
+    np.testing.assert_allclose(train_losses(d / name), train_losses(d / "one"), rtol=1e-6)
+    np.testing.assert_allclose(params(name), params("one"), rtol=0, atol=1e-6)
+    assert np.abs(params("one") - np.fromfile(d / "init.bin", dtype=np.float32)[256:]).max() > 1e-3
