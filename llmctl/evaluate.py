@@ -282,6 +282,7 @@ def eval_hellaswag(model, path, limit=None, norm="tokens", per_example=False, n_
         res["acc"] = res["correct"] / n_total
         res["acc_norm"] = res["correct_norm"] / n_total
     res["file"] = str(path)
+    res["precision"] = model.precision
     return res
 
 
@@ -361,4 +362,4 @@ def eval_loss(model, pattern, B=4, T=None, max_batches=-1, on_progress=None, on_
             on_progress(i + 1)
     loss = total / len(plan)
     return {"loss": loss, "perplexity": float(np.exp(loss)), "num_batches": len(plan),
-            "num_tokens": len(plan) * B * T, "B": B, "T": T, "files": files}
+            "num_tokens": len(plan) * B * T, "B": B, "T": T, "files": files, "precision": model.precision}

@@ -404,13 +404,15 @@ def test_bf16_eval_hellaswag_and_loss_agree_with_fp32(bf16_ok, tmp_path):
     formats.write_evalfile(str(tmp_path / "hs.bin"), ex)
     r32 = eval_hellaswag(m32, str(tmp_path / "hs.bin"), per_example=True)
     r16 = eval_hellaswag(m16, str(tmp_path / "hs.bin"), per_example=True)
+    assert (r32["precision"], r16["precision"]) == ("fp32", "bf16")   # the --json results say which
     a = np.array([e["losses_sum"] for e in r32["examples"]])
     b = np.array([e["losses_sum"] for e in r16["examples"]])
     assert np.abs(a - b).max() <= 1e-2 * np.abs(a).max() and not np.array_equal(a, b)
     formats.write_datafile(str(tmp_path / "val.bin"), rng.integers(0, 500, 2000).astype(np.uint16))
-    l32 = eval_loss(m32, str(tmp_path / "val.bin"), B=2, T=64)["loss"]
-    l16 = eval_loss(m16, str(tmp_path / "val.bin"), B=2, T=64)["loss"]
-    assert abs(l16 - l32) <= 1e-2
+    e32 = eval_loss(m32, str(tmp_path / "val.bin"), B=2, T=64)
+    e16 = eval_loss(m16, str(tmp_path / "val.bin"), B=2, T=64)
+    assert abs(e16["loss"] - e32["loss"]) <= 1e-2
+    assert (e32["precision"], e16["precision"]) == ("fp32", "bf16")
 
 
 @pytest.mark.skipif(matmul.bf16_native(), reason="this CPU runs bf16 natively")

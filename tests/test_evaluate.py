@@ -174,6 +174,7 @@ def test_cli_eval_hellaswag_json(echo_model, tmp_path, capsys):
     assert code in (0, None)
     res = json.loads(out)
     assert {"acc", "acc_norm", "correct", "correct_norm", "num_examples"} <= set(res)
+    assert res["precision"] == "fp32"
     assert (res["correct"], res["correct_norm"], res["num_examples"]) == (2, 2, 2)
     assert [e["pred_norm"] for e in res["examples"]] == [0, 2]
     code, out, err = _run(["eval", "hellaswag", "--threads", "1", "-e", echo_model[3], "-i", path], capsys)
