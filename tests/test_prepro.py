@@ -550,7 +550,7 @@ def test_interrupted_write_leaves_no_bin(tmp_path, stories, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         prepro_text([src], out_dir=tmp_path / "o", shard_size=500, name="c")
     monkeypatch.setattr(os, "replace", real_replace)
-    assert os.listdir(tmp_path / "o") == []
+    assert not (tmp_path / "o").exists()   # no temp file left, nor the directory made for it
 
     # Ctrl-C while tokenizing: the shards already finished stay complete, nothing else appears
     def docs():
@@ -815,3 +815,25 @@ def test_interrupted_sharding_names_the_complete_shards(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt) as e:
         writer_mod.write_sharded(nothing(), tmp_path / "n", lambda s, i: f"x_{s}_{i:06d}.bin", 1024)
     assert "nothing was written" in e.value.kept
+    assert not (tmp_path / "n").exists()   # the directory it created for nothing is gone
+
+
+def test_a_failure_before_any_shard_removes_only_the_directories_it_created(tmp_path):
+    name = lambda s, i: f"x_{s}_{i:06d}.bin"
+    with pytest.raises(DataError, match="no documents"):
+        writer_mod.write_sharded(iter([]), tmp_path / "a" / "b", name, 1024)
+    assert os.listdir(tmp_path) == []          # b and its new parent a, both created for nothing
+
+    def bad():
+        yield "word " * 10
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(UnicodeDecodeError):
+        writer_mod.write_sharded(bad(), tmp_path / "mine" / "new", name, 1024)
+    assert os.listdir(tmp_path) == ["mine"] and os.listdir(tmp_path / "mine") == []  # kept: not created
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("the user's")
+    with pytest.raises(DataError, match="no documents"):
+        writer_mod.write_sharded(iter([]), tmp_path / "full", name, 1024)
+    assert os.listdir(tmp_path / "full") == ["notes.txt"]
