@@ -76,3 +76,25 @@ def atomic_write(path, data, hint=WRITE_HINT):
         data = data.encode()
     with atomic_open(path, hint) as f:
         f.write(data)
+
+
+def missing_dirs(path):
+    """The directories os.makedirs(path) would create, deepest first (for remove_empty)."""
+    out, p = [], os.path.abspath(path)
+    while not os.path.exists(p):
+        out.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    return out
+
+
+def remove_empty(dirs):
+    """Undo os.makedirs after a failure that wrote nothing: rmdir each of `dirs`
+    (missing_dirs' list, deepest first) while it is empty."""
+    for d in dirs:
+        try:
+            os.rmdir(d)
+        except OSError:
+            return  # not empty (a file was kept) or already gone: leave it and its parents

@@ -45,6 +45,16 @@ def tinystories_path():
     return shared_file("tinystories/tinystories_sample.txt")
 
 
+@pytest.fixture(params=["refused", "reset"])
+def dead_hub(request):
+    """An HF_ENDPOINT that cannot serve (deadhub.DeadHub), both kinds."""
+    from deadhub import DeadHub
+
+    ep = DeadHub(request.param)
+    yield ep
+    ep.sock.close()
+
+
 @pytest.fixture(autouse=True)
 def _no_network(monkeypatch):
     """Tests never reach the internet: tiktoken/datasets must work from local files."""

@@ -702,6 +702,87 @@ def test_datasets_offline_not_cached_is_one_error(tmp_path, datasets_cache, caps
 
 
 # ------------------------------------------------------------------------------------------------
+# online (no HF_HUB_OFFLINE) on a machine without network: the Hub is tried once, not for ~25 s
+
+
+def _prepro_online(args, dead_hub, tmp_path, datasets_cache_dir):
+    """`llmctl prepro ARGS` as a user without network runs it: downloads allowed (no *_OFFLINE
+    variable), the Hub at conftest's dead_hub, the real datasets library on `datasets_cache_dir`."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update(HF_HOME=str(tmp_path / "hf_home"), HF_ENDPOINT=dead_hub.url,
+               HF_DATASETS_CACHE=str(datasets_cache_dir))
+    return subprocess.run([sys.executable, "-m", "llmctl", "prepro", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def _one_look_at_the_hub(dead_hub, repo):
+    assert len(dead_hub.heads()) <= 1, dead_hub.requests  # "refused": none seen
+    if dead_hub.kind == "reset":
+        assert dead_hub.heads() == [f"HEAD /datasets/{repo}/resolve/main/README.md HTTP/1.1"]
+
+
+def test_unreachable_hub_costs_tinyshakespeare_one_request_then_the_download(shakespeare_out, tmp_path,
+                                                                           http_server, dead_hub):
+    src, _, _ = shakespeare_out
+    url = http_server("/input.txt", open(src, "rb").read())
+    r = _prepro_online(["tinyshakespeare", "--out-dir", "o", "--url", url, "--json"], dead_hub, tmp_path,
+                       tmp_path / "empty_cache")
+    assert r.returncode == 0, r.stderr
+    assert "Retrying" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    s = json.loads(r.stdout)
+    assert s["origin"] == "download"
+    assert any(n.startswith("datasets: the Hub cannot be reached (") and n.endswith("and datasets' cache has no copy")
+               for n in s["notes"]), s["notes"]
+    _one_look_at_the_hub(dead_hub, "karpathy/tiny_shakespeare")
+    assert (tmp_path / "o" / "tiny_shakespeare_train.bin").read_bytes() == \
+        (shakespeare_out[1] / "tiny_shakespeare_train.bin").read_bytes()
+
+
+def test_unreachable_hub_still_uses_the_datasets_cache(shakespeare_out, tmp_path, datasets_cache, dead_hub):
+    src, out, _ = shakespeare_out
+    text = open(src, "r", encoding="utf-8", newline="").read()
+    cached_hub_dataset(datasets_cache, "karpathy/tiny_shakespeare", _shakespeare_splits(text))
+    dead_url = dead_hub.url + "/input.txt"  # never asked: datasets' copy comes first
+    r = _prepro_online(["tinyshakespeare", "--out-dir", "o", "--url", dead_url, "--json"], dead_hub, tmp_path,
+                       datasets_cache)
+    assert r.returncode == 0, r.stderr
+    assert "Retrying" not in r.stderr and json.loads(r.stdout)["origin"] == "datasets"
+    _one_look_at_the_hub(dead_hub, "karpathy/tiny_shakespeare")
+    assert (tmp_path / "o" / "tiny_shakespeare_val.bin").read_bytes() == (out / "tiny_shakespeare_val.bin").read_bytes()
+
+
+def test_unreachable_hub_and_no_cache_is_one_error_at_once_for_streamed_datasets(tmp_path, dead_hub):
+    r = _prepro_online(["fineweb", "--out-dir", "f"], dead_hub, tmp_path, tmp_path / "empty_cache")
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "Retrying" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 2, r.stderr
+    assert lines[0].startswith("Error: fineweb: the Hugging Face Hub cannot be reached (")
+    assert "datasets' cache has no copy of HuggingFaceFW/fineweb" in lines[0] and lines[1].startswith("Hint:")
+    _one_look_at_the_hub(dead_hub, "HuggingFaceFW/fineweb")
+    assert not (tmp_path / "f").exists()
+
+
+def test_unreachable_hub_streams_a_cached_dataset(tmp_path, stories, datasets_cache, dead_hub):
+    _, docs, toks = stories
+    rows = [{"text": "\n" + d + "  "} for d in docs]
+    cached_hub_dataset(datasets_cache, "roneneldan/TinyStories", {"train": rows[2:], "validation": rows[:2]})
+    r = _prepro_online(["tinystories", "--out-dir", "o", "--json"], dead_hub, tmp_path, datasets_cache)
+    assert r.returncode == 0 and "Retrying" not in r.stderr, r.stderr
+    assert json.loads(r.stdout)["origin"] == "datasets"
+    assert read_shard(tmp_path / "o" / "TinyStories_train.bin") == [t for d in toks[2:] for t in d]
+    _one_look_at_the_hub(dead_hub, "roneneldan/TinyStories")
+
+
+def test_failed_download_leaves_no_empty_cache_directory(tmp_path, datasets_cache, dead_hub):
+    r = _prepro_online(["tinyshakespeare", "--url", dead_hub.url + "/input.txt"], dead_hub, tmp_path, datasets_cache)
+    assert r.returncode == 1 and "Error: could not get Tiny Shakespeare" in r.stderr, r.stderr
+    assert not (tmp_path / "data").exists()  # the default out dir: data/, made for the download
+
+
+# ------------------------------------------------------------------------------------------------
 # bad output directories, bad inputs, absurd numbers, Ctrl-C (reviewer's findings)
 
 

@@ -139,23 +139,33 @@ def _unreachable(repo_id, filename, where, err):
                      f"({constants.ENDPOINT}) cannot be reached: {err}", _unreachable_hint(repo_id))
 
 
-def _check_reachable(repo_id, filename, revision, where):
-    """One HEAD request for a file that is not cached, before hf_hub_download: when the Hub
-    cannot be reached at all (no network, DNS fails, the endpoint refuses), hf_hub_download
-    finds no cached copy to fall back on and retries with backoff (5 retries, 1+2+4+8+8 s of
-    sleep, each attempt with a 60 s timeout), ~25 s before it gives up on a machine without
-    network. This request is made once, with huggingface_hub's etag timeout (HF_HUB_ETAG_TIMEOUT,
-    10 s), and no retry. Any answer from a server (200, 404, 401, 5xx) is left to
-    hf_hub_download, which reports or retries it as it does."""
+def hub_unreachable(repo_id, filename, *, repo_type=None, revision=None):
+    """None when the Hub answers a HEAD request for one file of a repo (whatever the status: a
+    404 or 401 is left to the caller's download, which reports it); the network error when it
+    cannot be reached at all (no network, DNS fails, the endpoint refuses or resets).
+
+    Why: hf_hub_download and datasets.load_dataset, finding no cached copy to fall back on, retry
+    an unreachable Hub with backoff (5 retries, 1+2+4+8+8 s of sleep, each attempt with a 60 s
+    timeout): ~25 s and five log lines before they give up on a machine without network. This
+    is one request, with huggingface_hub's etag timeout (HF_HUB_ETAG_TIMEOUT, 10 s), no retry."""
     from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
 
     try:
-        get_hf_file_metadata(hf_hub_url(repo_id, filename, revision=revision),
+        get_hf_file_metadata(hf_hub_url(repo_id, filename, repo_type=repo_type, revision=revision),
                              timeout=constants.HF_HUB_ETAG_TIMEOUT)
     except _transport_errors() as e:
-        raise _unreachable(repo_id, filename, where, e) from None
-    except Exception:  # the Hub answered; hf_hub_download says what (not found, gated, ...)
+        return e
+    except Exception:  # the Hub answered; the download says what (not found, gated, ...)
         pass
+    return None
+
+
+def _check_reachable(repo_id, filename, revision, where):
+    """NotCached at once, before hf_hub_download, when a file that is not cached cannot be
+    fetched because the Hub cannot be reached (hub_unreachable)."""
+    err = hub_unreachable(repo_id, filename, revision=revision)
+    if err is not None:
+        raise _unreachable(repo_id, filename, where, err)
 
 
 def hub_file(repo_id, filename, *, revision=None, local_files_only=None, cache_dir=None, progress=True):

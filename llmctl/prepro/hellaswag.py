@@ -109,7 +109,7 @@ def prepro_hellaswag(out_dir=DATA_DIR, source=None, split="val", cache_dir=None,
     got = sources.obtain(f"HellaSwag {split}", source=source,
                          cache_path=os.path.join(cache_dir, f"hellaswag_{split}.jsonl"),
                          url=url or URLS[split], from_datasets=_from_datasets_fn(split),
-                         timeout=timeout, log=log)
+                         hub_dataset=HF_DATASET, timeout=timeout, log=log)
     rows = read_examples(got["path"])
     examples = tokenize_examples(rows, got["path"])
     make_out_dir(out_dir)

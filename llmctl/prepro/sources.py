@@ -7,6 +7,7 @@ What it is not: a tokenizer or writer; it never parses the file it fetches.
 Mirrors: llm.c `dev/data/data_common.py` `download_file` (stream the canonical URL into the
 dataset's cache dir, `DATA_CACHE_DIR/<file>`), made atomic (temp name + rename) and offline-safe.
 """
+import contextlib
 import http.client
 import math
 import os
@@ -14,7 +15,7 @@ import tempfile
 import urllib.error
 import urllib.request
 
-from llmctl.atomic import atomic_write
+from llmctl.atomic import atomic_write, missing_dirs, remove_empty
 from llmctl.errors import ConfigError, DataError
 
 DEFAULT_TIMEOUT = 30.0
@@ -41,9 +42,19 @@ def _umask_mode():
 
 def download(url, path, timeout=DEFAULT_TIMEOUT):
     """Stream `url` to `path` via a temp file in the same directory; never leaves a partial file.
-    Raises OSError/urllib errors (incl. a short read against Content-Length)."""
+    Raises OSError/urllib errors (incl. a short read against Content-Length); a failed download
+    also removes the directories it made for `path` (an empty data/ is not left behind)."""
     d = os.path.dirname(os.path.abspath(path))
+    created = missing_dirs(d)
     os.makedirs(d, exist_ok=True)
+    try:
+        _download_into(url, path, d, timeout)
+    except BaseException:
+        remove_empty(created)
+        raise
+
+
+def _download_into(url, path, d, timeout):
     fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".part", dir=d)
     try:
         os.fchmod(fd, _umask_mode())  # the cached copy is as readable as the .bin files beside it
@@ -66,14 +77,16 @@ def download(url, path, timeout=DEFAULT_TIMEOUT):
             os.unlink(tmp)
 
 
-def obtain(what, *, source=None, cache_path, url=None, from_datasets=None,
+def obtain(what, *, source=None, cache_path, url=None, from_datasets=None, hub_dataset=None,
            timeout=DEFAULT_TIMEOUT, log=None):
     """Return {"path", "origin", "notes"} for a local copy of dataset `what`.
 
     Order: `source` (must exist if given: an explicit path never silently falls back), the
     cache file `cache_path`, `from_datasets(datasets_module) -> bytes` (written to the cache),
     then an HTTP download of `url` into the cache. `log(msg)` is told before a download starts;
-    the returned "notes" say why each earlier level was skipped.
+    the returned "notes" say why each earlier level was skipped. `hub_dataset` (the repo id that
+    from_datasets loads): when the Hub cannot be reached, datasets runs offline (its own cache
+    only) instead of retrying for ~25 s (datasets_reachable).
     """
     check_timeout(timeout)
     notes = []
@@ -102,15 +115,21 @@ def obtain(what, *, source=None, cache_path, url=None, from_datasets=None,
         except ImportError:
             note("datasets: not installed (pip install datasets)")
         else:
+            unreachable = None
             try:
-                data = from_datasets(ds)
+                with datasets_reachable(ds, hub_dataset) as unreachable:
+                    data = from_datasets(ds)
                 if not data:
                     raise ValueError("it returned no data")
                 os.makedirs(os.path.dirname(os.path.abspath(cache_path)), exist_ok=True)
                 atomic_write(cache_path, data)
                 return {"path": cache_path, "origin": "datasets", "notes": notes}
             except Exception as e:  # datasets raises many types (ConnectionError, FileNotFoundError, ...)
-                note(f"datasets: failed ({type(e).__name__}: {_first_line(e)})")
+                if unreachable is not None and isinstance(e, ConnectionError):  # offline, not cached
+                    note(f"datasets: the Hub cannot be reached ({type(unreachable).__name__}: "
+                         f"{_first_line(unreachable)}) and datasets' cache has no copy")
+                else:
+                    note(f"datasets: failed ({type(e).__name__}: {_first_line(e)})")
 
     if url:
         if log:
@@ -123,6 +142,30 @@ def obtain(what, *, source=None, cache_path, url=None, from_datasets=None,
 
     raise DataError(f"could not get {what}: " + "; ".join(notes),
                     hint=f"download it yourself and pass it with --source PATH (or put it at {cache_path})")
+
+
+@contextlib.contextmanager
+def datasets_reachable(ds, repo_id):
+    """Yield None, or the network error when the `datasets` library `ds` is online (no
+    HF_HUB_OFFLINE) but the Hub cannot be reached for dataset repo_id (one request, see
+    llmctl.hf.hub.hub_unreachable); in that case datasets runs offline inside the block, so a
+    copy in its cache is still used and a missing one fails at once (ConnectionError) instead
+    of after datasets' retries. datasets reads HF_HUB_OFFLINE into `datasets.config` when it is
+    imported and consults it on each load, so that is what is set, and restored after."""
+    if repo_id is None or ds.config.HF_HUB_OFFLINE:
+        yield None
+        return
+    from llmctl.hf.hub import hub_unreachable
+
+    err = hub_unreachable(repo_id, "README.md", repo_type="dataset")
+    if err is None:
+        yield None
+        return
+    ds.config.HF_HUB_OFFLINE = True
+    try:
+        yield err
+    finally:
+        ds.config.HF_HUB_OFFLINE = False
 
 
 def _first_line(e):

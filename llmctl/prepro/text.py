@@ -24,6 +24,7 @@ import numpy as np
 
 from llmctl.errors import ConfigError, DataError
 from llmctl.paths import DATA_DIR
+from llmctl.prepro.sources import datasets_reachable
 from llmctl.prepro.writer import Progress, check_out_dir, make_out_dir, tokenize_chunks, write_sharded
 from llmctl.tokenizer import EOT_TEXT
 
@@ -157,14 +158,20 @@ def _first_line(e):
     return s[0][:200] if s else "no message"
 
 
-def _load_stream(ds, what, path, **kw):
-    """datasets.load_dataset(path, streaming=True): offline and not cached, a missing config, ...
-    are one DataError, not the library's traceback."""
-    try:
-        return ds.load_dataset(path, streaming=True, **kw)
-    except Exception as e:  # datasets raises many types (ConnectionError, FileNotFoundError, ValueError, ...)
-        raise DataError(f"{what}: datasets could not load {path} ({type(e).__name__}: {_first_line(e)})",
-                        hint=_DATASETS_HINT) from None
+def _load_streams(ds, what, path, *loads):
+    """[datasets.load_dataset(path, streaming=True, **kw) for kw in loads], one look at the Hub
+    for all of them (datasets_reachable): offline and not cached, a missing config, ... are one
+    DataError, not the library's traceback."""
+    with datasets_reachable(ds, path) as unreachable:
+        try:
+            return [ds.load_dataset(path, streaming=True, **kw) for kw in loads]
+        except Exception as e:  # datasets raises many types (ConnectionError, FileNotFoundError, ValueError, ...)
+            if unreachable is not None:
+                raise DataError(f"{what}: the Hugging Face Hub cannot be reached ({type(unreachable).__name__}: "
+                                f"{_first_line(unreachable)}) and datasets' cache has no copy of {path}",
+                                hint=_DATASETS_HINT) from None
+            raise DataError(f"{what}: datasets could not load {path} ({type(e).__name__}: {_first_line(e)})",
+                            hint=_DATASETS_HINT) from None
 
 
 def _stream_field(ds, field, what, strip=False):
@@ -253,9 +260,8 @@ def prepro_tinystories(out_dir=DATA_DIR, source=None, val_tokens=32768, workers=
         origin = "source"
     else:
         ds = _datasets_or_error("tinystories")
-        split_docs = [_stream_field(_load_stream(ds, "tinystories", TINYSTORIES_DATASET, split=s), "text",
-                                    "tinystories", strip=True)
-                      for s in ("validation", "train")]
+        streams = _load_streams(ds, "tinystories", TINYSTORIES_DATASET, {"split": "validation"}, {"split": "train"})
+        split_docs = [_stream_field(st, "text", "tinystories", strip=True) for st in streams]
         origin = "datasets"
     split_chunks = [tokenize_chunks(d, workers=workers, backend=backend) for d in split_docs]
     with Progress("tokenizing TinyStories", progress) as prog:
@@ -306,7 +312,7 @@ def prepro_fineweb(edu=False, version="10B", out_dir=None, source=None, shard_si
     else:
         what = "fineweb-edu" if edu else "fineweb"
         ds = _datasets_or_error(what)
-        stream = _load_stream(ds, what, FINEWEB_DATASETS[edu], name=f"sample-{version}T", split="train")
+        stream, = _load_streams(ds, what, FINEWEB_DATASETS[edu], {"name": f"sample-{version}T", "split": "train"})
         docs = _stream_field(stream, "text", what)
         origin = "datasets"
     summary = write_sharded(docs, out_dir, lambda s, i: f"{prefix}_{s}_{i:06d}.bin", shard_size,

@@ -77,7 +77,8 @@ def prepro_tinyshakespeare(out_dir=DATA_DIR, source=None, cache_dir=None, url=UR
     out_dir = check_out_dir(out_dir)
     cache_dir = os.fspath(cache_dir) if cache_dir is not None else out_dir
     got = sources.obtain("Tiny Shakespeare", source=source, cache_path=os.path.join(cache_dir, CACHE_NAME),
-                         url=url, from_datasets=_from_datasets, timeout=timeout, log=log)
+                         url=url, from_datasets=_from_datasets, hub_dataset=HF_DATASET,
+                         timeout=timeout, log=log)
     text = read_text(got["path"])
     tokens = tokenize_tinyshakespeare(text, workers=workers)
     if len(tokens) <= VAL_TOKENS:

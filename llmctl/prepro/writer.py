@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from llmctl.atomic import missing_dirs, remove_empty
 from llmctl.errors import ConfigError, DataError
 from llmctl.tokenizer import get_tokenizer
 
@@ -277,34 +278,13 @@ class Progress:
         return time.perf_counter() - self.t0
 
 
-def _missing_dirs(path):
-    """The directories make_out_dir(path) would create, deepest first."""
-    out, p = [], os.path.abspath(path)
-    while not os.path.exists(p):
-        out.append(p)
-        parent = os.path.dirname(p)
-        if parent == p:
-            break
-        p = parent
-    return out
-
-
-def _remove_empty(dirs):
-    """Undo make_out_dir after a failure that wrote nothing: rmdir what it created, if empty."""
-    for d in dirs:
-        try:
-            os.rmdir(d)
-        except OSError:
-            return  # not empty (a shard was kept) or already gone: leave it and its parents
-
-
 def write_sharded(docs, out_dir, name_fn, shard_size, val_tokens=None, workers=1,
                   backend="threads", progress=False, description="tokenizing", max_shards=None):
     """Tokenize `docs` (iterable of str) in parallel and write llm.c shards; return a summary.
     max_shards: stop once that many full shards are written (the partial rest is dropped)."""
     writer = ShardWriter(out_dir, name_fn, shard_size, val_tokens=val_tokens, max_shards=max_shards)
     chunks = tokenize_chunks(docs, workers=workers, backend=backend)
-    created = _missing_dirs(out_dir)
+    created = missing_dirs(out_dir)
     make_out_dir(out_dir)
     try:
         with Progress(description, progress) as prog:
@@ -317,10 +297,10 @@ def write_sharded(docs, out_dir, name_fn, shard_size, val_tokens=None, workers=1
         if not shards:
             raise DataError("no documents: nothing to write", hint="check the input is non-empty text")
     except KeyboardInterrupt:
-        _remove_empty(created)
+        remove_empty(created)
         raise ShardsInterrupted(_kept_shards(writer.written)) from None
     except BaseException:
-        _remove_empty(created)
+        remove_empty(created)
         raise
     return {"out_dir": os.fspath(out_dir), "documents": writer.n_docs, "tokens": writer.total_tokens,
             "shards": shards, "seconds": round(seconds, 3),
