@@ -1055,6 +1055,58 @@ def test_spike_skips_the_update(data, tmp_path, kind):
                         f"norm:{recs[135]['grad_norm']:.2f}")
 
 
+@pytest.fixture(scope="module")
+def spiky_data(tmp_path_factory):
+    """Tiny Shakespeare bytes (ASCII: tokens < 128) with two whole batches (B=4, T=32) of random
+    tokens 128..255, which the model never sees otherwise: a real loss and gradient spike wherever
+    the shuffled order puts them. Returns the shard and the steps whose inputs are them."""
+    from llmctl.loader import DataLoader
+
+    src = shared_file("tinyshakespeare/input.txt")
+    d = tmp_path_factory.mktemp("spiky")
+    BT, n = 4 * 32, 100  # 100 batches a shard: each spike 3 times in 300 steps, once early
+    b = np.frombuffer(src.read_bytes(), dtype=np.uint8)[:n * BT + 1].astype(np.uint16)
+    assert b.max() < 128
+    rng = np.random.default_rng(7)
+    for k in (23, 71):
+        b[k * BT:(k + 1) * BT] = rng.integers(128, 256, BT)
+    shard = write_shard(d / "spiky_train_000001.bin", b)
+    loader = DataLoader([shard], 4, 32, shuffle=True, seed=TrainConfig().seed)
+    steps = 300
+    spikes = [s for s in range(steps) if (loader.next_batch()[0] >= 128).any()]
+    return {"train": shard, "steps": steps, "spikes": spikes}
+
+
+@pytest.mark.parametrize("kind", ["loss", "grad"])
+def test_a_real_spike_in_the_data_skips_its_update(spiky_data, data, tmp_path, kind):
+    """No patched forward/backward: the batches of unseen tokens spike the loss and the gradient
+    norm by themselves. Once the window (128 steps) is full, -sl skips exactly their updates; -sg
+    skips the steps whose gradient norm spikes, most of them among those batches."""
+    from llmctl.train import Trainer
+
+    flag = {"skip_update_lossz": 3.0} if kind == "loss" else {"skip_update_gradz": 3.0}
+    cfg = cfg_for(data, tmp_path / kind, train_data=spiky_data["train"], max_steps=spiky_data["steps"],
+                  val_loss_every=0, **flag)
+    t = Trainer(cfg, display=Display())
+    rec = t.display = _Recorder(t)
+    t.run()
+    recs = metrics(tmp_path / kind)
+    spikes = spiky_data["spikes"]
+    late = [s for s in spikes if s >= 128]
+    assert len(late) >= 3 and any(s < 128 for s in spikes), spikes
+    zkey = "loss_z" if kind == "loss" else "grad_z"
+    skipped = [r["step"] for r in recs if r["skipped"]]
+    assert skipped == [r["step"] for r in recs[128:] if r[zkey] > 3.0]
+    if kind == "loss":  # every batch of unseen tokens, and nothing else
+        assert skipped == late
+    else:  # gradient norms are noisier: a clean batch may spike too, and not every bad one does
+        assert len(set(skipped) & set(late)) >= 2, (skipped, late)
+    for s in skipped:  # no AdamW update: params, m, v as after the step before
+        for a, b in zip(rec.after[s - 1], rec.after[s]):
+            assert np.array_equal(a, b)
+    assert not any(recs[s]["skipped"] for s in spikes if s < 128)  # the window was not full yet
+
+
 def test_bit_exact_resume_keeps_outlier_windows(data, tmp_path):
     kw = dict(max_steps=140, checkpoint_every=140, val_loss_every=0, skip_update_lossz=3.0)
     poison = {135: "loss"}
