@@ -75,21 +75,37 @@ def test_forward_backward_vs_reference(n_threads, B, T):
     assert not m.logits()[..., CFG.vocab_size:].any()
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("recompute", [True, False])
-def test_gelu_recompute_modes_agree(recompute):
-    # default (None) keeps fch_gelu for tiny B*T; both explicit modes give the same bits
+def test_recompute_modes_agree(recompute, precision, monkeypatch):
+    # default (None) keeps fch_gelu, ln1, ln2 (atty16) per layer for tiny B*T; recomputing them
+    # in backward gives the same loss, gradients and updated parameters, bit for bit
+    from llmctl._ext import matmul
+
+    if precision == "bf16" and not matmul.bf16_native():
+        monkeypatch.setenv("LLMCTL_BF16_EMULATE", "1")
     ids, tg = _batch(2, 9, seed=3)
-    base, _ = _model(1)
-    base.forward(ids, tg)
-    base.backward()
-    m = GPT2(CFG, n_threads=1, recompute_gelu=recompute)
-    m.params[:] = base.params
-    assert m.forward(ids, tg) == base.forward(ids, tg)
-    m.backward()
-    base.zero_grad()
-    base.backward()
-    assert m._acts["gelu"].shape[0] == (1 if recompute else CFG.num_layers)
+    src, _ = _model(1)
+    base = GPT2(CFG, n_threads=1, precision=precision)
+    m = GPT2(CFG, n_threads=1, recompute=recompute, precision=precision)
+    for x in (base, m):
+        x.params[:] = src.params
+        x.params_changed()
+        x.zero_grad()
+        loss = x.forward(ids, tg)
+        x.backward()
+        x.update(1e-3, 0.9, 0.95, 1e-8, 0.1, 1.0, 1)
+        x.zero_grad()
+        x.forward(ids, tg)   # a second step on the updated weights
+        x.backward()
+        x.loss0 = loss
+    assert m.loss0 == base.loss0
+    kept = 1 if recompute else CFG.num_layers
+    names = ["gelu", "ln1", "ln2"] + (["atty16"] if precision == "bf16" else [])
+    assert {k: m._acts[k].shape[0] for k in names} == dict.fromkeys(names, kept)
+    assert {k: base._acts[k].shape[0] for k in names} == dict.fromkeys(names, CFG.num_layers)
     assert m.grads.tobytes() == base.grads.tobytes()
+    assert m.params.tobytes() == base.params.tobytes()
 
 
 def test_reference_gradients_by_finite_differences():

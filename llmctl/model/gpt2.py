@@ -13,8 +13,9 @@ a sampler (llmctl/sample.py), or the shape table (llmctl/model/config.py).
 
 Differences from train_gpt2.c, on purpose:
 - Attention is flash-style: only the per-row log-sum-exp (B,NH,T) is kept, never (B,NH,T,T).
-- attproj/fcproj outputs are written straight into the residual-stream buffers; fch_gelu is
-  kept per layer only while that is small (<= 256 MiB), else recomputed in backward from fch;
+- attproj/fcproj outputs are written straight into the residual-stream buffers; fch_gelu, ln1,
+  ln2 (and bf16's atty copy) are kept per layer only while fch_gelu is small (<= 256 MiB), else
+  recomputed in backward from what it keeps (fch, the residual stream, LN mean/rstd, atty);
   activation gradients exist for ONE layer at a time; the logits buffer is reused in place as
   probs and then as dlogits.
 - AdamW is llm.c's GPU trainer's (llmc/adamw.cuh `adamw_kernel3`): weight decay only on the
@@ -120,15 +121,17 @@ class GPT2:
     m/v: AdamW moments, None until the first update (assign 1-D float32 arrays to resume).
     """
 
-    def __init__(self, config, n_threads=None, matmul=None, recompute_gelu=None, precision=DEFAULT_PRECISION):
-        """recompute_gelu: None = keep fch_gelu per layer only while that costs <= 256 MiB
-        (small B*T: saves one GELU per layer in backward), True = always recompute it in
-        backward from fch (one layer of scratch), False = always keep it.
+    def __init__(self, config, n_threads=None, matmul=None, recompute=None, precision=DEFAULT_PRECISION):
+        """recompute: the matmul inputs that one cheap kernel reproduces from what backward keeps
+        anyway (fch_gelu = GELU(fch), ln1/ln2 = layernorm(x) with the saved mean/rstd, and bf16's
+        copy of atty) are kept per layer, or recomputed in backward into one layer of scratch, the
+        same bits either way. None = keep them while fch_gelu costs <= 256 MiB (small B*T: saves
+        those kernels in backward), True = always recompute, False = always keep.
         matmul: the GEMM engine (None: the default, oneDNN where built, else scipy's BLAS).
         precision: "fp32" or "bf16" (mixed precision, see the module docstring)."""
         self.config = config
         self.precision = check_precision(precision)
-        self.recompute_gelu = recompute_gelu
+        self.recompute = recompute
         config.validate()
         from llmctl.threads import configure_threads
 
@@ -247,16 +250,17 @@ class GPT2:
         zm = z if self.precision == "fp32" else (lambda *shape: np.zeros(shape, dtype=np.uint16))
         self._acts = None  # free the old buffers before allocating bigger ones
         self._scratch = None
+        # ln1, ln2, fch_gelu (and atty16): all layers, or the current layer only (recomputed in backward)
+        Lr = 1 if L < c.num_layers or self._recompute(BT) else L
         self._acts = {
             "resid": z(L + 1, BT * C),   # resid[0] = encoded, resid[l+1] = residual3 of layer l
             "res2": z(L, BT * C),
-            "ln1": zm(L, BT * C), "ln1_mean": z(L, BT), "ln1_rstd": z(L, BT),
+            "ln1": zm(Lr, BT * C), "ln1_mean": z(L, BT), "ln1_rstd": z(L, BT),
             "qkv": z(L, BT * 3 * C),
             "atty": z(L, BT * C), "lse": z(L, BT * NH),
-            "ln2": zm(L, BT * C), "ln2_mean": z(L, BT), "ln2_rstd": z(L, BT),
+            "ln2": zm(Lr, BT * C), "ln2_mean": z(L, BT), "ln2_rstd": z(L, BT),
             "fch": z(L, BT * 4 * C),
-            # fch_gelu: all layers, or the current layer only (then recomputed in backward)
-            "gelu": zm(1 if L < c.num_layers or self._recompute(BT) else L, BT * 4 * C),
+            "gelu": zm(Lr, BT * 4 * C),
             "lnf": zm(BT * C), "lnf_mean": z(BT), "lnf_rstd": z(BT),
             # logits -> probs -> dlogits, in place (fp32); a bf16 training forward at large B*T keeps
             # LMHEAD_ROWS rows only and recomputes them in backward (see _lmhead_in_blocks)
@@ -264,7 +268,7 @@ class GPT2:
             "losses": z(BT), "dlosses": z(BT),
         }
         if self.precision == "bf16":
-            self._acts["atty16"] = zm(L, BT * C)   # attention backward needs the fp32 atty too
+            self._acts["atty16"] = zm(Lr, BT * C)   # attention backward needs the fp32 atty too
         self._cap, self._cap_layers = BT, L
 
     def _lmhead_in_blocks(self, BT):
@@ -285,10 +289,10 @@ class GPT2:
         return buf
 
     def _recompute(self, BT):
-        if self.recompute_gelu is None:
+        if self.recompute is None:
             c = self.config
             return c.num_layers * BT * 4 * c.channels * 4 > (256 << 20)
-        return bool(self.recompute_gelu)
+        return bool(self.recompute)
 
     def _ensure_scratch(self):
         if self._scratch is None:
@@ -392,16 +396,17 @@ class GPT2:
         Ly.encoder_forward(a["resid"][0, :n], ids_f, fl(p["wte"]), fl(p["wpe"]), B, T, C, nt)
         for l in range(L):
             r = row(l)
-            gelu = a["gelu"][min(r, a["gelu"].shape[0] - 1), :4 * n]
+            rr = min(r, a["gelu"].shape[0] - 1)   # ln1, ln2, gelu, atty16: maybe one layer only
+            gelu = a["gelu"][rr, :4 * n]
             x, x2, x3 = a["resid"][rrow(l), :n], a["res2"][r, :n], a["resid"][rrow(l + 1), :n]
-            ln1, qkv, atty = a["ln1"][r, :n], a["qkv"][r, :3 * n], a["atty"][r, :n]
-            ln2, fch = a["ln2"][r, :n], a["fch"][r, :4 * n]
+            ln1, qkv, atty = a["ln1"][rr, :n], a["qkv"][r, :3 * n], a["atty"][r, :n]
+            ln2, fch = a["ln2"][rr, :n], a["fch"][r, :4 * n]
             self._ln(ln1, a["ln1_mean"][r, :BT], a["ln1_rstd"][r, :BT], x, p["ln1w"][l], p["ln1b"][l], BT, C)
             self._mm(qkv, ln1, "qkvw", l, BT, C, 3 * C)
             At.attention_forward(atty, a["lse"][r, :BT * NH], qkv, B, T, C, NH, nt)
             if self.params_bf16 is not None:
-                self._k_convert.cast_to_bf16(a["atty16"][r, :n], atty, nt)
-            self._mm(x2, atty if self.params_bf16 is None else a["atty16"][r, :n], "attprojw", l, BT, C, C)
+                self._k_convert.cast_to_bf16(a["atty16"][rr, :n], atty, nt)
+            self._mm(x2, atty if self.params_bf16 is None else a["atty16"][rr, :n], "attprojw", l, BT, C, C)
             Ly.residual_forward(x2, x2, x, n, nt)
             self._ln(ln2, a["ln2_mean"][r, :BT], a["ln2_rstd"][r, :BT], x2, p["ln2w"][l], p["ln2b"][l], BT, C)
             self._mm(fch, ln2, "fcw", l, BT, C, 4 * C)
@@ -490,7 +495,7 @@ class GPT2:
         s = self._ensure_scratch()
         dres, dsmall = s["dres"][:n], s["dsmall"][:n]
         dbig = s["dbig"][:4 * n]
-        keep_gelu = a["gelu"].shape[0] == L
+        keep = a["gelu"].shape[0] == L   # else ln1, ln2, gelu (atty16) are recomputed per layer
 
         dlosses = a["dlosses"][:BT]
         dlosses.fill(np.float32(loss_scale / BT))
@@ -522,29 +527,34 @@ class GPT2:
             # dres holds d(residual3[l]); residual3 = res2 + fcproj(gelu(fc(ln2(res2))))
             x, x2 = a["resid"][l, :n], a["res2"][l, :n]
             fch = a["fch"][l, :4 * n]
-            gelu = a["gelu"][l if keep_gelu else 0, :4 * n]
-            if not keep_gelu:
-                self._gelu(gelu, fch, 4 * n)  # recompute fch_gelu
+            r = l if keep else 0
+            gelu, ln1, ln2 = a["gelu"][r, :4 * n], a["ln1"][r, :n], a["ln2"][r, :n]
+            atty16 = None if self.params_bf16 is None else a["atty16"][r, :n]
+            if not keep:  # the forward's kernels on the same inputs: the same bits
+                self._gelu(gelu, fch, 4 * n)
+                self._ln(ln2, a["ln2_mean"][l, :BT], a["ln2_rstd"][l, :BT], x2, p["ln2w"][l], p["ln2b"][l], BT, C)
+                self._ln(ln1, a["ln1_mean"][l, :BT], a["ln1_rstd"][l, :BT], x, p["ln1w"][l], p["ln1b"][l], BT, C)
+                if atty16 is not None:
+                    self._k_convert.cast_to_bf16(atty16, a["atty"][l, :n], nt)
             dbig.fill(0.0)
             self._mm_back(dbig, dres, gelu, "fcprojw", l, BT, 4 * C, C)
             dfch = gelu if self.params_bf16 is None else s["dfch"][:4 * n]  # fp32: gelu's buffer is free now
             dfch.fill(0.0)
             Ly.gelu_backward(dfch, fch, dbig, 4 * n, nt)
             dsmall.fill(0.0)
-            self._mm_back(dsmall, dfch, a["ln2"][l, :n], "fcw", l, BT, C, 4 * C)
+            self._mm_back(dsmall, dfch, ln2, "fcw", l, BT, C, 4 * C)
             # residual: d(res2) = dres + LN2 backward, accumulated in place
             Ly.layernorm_backward(dres, g["ln2w"][l], g["ln2b"][l], dsmall, x2, p["ln2w"][l],
                                   a["ln2_mean"][l, :BT], a["ln2_rstd"][l, :BT], BT, C, nt)
             # res2 = x + attproj(attention(qkv(ln1(x))))
             dsmall.fill(0.0)
-            self._mm_back(dsmall, dres, a["atty"][l, :n] if self.params_bf16 is None else a["atty16"][l, :n],
-                          "attprojw", l, BT, C, C)
+            self._mm_back(dsmall, dres, a["atty"][l, :n] if atty16 is None else atty16, "attprojw", l, BT, C, C)
             dqkv = dbig[:3 * n]
             dqkv.fill(0.0)
             At.attention_backward(dqkv, dsmall, a["qkv"][l, :3 * n], a["atty"][l, :n], a["lse"][l, :BT * NH],
                                   B, T, C, NH, nt)
             dsmall.fill(0.0)
-            self._mm_back(dsmall, dqkv, a["ln1"][l, :n], "qkvw", l, BT, C, 3 * C)
+            self._mm_back(dsmall, dqkv, ln1, "qkvw", l, BT, C, 3 * C)
             Ly.layernorm_backward(dres, g["ln1w"][l], g["ln1b"][l], dsmall, x, p["ln1w"][l],
                                   a["ln1_mean"][l, :BT], a["ln1_rstd"][l, :BT], BT, C, nt)
         Ly.encoder_backward(fl(g["wte"]), fl(g["wpe"]), dres, self._ids.reshape(-1), B, T, C, nt)
