@@ -10,8 +10,9 @@ stated. Differences from llm.c, all deliberate:
   (dwte/dwpe, LN dweight/dbias) are parallel over channel chunks and sum rows in order. That
   is what lets small calls use fewer threads than asked (set_parallel_grain) for free.
 - Row reductions (LN mean/var, softmax sum) accumulate in double with a fixed lane order.
-- exp/tanh use kernels.pxd's vectorisable helpers instead of libm; sech^2 is 4t/(1+t)^2 with
-  t = exp(-2|u|), which is exactly 1/cosh^2(u) without overflow.
+- exp/tanh use mathf.h's vectorisable helpers instead of libm; sech^2 is 4t/(1+t)^2 with
+  t = exp(-2|u|), which is exactly 1/cosh^2(u) without overflow. GELU's loops are C in gelu.h,
+  with an AVX2 copy chosen at run time (the same bits as the baseline loop; set_simd).
 - softmax + cross-entropy is one fused kernel; the loss is log(sum) - (x_target - max), i.e.
   -log p[target] without the underflow to -log(0). Padded logits V..Vp never enter the softmax.
 
@@ -24,7 +25,7 @@ from libc.stdint cimport uint16_t
 
 from bf16 cimport out_t, store
 from kernels cimport (check_threads, check_len, check_positive, check_disjoint, eff_threads, imin,
-                      llmctl_expf, llmctl_tanhf, llmctl_sech2f)
+                      llmctl_expf)
 
 cdef enum:
     CCHUNK = 64         # channels per task in the column-parallel reductions (stack accumulators)
@@ -34,9 +35,21 @@ cdef enum:
 
 cdef float GELU_SCALE = <float>sqrt(2.0 / 3.14159265358979323846)  # llm.c: sqrtf(2.0f / M_PI)
 
+cdef extern from "gelu.h" nogil:
+    void llmctl_gelu_fwd_f32(float* out, const float* x, Py_ssize_t n, float k)
+    void llmctl_gelu_fwd_bf16(uint16_t* out, const float* x, Py_ssize_t n, float k)
+    void llmctl_gelu_bwd(float* dx, const float* x, const float* dy, Py_ssize_t n, float k)
+    int llmctl_gelu_set_simd(int enabled)
+
 # Elements of work per thread below which a kernel uses fewer threads than asked (see
 # kernels.pxd eff_threads). Every kernel here gives the same bits at any thread count.
 cdef Py_ssize_t _grain = 131072
+
+
+def set_simd(bint enabled):
+    """Let GELU run its AVX2 loop where the CPU has it (the default), or keep it to the baseline
+    x86-64 loop (tests compare the two bit for bit). Returns whether the AVX2 loop now runs."""
+    return bool(llmctl_gelu_set_simd(enabled))
 
 
 def set_parallel_grain(Py_ssize_t grain):
@@ -237,27 +250,15 @@ cdef void _layernorm_backward(float* dinp, float* dweight, float* dbias, const f
 # GELU (tanh form) and residual: elementwise, chunked so the inner loops vectorise
 
 cdef void _gelu_fwd_chunk(out_t* out, const float* x, Py_ssize_t n) noexcept nogil:
-    # float constants in locals so the arithmetic stays in float (as llm.c), not double
-    cdef float k = GELU_SCALE, c3 = 0.044715, half = 0.5, one = 1.0
-    cdef Py_ssize_t i
-    cdef float xi, u
-    for i in range(n):
-        xi = x[i]
-        u = k * (xi + c3 * xi * xi * xi)
-        store(out, i, half * xi * (one + llmctl_tanhf(u)))
+    # gelu.h: the AVX2 copy of the loop where the CPU has it (same bits as the baseline copy)
+    if out_t is float:
+        llmctl_gelu_fwd_f32(out, x, n, GELU_SCALE)
+    else:
+        llmctl_gelu_fwd_bf16(out, x, n, GELU_SCALE)
 
 
 cdef void _gelu_bwd_chunk(float* dx, const float* x, const float* dy, Py_ssize_t n) noexcept nogil:
-    cdef float k = GELU_SCALE, c3 = 0.044715, three_c3 = 3.0 * 0.044715, half = 0.5, one = 1.0
-    cdef Py_ssize_t i
-    cdef float xi, u, th, sech2, g
-    for i in range(n):
-        xi = x[i]
-        u = k * (xi + c3 * xi * xi * xi)
-        th = llmctl_tanhf(u)
-        sech2 = llmctl_sech2f(u)
-        g = half * (one + th) + xi * half * sech2 * k * (one + three_c3 * xi * xi)
-        dx[i] += g * dy[i]
+    llmctl_gelu_bwd(dx, x, dy, n, GELU_SCALE)
 
 
 cdef void _residual_fwd_chunk(float* out, const float* a, const float* b, Py_ssize_t n) noexcept nogil:

@@ -5,7 +5,8 @@ What it measures (best wall time of --repeat runs, threads pinned with llmctl.th
   limited to the same thread count): the yardstick for MFU,
 - matmul forward and backward for each d12 linear layer (qkv, attproj, fc, fcproj, lm head),
   backend "blas" vs "tiled" vs the same products done with NumPy float32 `@`,
-- every other kernel (encoder, layernorm, GELU, residual, softmax+CE, attention if built),
+- every other kernel (encoder, layernorm, GELU, residual, softmax+CE, attention if built); on
+  an AVX2 CPU GELU also with its baseline x86-64 loop (layers.set_simd(False)), side by side,
 - AdamW over 124,475,904 floats (the d12 parameter count) and the global grad norm,
 - an estimated whole step (the kernel sequence of one forward+backward+update, from the timings
   above) with its MFU = 6*N*B*T / step time / NumPy peak, and the share of non-matmul kernels.
@@ -121,6 +122,13 @@ def bench_layers(n, repeat):
         lambda: layers.layernorm_backward(y, dw, dbb, dx, x, w, mean, rstd, BT, C, n), repeat)
     t["gelu_fwd"] = timeit(lambda: layers.gelu_forward(hg, h, BT * 4 * C, n), repeat)
     t["gelu_bwd"] = timeit(lambda: layers.gelu_backward(hg, h, dh, BT * 4 * C, n), repeat)
+    if layers.set_simd(False) is False and layers.set_simd(True):  # an AVX2 CPU: the baseline loop too
+        try:
+            layers.set_simd(False)
+            t["gelu_fwd_baseline"] = timeit(lambda: layers.gelu_forward(hg, h, BT * 4 * C, n), repeat)
+            t["gelu_bwd_baseline"] = timeit(lambda: layers.gelu_backward(hg, h, dh, BT * 4 * C, n), repeat)
+        finally:
+            layers.set_simd(True)
     t["residual_fwd"] = timeit(lambda: layers.residual_forward(y, x, dx, BT * C, n), repeat)
     y2 = np.zeros(BT * C, np.float32)
     t["residual_bwd"] = timeit(lambda: layers.residual_backward(y, y2, dx, BT * C, n), repeat)
@@ -209,7 +217,7 @@ def main(argv=None):
             line += f" {r['tiled_fwd_ms']:6.1f}/{r['tiled_bwd_ms']:6.1f}  {ratio:5.1f}x"
         p(line)
     for k, v in lay.items():
-        p(f"  {k:18s} {v:8.3f} ms")
+        p(f"  {k:18s} {v:8.3f} ms" + (f"   (the AVX2 loop: {lay[k[:-9]] / v:.2f}x this)" if k.endswith("_baseline") else ""))
     p(f"AdamW over {NUM_PARAMS:,} floats: {opt['adamw_ms']:.1f} ms ({opt['adamw_GBps']:.1f} GB/s); "
       f"global norm {opt['global_norm_ms']:.1f} ms")
     p(f"step estimate: {est['step_ms']:.0f} ms (matmul {est['matmul_ms']:.0f}, other kernels "

@@ -657,13 +657,14 @@ def test_global_norm_sq_exact_and_thread_independent():
     assert adamw.global_norm_sq(np.zeros(0, np.float32)) == 0.0
 
 
-def _cpu_has_avx():
-    """Whether this CPU runs AVX (x86-64 Linux: /proc/cpuinfo's flags); None when unknown."""
+def _cpu_has_avx(flag="avx"):
+    """Whether this CPU runs AVX (or `flag`, e.g. avx2) (x86-64 Linux: /proc/cpuinfo's flags);
+    None when unknown."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
     try:
         with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and " avx" in line for line in f)
+            return any(line.startswith("flags") and f" {flag} " in line.rstrip() + " " for line in f)
     except OSError:
         return None
 
@@ -690,6 +691,34 @@ def test_adamw_avx_and_portable_paths_give_identical_bits():
     finally:
         adamw.set_simd(True)
     assert all(np.array_equal(a, b) for a, b in zip(*res))
+
+
+@pytest.mark.parametrize("n_threads", [1, 3])
+def test_gelu_avx2_and_baseline_loops_give_identical_bits(n_threads):
+    # gelu.h compiles each GELU loop for baseline x86-64 and for AVX2 and picks one at run time;
+    # the same float operations (no FMA) in both, so the same bits, specials and tails included
+    has = _cpu_has_avx("avx2")
+    if not has:
+        pytest.skip("this CPU has no AVX2 (or it cannot be told): the baseline loop is the only one, "
+                    "there is nothing to compare it with" if has is False else
+                    "cannot tell whether this CPU has AVX2 (no /proc/cpuinfo)")
+    rng = np.random.default_rng(14)
+    N = 3 * 16384 + 37   # several chunks and a ragged tail
+    x = (rng.standard_normal(N) * 4).astype(np.float32)
+    x[:10] = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-30, -1e-30, 50.0, -50.0, 9.5]
+    dy, dx0 = _f32(rng, N), _f32(rng, N)
+    res = []
+    try:
+        for simd in (True, False):
+            assert layers.set_simd(simd) == simd
+            out, out16, dx = np.empty(N, np.float32), np.empty(N, np.uint16), dx0.copy()
+            layers.gelu_forward(out, x, N, n_threads)
+            layers.gelu_forward_bf16(out16, x, N, n_threads)
+            layers.gelu_backward(dx, x, dy, N, n_threads)
+            res.append((out.tobytes(), out16.tobytes(), dx.tobytes()))
+    finally:
+        layers.set_simd(True)
+    assert res[0] == res[1]
 
 
 def test_default_grain_changes_thread_use_not_bits():
