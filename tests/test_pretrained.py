@@ -208,6 +208,20 @@ def test_cli_offline_not_cached_error_and_hint_exit_1(tmp_path):
     assert r.returncode == 1
     assert r.stderr.count("Error:") == 1 and "Hint:" in r.stderr and "Traceback" not in r.stderr
     assert "gpt2-medium" in r.stderr and not (tmp_path / "out").exists()
+    hint = next(line for line in r.stderr.splitlines() if line.startswith("Hint:"))
+    assert "--model DIR" in hint and " -e " not in hint  # prepro gpt2 has no -e
+
+
+def test_cli_prepro_gpt2_unreachable_hub_hint_speaks_of_its_own_flags(dead_hub, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update(HF_HOME=str(tmp_path / "empty"), HF_ENDPOINT=dead_hub.url, LLMCTL_CACHE=str(tmp_path / "c"))
+    r = subprocess.run([sys.executable, "-m", "llmctl", "prepro", "gpt2", "--out-dir", "out"], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Retrying" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 2 and "cannot be reached" in lines[0], r.stderr
+    assert lines[1].startswith("Hint:") and "--model DIR" in lines[1] and " -e " not in lines[1]
+    assert not (tmp_path / "out").exists()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -68,10 +68,17 @@ def prepro_gpt2(model="gpt2", out_dir=".", debug_state=False, input_bin=DEBUG_IN
     """Write train_gpt2.py's files for a pretrained model into out_dir; returns a summary dict.
     model, local_files_only, progress, convert_dir: as llmctl.hf.pretrained_checkpoint."""
     from llmctl.hf import pretrained_checkpoint
+    from llmctl.hf.hub import NotCached
     from llmctl.tokenizer import write_gpt2_tokenizer_bin
 
-    ckpt = pretrained_checkpoint(model, local_files_only=local_files_only, progress=progress,
-                                 convert_dir=convert_dir, log=log)
+    try:
+        ckpt = pretrained_checkpoint(model, local_files_only=local_files_only, progress=progress,
+                                     convert_dir=convert_dir, log=log)
+    except NotCached as e:  # its hint speaks of -e, which prepro gpt2 does not have
+        e.hint = ("fetch it once with network, pass a local model directory (config.json + "
+                  "model.safetensors) as --model DIR, or point HF_HOME at a Hugging Face cache that "
+                  "holds it (--offline, or HF_HUB_OFFLINE=1, then tries nothing online)")
+        raise
     hdr = read_checkpoint_header(ckpt)
     name = f"gpt2_{size_name(hdr)}"
     try:
