@@ -1,0 +1,110 @@
+"""The bf16 targets, all in one run: each benchmark as a child process, then one table of target,
+measured value and verdict.
+
+What it runs, one after the other on the same machine (--json of each):
+- bench/step.py: d12 B=4 T=64 training step, llmctl fp32 and bf16, PyTorch fp32 eager and bf16
+  autocast when torch imports, and the peak RSS of d12 B=4 T=1024 steps in both precisions;
+- bench/sample.py --precision fp32,bf16: d12 KV-cache decoding tokens/s;
+- bench/eval.py --precision fp32,bf16: HellaSwag examples/s, projected to the full 10,042;
+- with --before DIR (a checkout of the tree before the bf16 work, built in place):
+  bench/versions.py, this tree's fp32 step against that one's.
+
+Targets (the bf16 issue): bf16 step <= 0.55x PyTorch bf16 autocast and <= 0.6x llmctl fp32; fp32
+>= 10 % faster than before; peak RSS d12 B=4 T=1024 bf16 <= 4 GiB; sampling >= 80 tokens/s in
+bf16; full HellaSwag <= 15 min in bf16. Without native bf16 (AVX512_BF16/AMX) bf16 is refused
+unless --bf16-emulate: then every bf16 figure is of the emulation (fp32 GEMMs), which checks this
+harness but says nothing about the targets, and the table says so.
+
+    python bench/bf16_targets.py                         # a CPU with native bf16
+    python bench/bf16_targets.py --before ../llmctl-e7e7a05 --json
+    python bench/bf16_targets.py --bf16-emulate --quick  # the harness itself, anywhere
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+GiB = 2 ** 30
+
+
+def _child(script, args):
+    cmd = [sys.executable, os.path.join(HERE, script), *args, "--json"]
+    print("+ " + " ".join(cmd[1:]), file=sys.stderr, flush=True)
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"{script} failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout)
+
+
+def _row(target, value, limit, fmt, better="<="):
+    """One table row: ok is None when the value could not be measured."""
+    ok = None if value is None else (value <= limit if better == "<=" else value >= limit)
+    shown = "not measured" if value is None else fmt.format(value)
+    return {"target": target, "value": value, "shown": shown, "limit": limit, "better": better, "ok": ok}
+
+
+def measure(before=None, emulate=False, quick=False):
+    """Run the benchmarks; return {"rows": [...], "emulated": bool, "raw": {...}}."""
+    em = ["--bf16-emulate"] if emulate else []
+    step_args = ["--runs", "d12:4x64", "--precisions", "fp32,bf16", *em]
+    if quick:
+        step_args += ["--steps", "1", "--rss-seq", "128", "--no-torch"]
+    step = _child("step.py", step_args)
+    sample = _child("sample.py", ["--precision", "fp32,bf16", *em]
+                    + (["--model", "d6", "--new-tokens", "16", "--full-tokens", "2"] if quick else []))
+    ev = _child("eval.py", ["--precision", "fp32,bf16", *em] + (["--model", "d6", "--examples", "4"] if quick else []))
+    vers = _child("versions.py", ["--other", before] + (["--rounds", "1", "--steps", "1"] if quick else [])) \
+        if before else None
+
+    by = {r["precision"]: r["step_s"] for r in step["runs"] if (r["model"], r["B"], r["T"]) == ("d12", 4, 64)}
+    torch_bf16 = next((t["step_s"] for t in step["torch"] if t["precision"] == "bf16"), None)
+    rss = {(r["precision"], r["T"]): r["peak_rss_bytes"] for r in step["rss"]}
+    big_t = max(t for _, t in rss) if rss else None
+    sam = {r["precision"]: r["cached"]["decode_tokens_per_s"] for r in sample["runs"]}
+    evm = {r["precision"]: r["full_val_minutes"] for r in ev["runs"]}
+    fp32_gain = vers["best_ratio"] if vers is not None else None
+    bf16_fp32 = by["bf16"] / by["fp32"] if "bf16" in by and "fp32" in by else None
+    rows = [
+        _row("d12 B=4 T=64 step: llmctl bf16 / llmctl fp32", bf16_fp32, 0.6, "{:.2f}x"),
+        _row("d12 B=4 T=64 step: llmctl bf16 / PyTorch bf16 autocast",
+             by["bf16"] / torch_bf16 if torch_bf16 and "bf16" in by else None, 0.55, "{:.2f}x"),
+        _row("d12 B=4 T=64 fp32 step: this tree / before (10 % faster)", fp32_gain, round(1 / 1.1, 3), "{:.3f}x"),
+        _row(f"peak RSS d12 B=4 T={big_t} bf16 step (GiB)",
+             rss[("bf16", big_t)] / GiB if ("bf16", big_t) in rss else None, 4.0, "{:.2f}"),
+        _row(f"sampling {sample['model']} bf16 (tokens/s)", sam.get("bf16"), 80.0, "{:.1f}", ">="),
+        _row(f"full HellaSwag {ev['model']} bf16 (minutes)", evm.get("bf16"), 15.0, "{:.1f}"),
+    ]
+    return {"rows": rows, "emulated": bool(emulate), "quick": bool(quick),
+            "fp32": {"step_s": by.get("fp32"), "sample_tokens_per_s": sam.get("fp32"),
+                     "hellaswag_minutes": evm.get("fp32")},
+            "raw": {"step": step, "sample": sample, "eval": ev, "versions": vers}}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--before", help="a built checkout of the tree before the bf16 work (bench/versions.py --other)")
+    ap.add_argument("--bf16-emulate", action="store_true", help="run bf16 on fp32 GEMMs where the CPU has no native bf16")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (d6, 1 step, T=128 RSS): checks the harness only")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    a = ap.parse_args(argv)
+    res = measure(a.before, a.bf16_emulate, a.quick)
+    if a.json:
+        print(json.dumps(res, indent=1, default=float))
+        return 0
+    if res["emulated"] or res["quick"]:
+        print("NOT the targets: " + ", ".join(w for w, on in (("bf16 emulated on fp32 GEMMs", res["emulated"]),
+                                                               ("--quick sizes", res["quick"])) if on))
+    print(f"{'target':58s} {'measured':>13s} {'limit':>8s}  verdict")
+    for r in res["rows"]:
+        verdict = "not measured" if r["ok"] is None else ("met" if r["ok"] else "NOT met")
+        print(f"{r['target']:58s} {r['shown']:>13s} {r['better'] + ' ' + format(r['limit'], 'g'):>8s}  {verdict}")
+    f = res["fp32"]
+    print(f"fp32 for comparison: step {f['step_s'] * 1e3:.0f} ms, sampling {f['sample_tokens_per_s']:.1f} tokens/s, "
+          f"full HellaSwag {f['hellaswag_minutes']:.1f} min")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
