@@ -86,16 +86,19 @@ cdef extern from *:
         if (!have_avx) return 0;
         return llmctl_adamw_avx_(p, g, m, v, n, lr, b1, b2, eps, wd, gs, inv_bc1, inv_bc2);
     }
+    static int llmctl_cpu_has_avx(void) { return __builtin_cpu_supports("avx") ? 1 : 0; }
     #else
     static Py_ssize_t llmctl_adamw_avx(float* p, const float* g, float* m, float* v, Py_ssize_t n,
                                        float lr, float b1, float b2, float eps, float wd, float gs,
                                        float inv_bc1, float inv_bc2) { return 0; }
+    static int llmctl_cpu_has_avx(void) { return 0; }
     #endif
     """
     void llmctl_sqrt_inplace(float* a, int n) noexcept nogil
     Py_ssize_t llmctl_adamw_avx(float* p, const float* g, float* m, float* v, Py_ssize_t n,
                                 float lr, float b1, float b2, float eps, float wd, float gs,
                                 float inv_bc1, float inv_bc2) noexcept nogil
+    int llmctl_cpu_has_avx() noexcept nogil
 
 cdef extern from "bf16.h" nogil:
     void llmctl_cast_bf16(uint16_t* dst, const float* src, Py_ssize_t n)
@@ -112,6 +115,11 @@ def set_parallel_grain(Py_ssize_t grain):
     old = _grain
     _grain = grain
     return old
+
+
+def simd():
+    """Which AdamW loop runs: "avx" or "baseline" (x86-64's SSE2, or plain C elsewhere)."""
+    return "avx" if _use_avx and llmctl_cpu_has_avx() else "baseline"
 
 
 def set_simd(bint enabled):

@@ -66,6 +66,7 @@ static inline int llmctl_gelu_set_simd(int enabled) {   /* returns whether AVX2 
 #define LLMCTL_GELU_DISPATCH(name, ...) \
     (llmctl_gelu_use_avx2() ? name##_avx2(__VA_ARGS__) : name##_base(__VA_ARGS__))
 #else
+static inline int llmctl_gelu_use_avx2(void) { return 0; }
 static inline int llmctl_gelu_set_simd(int enabled) { (void)enabled; return 0; }
 #define LLMCTL_GELU_DISPATCH(name, ...) name##_base(__VA_ARGS__)
 #endif

@@ -40,10 +40,16 @@ cdef extern from "gelu.h" nogil:
     void llmctl_gelu_fwd_bf16(uint16_t* out, const float* x, Py_ssize_t n, float k)
     void llmctl_gelu_bwd(float* dx, const float* x, const float* dy, Py_ssize_t n, float k)
     int llmctl_gelu_set_simd(int enabled)
+    int llmctl_gelu_use_avx2()
 
 # Elements of work per thread below which a kernel uses fewer threads than asked (see
 # kernels.pxd eff_threads). Every kernel here gives the same bits at any thread count.
 cdef Py_ssize_t _grain = 131072
+
+
+def simd():
+    """Which GELU loop runs: "avx2" or "baseline" (x86-64's SSE2, or plain C elsewhere)."""
+    return "avx2" if llmctl_gelu_use_avx2() else "baseline"
 
 
 def set_simd(bint enabled):

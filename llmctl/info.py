@@ -1,4 +1,5 @@
-"""What this llmctl build and process will use: version, OpenMP, threads, GEMM engine, precisions."""
+"""What this llmctl build and process will use: version, OpenMP, threads, GEMM engine, precisions,
+the instruction sets of the runtime-dispatched kernels."""
 import os
 
 from llmctl import __version__
@@ -45,6 +46,15 @@ def gemm_info():
     }
 
 
+def simd_info():
+    """The instruction set each runtime-dispatched kernel runs here (the build itself is baseline
+    x86-64; wider copies are picked by cpuid): attention ("default", "avx2", "avx512"), GELU
+    ("baseline", "avx2"), AdamW ("baseline", "avx")."""
+    from llmctl._ext import adamw, attention, layers
+
+    return {"attention": attention.isa(), "gelu": layers.simd(), "adamw": adamw.simd()}
+
+
 def runtime_info():
     from llmctl._ext import buildinfo
 
@@ -54,6 +64,7 @@ def runtime_info():
         "threads": default_threads(),
         "blas": None,
         **gemm_info(),
+        "kernels": simd_info(),
     }
     try:
         from threadpoolctl import threadpool_info
@@ -84,8 +95,10 @@ def _precision_line(info):
 
 
 def format_info(info):
+    k = info["kernels"]
     return (f"llmctl {info['version']}\n"
             f"OpenMP: {'yes' if info['openmp'] else 'NO (serial build)'}, threads: {info['threads']}\n"
             f"{_engine_line(info)}\n"
             f"{_precision_line(info)}\n"
+            f"kernels: attention {k['attention']}, GELU {k['gelu']}, AdamW {k['adamw']} (picked at run time)\n"
             f"BLAS: {info['blas'] or 'unknown'}")

@@ -41,12 +41,12 @@ def test_info_json_reports_version_openmp_threads_and_blas():
     assert info["blas"] is not None and info["blas"].rsplit(" (", 1)[0] in apis
 
 
-def test_info_and_version_print_the_same_five_lines():
-    from llmctl._ext import matmul
+def test_info_and_version_print_the_same_six_lines():
+    from llmctl._ext import adamw, attention, layers, matmul
 
     text = _cli("info", env={"OMP_NUM_THREADS": "2"})
     lines = text.splitlines()
-    assert len(lines) == 5, text
+    assert len(lines) == 6, text
     assert lines[0] == f"llmctl {_project_version()}"
     want = "yes" if buildinfo.openmp_enabled() else "NO (serial build)"
     assert lines[1] == f"OpenMP: {want}, threads: 2"
@@ -59,11 +59,15 @@ def test_info_and_version_print_the_same_five_lines():
         assert lines[3].startswith("precisions: fp32, bf16 (native: "), lines[3]
     else:
         assert lines[3].startswith("precisions: fp32 (bf16: no, "), lines[3]
-    assert re.fullmatch(r"BLAS: \S+ \S+ \(.*\)|BLAS: unknown", lines[4]), lines[4]
+    # the kernels' instruction sets, as the modules report them in this process
+    assert lines[4] == (f"kernels: attention {attention.isa()}, GELU {layers.simd()}, AdamW {adamw.simd()} "
+                        "(picked at run time)"), lines[4]
+    assert re.fullmatch(r"BLAS: \S+ \S+ \(.*\)|BLAS: unknown", lines[5]), lines[5]
     assert _cli("--version", env={"OMP_NUM_THREADS": "2"}) == text
     # the same facts as --json gives
     info = json.loads(_cli("info", "--json"))
     assert info["engine"] == matmul.default_backend() and ("bf16" in info["precisions"]) == matmul.bf16_native()
+    assert info["kernels"] == {"attention": attention.isa(), "gelu": layers.simd(), "adamw": adamw.simd()}
 
 
 def test_ci_build_has_openmp():

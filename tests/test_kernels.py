@@ -684,6 +684,7 @@ def test_adamw_avx_and_portable_paths_give_identical_bits():
     try:
         for simd in (True, False):
             adamw.set_simd(simd)
+            assert adamw.simd() == ("avx" if simd else "baseline")  # what `llmctl info` reports
             p, g, m, v = (a.copy() for a in base)
             for t in (1, 2, 3):
                 adamw.adamw_update(p, g, m, v, 1e-3, 0.9, 0.95, 1e-8, 0.1, 0.7, t, 2)
@@ -711,6 +712,7 @@ def test_gelu_avx2_and_baseline_loops_give_identical_bits(n_threads):
     try:
         for simd in (True, False):
             assert layers.set_simd(simd) == simd
+            assert layers.simd() == ("avx2" if simd else "baseline")  # what `llmctl info` reports
             out, out16, dx = np.empty(N, np.float32), np.empty(N, np.uint16), dx0.copy()
             layers.gelu_forward(out, x, N, n_threads)
             layers.gelu_forward_bf16(out16, x, N, n_threads)
