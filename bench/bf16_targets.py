@@ -2,8 +2,10 @@
 measured value and verdict.
 
 What it runs, one after the other on the same machine (--json of each):
-- bench/step.py: d12 B=4 T=64 training step, llmctl fp32 and bf16, PyTorch fp32 eager and bf16
-  autocast when torch imports, and the peak RSS of d12 B=4 T=1024 steps in both precisions;
+- bench/step.py with its default runs (d12 B=4 T=64, d12 B=4 T=1024, d6 B=4 T=64): training
+  steps in llmctl fp32 and bf16, PyTorch fp32 eager and bf16 autocast when torch imports, MFU
+  against the roof of each precision, and the peak RSS of d12 B=4 T=1024 steps in both precisions
+  (its full output is in --json's "raw"; the table below takes d12 T=64 for the step targets);
 - bench/sample.py --precision fp32,bf16: d12 KV-cache decoding tokens/s;
 - bench/eval.py --precision fp32,bf16: HellaSwag examples/s, projected to the full 10,042;
 - with --before DIR (a checkout of the tree before the bf16 work, built in place):
@@ -48,9 +50,9 @@ def _row(target, value, limit, fmt, better="<="):
 def measure(before=None, emulate=False, quick=False):
     """Run the benchmarks; return {"rows": [...], "emulated": bool, "raw": {...}}."""
     em = ["--bf16-emulate"] if emulate else []
-    step_args = ["--runs", "d12:4x64", "--precisions", "fp32,bf16", *em]
+    step_args = ["--precisions", "fp32,bf16", *em]   # step.py's runs: d12 T=64 and T=1024, d6
     if quick:
-        step_args += ["--steps", "1", "--rss-seq", "128", "--no-torch"]
+        step_args += ["--runs", "d12:4x64", "--steps", "1", "--rss-seq", "128", "--no-torch"]
     step = _child("step.py", step_args)
     sample = _child("sample.py", ["--precision", "fp32,bf16", *em]
                     + (["--model", "d6", "--new-tokens", "16", "--full-tokens", "2"] if quick else []))
