@@ -55,6 +55,9 @@ cdef extern from *:
        down to 8), or 0 when AVX is unavailable. */
     #if defined(__GNUC__) && defined(__x86_64__) && !defined(LLMCTL_NO_AVX_DISPATCH)
     #include <immintrin.h>
+    /* set once at import (llmctl_adamw_init), never inside the parallel update */
+    static int llmctl_have_avx = 0;
+    static void llmctl_adamw_init(void) { llmctl_have_avx = __builtin_cpu_supports("avx") ? 1 : 0; }
     __attribute__((target("avx")))
     static Py_ssize_t llmctl_adamw_avx_(float* p, const float* g, float* m, float* v, Py_ssize_t n,
                                         float lr, float b1, float b2, float eps, float wd, float gs,
@@ -81,17 +84,16 @@ cdef extern from *:
     static Py_ssize_t llmctl_adamw_avx(float* p, const float* g, float* m, float* v, Py_ssize_t n,
                                        float lr, float b1, float b2, float eps, float wd, float gs,
                                        float inv_bc1, float inv_bc2) {
-        static int have_avx = -1;
-        if (have_avx < 0) have_avx = __builtin_cpu_supports("avx") ? 1 : 0;
-        if (!have_avx) return 0;
+        if (!llmctl_have_avx) return 0;
         return llmctl_adamw_avx_(p, g, m, v, n, lr, b1, b2, eps, wd, gs, inv_bc1, inv_bc2);
     }
-    static int llmctl_cpu_has_avx(void) { return __builtin_cpu_supports("avx") ? 1 : 0; }
+    static int llmctl_cpu_has_avx(void) { return llmctl_have_avx; }
     #else
     static Py_ssize_t llmctl_adamw_avx(float* p, const float* g, float* m, float* v, Py_ssize_t n,
                                        float lr, float b1, float b2, float eps, float wd, float gs,
                                        float inv_bc1, float inv_bc2) { return 0; }
     static int llmctl_cpu_has_avx(void) { return 0; }
+    static void llmctl_adamw_init(void) {}
     #endif
     """
     void llmctl_sqrt_inplace(float* a, int n) noexcept nogil
@@ -99,11 +101,13 @@ cdef extern from *:
                                 float lr, float b1, float b2, float eps, float wd, float gs,
                                 float inv_bc1, float inv_bc2) noexcept nogil
     int llmctl_cpu_has_avx() noexcept nogil
+    void llmctl_adamw_init() noexcept nogil
 
 cdef extern from "bf16.h" nogil:
     void llmctl_cast_bf16(uint16_t* dst, const float* src, Py_ssize_t n)
 
 cdef bint _use_avx = True
+llmctl_adamw_init()   # the CPU's AVX, asked once here rather than racily in the first update
 # minimum elements per thread (chunk results never depend on the thread count): small tensors
 # such as biases and LayerNorm params are updated serially
 cdef Py_ssize_t _grain = 65536

@@ -54,11 +54,10 @@ LLMCTL_GELU_KERNELS(base, )
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(LLMCTL_NO_AVX_DISPATCH)
 LLMCTL_GELU_KERNELS(avx2, __attribute__((target("avx2"))))
-static int llmctl_gelu_avx2 = -1;   /* -1: not asked yet; 0/1: whether the AVX2 copies run */
-static inline int llmctl_gelu_use_avx2(void) {
-    if (llmctl_gelu_avx2 < 0) llmctl_gelu_avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
-    return llmctl_gelu_avx2;
-}
+/* whether the AVX2 copies run: set by llmctl_gelu_set_simd, which layers.pyx calls at import,
+   so the parallel loops only ever read it */
+static int llmctl_gelu_avx2 = 0;
+static inline int llmctl_gelu_use_avx2(void) { return llmctl_gelu_avx2; }
 static inline int llmctl_gelu_set_simd(int enabled) {   /* returns whether AVX2 now runs */
     llmctl_gelu_avx2 = enabled ? (__builtin_cpu_supports("avx2") ? 1 : 0) : 0;
     return llmctl_gelu_avx2;

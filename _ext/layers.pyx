@@ -42,6 +42,8 @@ cdef extern from "gelu.h" nogil:
     int llmctl_gelu_set_simd(int enabled)
     int llmctl_gelu_use_avx2()
 
+llmctl_gelu_set_simd(1)   # the AVX2 loop where the CPU has it, decided once at import
+
 # Elements of work per thread below which a kernel uses fewer threads than asked (see
 # kernels.pxd eff_threads). Every kernel here gives the same bits at any thread count.
 cdef Py_ssize_t _grain = 131072
