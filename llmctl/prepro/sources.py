@@ -127,9 +127,9 @@ def obtain(what, *, source=None, cache_path, url=None, from_datasets=None, hub_d
             except Exception as e:  # datasets raises many types (ConnectionError, FileNotFoundError, ...)
                 if unreachable is not None and isinstance(e, ConnectionError):  # offline, not cached
                     note(f"datasets: the Hub cannot be reached ({type(unreachable).__name__}: "
-                         f"{_first_line(unreachable)}) and datasets' cache has no copy")
+                         f"{first_line(unreachable)}) and datasets' cache has no copy")
                 else:
-                    note(f"datasets: failed ({type(e).__name__}: {_first_line(e)})")
+                    note(f"datasets: failed ({type(e).__name__}: {first_line(e)})")
 
     if url:
         if log:
@@ -138,7 +138,7 @@ def obtain(what, *, source=None, cache_path, url=None, from_datasets=None, hub_d
             download(url, cache_path, timeout=timeout)
             return {"path": cache_path, "origin": "download", "notes": notes}
         except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as e:
-            note(f"download {url}: failed ({type(e).__name__}: {_first_line(e)})")
+            note(f"download {url}: failed ({type(e).__name__}: {first_line(e)})")
 
     raise DataError(f"could not get {what}: " + "; ".join(notes),
                     hint=f"download it yourself and pass it with --source PATH (or put it at {cache_path})")
@@ -168,6 +168,7 @@ def datasets_reachable(ds, repo_id):
         ds.config.HF_HUB_OFFLINE = False
 
 
-def _first_line(e):
+def first_line(e):
+    """The first line of an exception's message, at most 200 characters, for a one-line note."""
     s = str(e).strip().splitlines()
     return s[0][:200] if s else "no message"

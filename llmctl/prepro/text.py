@@ -24,7 +24,7 @@ import numpy as np
 
 from llmctl.errors import ConfigError, DataError
 from llmctl.paths import DATA_DIR
-from llmctl.prepro.sources import datasets_reachable
+from llmctl.prepro.sources import datasets_reachable, first_line
 from llmctl.prepro.writer import Progress, check_out_dir, make_out_dir, tokenize_chunks, write_sharded
 from llmctl.tokenizer import EOT_TEXT
 
@@ -153,11 +153,6 @@ _DATASETS_HINT = ("connect to the network (the first run fills the datasets cach
                   "or pass local files with --source")
 
 
-def _first_line(e):
-    s = str(e).strip().splitlines()
-    return s[0][:200] if s else "no message"
-
-
 def _load_streams(ds, what, path, *loads):
     """[datasets.load_dataset(path, streaming=True, **kw) for kw in loads], one look at the Hub
     for all of them (datasets_reachable): offline and not cached, a missing config, ... are one
@@ -168,9 +163,9 @@ def _load_streams(ds, what, path, *loads):
         except Exception as e:  # datasets raises many types (ConnectionError, FileNotFoundError, ValueError, ...)
             if unreachable is not None:
                 raise DataError(f"{what}: the Hugging Face Hub cannot be reached ({type(unreachable).__name__}: "
-                                f"{_first_line(unreachable)}) and datasets' cache has no copy of {path}",
+                                f"{first_line(unreachable)}) and datasets' cache has no copy of {path}",
                                 hint=_DATASETS_HINT) from None
-            raise DataError(f"{what}: datasets could not load {path} ({type(e).__name__}: {_first_line(e)})",
+            raise DataError(f"{what}: datasets could not load {path} ({type(e).__name__}: {first_line(e)})",
                             hint=_DATASETS_HINT) from None
 
 
@@ -182,7 +177,7 @@ def _stream_field(ds, field, what, strip=False):
     except (KeyError, TypeError) as e:
         raise DataError(f"{what}: a streamed row has no text field {field!r} ({type(e).__name__}: {e})") from None
     except (ConnectionError, OSError, ValueError) as e:  # a stream that breaks mid-way
-        raise DataError(f"{what}: reading the datasets stream failed ({type(e).__name__}: {_first_line(e)})",
+        raise DataError(f"{what}: reading the datasets stream failed ({type(e).__name__}: {first_line(e)})",
                         hint=_DATASETS_HINT) from None
 
 
