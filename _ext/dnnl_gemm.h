@@ -35,12 +35,64 @@ static inline int llmctl_cpu_bf16_flags(void) { return 0; }
 
 #if LLMCTL_DNNL_BUILD
 #include <oneapi/dnnl/dnnl.h>
+#include <pthread.h>
+#include <signal.h>
 #ifdef _OPENMP
 #include <omp.h>
 #define LLMCTL_DNNL_THREADS(n) do { if (omp_get_max_threads() != (n)) omp_set_num_threads(n); } while (0)
 #else
 #define LLMCTL_DNNL_THREADS(n) do { (void)(n); } while (0)
 #endif
+
+/* Signals and oneDNN's GEMM threads.
+ *
+ * oneDNN's "nocopy" sgemm kernels (jit_avx_gemm_f32, jit_avx512_common_gemm_f32) point the stack
+ * pointer at the start of a heap workspace while they run, whenever K is larger than what fits
+ * on their own stack (`mov(rsp, ARG_WS)`, K > 84). A signal handled on that thread then has its
+ * frame pushed below the workspace: over malloc's chunk header and the allocation before it.
+ * Python's handlers (Ctrl-C, a profiler, SIGUSR1, ...) run their C part on the thread's stack,
+ * so a Ctrl-C during training could write NaNs into the weights or abort the process with
+ * "corrupted size vs. prev_size".
+ *
+ * So no asynchronous signal is handled on a thread while it may be inside oneDNN: the caller
+ * blocks them for the call (a pending one is handled when the call returns, on the normal
+ * stack), and every OpenMP worker blocks them for good the first time it serves a GEMM
+ * (threads the pool creates during the call inherit the caller's blocked mask). Python handles
+ * signals on the main thread only, so the workers lose nothing. The faults a thread raises
+ * itself (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGTRAP, SIGSYS, SIGABRT) are never blocked. */
+static inline void llmctl_async_signals(sigset_t* s) {
+    sigfillset(s);
+    sigdelset(s, SIGSEGV); sigdelset(s, SIGBUS); sigdelset(s, SIGFPE); sigdelset(s, SIGILL);
+    sigdelset(s, SIGTRAP); sigdelset(s, SIGSYS); sigdelset(s, SIGABRT);
+}
+
+static __thread int llmctl_worker_signals_blocked = 0;
+
+static inline void llmctl_block_signals(sigset_t* old, int n_threads) {
+    sigset_t s;
+    llmctl_async_signals(&s);
+    pthread_sigmask(SIG_BLOCK, &s, old);
+#ifdef _OPENMP
+    if (n_threads > 1 && !omp_in_parallel()) {
+        /* the same team size as the GEMM's parallel region, so the same pool threads */
+        #pragma omp parallel num_threads(n_threads)
+        {
+            if (omp_get_thread_num() != 0 && !llmctl_worker_signals_blocked) {
+                sigset_t w;
+                llmctl_async_signals(&w);
+                pthread_sigmask(SIG_BLOCK, &w, NULL);
+                llmctl_worker_signals_blocked = 1;
+            }
+        }
+    }
+#else
+    (void)n_threads;
+#endif
+}
+
+static inline void llmctl_restore_signals(const sigset_t* old) {
+    pthread_sigmask(SIG_SETMASK, old, NULL);
+}
 
 dnnl_status_t DNNL_API dnnl_gemm_bf16bf16f32(char transa, char transb, dnnl_dim_t M,
         dnnl_dim_t N, dnnl_dim_t K, float alpha, const uint16_t *A, dnnl_dim_t lda,
@@ -49,15 +101,23 @@ dnnl_status_t DNNL_API dnnl_gemm_bf16bf16f32(char transa, char transb, dnnl_dim_
 static inline int llmctl_dnnl_sgemm(char ta, char tb, int64_t M, int64_t N, int64_t K,
         const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
         int64_t ldc, int n_threads) {
+    sigset_t old;
     LLMCTL_DNNL_THREADS(n_threads);
-    return (int)dnnl_sgemm(ta, tb, M, N, K, 1.0f, A, lda, B, ldb, beta, C, ldc);
+    llmctl_block_signals(&old, n_threads);
+    int st = (int)dnnl_sgemm(ta, tb, M, N, K, 1.0f, A, lda, B, ldb, beta, C, ldc);
+    llmctl_restore_signals(&old);
+    return st;
 }
 
 static inline int llmctl_dnnl_gemm_bf16(char ta, char tb, int64_t M, int64_t N, int64_t K,
         const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float beta, float* C,
         int64_t ldc, int n_threads) {
+    sigset_t old;
     LLMCTL_DNNL_THREADS(n_threads);
-    return (int)dnnl_gemm_bf16bf16f32(ta, tb, M, N, K, 1.0f, A, lda, B, ldb, beta, C, ldc);
+    llmctl_block_signals(&old, n_threads);
+    int st = (int)dnnl_gemm_bf16bf16f32(ta, tb, M, N, K, 1.0f, A, lda, B, ldb, beta, C, ldc);
+    llmctl_restore_signals(&old);
+    return st;
 }
 
 static inline void llmctl_dnnl_version(int* v) {

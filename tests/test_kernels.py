@@ -12,7 +12,13 @@ that (times 2 for the final bias/accumulate rounding), so it holds for BLAS and 
 a wrong or missing term (error ~ one |term|) fails it. Element-wise kernels use a few-ulp
 relative bound stated at each test.
 """
+import contextlib
+import os
 import platform
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -21,6 +27,7 @@ import reference as ref
 from llmctl._ext import adamw, layers, matmul
 
 U32 = 2.0 ** -24  # unit roundoff of float32
+HERE = os.path.dirname(os.path.abspath(__file__))
 THREADS = [1, 2]
 # every fp32 engine this build has: "blas" (scipy's BLAS, the fallback) is always tested
 # explicitly, whatever the default engine is
@@ -218,6 +225,35 @@ def test_matmul_dnnl_runs_on_n_threads():
     for n in (1, 2, 1):
         matmul.matmul_forward(out, x, x, None, BT, C, OC, n_threads=n, backend="dnnl")
         assert buildinfo.openmp_max_threads() == n
+
+
+@pytest.mark.skipif("dnnl" not in matmul.get_backends(), reason="built without oneDNN")
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="no SIGUSR1 on this platform")
+def test_matmul_dnnl_survives_signals():
+    # oneDNN's nocopy sgemm runs with the stack pointer on a heap workspace when K > 84; a signal
+    # handled on that thread wrote its frame over the heap (a Ctrl-C during training aborted the
+    # process or put NaNs in the weights). Thousands of signals during GEMMs must change nothing.
+    threads = [1, 2]
+    child = subprocess.Popen([sys.executable, os.path.join(HERE, "signalled_gemms.py"), "3"]
+                             + [str(n) for n in threads],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "ready\n", child.stderr.read()
+        sent = 0
+        while child.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, signal.SIGUSR1)
+                sent += 1
+            time.sleep(0.0002)
+        out, err = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
+    assert child.returncode == 0, f"exit {child.returncode} after {sent} signals: {out} {err}"
+    calls, handled, wrong = (int(v) for v in out.split())
+    assert wrong == 0
+    assert calls >= 30 and handled >= 200, (calls, handled)  # the signals did land mid-GEMM
 
 
 # ---------------------------------------------------------------------------------------------
