@@ -46,8 +46,22 @@ def run(tree, args):
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
     out = subprocess.run([sys.executable, "-c", CHILD, args.model, str(args.batch_size), str(args.seq_len),
                           str(args.steps), str(args.threads)],
-                         env=env, cwd=os.path.abspath(tree), check=True, capture_output=True, text=True)
+                         env=env, cwd=os.path.abspath(tree), capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"the step in {tree} failed (exit {out.returncode}):\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def check_built(tree):
+    """Both trees are run from source: their extensions must be built in place."""
+    probe = "import llmctl._ext.matmul, llmctl._ext.layers; print(llmctl._ext.matmul.__file__)"
+    r = subprocess.run([sys.executable, "-c", probe], env=dict(os.environ, PYTHONPATH=os.path.abspath(tree)),
+                       cwd=os.path.abspath(tree), capture_output=True, text=True)
+    where = r.stdout.strip()
+    if r.returncode != 0 or not os.path.realpath(where).startswith(os.path.realpath(tree) + os.sep):
+        why = (r.stderr.strip().splitlines() or ["?"])[-1] if r.returncode else f"it imports {where}"
+        raise SystemExit(f"{tree}: llmctl's extensions do not import from this source tree ({why}); "
+                         f"build them in place: cd {tree} && python setup.py build_ext --inplace")
 
 
 def main():
@@ -63,6 +77,8 @@ def main():
     args = ap.parse_args()
 
     trees = {"this": os.path.join(HERE, ".."), "other": args.other}
+    for tree in trees.values():
+        check_built(tree)
     times = {k: [] for k in trees}
     files = {}
     load0 = os.getloadavg()[0]
