@@ -46,6 +46,11 @@ cdef extern from "dnnl_gemm.h" nogil:
                               int64_t ldc, int n_threads)
     void llmctl_dnnl_version(int* v)
 
+cdef extern from "gemv_bf16.h" nogil:
+    int llmctl_gemv_bf16_supported()
+    void llmctl_gemv_bf16(float* out, const uint16_t* x, const uint16_t* W, const float* bias,
+                          int R, int64_t C, int64_t OC, int64_t o0, int64_t o1)
+
 cdef extern from *:
     """
     #ifndef LLMCTL_DNNL_BUILD
@@ -711,10 +716,47 @@ cdef int _bf16_backend_id(backend) except -1:
     raise ValueError(f"unknown bf16 matmul backend {backend!r}; choose one of {names}")
 
 
+# decoding: at most this many rows go through gemv_bf16.h instead of oneDNN's bf16 GEMM (which
+# packs the weight on every call). Measured on d12's layer shapes, weights streamed from memory:
+# 1 row took 0.58-0.82x oneDNN's time on each; 2-4 rows 0.57-0.92x, but 1.04-1.09x on the lm
+# head; 8 rows were mixed (0.80-1.34x). See docs/performance.md.
+cdef int _gemv_rows = 4
+cdef bint _gemv_ok = llmctl_gemv_bf16_supported() != 0
+cdef enum:
+    GEMV_BLOCK = 64      # output channels per task
+
+
+def set_gemv_rows(int rows):
+    """Use the bf16 GEMV for at most `rows` rows (0: never; oneDNN for every shape). Returns the old value."""
+    global _gemv_rows
+    old = _gemv_rows
+    _gemv_rows = rows
+    return old
+
+
+def gemv_bf16_available():
+    """True when matmul_forward_bf16 runs few-row products on gemv_bf16.h here (AVX512_BF16)."""
+    return bool(_gemv_ok)
+
+
+cdef void _gemv_bf16(float* out, const uint16_t* inp, const uint16_t* weight, const float* bias,
+                     int R, int C, int OC, int n_threads) noexcept nogil:
+    cdef Py_ssize_t nblk = (OC + GEMV_BLOCK - 1) // GEMV_BLOCK
+    cdef Py_ssize_t blk, o0, o1
+    n_threads = eff_threads(n_threads, <Py_ssize_t>OC * C, 65536)
+    for blk in prange(nblk, schedule='static', num_threads=n_threads):
+        o0 = blk * GEMV_BLOCK
+        o1 = o0 + GEMV_BLOCK
+        if o1 > OC:
+            o1 = OC
+        llmctl_gemv_bf16(out, inp, weight, bias, R, C, OC, o0, o1)
+
+
 def matmul_forward_bf16(float[::1] out, const uint16_t[::1] inp, const uint16_t[::1] weight, bias,
                         int BT, int C, int OC, int n_threads=1, backend=None):
     """out (BT,OC) fp32 = inp (BT,C) bf16 @ weight (OC,C)^T bf16 + bias (OC) fp32, accumulated in
-    fp32. Overwrites out. bias may be None."""
+    fp32. Overwrites out. bias may be None. On the dnnl engine, BT <= set_gemv_rows() rows (a
+    decode step) run on gemv_bf16.h where the CPU has AVX512_BF16."""
     cdef int which = _bf16_backend_id(backend)
     cdef const float[::1] bias_mv
     cdef const float* bias_ptr = NULL
@@ -727,6 +769,10 @@ def matmul_forward_bf16(float[::1] out, const uint16_t[::1] inp, const uint16_t[
         check_len("bias", bias_mv.shape[0], OC)
         bias_ptr = &bias_mv[0]
         check_disjoint("out", &out[0], out.shape[0], "bias", bias_ptr, OC)
+    if which == DNNL and _gemv_ok and BT <= _gemv_rows:
+        with nogil:
+            _gemv_bf16(&out[0], &inp[0], &weight[0], bias_ptr, BT, C, OC, n_threads)
+        return
     if which == DNNL:
         with nogil:
             if bias_ptr != NULL:

@@ -168,6 +168,56 @@ def test_matmul_backward_bf16_reads_a_precast_dout(backend):
                                     backend=backend)
 
 
+GEMV_SHAPES = [(1, 1, 1), (1, 768, 67), (1, 130, 5), (1, 33, 130), (2, 31, 9), (3, 128, 70),
+               (4, 300, 66), (5, 64, 8)]   # C: tails of 32/128 lanes; OC: ragged 4-row and 64-row blocks
+
+
+@pytest.mark.skipif(not matmul.gemv_bf16_available(), reason="no AVX512_BF16 here: few-row bf16 "
+                    "products run on oneDNN (or the emulation), tested above")
+@pytest.mark.parametrize("shape", GEMV_SHAPES)
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_matmul_forward_bf16_few_rows_gemv_matches_rounded_reference(shape, with_bias, n_threads):
+    # decode-sized products (BT <= 4) run on gemv_bf16.h, not oneDNN: the same bound, and the
+    # same result as oneDNN's bf16 GEMM up to summation order
+    BT, C, OC = shape
+    rng = np.random.default_rng(BT * 7919 + C * 31 + OC)
+    ib, wb, b = to_bf16(_f32(rng, BT, C)), to_bf16(_f32(rng, OC, C)), _f32(rng, OC)
+    x64, w64 = from_bf16(ib).astype(np.float64), from_bf16(wb).astype(np.float64)
+    want = ref.matmul_forward(x64, w64, b.astype(np.float64) if with_bias else None)
+    terms = np.abs(x64) @ np.abs(w64).T + (np.abs(b) if with_bias else 0.0)
+    outs = {}
+    for rows in (4, 0):   # 0: every shape on oneDNN
+        old = matmul.set_gemv_rows(rows)
+        try:
+            out = np.full(BT * OC, np.nan, np.float32)
+            matmul.matmul_forward_bf16(out, ib.ravel(), wb.ravel(), b if with_bias else None, BT, C, OC,
+                                       n_threads=n_threads, backend="dnnl")
+        finally:
+            matmul.set_gemv_rows(old)
+        _assert_dot_close(out.reshape(BT, OC), want, terms, C, f"bf16 rows={rows}")
+        outs[rows] = out
+    if BT > 4:   # past the threshold both runs are oneDNN's
+        np.testing.assert_array_equal(outs[4], outs[0])
+    elif C > 32:   # really two engines: the summation order differs
+        assert not np.array_equal(outs[4], outs[0])
+
+
+@pytest.mark.skipif(not matmul.gemv_bf16_available(), reason="no AVX512_BF16 here")
+def test_matmul_forward_bf16_gemv_keeps_nan_and_inf():
+    # a non-finite input must come out non-finite, not be lost in a masked tail
+    C, OC = 45, 6
+    x = np.ones(C, np.float32)
+    w = np.ones((OC, C), np.float32)
+    w[1, 44] = np.inf     # in the tail of the last 32-lane load
+    w[3, 3] = np.nan
+    x16, w16 = to_bf16(x), to_bf16(w).ravel()
+    out = np.zeros(OC, np.float32)
+    matmul.matmul_forward_bf16(out, x16, w16, None, 1, C, OC, backend="dnnl")
+    assert np.isposinf(out[1]) and np.isnan(out[3])
+    np.testing.assert_array_equal(out[[0, 2, 4, 5]], np.float32(C))
+
+
 def test_bf16_engines_follow_the_cpu():
     feats = matmul.cpu_bf16_features()
     assert set(feats) <= {"avx512_bf16", "amx_bf16"}

@@ -1,0 +1,105 @@
+/* A few rows times a bf16 weight matrix, for decoding: out (R,OC) fp32 = x (R,C) @ W (OC,C)^T
+ * (+ bias), x and W bf16 (uint16 bit patterns, bf16.h), products exact and sums in fp32.
+ *
+ * Why: a decode step multiplies 1 row (sampling) or a few (a batch of prompts) by every weight
+ * matrix. oneDNN's dnnl_gemm_bf16bf16f32 packs the weight for each call, so with M = 1 it moved
+ * the bf16 weights at under a third of the rate NumPy's sgemv moves fp32 ones, and bf16 decoding
+ * was slower than fp32. Here each weight row is read once, straight from memory, and used for
+ * all R rows while it is in L1: a pass over the weights at memory speed, half the bytes of fp32.
+ *
+ * The inner product is AVX512_BF16's vdpbf16ps (32 bf16 pairs per instruction, each product
+ * exact, added into 16 fp32 lanes), the instruction oneDNN's own bf16 GEMM uses; like it, bf16
+ * subnormal inputs count as zero. Only CPUs with AVX512_BF16 run it (llmctl_gemv_bf16_supported);
+ * elsewhere matmul uses oneDNN. The build stays baseline x86-64: the function alone is compiled
+ * for AVX-512 (target attribute) and chosen at run time.
+ *
+ * Rows [o0, o1) of the output channels are computed, so threads can split OC.
+ */
+#ifndef LLMCTL_GEMV_BF16_H
+#define LLMCTL_GEMV_BF16_H
+#include <stdint.h>
+
+#include "dnnl_gemm.h"   /* llmctl_cpu_bf16_flags */
+
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(LLMCTL_NO_AVX_DISPATCH) \
+    && (__GNUC__ >= 10 || defined(__clang__))
+#include <immintrin.h>
+
+/* CPUID.(7,1):EAX[5] AVX512_BF16, with the OS saving the AVX-512 state (XCR0 bits 1,2,5-7) */
+static int llmctl_gemv_bf16_supported(void) {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+           && (llmctl_cpu_bf16_flags() & 1);
+}
+
+#define LLMCTL_GEMV_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
+
+/* lanes [0, n) of 32 bf16 at p, zero beyond: the C tail */
+LLMCTL_GEMV_TARGET static inline __m512i llmctl_gemv_load(const uint16_t* p, int64_t n) {
+    if (n >= 32) return _mm512_loadu_si512((const void*)p);
+    return _mm512_maskz_loadu_epi16((__mmask32)((1ull << n) - 1), (const void*)p);
+}
+
+#define LLMCTL_DP(acc, a, b) _mm512_dpbf16_ps((acc), (__m512bh)(a), (__m512bh)(b))
+
+LLMCTL_GEMV_TARGET static void llmctl_gemv_bf16(float* out, const uint16_t* x, const uint16_t* W,
+                                                const float* bias, int R, int64_t C, int64_t OC,
+                                                int64_t o0, int64_t o1) {
+    int64_t o = o0;
+    if (R == 1) {   /* sampling: one sequential pass over the rows, four chains to hide latency */
+        for (; o < o1; o++) {
+            const uint16_t* w = W + o * C;
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            int64_t c = 0;
+            for (; c + 128 <= C; c += 128) {
+                a0 = LLMCTL_DP(a0, _mm512_loadu_si512((const void*)(x + c)), _mm512_loadu_si512((const void*)(w + c)));
+                a1 = LLMCTL_DP(a1, _mm512_loadu_si512((const void*)(x + c + 32)), _mm512_loadu_si512((const void*)(w + c + 32)));
+                a2 = LLMCTL_DP(a2, _mm512_loadu_si512((const void*)(x + c + 64)), _mm512_loadu_si512((const void*)(w + c + 64)));
+                a3 = LLMCTL_DP(a3, _mm512_loadu_si512((const void*)(x + c + 96)), _mm512_loadu_si512((const void*)(w + c + 96)));
+            }
+            for (; c < C; c += 32)
+                a0 = LLMCTL_DP(a0, llmctl_gemv_load(x + c, C - c), llmctl_gemv_load(w + c, C - c));
+            a0 = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
+            out[o] = _mm512_reduce_add_ps(a0) + (bias ? bias[o] : 0.0f);
+        }
+        return;
+    }
+    for (; o + 4 <= o1; o += 4) {   /* four weight rows (4 x 1.5 KB at C = 768) stay in L1 */
+        const uint16_t* w0 = W + o * C;
+        for (int r = 0; r < R; r++) {
+            const uint16_t* xr = x + (int64_t)r * C;
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t c = 0; c < C; c += 32) {
+                __m512i xv = llmctl_gemv_load(xr + c, C - c);
+                a0 = LLMCTL_DP(a0, xv, llmctl_gemv_load(w0 + c, C - c));
+                a1 = LLMCTL_DP(a1, xv, llmctl_gemv_load(w0 + C + c, C - c));
+                a2 = LLMCTL_DP(a2, xv, llmctl_gemv_load(w0 + 2 * C + c, C - c));
+                a3 = LLMCTL_DP(a3, xv, llmctl_gemv_load(w0 + 3 * C + c, C - c));
+            }
+            float* y = out + (int64_t)r * OC + o;
+            y[0] = _mm512_reduce_add_ps(a0) + (bias ? bias[o] : 0.0f);
+            y[1] = _mm512_reduce_add_ps(a1) + (bias ? bias[o + 1] : 0.0f);
+            y[2] = _mm512_reduce_add_ps(a2) + (bias ? bias[o + 2] : 0.0f);
+            y[3] = _mm512_reduce_add_ps(a3) + (bias ? bias[o + 3] : 0.0f);
+        }
+    }
+    for (; o < o1; o++) {
+        const uint16_t* w0 = W + o * C;
+        for (int r = 0; r < R; r++) {
+            const uint16_t* xr = x + (int64_t)r * C;
+            __m512 a0 = _mm512_setzero_ps();
+            for (int64_t c = 0; c < C; c += 32)
+                a0 = LLMCTL_DP(a0, llmctl_gemv_load(xr + c, C - c), llmctl_gemv_load(w0 + c, C - c));
+            out[(int64_t)r * OC + o] = _mm512_reduce_add_ps(a0) + (bias ? bias[o] : 0.0f);
+        }
+    }
+}
+#undef LLMCTL_DP
+#undef LLMCTL_GEMV_TARGET
+#else
+static int llmctl_gemv_bf16_supported(void) { return 0; }
+static void llmctl_gemv_bf16(float* out, const uint16_t* x, const uint16_t* W, const float* bias,
+                             int R, int64_t C, int64_t OC, int64_t o0, int64_t o1) {
+    (void)out; (void)x; (void)W; (void)bias; (void)R; (void)C; (void)OC; (void)o0; (void)o1;
+}
+#endif
+#endif
