@@ -145,9 +145,14 @@ def dnnl_version():
     return (v[0], v[1], v[2])
 
 
+# asked once: cpuid traps to the hypervisor in a VM (tens of microseconds), and every bf16
+# matmul call checks its engine
+cdef int _cpu_bf16_flags = llmctl_cpu_bf16_flags()
+
+
 def cpu_bf16_features():
     """The native bf16 instruction sets this CPU and OS offer: a subset of ("avx512_bf16", "amx_bf16")."""
-    cdef int f = llmctl_cpu_bf16_flags()
+    cdef int f = _cpu_bf16_flags
     return tuple(name for bit, name in ((1, "avx512_bf16"), (2, "amx_bf16")) if f & bit)
 
 
