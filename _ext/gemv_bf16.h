@@ -9,8 +9,8 @@
  *
  * The inner product is AVX512_BF16's vdpbf16ps (32 bf16 pairs per instruction, each product
  * exact, added into 16 fp32 lanes), the instruction oneDNN's own bf16 GEMM uses; like it, bf16
- * subnormal inputs count as zero. Only CPUs with AVX512_BF16 run it (llmctl_gemv_bf16_supported);
- * elsewhere matmul uses oneDNN. The build stays baseline x86-64: the function alone is compiled
+ * subnormal inputs count as zero. Only CPUs with AVX512_BF16 run it (matmul checks that and
+ * llmctl_gemv_bf16_supported); elsewhere matmul uses oneDNN. The build stays baseline x86-64: the function alone is compiled
  * for AVX-512 (target attribute) and chosen at run time.
  *
  * Rows [o0, o1) of the output channels are computed, so threads can split OC.
@@ -19,16 +19,14 @@
 #define LLMCTL_GEMV_BF16_H
 #include <stdint.h>
 
-#include "dnnl_gemm.h"   /* llmctl_cpu_bf16_flags */
-
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(LLMCTL_NO_AVX_DISPATCH) \
     && (__GNUC__ >= 10 || defined(__clang__))
 #include <immintrin.h>
 
-/* CPUID.(7,1):EAX[5] AVX512_BF16, with the OS saving the AVX-512 state (XCR0 bits 1,2,5-7) */
+/* The AVX-512 this kernel needs besides AVX512_BF16 (which the caller has from
+   llmctl_cpu_bf16_flags in dnnl_gemm.h, with the OS's XCR0 check). */
 static int llmctl_gemv_bf16_supported(void) {
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-           && (llmctl_cpu_bf16_flags() & 1);
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
 }
 
 #define LLMCTL_GEMV_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))

@@ -726,7 +726,7 @@ cdef int _bf16_backend_id(backend) except -1:
 # 1 row took 0.58-0.82x oneDNN's time on each; 2-4 rows 0.57-0.92x, but 1.04-1.09x on the lm
 # head; 8 rows were mixed (0.80-1.34x). See docs/performance.md.
 cdef int _gemv_rows = 4
-cdef bint _gemv_ok = llmctl_gemv_bf16_supported() != 0
+cdef bint _gemv_ok = (_cpu_bf16_flags & 1) != 0 and llmctl_gemv_bf16_supported() != 0   # AVX512_BF16
 cdef enum:
     GEMV_BLOCK = 64      # output channels per task
 # weight elements per thread (8 MB of bf16): one core streams a d12 layer's weight (0.6-2.4M
