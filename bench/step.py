@@ -139,20 +139,22 @@ def bench_llmctl(desc, B, T, n_threads, steps, matmul, precision):
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
     # two more steps with every kernel call timed; keep the less disturbed one
-    originals = (m._k_matmul, m._k_layers, m._k_attention, m._k_adamw, m._k_convert)
+    kern = m.kernels
+    names = ("matmul", "layers", "attention", "adamw", "convert")
+    originals = {name: getattr(kern, name) for name in names}
     best = None
     for s in range(2):
         acc = defaultdict(float)
-        m._k_matmul, m._k_layers = _Timed(originals[0], acc, "matmul"), _Timed(originals[1], acc, "layers")
-        m._k_attention, m._k_adamw = _Timed(originals[2], acc, "attention"), _Timed(originals[3], acc, "adamw")
-        m._k_convert = _Timed(originals[4], acc, "layers")   # the bf16 casts count with the other kernels
+        for name in names:   # the bf16 casts count with the other kernels
+            setattr(kern, name, _Timed(originals[name], acc, "layers" if name == "convert" else name))
         t0 = time.perf_counter()
         _step(m, x, y, steps + 2 + s)
         total = time.perf_counter() - t0
         if best is None or total < best[0]:
             best = (total, acc)
     total, acc = best
-    m._k_matmul, m._k_layers, m._k_attention, m._k_adamw, m._k_convert = originals
+    for name in names:
+        setattr(kern, name, originals[name])
     groups = defaultdict(float)
     for k, v in acc.items():
         g = k.split(".")[0]
@@ -160,7 +162,7 @@ def bench_llmctl(desc, B, T, n_threads, steps, matmul, precision):
             g = "grad_norm"
         groups[g] += v
     groups["python+numpy"] = total - sum(acc.values())
-    return {"model": desc, "B": B, "T": T, "precision": precision, "engine": m._k_matmul.default_backend(),
+    return {"model": desc, "B": B, "T": T, "precision": precision, "engine": kern.matmul.default_backend(),
             "threads": n_threads, "num_params": m.num_parameters,
             "non_matmul_share": 1.0 - groups.get("matmul", 0.0) / total,
             "step_s": min(times), "median_s": statistics.median(times), "all_steps_s": times,

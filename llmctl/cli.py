@@ -589,7 +589,7 @@ def eval_hellaswag_cmd(
         with _rate_progress("ex") as progress:
             task = progress.add_task("hellaswag", total=None)
             res = eval_hellaswag(model, input_file, limit=limit, norm=norm, per_example=per_example,
-                                 n_threads=model.n_threads, batch_tokens=batch_tokens,
+                                 batch_tokens=batch_tokens,
                                  on_start=lambda n: progress.update(task, total=n),
                                  on_progress=lambda d: progress.update(task, completed=d))
     res["seconds"] = round(time.time() - t0, 3)
@@ -770,7 +770,7 @@ def sample_cmd(
         results = sample(model, prompt_tokens, num_samples=num_samples, max_new_tokens=n,
                          temperature=temperature, top_k=top_k or None,
                          top_p=top_p if top_p < 1.0 else None, seed=seed, use_cache=not no_cache,
-                         tokenizer=tok, n_threads=model.n_threads, escape=tty,
+                         tokenizer=tok, escape=tty,
                          on_text=None if json_out else on_text,
                          on_sample_start=None if json_out else on_sample_start,
                          on_sample_end=on_sample_end)

@@ -26,7 +26,6 @@ import numpy as np
 
 from llmctl.errors import ConfigError, DataError, FormatError
 from llmctl.info import DEFAULT_PRECISION
-from llmctl.model.cached import block_forward, embed, final_norm, lm_logits, weights
 
 NUM_COMPLETIONS = 4
 
@@ -81,13 +80,13 @@ def check_examples(examples, config, path="<examples>"):
                 raise FormatError(f"{path}: example {ex.index} has token id {int(np.max(toks))} >= vocab size {V}")
 
 
-def _token_losses(w, h, targets, n_threads, chunk=256):
+def _token_losses(model, h, targets, chunk=256):
     """Cross-entropy (float64) of final-normed hidden rows h (M,C) against targets (M,) or
     (M,k) (k targets scored from the same row's distribution) -> same shape as targets."""
     targets = np.asarray(targets, dtype=np.int64)
     out = np.empty(targets.shape, dtype=np.float64)
     for s in range(0, h.shape[0], chunk):
-        lg = lm_logits(w, h[s:s + chunk], n_threads)          # (m, V) float32
+        lg = model.logits_from_hidden(h[s:s + chunk])          # (m, V) float32
         m = lg.max(axis=1, keepdims=True)
         lse = m[:, 0].astype(np.float64) + np.log(np.exp(lg - m).sum(axis=1, dtype=np.float64))
         tg = targets[s:s + chunk]
@@ -96,9 +95,10 @@ def _token_losses(w, h, targets, n_threads, chunk=256):
     return out
 
 
-def _score_batch(model, batch, n_threads):
+def _score_batch(model, batch):
     """-> (losses_sum (E,4), num_tokens (E,4)) for a list of EvalExample."""
-    w = weights(model)
+    cfg = model.config
+    C, NH = cfg.channels, cfg.num_heads
     E = len(batch)
     n_ctx = np.array([len(ex.context) for ex in batch], dtype=np.int32)
     comps = [[np.asarray(e, dtype=np.int64) for e in ex.endings] for ex in batch]
@@ -106,13 +106,12 @@ def _score_batch(model, batch, n_threads):
     # completion rows feed all but their last token (which is only ever a target)
     Tc = max(len(c) - 1 for cs in comps for c in cs)
     Tcap = Tx + Tc
-    hs = w.C // w.NH
 
     ctx_tok = np.zeros((E, Tx), dtype=np.int64)
     for e, ex in enumerate(batch):
         ctx_tok[e, :n_ctx[e]] = ex.context
-    x_ctx = embed(w, ctx_tok, np.zeros(E, dtype=np.int32))
     zero_pos = np.zeros(E, dtype=np.int32)
+    x_ctx = model.embed(ctx_tok, zero_pos)
     pos4 = np.repeat(n_ctx, NUM_COMPLETIONS).astype(np.int32)
     if Tc > 0:
         comp_tok = np.zeros((E * NUM_COMPLETIONS, Tc), dtype=np.int64)
@@ -120,23 +119,23 @@ def _score_batch(model, batch, n_threads):
             for c in range(NUM_COMPLETIONS):
                 t = comps[e][c][:-1]
                 comp_tok[e * NUM_COMPLETIONS + c, :t.size] = t
-        x_comp = embed(w, comp_tok, pos4)
-    k = np.empty((E, w.NH, Tcap, hs), dtype=np.float32)
+        x_comp = model.embed(comp_tok, pos4)
+    k = np.empty((E, NH, Tcap, C // NH), dtype=np.float32)
     v = np.empty_like(k)
-    for l in range(w.L):
-        x_ctx = block_forward(w, l, x_ctx, k, v, zero_pos, n_threads)
+    for l in range(cfg.num_layers):
+        x_ctx = model.block_forward(l, x_ctx, k, v, zero_pos)
         if Tc > 0:
             k4 = np.repeat(k, NUM_COMPLETIONS, axis=0)  # each completion row gets its context's K/V
             v4 = np.repeat(v, NUM_COMPLETIONS, axis=0)
-            x_comp = block_forward(w, l, x_comp, k4, v4, pos4, n_threads)
+            x_comp = model.block_forward(l, x_comp, k4, v4, pos4)
 
     # rows of hidden states that predict a completion token, and those tokens
-    h_last = final_norm(w, x_ctx.reshape(E, Tx, w.C)[np.arange(E), n_ctx - 1], n_threads)  # predicts comp[0]
+    h_last = model.final_norm(x_ctx.reshape(E, Tx, C)[np.arange(E), n_ctx - 1])  # predicts comp[0]
     first_t = np.array([[comps[e][c][0] for c in range(NUM_COMPLETIONS)] for e in range(E)])
     losses = np.zeros((E, NUM_COMPLETIONS), dtype=np.float64)
     counts = np.array([[len(c) for c in cs] for cs in comps], dtype=np.int64)
     # the first completion token of each row: one distribution per example serves all four
-    losses += _token_losses(w, h_last, first_t, n_threads)
+    losses += _token_losses(model, h_last, first_t)
     if Tc > 0:
         r_idx, t_idx, tgt = [], [], []
         for e in range(E):
@@ -147,8 +146,8 @@ def _score_batch(model, batch, n_threads):
                 tgt.extend(comps[e][c][1:].tolist())
         if r_idx:
             r_idx = np.array(r_idx)
-            h = final_norm(w, x_comp.reshape(-1, Tc, w.C)[r_idx, np.array(t_idx)], n_threads)
-            tl = _token_losses(w, h, np.array(tgt, dtype=np.int64), n_threads)
+            h = model.final_norm(x_comp.reshape(-1, Tc, C)[r_idx, np.array(t_idx)])
+            tl = _token_losses(model, h, np.array(tgt, dtype=np.int64))
             np.add.at(losses.reshape(-1), r_idx, tl)
     return losses, counts
 
@@ -171,15 +170,14 @@ def _batches(examples, batch_tokens):
         yield batch
 
 
-def score_examples(model, examples, norm="tokens", tokenizer=None, n_threads=None,
-                   batch_tokens=2048, on_progress=None, path="<examples>"):
+def score_examples(model, examples, norm="tokens", tokenizer=None, batch_tokens=2048, on_progress=None,
+                   path="<examples>"):
     """Score multiple-choice examples (EvalExample-like: index, label, context, endings).
     -> list of ExampleScore in the input order. on_progress(n_done) after each batch."""
     if norm not in ("tokens", "chars"):
         raise ConfigError(f"--norm must be 'tokens' or 'chars', got {norm!r}")
     examples = list(examples)
     check_examples(examples, model.config, path)
-    n_threads = int(n_threads or weights(model).n_threads)
     if norm == "chars":
         if tokenizer is None:
             from llmctl.tokenizer import get_tokenizer
@@ -187,7 +185,7 @@ def score_examples(model, examples, norm="tokens", tokenizer=None, n_threads=Non
     scores = [None] * len(examples)
     done = 0
     for idxs in _batches(examples, batch_tokens):
-        losses, counts = _score_batch(model, [examples[i] for i in idxs], n_threads)
+        losses, counts = _score_batch(model, [examples[i] for i in idxs])
         for j, i in enumerate(idxs):
             ex = examples[i]
             s = losses[j].tolist()
@@ -250,10 +248,10 @@ def hellaswag_file(path=None, log=None):
     return HELLASWAG_VAL
 
 
-def eval_hellaswag(model, path, limit=None, norm="tokens", per_example=False, n_threads=None,
-                   batch_tokens=2048, on_progress=None, on_start=None, comm=None):
-    """Score an llm.c eval file (e.g. hellaswag_val.bin). model: a GPT2 (or anything with
-    .config and .p). limit: only the first N examples. on_start(num_local_examples) before scoring.
+def eval_hellaswag(model, path, limit=None, norm="tokens", per_example=False, batch_tokens=2048,
+                   on_progress=None, on_start=None, comm=None):
+    """Score an llm.c eval file (e.g. hellaswag_val.bin). model: a GPT2. limit: only the first N
+    examples. on_start(num_local_examples) before scoring.
 
     With a `comm` (llmctl.distributed Comm) of P ranks, rank r scores examples [r*ceil(N/P), ...) as llm.c's
     EvalLoader splits them and the counts are summed over ranks; per-example results are the
@@ -272,8 +270,7 @@ def eval_hellaswag(model, path, limit=None, norm="tokens", per_example=False, n_
         examples = examples[comm.rank * per:(comm.rank + 1) * per]
     if on_start is not None:
         on_start(len(examples))
-    scores = score_examples(model, examples, norm=norm, n_threads=n_threads,
-                            batch_tokens=batch_tokens, on_progress=on_progress, path=str(path))
+    scores = score_examples(model, examples, norm=norm, batch_tokens=batch_tokens, on_progress=on_progress, path=str(path))
     res = summarize(scores, norm=norm, per_example=per_example)
     if comm is not None and comm.world_size > 1:
         res["correct"] = int(round(comm.all_reduce_sum_scalar(float(res["correct"]))))

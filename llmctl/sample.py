@@ -2,13 +2,13 @@
 
 What it is:
 - `generate`: the sampling loop, `llmctl sample` and training's `-s/-g` samples call it. It runs
-  the prompt once through `llmctl.model.cached.forward_cached` and then one position per token.
+  the prompt once through the model's `forward_cached` and then one position per token.
   Plain sampling (temperature 1, no top-k/top-p) is llm.c's `sample_softmax` (llmc/sampler.h)
   with llm.c's xorshift64* `random_f32` coins; temperature 0 is greedy (argmax, ties to the
   lowest id); top-k / top-p filter the distribution, then the coin walks the CDF in id order.
 - `StreamDecoder`: token ids -> printable text as they arrive (incremental UTF-8, control bytes
   escaped for terminals).
-What it is not: a forward pass (the model's, llmctl/model/cached.py and llmctl/model/gpt2.py)
+What it is not: a forward pass (the model's, llmctl/model/gpt2.py)
 and not batched sampling (samples run one after another from one RNG stream).
 
 Mirrors: llmc/sampler.h, llm.c's xorshift (`random_u32`/`random_f32` in train_gpt2.c), and
@@ -22,7 +22,7 @@ import numpy as np
 
 from llmctl.errors import ConfigError
 from llmctl.formats import GPT2_EOT as EOT
-from llmctl.model.cached import KVCache, forward_cached, logits_from_hidden, weights
+from llmctl.model.gpt2 import KVCache
 
 # Temperatures below this are greedy (argmax, no coin drawn). Any logit gap above ~1e-4 already
 # gives the runner-up < exp(-100) at T = 1e-6, and a subnormal T (1e-320) made z / T overflow
@@ -148,8 +148,7 @@ def check_sample_length(config, n_prompt, max_new_tokens):
 
 
 def generate(model, prompt_tokens, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-             seed=1337, use_cache=True, stop_at_eot=True, on_token=None, n_threads=None,
-             rng=None, eot=EOT):
+             seed=1337, use_cache=True, stop_at_eot=True, on_token=None, rng=None, eot=EOT):
     """Generate up to max_new_tokens ids after prompt_tokens; returns the generated ids (the EOT
     that stopped generation included). An empty prompt starts from [eot], like llm.c.
 
@@ -169,10 +168,9 @@ def generate(model, prompt_tokens, max_new_tokens, temperature=1.0, top_k=None, 
     rng = rng if rng is not None else Xorshift(seed)
     out = []
     if use_cache:
-        n_threads = int(n_threads or weights(model).n_threads)
         cache = KVCache(cfg, 1, len(prompt) + n)
-        h = forward_cached(model, cache, np.array([prompt], dtype=np.int32), n_threads)
-        logits = logits_from_hidden(model, h[0, -1], n_threads)
+        h = model.forward_cached(cache, np.array([prompt], dtype=np.int32))
+        logits = model.logits_from_hidden(h[0, -1])
     else:
         seq = list(prompt)
         logits = _full_forward_last_logits(model, seq, cfg.vocab_size)
@@ -187,8 +185,8 @@ def generate(model, prompt_tokens, max_new_tokens, temperature=1.0, top_k=None, 
         if (stop_at_eot and tok == eot) or i == n - 1:
             break
         if use_cache:
-            h = forward_cached(model, cache, np.array([[tok]], dtype=np.int32), n_threads)
-            logits = logits_from_hidden(model, h[0, -1], n_threads)
+            h = model.forward_cached(cache, np.array([[tok]], dtype=np.int32))
+            logits = model.logits_from_hidden(h[0, -1])
         else:
             seq.append(tok)
             logits = _full_forward_last_logits(model, seq, cfg.vocab_size)
@@ -231,8 +229,8 @@ class StreamDecoder:
 
 
 def sample(model, prompt_tokens, num_samples=1, max_new_tokens=64, temperature=1.0, top_k=None,
-           top_p=None, seed=1337, use_cache=True, tokenizer=None, on_text=None, n_threads=None,
-           escape=True, on_sample_start=None, on_sample_end=None):
+           top_p=None, seed=1337, use_cache=True, tokenizer=None, on_text=None, escape=True,
+           on_sample_start=None, on_sample_end=None):
     """`llmctl sample`: num_samples generations from one seeded coin stream.
     on_text(sample_index, text_piece) streams printable text; on_sample_start(i) and
     on_sample_end(i, result) bracket each sample. -> list of dicts {prompt_tokens, tokens, text}
@@ -255,7 +253,7 @@ def sample(model, prompt_tokens, num_samples=1, max_new_tokens=64, temperature=1
                 on_text(s, piece)
 
         ids = generate(model, prompt_tokens, max_new_tokens, temperature, top_k, top_p,
-                       use_cache=use_cache, on_token=on_token, n_threads=n_threads, rng=rng,
+                       use_cache=use_cache, on_token=on_token, rng=rng,
                        eot=tok.eot)
         tail = dec.flush()
         if tail and on_text is not None:

@@ -361,8 +361,7 @@ class Trainer:
         and the correct counts summed. -> llmctl.evaluate.eval_hellaswag's result dict."""
         from llmctl.evaluate import eval_hellaswag
 
-        return eval_hellaswag(self.model, self.cfg.hellaswag_path, limit=self.cfg.hellaswag_limit,
-                              n_threads=self.n_threads, comm=self.comm)
+        return eval_hellaswag(self.model, self.cfg.hellaswag_path, limit=self.cfg.hellaswag_limit, comm=self.comm)
 
     def generate_sample(self):
         """llm.c's training-time sample: from <|endoftext|>, gen_tokens-1 tokens, coins from
@@ -374,8 +373,7 @@ class Trainer:
         n = self.gen_tokens - 1
         if n <= 0:
             return ""
-        ids = generate(self.model, [eot], n, seed=1337, stop_at_eot=False, eot=eot,
-                       n_threads=self.n_threads)
+        ids = generate(self.model, [eot], n, seed=1337, stop_at_eot=False, eot=eot)
         if V == 50257:
             try:
                 from llmctl.tokenizer import get_tokenizer

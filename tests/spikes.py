@@ -52,7 +52,7 @@ def train_entry(args, comm):
     skipped, zero_grad = [0], t.model.zero_grad
 
     def counted_zero_grad():
-        skipped[0] += t.model._grads_zero
+        skipped[0] += t.model.grads_known_zero
         zero_grad()
     t.model.zero_grad = counted_zero_grad
     summary = t.run()

@@ -419,23 +419,23 @@ def test_bf16_lmhead_in_blocks_matches_the_full_lmhead(bf16_ok, monkeypatch):
 
 def test_bf16_cached_forward_matches_the_training_forward(bf16_ok):
     # sampling / HellaSwag run the KV-cached forward: in bf16 it rounds the same matmul inputs
-    from llmctl.model.cached import KVCache, forward_cached, logits_from_hidden
+    from llmctl.model.gpt2 import KVCache
 
     m = _init("bf16")
     x, _ = _data(B=2, T=20, seed=3)
     m.forward(x)
     want = m.logits()[..., :MCFG.vocab_size].astype(np.float64)
     cache = KVCache(MCFG, 2, 20)
-    h = np.concatenate([forward_cached(m, cache, x[:, :12]), forward_cached(m, cache, x[:, 12:13]),
-                        forward_cached(m, cache, x[:, 13:])], axis=1)
-    got = logits_from_hidden(m, h)
+    h = np.concatenate([m.forward_cached(cache, x[:, :12]), m.forward_cached(cache, x[:, 12:13]),
+                        m.forward_cached(cache, x[:, 13:])], axis=1)
+    got = m.logits_from_hidden(h)
     err = np.abs(got - want).max() / np.abs(want).max()
     assert err < 1e-4, err
     # ... and it is the bf16 model: the fp32 cached forward of the same weights differs more
     m32 = GPT2(MCFG, n_threads=2)
     m32.params[:] = m.params
     c32 = KVCache(MCFG, 2, 20)
-    g32 = logits_from_hidden(m32, forward_cached(m32, c32, x))
+    g32 = m32.logits_from_hidden(m32.forward_cached(c32, x))
     assert np.abs(g32 - want).max() / np.abs(want).max() > 10 * err
 
 

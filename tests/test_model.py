@@ -174,7 +174,7 @@ def test_batch_shape_changes_reuse_buffers():
         rloss, _, cache = R.gpt2_forward(pr, ids, tg, CFG)
         assert abs(loss - rloss) <= REL * rloss
         _close(m.losses, cache["losses"], f"losses B={B} T={T}")
-    assert m._cap == 32
+    assert m.plan.rows == 32
 
 
 def test_activation_memory_plan():

@@ -11,7 +11,7 @@ import reference as ref
 from llmctl import formats
 from llmctl.errors import ConfigError
 from llmctl.model import GPT2
-from llmctl.model.cached import KVCache, forward_cached, logits_from_hidden
+from llmctl.model.gpt2 import KVCache
 from llmctl.sample import StreamDecoder, Xorshift, check_sample_length, generate, sample_token
 from llmctl.tokenizer import get_tokenizer
 
@@ -106,11 +106,11 @@ def test_cached_logits_equal_full_forward_at_every_position(tiny):
     full = model.logits()[..., :V].copy()
     _, ref_logits, _ = ref.gpt2_forward(P, ids, None, cfg)
     cache = KVCache(model.config, 3, 20)
-    hs = [forward_cached(model, cache, ids[:, :7])]          # prefill 7, then 2 at once, then 1 by 1
-    hs.append(forward_cached(model, cache, ids[:, 7:9]))
+    hs = [model.forward_cached(cache, ids[:, :7])]          # prefill 7, then 2 at once, then 1 by 1
+    hs.append(model.forward_cached(cache, ids[:, 7:9]))
     for t in range(9, 20):
-        hs.append(forward_cached(model, cache, ids[:, t:t + 1]))
-    cached = logits_from_hidden(model, np.concatenate(hs, axis=1))
+        hs.append(model.forward_cached(cache, ids[:, t:t + 1]))
+    cached = model.logits_from_hidden(np.concatenate(hs, axis=1))
     assert cached.shape == (3, 20, V)
     # float32 paths that differ only in summation order (BLAS vs per-query attention) over
     # C=32-wide dot products and 2 layers; logits are O(3), so 1e-5 absolute is ~100 ulp.
@@ -118,14 +118,14 @@ def test_cached_logits_equal_full_forward_at_every_position(tiny):
     np.testing.assert_allclose(cached, ref_logits[..., :V], atol=1e-5, rtol=0)
     assert list(cache.lengths) == [20, 20, 20]
     with pytest.raises(ValueError):
-        forward_cached(model, cache, ids[:, :1])  # the cache is full
+        model.forward_cached(cache, ids[:, :1])  # the cache is full
 
 
 def test_cached_forward_refuses_beyond_maxT(tiny):
     model = tiny[0]
     cache = KVCache(model.config, 1, 40)
     with pytest.raises(ConfigError, match="maxT"):
-        forward_cached(model, cache, np.zeros((1, 33), np.int32))
+        model.forward_cached(cache, np.zeros((1, 33), np.int32))
 
 
 def test_greedy_equals_reference_greedy(tiny):

@@ -674,7 +674,7 @@ def test_hellaswag_during_training_logs_llmc_lines(data, tmp_path):
     assert len(shown) == 2
     for step, (_, line), msg in zip((2, 4), evals, shown):
         m = GPT2.from_checkpoint(str(out / f"model_{step:08d}.bin"), n_threads=1)
-        want = eval_hellaswag(m, hs, n_threads=1)
+        want = eval_hellaswag(m, hs)
         assert recs[step]["hellaswag_acc_norm"] == want["acc_norm"]
         assert line == f"s:{step} eval:{want['acc_norm']:.4f}"
         # llm.c's printf0("HellaSwag: %d/%d = %f\n", ...)
@@ -696,7 +696,7 @@ def test_hellaswag_two_ranks_split_examples_and_limit(data, tmp_path):
     assert [r["step"] for r in recs if "hellaswag_acc_norm" in r] == [2]
     # no update follows the last step's eval: the final checkpoint holds the weights it scored
     model = GPT2.from_checkpoint(str(out / "model_00000002.bin"), n_threads=1)
-    want = eval_hellaswag(model, hs, limit=5, n_threads=1)
+    want = eval_hellaswag(model, hs, limit=5)
     assert want["num_examples"] == 5 and want["correct_norm"] > 0  # else a double count hides
     assert recs[2]["hellaswag_acc_norm"] == want["acc_norm"]
     assert (out / "main.log").read_text().splitlines()[-1] == f"s:2 eval:{want['acc_norm']:.4f}"
@@ -1216,7 +1216,7 @@ def _zero_grad_spy(monkeypatch):
     seen, zero_grad = [], GPT2.zero_grad
 
     def spy(self):
-        seen.append(self._grads_zero)
+        seen.append(self.grads_known_zero)
         zero_grad(self)
         assert not self.grads.any()
     monkeypatch.setattr(GPT2, "zero_grad", spy)

@@ -1,15 +1,18 @@
-"""The training GPT-2 over llmctl's Cython kernels: parameters, activations, forward, backward, AdamW.
+"""GPT-2 over llmctl's Cython kernels: parameters, activations, forward, backward, AdamW.
 
 What it is: the `gpt2_*` half of llm.c's `train_gpt2.c` written in Python. One contiguous float32
 parameter buffer with named views in llm.c's checkpoint order (train_gpt2.c
 `fill_in_parameter_sizes`), gradients in the same layout (one buffer: checkpoint I/O is one
 read/write, the all-reduce one call), AdamW m/v the same way, and activations allocated once and
-reused. The layer loop, shapes, validation and
-memory plan live here; every arithmetic loop is a kernel in `llmctl._ext` (matmul, layers,
-attention, adamw), called with flat views and explicit sizes.
+reused as an ActPlan says. One `_block_forward` / `_block_backward` pair per transformer layer
+serves every use: training, evaluation, and the KV-cached forward of sampling and HellaSwag
+(`forward_cached`, or `embed` / `block_forward` / `final_norm` / `logits_from_hidden` with a
+KVCache, which is data only). The precision's kernels sit behind `self.ops`
+(llmctl/model/ops.py); every arithmetic loop is a kernel in `llmctl._ext`, called with flat
+views and explicit sizes.
 What it is not: a kernel (no per-element math in Python), a trainer (no schedule, data or
-logging: see llmctl/train.py), the KV-cached inference forward (llmctl/model/cached.py),
-a sampler (llmctl/sample.py), or the shape table (llmctl/model/config.py).
+logging: see llmctl/train.py), a sampler (llmctl/sample.py), or the shape table
+(llmctl/model/config.py).
 
 Differences from train_gpt2.c, on purpose:
 - Attention is flash-style: only the per-row log-sum-exp (B,NH,T) is kept, never (B,NH,T,T).
@@ -34,12 +37,15 @@ attention output, each backward's dout in the pass that sums dbias). Checkpoints
 """
 import math
 import os
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
 
 import numpy as np
 
 from llmctl.errors import ConfigError
 from llmctl.info import DEFAULT_PRECISION, PRECISIONS
 from llmctl.model.config import PARAM_NAMES, GPT2Config, num_parameters, param_offsets
+from llmctl.model.ops import Kernels, ops_for
 
 DECAY_PARAMS = {"wte", "wpe", "qkvw", "attprojw", "fcw", "fcprojw"}
 INIT_SEED = 42
@@ -95,20 +101,36 @@ def init_llmc_(p, cfg, seed=INIT_SEED, libm=None, n_threads=1):
 
 LMHEAD_ROWS = 256   # bf16 lm-head backward: rows of dlogits cast at a time (25 MB of bf16, not B*T*Vp)
 LOGITS_KEEP_BYTES = 256 << 20   # bf16: above this many bytes of fp32 logits, the lm head runs in blocks
+KEEP_GELU_BYTES = 256 << 20     # recompute=None: keep every layer's fch_gelu while it costs at most this
+_MIN_PARALLEL = 1 << 16   # bytes of element-wise work below which a kernel runs on one thread
 
 
 def _views(buf, offsets):
     return {name: buf[off:off + n].reshape(shape) for name, (off, n, shape) in offsets.items()}
 
 
-def _kernels():
-    """The compiled kernels, or a ConfigError saying how to build them."""
-    try:
-        from llmctl._ext import adamw, attention, convert, layers, matmul  # noqa: F401 (convert: checked here)
-    except ImportError as e:
-        raise ConfigError(f"llmctl's Cython kernels are not built ({e})",
-                          "run: python setup.py build_ext --inplace (or pip install -e .)") from e
-    return matmul, layers, attention, adamw
+@dataclass(frozen=True)
+class ActPlan:
+    """What the activation buffers hold, decided once where they are sized (GPT2._ensure_acts)."""
+    rows: int          # B*T the buffers take
+    layers: int        # layers of saved activations: L (training) or 1 (a forward that keeps nothing)
+    recompute: bool    # ln1, ln2, fch_gelu (bf16: atty16) held for one layer, recomputed in backward
+    logits_rows: int   # rows of logits held: `rows`, or LMHEAD_ROWS when a bf16 training forward
+                       # runs the lm head and the loss in blocks (recomputed in backward)
+
+
+class KVCache:
+    """Past keys/values of B rows, the data a cached forward (GPT2.forward_cached) reads and
+    extends: k[l], v[l] are (B, NH, Tcap, hs) float32; `lengths[b]` is how many positions row b
+    holds (its next new position)."""
+
+    def __init__(self, config, B, Tcap):
+        L, NH, C = config.num_layers, config.num_heads, config.channels
+        self.B, self.Tcap = int(B), int(Tcap)
+        # np.empty: attention only ever reads positions that were written first
+        self.k = np.empty((L, B, NH, Tcap, C // NH), dtype=np.float32)
+        self.v = np.empty((L, B, NH, Tcap, C // NH), dtype=np.float32)
+        self.lengths = np.zeros(B, dtype=np.int32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -119,6 +141,7 @@ class GPT2:
 
     params/grads: 1-D float32 (num_parameters); p/g: dict name -> shaped view into them.
     m/v: AdamW moments, None until the first update (assign 1-D float32 arrays to resume).
+    ops: the precision's kernels (llmctl/model/ops.py); kernels: the compiled kernel modules.
     """
 
     def __init__(self, config, n_threads=None, matmul=None, recompute=None, precision=DEFAULT_PRECISION):
@@ -137,14 +160,11 @@ class GPT2:
 
         # one count for OpenMP kernels and scipy's OpenBLAS pool (they must not oversubscribe)
         self.n_threads = configure_threads(n_threads)
-        self._k_matmul, self._k_layers, self._k_attention, self._k_adamw = _kernels()
-        from llmctl._ext import convert
-
-        self._k_convert = convert
+        self.kernels = Kernels()
         if self.precision == "bf16":
-            if matmul not in (None,) + tuple(self._k_matmul.get_bf16_backends()):
+            if matmul not in (None,) + tuple(self.kernels.matmul.get_bf16_backends()):
                 raise ConfigError(f"matmul engine {matmul!r} cannot run bf16",
-                                  hint=f"use one of {self._k_matmul.get_bf16_backends()}")
+                                  hint=f"use one of {self.kernels.matmul.get_bf16_backends()}")
         self.matmul_backend = matmul
         self._offs = param_offsets(config)
         self.num_parameters = num_parameters(config)
@@ -155,18 +175,18 @@ class GPT2:
         # bf16: the copy of the parameters the matmuls read; stale until params_changed() re-casts
         self.params_bf16 = np.zeros(self.num_parameters, np.uint16) if self.precision == "bf16" else None
         self.pb = _views(self.params_bf16, self._offs) if self.params_bf16 is not None else None
+        self.ops = ops_for(self.precision, self.kernels, self.p, matmul, self.pb)
         self._bf16_fresh = False
         self.m = None
         self.v = None
         # grads known to be all zero because the last thing that touched them was
         # update(zero_grads=True); backward() and zero_grad() clear it (see zero_grad)
-        self._grads_zero = False
-        self._acts = None          # dict of activation buffers, sized for _cap rows (B*T)
-        self._cap = 0
-        self._cap_layers = 0
-        self._kept = False         # did the last forward keep every layer's activations?
+        self.grads_known_zero = False
+        self.plan = None           # ActPlan of the activation buffers (None until the first forward)
+        self._acts = None          # dict of activation buffers, as self.plan says
         self._scratch = None       # one layer of activation gradients (allocated at first backward)
         self._B = self._T = 0
+        self._kept = False         # did the last forward keep every layer's activations?
         self._ids = None
         self._targets = None
         self._buf_state = None     # what the logits buffer holds: "logits", "probs" or "dlogits"
@@ -225,9 +245,7 @@ class GPT2:
 
     def _sync_bf16(self):
         if self.params_bf16 is not None and not self._bf16_fresh:
-            from llmctl._ext import convert
-
-            convert.cast_to_bf16(self.params_bf16, self.params, self.n_threads)
+            self.kernels.convert.cast_to_bf16(self.params_bf16, self.params, self.n_threads)
             self._bf16_fresh = True
 
     def save_checkpoint(self, path, dtype="float32"):
@@ -237,21 +255,37 @@ class GPT2:
         formats.write_checkpoint(path, self.config, self.params, dtype)
 
     # -- buffers --------------------------------------------------------------------------------
-    def _ensure_acts(self, BT, nl):
-        """Buffers for >= BT rows and nl layers of saved activations (L for training, 1 for a
-        forward that keeps nothing for backward)."""
-        if BT <= self._cap and nl <= self._cap_layers:
-            return
-        BT, L = max(BT, self._cap), max(nl, self._cap_layers)
+    def _make_plan(self, BT, nl):
+        """The ActPlan for >= BT rows and nl layers of saved activations (L for training, 1 for a
+        forward that keeps nothing for backward); never smaller than the current one."""
         c = self.config
-        C, NH, Vp = c.channels, c.num_heads, c.padded_vocab_size
+        if self.plan is not None:
+            BT, nl = max(BT, self.plan.rows), max(nl, self.plan.layers)
+        if self.recompute is None:
+            recompute = c.num_layers * BT * 4 * c.channels * 4 > KEEP_GELU_BYTES
+        else:
+            recompute = bool(self.recompute)
+        recompute = recompute or nl < c.num_layers
+        # bf16 only (fp32 keeps llm.c's full logits): when B*T x Vp fp32 logits exceed 256 MiB (d12
+        # at B*T > 1334), a training forward runs the lm head and the loss LMHEAD_ROWS rows at a
+        # time, keeping only the losses, and backward recomputes each block's logits (the same GEMM
+        # on the same inputs: the same bits) before its gradient: ~9 % more FLOPs at d12 B=4
+        # T=1024, 0.8 GB less memory
+        blocks = self.precision == "bf16" and BT * c.padded_vocab_size * 4 > LOGITS_KEEP_BYTES
+        return ActPlan(BT, nl, recompute, min(BT, LMHEAD_ROWS) if blocks else BT)
+
+    def _ensure_acts(self, BT, nl):
+        """Buffers for >= BT rows and nl layers of saved activations."""
+        if self.plan is not None and BT <= self.plan.rows and nl <= self.plan.layers:
+            return
+        plan = self._make_plan(BT, nl)
+        c = self.config
+        BT, L, C, NH, Vp = plan.rows, plan.layers, c.channels, c.num_heads, c.padded_vocab_size
+        Lr = 1 if plan.recompute else L   # ln1, ln2, fch_gelu (and atty16): all layers, or one
         z = lambda *shape: np.zeros(shape, dtype=np.float32)
-        # the matmul inputs (ln1, ln2, gelu, lnf, the attention output's copy) in the matmul precision
-        zm = z if self.precision == "fp32" else (lambda *shape: np.zeros(shape, dtype=np.uint16))
+        zm = lambda *shape: np.zeros(shape, dtype=self.ops.act_dtype)   # matmul inputs
         self._acts = None  # free the old buffers before allocating bigger ones
         self._scratch = None
-        # ln1, ln2, fch_gelu (and atty16): all layers, or the current layer only (recomputed in backward)
-        Lr = 1 if L < c.num_layers or self._recompute(BT) else L
         self._acts = {
             "resid": z(L + 1, BT * C),   # resid[0] = encoded, resid[l+1] = residual3 of layer l
             "res2": z(L, BT * C),
@@ -262,41 +296,53 @@ class GPT2:
             "fch": z(L, BT * 4 * C),
             "gelu": zm(Lr, BT * 4 * C),
             "lnf": zm(BT * C), "lnf_mean": z(BT), "lnf_rstd": z(BT),
-            # logits -> probs -> dlogits, in place (fp32); a bf16 training forward at large B*T keeps
-            # LMHEAD_ROWS rows only and recomputes them in backward (see _lmhead_in_blocks)
-            "logits": z((min(BT, LMHEAD_ROWS) if self._lmhead_in_blocks(BT) else BT) * Vp),
+            "logits": z(plan.logits_rows * Vp),   # logits -> probs -> dlogits, in place (fp32)
             "losses": z(BT), "dlosses": z(BT),
         }
         if self.precision == "bf16":
             self._acts["atty16"] = zm(Lr, BT * C)   # attention backward needs the fp32 atty too
-        self._cap, self._cap_layers = BT, L
+        self.plan = plan
 
-    def _lmhead_in_blocks(self, BT):
-        """bf16 only (fp32 keeps llm.c's full logits): when B*T x Vp fp32 logits exceed 256 MiB
-        (d12 at B*T > 1334), a training forward runs the lm head and the loss LMHEAD_ROWS rows at
-        a time, keeping only the losses, and backward recomputes each block's logits (the same
-        GEMM on the same inputs: the same bits) before its gradient: ~9 % more FLOPs at d12
-        B=4 T=1024, 0.8 GB less memory."""
-        return self.precision == "bf16" and BT * self.config.padded_vocab_size * 4 > LOGITS_KEEP_BYTES
+    def _layer_acts(self, l, BT, keep):
+        """Layer l's buffers for BT rows: its saved activations (keep), or the one layer of
+        buffers every layer of a forward that keeps nothing reuses (the residual stream then
+        ping-pongs between two rows)."""
+        a, C, NH = self._acts, self.config.channels, self.config.num_heads
+        n = BT * C
+        r = l if keep else 0
+        rr = 0 if self.plan.recompute else r
+        xr, outr = (l, l + 1) if keep else (l % 2, (l + 1) % 2)
+        return SimpleNamespace(
+            x=a["resid"][xr, :n], x2=a["res2"][r, :n], out=a["resid"][outr, :n],
+            ln1=a["ln1"][rr, :n], ln1_mean=a["ln1_mean"][r, :BT], ln1_rstd=a["ln1_rstd"][r, :BT],
+            qkv=a["qkv"][r, :3 * n], atty=a["atty"][r, :n], lse=a["lse"][r, :BT * NH],
+            atty16=a["atty16"][rr, :n] if "atty16" in a else None,
+            ln2=a["ln2"][rr, :n], ln2_mean=a["ln2_mean"][r, :BT], ln2_rstd=a["ln2_rstd"][r, :BT],
+            fch=a["fch"][r, :4 * n], gelu=a["gelu"][rr, :4 * n])
+
+    def _fresh_layer_acts(self, x):
+        """One layer's buffers for the rows of x (N, C), newly allocated (a cached forward)."""
+        N, C = x.shape
+        e, em = (lambda k: np.empty(k, np.float32)), (lambda k: np.empty(k, self.ops.act_dtype))
+        n = N * C
+        return SimpleNamespace(
+            x=x.reshape(-1), x2=e(n), out=e(n), ln1=em(n), ln1_mean=e(N), ln1_rstd=e(N), qkv=e(3 * n),
+            atty=e(n), lse=None, atty16=em(n) if self.precision == "bf16" else None,
+            ln2=em(n), ln2_mean=e(N), ln2_rstd=e(N), fch=e(4 * n), gelu=em(4 * n))
 
     def _lmhead_block(self, r0, nr, tg, losses):
         """logits rows r0..r0+nr in the logits buffer, then their softmax (probs) and losses."""
         c = self.config
         C, V, Vp = c.channels, c.vocab_size, c.padded_vocab_size
         buf = self._acts["logits"][:nr * Vp]
-        self._mm(buf, self._acts["lnf"][r0 * C:(r0 + nr) * C], "wte", None, nr, C, Vp)
-        self._k_layers.softmax_crossentropy_forward(losses, buf, buf, tg[r0:r0 + nr], nr, V, Vp, self.n_threads)
+        self.ops.matmul(buf, self._acts["lnf"][r0 * C:(r0 + nr) * C], "wte", None, None, nr, C, Vp, self.n_threads)
+        self.kernels.layers.softmax_crossentropy_forward(losses, buf, buf, tg[r0:r0 + nr], nr, V, Vp,
+                                                         self.n_threads)
         return buf
-
-    def _recompute(self, BT):
-        if self.recompute is None:
-            c = self.config
-            return c.num_layers * BT * 4 * c.channels * 4 > (256 << 20)
-        return bool(self.recompute)
 
     def _ensure_scratch(self):
         if self._scratch is None:
-            C, BT = self.config.channels, self._cap
+            C, BT = self.config.channels, self.plan.rows
             self._scratch = {"dres": np.zeros(BT * C, np.float32), "dsmall": np.zeros(BT * C, np.float32),
                              "dbig": np.zeros(BT * 4 * C, np.float32)}
             if self.precision == "bf16":
@@ -335,38 +381,40 @@ class GPT2:
             raise ConfigError(f"{what}[{b}, {t}] = {int(a[b, t])} is not a valid token id (must be in [0, {V}))")
         return np.ascontiguousarray(a, dtype=np.int32)
 
-    # -- the precision-dependent ops: matmuls and the kernels that produce their inputs ---------
-    def _ln(self, out, mean, rstd, x, w, b, BT, C):
-        Ly = self._k_layers
-        f = Ly.layernorm_forward if self.params_bf16 is None else Ly.layernorm_forward_bf16
-        f(out, mean, rstd, x, w, b, BT, C, self.n_threads)
-
-    def _gelu(self, out, fch, N):
-        Ly = self._k_layers
-        (Ly.gelu_forward if self.params_bf16 is None else Ly.gelu_forward_bf16)(out, fch, N, self.n_threads)
-
-    def _mm(self, out, inp, name, l, BT, C, OC):
-        """out (BT,OC) = inp (BT,C) @ W^T + b for weight `name` of layer l (l None: the lm head, wte)."""
-        K, nt, mm = self._k_matmul, self.n_threads, self.matmul_backend
-        bias = self.p[name[:-1] + "b"][l] if l is not None else None
-        if self.params_bf16 is None:
-            W = self.p[name] if l is None else self.p[name][l]
-            K.matmul_forward(out, inp, W.reshape(-1), bias, BT, C, OC, nt, mm)
-        else:
-            W = self.pb[name] if l is None else self.pb[name][l]
-            K.matmul_forward_bf16(out, inp, W.reshape(-1), bias, BT, C, OC, nt, mm)
-
-    def _mm_back(self, dinp, dout, inp, name, l, BT, C, OC):
-        """matmul_backward of _mm(.., name, l, ..): dinp, dW, db += their gradients given dout (fp32)."""
-        K, nt, mm = self._k_matmul, self.n_threads, self.matmul_backend
-        gW, gb = self.g[name][l].reshape(-1), self.g[name[:-1] + "b"][l]
-        if self.params_bf16 is None:
-            K.matmul_backward(dinp, gW, gb, dout, inp, self.p[name][l].reshape(-1), BT, C, OC, nt, mm)
-        else:
-            K.matmul_backward_bf16(dinp, gW, gb, dout, self._scratch["dout16"][:BT * OC], inp,
-                                   self.pb[name][l].reshape(-1), BT, C, OC, nt, mm)
 
     # -- forward --------------------------------------------------------------------------------
+    def _block_forward(self, l, a, B, T, kv=None):
+        """Layer l of train_gpt2.c's gpt2_forward over B*T rows: a.out = the block of a.x, every
+        intermediate written into a's buffers. kv None: attention over these T positions, keeping
+        the per-row log-sum-exp for backward; kv (k, v, pos): layer l's KV cache (B, NH, Tcap, hs),
+        the rows' new positions starting at pos[b], their K/V appended and attended to with all
+        earlier ones."""
+        C, NH = self.config.channels, self.config.num_heads
+        o, Ly, nt = self.ops, self.kernels.layers, self.n_threads
+        BT, n = B * T, B * T * C
+        p = self.p
+        # element-wise work of a few rows (a decode step) is too small to split: a second thread
+        # only adds a barrier. The results do not depend on the thread count.
+        nte = nt if n * 4 >= _MIN_PARALLEL else 1
+        o.layernorm(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, p["ln1w"][l], p["ln1b"][l], BT, C, nte)
+        o.matmul(a.qkv, a.ln1, "qkvw", l, p["qkvb"][l], BT, C, 3 * C, nt)
+        if kv is None:
+            self.kernels.attention.attention_forward(a.atty, a.lse, a.qkv, B, T, C, NH, nt)
+        else:
+            k, v, pos = kv
+            KV, Tcap = self.kernels.kvcache, k.shape[2]
+            kf, vf = k.reshape(-1), v.reshape(-1)
+            KV.kvcache_append_forward(kf, vf, a.qkv, pos, B, T, C, NH, Tcap)
+            nta = nt if BT * Tcap * C >= _MIN_PARALLEL * 16 else 1
+            KV.attention_cached(a.atty, a.qkv, kf, vf, pos, B, T, C, NH, Tcap, nta)
+        o.matmul(a.x2, o.mm_input(a.atty16, a.atty, nte), "attprojw", l, p["attprojb"][l], BT, C, C, nt)
+        Ly.residual_forward(a.x2, a.x2, a.x, n, nte)
+        o.layernorm(a.ln2, a.ln2_mean, a.ln2_rstd, a.x2, p["ln2w"][l], p["ln2b"][l], BT, C, nte)
+        o.matmul(a.fch, a.ln2, "fcw", l, p["fcb"][l], BT, C, 4 * C, nt)
+        o.gelu(a.gelu, a.fch, 4 * n, nte)
+        o.matmul(a.out, a.gelu, "fcprojw", l, p["fcprojb"][l], BT, 4 * C, C, nt)
+        Ly.residual_forward(a.out, a.out, a.x2, n, nte)
+
     def forward(self, inputs, targets=None, keep_activations=True):
         """Run the model on inputs (B,T). With targets (B,T): per-token losses into self.losses and
         the mean loss returned (the logits buffer then holds probs); else returns None and
@@ -380,58 +428,44 @@ class GPT2:
             if tg.shape != ids.shape:
                 raise ConfigError(f"targets shape {tg.shape} does not match inputs shape {ids.shape}")
         c = self.config
-        L, C, NH, V, Vp = c.num_layers, c.channels, c.num_heads, c.vocab_size, c.padded_vocab_size
-        BT, nt = B * T, self.n_threads
+        L, C = c.num_layers, c.channels
+        BT, n, nt = B * T, B * T * c.channels, self.n_threads
         keep = bool(keep_activations)
         self._sync_bf16()
         self._ensure_acts(BT, L if keep else 1)
         a, p = self._acts, self.p
-        row = (lambda l: l) if keep else (lambda l: 0)
-        rrow = (lambda l: l) if keep else (lambda l: l % 2)  # residual stream: ping-pong
-        Ly, At = self._k_layers, self._k_attention
-        fl = lambda x: x.reshape(-1)
-        n = BT * C
-
-        ids_f = ids.reshape(-1)
-        Ly.encoder_forward(a["resid"][0, :n], ids_f, fl(p["wte"]), fl(p["wpe"]), B, T, C, nt)
+        self.kernels.layers.encoder_forward(a["resid"][0, :n], ids.reshape(-1), p["wte"].reshape(-1),
+                                            p["wpe"].reshape(-1), B, T, C, nt)
         for l in range(L):
-            r = row(l)
-            rr = min(r, a["gelu"].shape[0] - 1)   # ln1, ln2, gelu, atty16: maybe one layer only
-            gelu = a["gelu"][rr, :4 * n]
-            x, x2, x3 = a["resid"][rrow(l), :n], a["res2"][r, :n], a["resid"][rrow(l + 1), :n]
-            ln1, qkv, atty = a["ln1"][rr, :n], a["qkv"][r, :3 * n], a["atty"][r, :n]
-            ln2, fch = a["ln2"][rr, :n], a["fch"][r, :4 * n]
-            self._ln(ln1, a["ln1_mean"][r, :BT], a["ln1_rstd"][r, :BT], x, p["ln1w"][l], p["ln1b"][l], BT, C)
-            self._mm(qkv, ln1, "qkvw", l, BT, C, 3 * C)
-            At.attention_forward(atty, a["lse"][r, :BT * NH], qkv, B, T, C, NH, nt)
-            if self.params_bf16 is not None:
-                self._k_convert.cast_to_bf16(a["atty16"][rr, :n], atty, nt)
-            self._mm(x2, atty if self.params_bf16 is None else a["atty16"][rr, :n], "attprojw", l, BT, C, C)
-            Ly.residual_forward(x2, x2, x, n, nt)
-            self._ln(ln2, a["ln2_mean"][r, :BT], a["ln2_rstd"][r, :BT], x2, p["ln2w"][l], p["ln2b"][l], BT, C)
-            self._mm(fch, ln2, "fcw", l, BT, C, 4 * C)
-            self._gelu(gelu, fch, 4 * n)
-            self._mm(x3, gelu, "fcprojw", l, BT, 4 * C, C)
-            Ly.residual_forward(x3, x3, x2, n, nt)
-        lnf = a["lnf"][:n]
-        self._ln(lnf, a["lnf_mean"][:BT], a["lnf_rstd"][:BT], a["resid"][rrow(L), :n], p["lnfw"], p["lnfb"], BT, C)
+            self._block_forward(l, self._layer_acts(l, BT, keep), B, T)
+        h = a["resid"][L if keep else L % 2, :n]
+        self.ops.layernorm(a["lnf"][:n], a["lnf_mean"][:BT], a["lnf_rstd"][:BT], h, p["lnfw"], p["lnfb"], BT, C, nt)
         self._B, self._T, self._ids, self._targets, self._kept = B, T, ids, tg, keep
-        if tg is not None and a["logits"].size < BT * Vp:   # bf16, large B*T: the lm head in blocks
+        return self._lmhead_forward(tg, BT)
+
+    def _lmhead_forward(self, tg, BT):
+        """logits = lnf @ wte^T, and with targets their softmax and per-token losses -> mean loss."""
+        c = self.config
+        C, V, Vp = c.channels, c.vocab_size, c.padded_vocab_size
+        a = self._acts
+        if tg is not None and self.plan.logits_rows < BT:   # bf16, large B*T: the lm head in blocks
             losses = a["losses"][:BT]
             for r0 in range(0, BT, LMHEAD_ROWS):
                 nr = min(BT - r0, LMHEAD_ROWS)
                 self._lmhead_block(r0, nr, tg.reshape(-1), losses[r0:r0 + nr])
             self._buf_state = "probs"
             return float(losses.astype(np.float64).mean())
-        if a["logits"].size < BT * Vp:
-            a["logits"] = np.zeros(BT * Vp, np.float32)   # logits of every row asked for
+        if self.plan.logits_rows < BT:   # the logits of every row are asked for: hold them all
+            a["logits"] = np.zeros(self.plan.rows * Vp, np.float32)
+            self.plan = replace(self.plan, logits_rows=self.plan.rows)
         logits = a["logits"][:BT * Vp]
-        self._mm(logits, lnf, "wte", None, BT, C, Vp)
+        self.ops.matmul(logits, a["lnf"][:BT * C], "wte", None, None, BT, C, Vp, self.n_threads)
         self._buf_state = "logits"
         if tg is None:
             return None
         losses = a["losses"][:BT]
-        Ly.softmax_crossentropy_forward(losses, logits, logits, tg.reshape(-1), BT, V, Vp, nt)
+        self.kernels.layers.softmax_crossentropy_forward(losses, logits, logits, tg.reshape(-1), BT, V, Vp,
+                                                         self.n_threads)
         self._buf_state = "probs"
         return float(losses.astype(np.float64).mean())
 
@@ -449,6 +483,70 @@ class GPT2:
             raise RuntimeError("logits are only available after forward(inputs) without targets")
         BT, Vp = self._B * self._T, self.config.padded_vocab_size
         return self._acts["logits"][:BT * Vp].reshape(self._B, self._T, Vp)
+
+    # -- the cached forward (sampling, HellaSwag): new positions attend to a KV cache ------------
+    def embed(self, tokens, pos):
+        """x (B*Tq, C) = wte[tokens] + wpe[pos[b] + t] for tokens (B,Tq). Positions past maxT
+        (padding only) are clamped."""
+        B, Tq = tokens.shape
+        t = pos[:, None].astype(np.int64) + np.arange(Tq)[None, :]
+        np.minimum(t, self.config.max_seq_len - 1, out=t)
+        x = self.p["wte"][np.asarray(tokens).reshape(-1)]
+        x += self.p["wpe"][t.reshape(-1)]
+        return x
+
+    def block_forward(self, l, x, k, v, pos):
+        """Layer l over x (B*Tq, C) whose row b holds positions pos[b] .. pos[b]+Tq-1: their K/V
+        are written into k, v (B, NH, Tcap, hs: layer l's cache) and they attend to every cached
+        position up to themselves. -> the new residual stream (B*Tq, C)."""
+        self._sync_bf16()
+        B = k.shape[0]
+        a = self._fresh_layer_acts(np.ascontiguousarray(x, dtype=np.float32))
+        self._block_forward(l, a, B, x.shape[0] // B, (k, v, np.ascontiguousarray(pos, dtype=np.int32)))
+        return a.out.reshape(x.shape)
+
+    def final_norm(self, x):
+        """The final layernorm of x (N, C), in fp32 (the hidden states callers keep and slice)."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        N, C = x.shape
+        out = np.empty((N, C), dtype=np.float32)
+        mean, rstd = np.empty(N, dtype=np.float32), np.empty(N, dtype=np.float32)
+        self.kernels.layers.layernorm_forward(out.reshape(-1), mean, rstd, x.reshape(-1), self.p["lnfw"],
+                                              self.p["lnfb"], N, C, self.n_threads)
+        return out
+
+    def logits_from_hidden(self, h):
+        """Logits (..., V) over the real vocab (the padded rows are zero and never sampled) for
+        final-normed hidden states h (..., C)."""
+        self._sync_bf16()
+        h = np.asarray(h, dtype=np.float32)
+        C, V = self.config.channels, self.config.vocab_size
+        x = np.ascontiguousarray(h).reshape(-1)
+        N = x.size // C
+        out = np.empty(N * V, dtype=np.float32)
+        xm = self.ops.mm_input(np.empty(x.size, self.ops.act_dtype), x, self.n_threads)
+        self.ops.matmul(out, xm, "wte", None, None, N, C, V, self.n_threads)
+        return out.reshape(h.shape[:-1] + (V,))
+
+    def forward_cached(self, cache, tokens):
+        """Run tokens (B,Tq) as the next Tq positions of each row of cache (a KVCache); -> the
+        final-normed hidden states (B,Tq,C) (logits: logits_from_hidden). Advances cache.lengths."""
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 2 or tokens.shape[0] != cache.B or tokens.shape[1] < 1:
+            raise ValueError(f"tokens must be (B={cache.B}, Tq >= 1), got shape {tokens.shape}")
+        B, Tq = tokens.shape
+        end = int(cache.lengths.max()) + Tq
+        if end > cache.Tcap:
+            raise ValueError(f"cache of {cache.Tcap} positions cannot take {Tq} more after {end - Tq}")
+        if end > self.config.max_seq_len:
+            raise ConfigError(f"sequence of {end} tokens exceeds the model's maxT = {self.config.max_seq_len}")
+        if tokens.min() < 0 or tokens.max() >= self.config.vocab_size:
+            raise ConfigError(f"token ids must be in [0, {self.config.vocab_size})")
+        x = self.embed(tokens, cache.lengths)
+        for l in range(self.config.num_layers):
+            x = self.block_forward(l, x, cache.k[l], cache.v[l], cache.lengths)
+        cache.lengths += Tq
+        return self.final_norm(x).reshape(B, Tq, self.config.channels)
 
     # -- backward -------------------------------------------------------------------------------
     def bind_grads(self, buf):
@@ -470,12 +568,13 @@ class GPT2:
 
     def zero_grad(self):
         """Set grads to 0 before a step's backward. Free right after update(zero_grads=True),
-        whose AdamW pass already cleared them; otherwise (the first step, a skipped or refused
-        update, grads written by backward since) one fill over the buffer. Code that writes grads
-        other than through backward() must do it after zero_grad(), not between update() and it."""
-        if not self._grads_zero:
+        whose AdamW pass already cleared them (grads_known_zero); otherwise (the first step, a
+        skipped or refused update, grads written by backward since) one fill over the buffer. Code
+        that writes grads other than through backward() must do it after zero_grad(), not between
+        update() and it."""
+        if not self.grads_known_zero:
             self.grads.fill(0.0)
-        self._grads_zero = False
+        self.grads_known_zero = False
 
     def backward(self, loss_scale=1.0):
         """Accumulate d(loss_scale * mean loss)/d(params) into self.grads (dloss per token =
@@ -483,86 +582,92 @@ class GPT2:
         if self._buf_state != "probs" or not self._kept:
             raise RuntimeError("backward() needs a forward(inputs, targets) right before it "
                                "(with keep_activations=True)")
-        self._grads_zero = False
+        self.grads_known_zero = False
         c = self.config
-        L, C, NH, V, Vp = c.num_layers, c.channels, c.num_heads, c.vocab_size, c.padded_vocab_size
+        L, C = c.num_layers, c.channels
         B, T = self._B, self._T
-        BT, nt, mm = B * T, self.n_threads, self.matmul_backend
-        n = BT * C
-        a, p, g = self._acts, self.p, self.g
-        K, Ly, At = self._k_matmul, self._k_layers, self._k_attention
-        fl = lambda x: x.reshape(-1)
+        BT, nt, n = B * T, self.n_threads, B * T * C
+        a, p, g, Ly = self._acts, self.p, self.g, self.kernels.layers
         s = self._ensure_scratch()
         dres, dsmall = s["dres"][:n], s["dsmall"][:n]
-        dbig = s["dbig"][:4 * n]
-        keep = a["gelu"].shape[0] == L   # else ln1, ln2, gelu (atty16) are recomputed per layer
-
-        dlosses = a["dlosses"][:BT]
-        dlosses.fill(np.float32(loss_scale / BT))
-        logits = a["logits"][:BT * Vp]
-        tg = self._targets.reshape(-1)
-        blocks = logits.size < BT * Vp   # the forward kept no logits: recompute them per block
-        dsmall.fill(0.0)
-        if self.params_bf16 is None:
-            Ly.softmax_crossentropy_backward(logits, logits, tg, dlosses, BT, V, Vp, nt)
-            self._buf_state = "dlogits"
-            K.matmul_backward(dsmall, fl(g["wte"]), None, logits, a["lnf"][:n], fl(p["wte"]), BT, C, Vp, nt, mm)
-        else:
-            # dlogits straight to bf16, LMHEAD_ROWS rows at a time (the probs stay fp32)
-            d16 = s["dlogits16"]
-            R = d16.size // Vp
-            junk = np.empty(R, np.float32)
-            for r0 in range(0, BT, R):
-                nr = min(BT, r0 + R) - r0
-                probs = self._lmhead_block(r0, nr, tg, junk[:nr]) if blocks else logits[r0 * Vp:(r0 + nr) * Vp]
-                Ly.softmax_crossentropy_backward_bf16(d16[:nr * Vp], probs, tg[r0:r0 + nr],
-                                                      dlosses[r0:r0 + nr], nr, V, Vp, nt)
-                K.matmul_backward_bf16(dsmall[r0 * C:(r0 + nr) * C], fl(g["wte"]), None, None, d16[:nr * Vp],
-                                       a["lnf"][r0 * C:(r0 + nr) * C], fl(self.pb["wte"]), nr, C, Vp, nt, mm)
-            self._buf_state = "dlogits"
+        self._lmhead_backward(dsmall, loss_scale)
         dres.fill(0.0)
         Ly.layernorm_backward(dres, g["lnfw"], g["lnfb"], dsmall, a["resid"][L, :n], p["lnfw"],
                               a["lnf_mean"][:BT], a["lnf_rstd"][:BT], BT, C, nt)
         for l in reversed(range(L)):
-            # dres holds d(residual3[l]); residual3 = res2 + fcproj(gelu(fc(ln2(res2))))
-            x, x2 = a["resid"][l, :n], a["res2"][l, :n]
-            fch = a["fch"][l, :4 * n]
-            r = l if keep else 0
-            gelu, ln1, ln2 = a["gelu"][r, :4 * n], a["ln1"][r, :n], a["ln2"][r, :n]
-            atty16 = None if self.params_bf16 is None else a["atty16"][r, :n]
-            if not keep:  # the forward's kernels on the same inputs: the same bits
-                self._gelu(gelu, fch, 4 * n)
-                self._ln(ln2, a["ln2_mean"][l, :BT], a["ln2_rstd"][l, :BT], x2, p["ln2w"][l], p["ln2b"][l], BT, C)
-                self._ln(ln1, a["ln1_mean"][l, :BT], a["ln1_rstd"][l, :BT], x, p["ln1w"][l], p["ln1b"][l], BT, C)
-                if atty16 is not None:
-                    self._k_convert.cast_to_bf16(atty16, a["atty"][l, :n], nt)
-            dbig.fill(0.0)
-            self._mm_back(dbig, dres, gelu, "fcprojw", l, BT, 4 * C, C)
-            dfch = gelu if self.params_bf16 is None else s["dfch"][:4 * n]  # fp32: gelu's buffer is free now
-            dfch.fill(0.0)
-            Ly.gelu_backward(dfch, fch, dbig, 4 * n, nt)
-            dsmall.fill(0.0)
-            self._mm_back(dsmall, dfch, ln2, "fcw", l, BT, C, 4 * C)
-            # residual: d(res2) = dres + LN2 backward, accumulated in place
-            Ly.layernorm_backward(dres, g["ln2w"][l], g["ln2b"][l], dsmall, x2, p["ln2w"][l],
-                                  a["ln2_mean"][l, :BT], a["ln2_rstd"][l, :BT], BT, C, nt)
-            # res2 = x + attproj(attention(qkv(ln1(x))))
-            dsmall.fill(0.0)
-            self._mm_back(dsmall, dres, a["atty"][l, :n] if atty16 is None else atty16, "attprojw", l, BT, C, C)
-            dqkv = dbig[:3 * n]
-            dqkv.fill(0.0)
-            At.attention_backward(dqkv, dsmall, a["qkv"][l, :3 * n], a["atty"][l, :n], a["lse"][l, :BT * NH],
-                                  B, T, C, NH, nt)
-            dsmall.fill(0.0)
-            self._mm_back(dsmall, dqkv, ln1, "qkvw", l, BT, C, 3 * C)
-            Ly.layernorm_backward(dres, g["ln1w"][l], g["ln1b"][l], dsmall, x, p["ln1w"][l],
-                                  a["ln1_mean"][l, :BT], a["ln1_rstd"][l, :BT], BT, C, nt)
-        Ly.encoder_backward(fl(g["wte"]), fl(g["wpe"]), dres, self._ids.reshape(-1), B, T, C, nt)
+            self._block_backward(l, self._layer_acts(l, BT, True), B, T)
+        Ly.encoder_backward(g["wte"].reshape(-1), g["wpe"].reshape(-1), dres, self._ids.reshape(-1), B, T, C, nt)
+
+    def _lmhead_backward(self, dlnf, loss_scale):
+        """dlnf (B*T*C, zeroed here) = d(loss)/d(lnf), and the lm head's d(wte), from the probs
+        (bf16: row blocks of dlogits written straight in bf16, the probs recomputed first when
+        the forward kept none)."""
+        c = self.config
+        C, V, Vp = c.channels, c.vocab_size, c.padded_vocab_size
+        BT, nt = self._B * self._T, self.n_threads
+        a, s = self._acts, self._scratch
+        dlosses = a["dlosses"][:BT]
+        dlosses.fill(np.float32(loss_scale / BT))
+        logits, lnf = a["logits"], a["lnf"]
+        tg = self._targets.reshape(-1)
+        d16 = s.get("dlogits16")
+        R = BT if d16 is None else d16.size // Vp
+        junk = np.empty(R, np.float32)
+        dlnf.fill(0.0)
+        for r0 in range(0, BT, R):
+            nr = min(BT, r0 + R) - r0
+            if self.plan.logits_rows < BT:
+                probs = self._lmhead_block(r0, nr, tg, junk[:nr])
+            else:
+                probs = logits[r0 * Vp:(r0 + nr) * Vp]
+            dout, dout_mm = self.ops.loss_backward(d16, probs, tg[r0:r0 + nr], dlosses[r0:r0 + nr], nr, V, Vp, nt)
+            self.ops.matmul_backward(dlnf[r0 * C:(r0 + nr) * C], self.g["wte"].reshape(-1), None, dout, dout_mm,
+                                     lnf[r0 * C:(r0 + nr) * C], "wte", None, nr, C, Vp, nt)
+        self._buf_state = "dlogits"
+
+    def _block_backward(self, l, a, B, T):
+        """Layer l of train_gpt2.c's gpt2_backward: the scratch's dres holds d(a.out) on entry
+        and d(a.x) on return; layer l's parameter gradients are accumulated."""
+        c = self.config
+        C, NH = c.channels, c.num_heads
+        BT, n, nt = B * T, B * T * C, self.n_threads
+        o, Ly, p, g = self.ops, self.kernels.layers, self.p, self.g
+        s = self._scratch
+        dres, dsmall, dbig, d16 = s["dres"][:n], s["dsmall"][:n], s["dbig"][:4 * n], s.get("dout16")
+        gW = lambda name: g[name][l].reshape(-1)
+        gb = lambda name: g[name[:-1] + "b"][l]
+        if self.plan.recompute:   # the forward's kernels on the same inputs: the same bits
+            o.gelu(a.gelu, a.fch, 4 * n, nt)
+            o.layernorm(a.ln2, a.ln2_mean, a.ln2_rstd, a.x2, p["ln2w"][l], p["ln2b"][l], BT, C, nt)
+            o.layernorm(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, p["ln1w"][l], p["ln1b"][l], BT, C, nt)
+            o.mm_input(a.atty16, a.atty, nt)
+        # out = x2 + fcproj(gelu(fc(ln2(x2))))
+        dbig.fill(0.0)
+        o.matmul_backward(dbig, gW("fcprojw"), gb("fcprojw"), dres, d16, a.gelu, "fcprojw", l, BT, 4 * C, C, nt)
+        dfch = a.gelu if a.gelu.dtype == np.float32 else s["dfch"][:4 * n]   # fp32: gelu's buffer is free now
+        dfch.fill(0.0)
+        Ly.gelu_backward(dfch, a.fch, dbig, 4 * n, nt)
+        dsmall.fill(0.0)
+        o.matmul_backward(dsmall, gW("fcw"), gb("fcw"), dfch, d16, a.ln2, "fcw", l, BT, C, 4 * C, nt)
+        # d(x2) = d(out) + the LN2 branch, accumulated in place
+        Ly.layernorm_backward(dres, g["ln2w"][l], g["ln2b"][l], dsmall, a.x2, p["ln2w"][l],
+                              a.ln2_mean, a.ln2_rstd, BT, C, nt)
+        # x2 = x + attproj(attention(qkv(ln1(x))))
+        dsmall.fill(0.0)
+        atty = a.atty if a.atty16 is None else a.atty16
+        o.matmul_backward(dsmall, gW("attprojw"), gb("attprojw"), dres, d16, atty, "attprojw", l, BT, C, C, nt)
+        dqkv = dbig[:3 * n]
+        dqkv.fill(0.0)
+        self.kernels.attention.attention_backward(dqkv, dsmall, a.qkv, a.atty, a.lse, B, T, C, NH, nt)
+        dsmall.fill(0.0)
+        o.matmul_backward(dsmall, gW("qkvw"), gb("qkvw"), dqkv, d16, a.ln1, "qkvw", l, BT, C, 3 * C, nt)
+        Ly.layernorm_backward(dres, g["ln1w"][l], g["ln1b"][l], dsmall, a.x, p["ln1w"][l],
+                              a.ln1_mean, a.ln1_rstd, BT, C, nt)
 
     # -- optimizer ------------------------------------------------------------------------------
     def grad_norm(self):
         """Global L2 norm of all gradients (deterministic for a fixed n_threads)."""
-        return math.sqrt(self._k_adamw.global_norm_sq(self.grads, self.n_threads))
+        return math.sqrt(self.kernels.adamw.global_norm_sq(self.grads, self.n_threads))
 
     def _decay_runs(self):
         """Contiguous (start, stop, decays) runs of the flat buffer, merging neighbours."""
@@ -591,9 +696,9 @@ class GPT2:
                 raise ValueError(f"AdamW state {name} must be a contiguous float32 array of {self.num_parameters}")
         pb = self.params_bf16
         for lo, hi, dec in self._decay_runs():
-            self._k_adamw.adamw_update(self.params[lo:hi], self.grads[lo:hi], self.m[lo:hi], self.v[lo:hi],
+            self.kernels.adamw.adamw_update(self.params[lo:hi], self.grads[lo:hi], self.m[lo:hi], self.v[lo:hi],
                                        lr, beta1, beta2, eps, weight_decay if dec else 0.0, grad_scale,
                                        int(step), self.n_threads, None if pb is None else pb[lo:hi],
                                        zero_grads=zero_grads)
         self._bf16_fresh = pb is not None   # the runs cover every parameter
-        self._grads_zero = bool(zero_grads)   # ... and every gradient
+        self.grads_known_zero = bool(zero_grads)   # ... and every gradient

@@ -1,0 +1,114 @@
+"""The model's precision behind one object: the kernels whose arithmetic fp32 and bf16 do differently.
+
+What it is: `Kernels`, the compiled kernel modules the model calls (one namespace, so a benchmark
+can time every call by wrapping its attributes), and `ops_for(precision, ...)`: an `Fp32Ops` or
+a `Bf16Ops`. Both have the same methods, which are exactly the places where mixed precision
+changes the computation:
+  layernorm / gelu   write a matmul input (bf16: rounded to bf16 by the kernel itself)
+  mm_input           the copy of an fp32 activation a matmul reads (bf16: a cast; fp32: itself)
+  matmul             out = inp @ W^T + b, W the model's weight in the matmul precision
+  matmul_backward    dinp, dW, db += their gradients (bf16: dout rounded to bf16 for the GEMMs)
+  loss_backward      dlogits of a block of rows, as the lm head's matmul_backward reads it
+Everything else (attention, residuals, the loss, AdamW, the master weights) is fp32 in both.
+What it is not: the model (llmctl/model/gpt2.py: buffers, the layer loop) or a kernel.
+"""
+import numpy as np
+
+from llmctl.errors import ConfigError
+
+
+class Kernels:
+    """The compiled kernel modules, or a ConfigError saying how to build them."""
+
+    def __init__(self):
+        try:
+            from llmctl._ext import adamw, attention, convert, kvcache, layers, matmul
+        except ImportError as e:
+            raise ConfigError(f"llmctl's Cython kernels are not built ({e})",
+                              "run: python setup.py build_ext --inplace (or pip install -e .)") from e
+        self.matmul, self.layers, self.attention = matmul, layers, attention
+        self.adamw, self.convert, self.kvcache = adamw, convert, kvcache
+
+
+class Fp32Ops:
+    """fp32 everywhere: llm.c's train_gpt2.c."""
+
+    act_dtype = np.float32
+
+    def __init__(self, k, params, engine):
+        """k: Kernels; params: dict name -> fp32 parameter view; engine: the GEMM engine (None: default)."""
+        self.k, self.p, self.engine = k, params, engine
+
+    def weight(self, name, l):
+        return (self.p[name] if l is None else self.p[name][l]).reshape(-1)
+
+    def layernorm(self, out, mean, rstd, x, w, b, N, C, nt):
+        self.k.layers.layernorm_forward(out, mean, rstd, x, w, b, N, C, nt)
+
+    def gelu(self, out, x, n, nt):
+        self.k.layers.gelu_forward(out, x, n, nt)
+
+    def mm_input(self, dst, x, nt):
+        return x
+
+    def matmul(self, out, inp, name, l, bias, N, C, OC, nt):
+        W = self.weight(name, l)[:OC * C]
+        if N == 1:
+            # one row (a decode step) is matrix-vector: BLAS sgemv through NumPy streams the
+            # weights several times faster than a GEMM with M = 1
+            np.matmul(W.reshape(OC, C), inp, out=out)
+            if bias is not None:
+                out += bias
+            return
+        self.k.matmul.matmul_forward(out, inp, W, bias, N, C, OC, nt, self.engine)
+
+    def matmul_backward(self, dinp, dW, db, dout, dout_mm, inp, name, l, N, C, OC, nt):
+        self.k.matmul.matmul_backward(dinp, dW, db, dout, inp, self.weight(name, l), N, C, OC, nt, self.engine)
+
+    def loss_backward(self, dst16, probs, targets, dlosses, N, V, Vp, nt):
+        """-> (dout, dout_mm) for matmul_backward: dlogits overwrite the probs in place."""
+        self.k.layers.softmax_crossentropy_backward(probs, probs, targets, dlosses, N, V, Vp, nt)
+        return probs, None
+
+
+class Bf16Ops(Fp32Ops):
+    """Mixed precision as PyTorch autocast on CPU: bf16 matmul inputs, fp32 accumulation and outputs."""
+
+    act_dtype = np.uint16
+
+    def __init__(self, k, params, engine, params_bf16):
+        """params_bf16: dict name -> the bf16 copy of the weights the matmuls read."""
+        super().__init__(k, params, engine)
+        self.pb = params_bf16
+
+    def weight(self, name, l):
+        return (self.pb[name] if l is None else self.pb[name][l]).reshape(-1)
+
+    def layernorm(self, out, mean, rstd, x, w, b, N, C, nt):
+        self.k.layers.layernorm_forward_bf16(out, mean, rstd, x, w, b, N, C, nt)
+
+    def gelu(self, out, x, n, nt):
+        self.k.layers.gelu_forward_bf16(out, x, n, nt)
+
+    def mm_input(self, dst, x, nt):
+        self.k.convert.cast_to_bf16(dst, x, nt)
+        return dst
+
+    def matmul(self, out, inp, name, l, bias, N, C, OC, nt):
+        W = self.weight(name, l)[:OC * C]
+        self.k.matmul.matmul_forward_bf16(out, inp, W, bias, N, C, OC, nt, self.engine)
+
+    def matmul_backward(self, dinp, dW, db, dout, dout_mm, inp, name, l, N, C, OC, nt):
+        """dout fp32 (cast into dout_mm, the same pass summing db), or None: dout_mm already holds it."""
+        self.k.matmul.matmul_backward_bf16(dinp, dW, db, dout, dout_mm[:N * OC], inp, self.weight(name, l),
+                                           N, C, OC, nt, self.engine)
+
+    def loss_backward(self, dst16, probs, targets, dlosses, N, V, Vp, nt):
+        """-> (None, dlogits in bf16, written straight into dst16; the probs stay fp32)."""
+        d16 = dst16[:N * Vp]
+        self.k.layers.softmax_crossentropy_backward_bf16(d16, probs, targets, dlosses, N, V, Vp, nt)
+        return None, d16
+
+
+def ops_for(precision, kernels, params, engine, params_bf16=None):
+    return Fp32Ops(kernels, params, engine) if precision == "fp32" else Bf16Ops(kernels, params, engine, params_bf16)
