@@ -42,12 +42,23 @@ def _print_error(message, hint=None):
 
 
 def _bad_value(e):
-    """The value a BadParameter rejected, when typer's converter says it (pydantic's `input`)."""
+    """(value, error type, its limits) a BadParameter rejected, when typer's converter says it
+    (pydantic's `input`, `type`, `ctx`); (None, None, {}) otherwise."""
     errors = getattr(e.__cause__, "errors", None)
     try:
-        return errors()[0]["input"] if callable(errors) else None
-    except (IndexError, KeyError, TypeError):
-        return None
+        first = errors()[0] if callable(errors) else {}
+        return first.get("input"), first.get("type"), first.get("ctx") or {}
+    except (IndexError, KeyError, TypeError, AttributeError):
+        return None, None, {}
+
+
+# pydantic's error types -> llmctl's words ({v}: the value, {le}/{ge}...: pydantic's limits)
+_VALUE_ERRORS = {
+    "int_parsing": "{v!r} is not an integer",
+    "float_parsing": "{v!r} is not a number",
+    "less_than_equal": "{v} is above the maximum {le}",
+    "greater_than_equal": "{v} is below the minimum {ge}",
+}
 
 
 def _usage_error_text(e):
@@ -56,8 +67,12 @@ def _usage_error_text(e):
     ctx = e.ctx
     path = ctx.command_path if ctx is not None else "llmctl"
     msg = e.format_message()
-    value = _bad_value(e)
-    if value is not None and repr(value) not in msg:
+    value, kind, limits = _bad_value(e)
+    param = getattr(e, "param", None)
+    if kind in _VALUE_ERRORS and param is not None and param.opts:
+        names = sorted(param.opts, key=lambda o: o.startswith("--"))  # -b/--batch-size
+        msg = f"{'/'.join(names)}: " + _VALUE_ERRORS[kind].format(v=value, **limits)
+    elif value is not None and repr(value) not in msg:
         prefix = "Invalid value for "
         msg = (f"Invalid value {value!r} for {msg[len(prefix):]}" if msg.startswith(prefix)
                else f"{msg} (got {value!r})")

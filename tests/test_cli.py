@@ -187,9 +187,11 @@ def _run_tty(args, cwd=None):
 
 # (argv, the subcommand the hint names, what the Error line must name)
 USAGE_ERRORS = [
-    (["train", "-b", "abc"], "llmctl train", ["'-b'", "'abc'"]),
-    (["eval", "loss", "-t", "x"], "llmctl eval loss", ["'-t'", "'x'"]),
-    (["sample", "--top-p", "2"], "llmctl sample", ["'--top-p'", "'2'"]),
+    (["train", "-b", "abc"], "llmctl train", ["-b/--batch-size: 'abc' is not an integer"]),
+    (["eval", "loss", "-t", "x"], "llmctl eval loss", ["-t/--seq-len: 'x' is not an integer"]),
+    (["train", "-l", "x"], "llmctl train", ["-l/--learning-rate: 'x' is not a number"]),
+    (["sample", "--top-p", "2"], "llmctl sample", ["--top-p: 2 is above the maximum 1"]),
+    (["sample", "-n", "0"], "llmctl sample", ["-n/--max-new-tokens: 0 is below the minimum 1"]),
     (["train", "--nope"], "llmctl train", ["--nope"]),
     (["prepro", "text"], "llmctl prepro text", ["Missing argument", "files"]),
     (["prepro"], "llmctl prepro", ["needs a command", "tinyshakespeare", "gpt2"]),
@@ -227,7 +229,7 @@ def test_usage_errors_render_the_same_through_clirunner():
     r = CliRunner().invoke(app, ["train", "-b", "abc"])
     assert r.exit_code == 2
     error, hint = r.output.splitlines()[-2:]
-    assert error.startswith("Error: Invalid value 'abc' for '-b' / '--batch-size': ")
+    assert error == "Error: -b/--batch-size: 'abc' is not an integer"
     assert hint == "Hint: run 'llmctl train --help'"
 
 
