@@ -61,11 +61,25 @@ _VALUE_ERRORS = {
 }
 
 
-def _usage_error_text(e):
+def _command_path(group, args):
+    """`llmctl SUB [SUBSUB]` as named by args: for an error click raises without a context
+    (an option missing its value is found while the subcommand's options are parsed)."""
+    words, cmd = ["llmctl"], group
+    for a in args:
+        sub = getattr(cmd, "commands", {}).get(a)
+        if sub is None:
+            break
+        words.append(a)
+        cmd = sub
+    return " ".join(words)
+
+
+def _usage_error_text(e, path=None):
     """(message, hint) of a click usage error: its own text naming the flag, plus the bad value
-    and, for a group run without its command, the commands it has."""
+    and, for a group run without its command, the commands it has. path: the command named by
+    the arguments, for an error without a context."""
     ctx = e.ctx
-    path = ctx.command_path if ctx is not None else "llmctl"
+    path = ctx.command_path if ctx is not None else (path or "llmctl")
     msg = e.format_message()
     value, kind, limits = _bad_value(e)
     param = getattr(e, "param", None)
@@ -78,6 +92,8 @@ def _usage_error_text(e):
                else f"{msg} (got {value!r})")
     if ctx is not None and msg == "Missing command." and hasattr(ctx.command, "list_commands"):
         msg = f"'{path}' needs a command: {', '.join(ctx.command.list_commands(ctx))}"
+    if path == "llmctl train" and getattr(e, "option_name", None) == "-h":
+        msg = msg.rstrip(".") + " (-h is llm.c's HellaSwag flag: -h 1 or -h 0; the help is --help)"
     return msg, f"run '{path} --help'"
 
 
@@ -90,6 +106,7 @@ class _Group(typer.core.TyperGroup):
     def main(self, args=None, prog_name=None, standalone_mode=True, **extra):
         if not standalone_mode:
             return super().main(args=args, prog_name=prog_name, standalone_mode=False, **extra)
+        args = list(sys.argv[1:] if args is None else args)
         try:
             rv = super().main(args=args, prog_name=prog_name, standalone_mode=False, **extra)
         except NoArgsIsHelpError as e:  # bare `llmctl`: the help (rich help is printed already)
@@ -97,7 +114,7 @@ class _Group(typer.core.TyperGroup):
                 e.show()
             sys.exit(e.exit_code)
         except UsageError as e:
-            _print_error(*_usage_error_text(e))
+            _print_error(*_usage_error_text(e, _command_path(self, args)))
             sys.exit(e.exit_code)
         except ClickException as e:
             _print_error(e.format_message())

@@ -192,6 +192,9 @@ USAGE_ERRORS = [
     (["train", "-l", "x"], "llmctl train", ["-l/--learning-rate: 'x' is not a number"]),
     (["sample", "--top-p", "2"], "llmctl sample", ["--top-p: 2 is above the maximum 1"]),
     (["sample", "-n", "0"], "llmctl sample", ["-n/--max-new-tokens: 0 is below the minimum 1"]),
+    # -h is llm.c's HellaSwag flag: alone it lacks its value, found before train's context exists
+    (["train", "-h"], "llmctl train", ["'-h' requires an argument", "HellaSwag", "--help"]),
+    (["sample", "-n"], "llmctl sample", ["'-n' requires an argument"]),
     (["train", "--nope"], "llmctl train", ["--nope"]),
     (["prepro", "text"], "llmctl prepro text", ["Missing argument", "files"]),
     (["prepro"], "llmctl prepro", ["needs a command", "tinyshakespeare", "gpt2"]),
