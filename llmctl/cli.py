@@ -34,6 +34,23 @@ except ImportError:  # older typer runs on click (NoArgsIsHelpError: click >= 8.
             pass
 
 
+def _value_names_only():
+    """typer's rich help prints each option's type after it, flags too (`--help <bool>`): keep
+    that label where the option takes a value (`-b <int>`), drop it where it does not."""
+    option = getattr(typer.core, "TyperOption", None)
+    labelled = getattr(option, "display_type_rich", None)
+    if labelled is None or getattr(labelled, "value_names_only", False):
+        return  # an older typer prints no type labels
+
+    def display_type_rich(self, ctx):
+        return None if self.is_flag or self.count else labelled(self, ctx)
+    display_type_rich.value_names_only = True
+    option.display_type_rich = display_type_rich
+
+
+_value_names_only()
+
+
 def _print_error(message, hint=None):
     """llmctl's form of every user-facing error: `Error: ...` and, when there is one, `Hint: ...`."""
     err_console.print(f"[bold red]Error:[/] {escape(message)}", soft_wrap=True)

@@ -236,6 +236,20 @@ def test_usage_errors_render_the_same_through_clirunner():
     assert hint == "Hint: run 'llmctl train --help'"
 
 
+@pytest.mark.parametrize("argv", [[], ["train"], ["sample"], ["export"], ["eval", "loss"]],
+                         ids=["llmctl", "train", "sample", "export", "eval loss"])
+def test_help_names_a_value_only_after_options_that_take_one(tmp_path, argv):
+    """typer labels every option with its type; a flag (--help, --json, --version) takes none."""
+    code, out, err = _run([*argv, "--help"], cwd=tmp_path)
+    assert code == 0, err
+    rows = {ln.split()[1]: ln for ln in out.splitlines() if ln.startswith("│ --")}
+    assert "--help" in rows and "<" not in rows["--help"]
+    assert not any("<bool>" in row for row in rows.values()), out
+    if argv == ["train"]:
+        assert "<int>" in rows["--batch-size"] and "<str>" in rows["--output-dir"]
+        assert "<" not in rows["--json"]
+
+
 def test_help_and_a_bare_llmctl_still_show_the_help(tmp_path):
     code, out, err = _run(["train", "--help"], cwd=tmp_path)
     assert code == 0 and "--batch-size" in out and err == ""
