@@ -830,7 +830,18 @@ def sample_cmd(
     if not json_out:
         dt = time.time() - t0
         ntok = sum(len(r["tokens"]) for r in results)
-        err_console.print(f"[dim]{ntok} tokens in {dt:.2f} s ({ntok / max(dt, 1e-9):.1f} tokens/s)[/]")
+        err_console.print(f"[dim]{ntok} tokens in {dt:.2f} s ({ntok / max(dt, 1e-9):.1f} tokens/s)"
+                          f"{escape(_eot_note(results, n))}[/]", soft_wrap=True)
+
+
+def _eot_note(results, n):
+    """Says which samples ended at <|endoftext|> instead of after -n tokens ('' for none)."""
+    k = sum(r["stopped_at_eot"] for r in results)
+    if k == 0:
+        return ""
+    if len(results) == 1:
+        return f"; stopped at <|endoftext|>, token {len(results[0]['tokens'])} of -n {n}"
+    return f"; {k} of {len(results)} samples stopped at <|endoftext|> (-n {n})"
 
 
 # --- train (llmctl/train.py; its settings: llmctl/train_config.py) ---------------------------

@@ -233,8 +233,9 @@ def sample(model, prompt_tokens, num_samples=1, max_new_tokens=64, temperature=1
            on_sample_start=None, on_sample_end=None):
     """`llmctl sample`: num_samples generations from one seeded coin stream.
     on_text(sample_index, text_piece) streams printable text; on_sample_start(i) and
-    on_sample_end(i, result) bracket each sample. -> list of dicts {prompt_tokens, tokens, text}
-    (tokens = generated ids incl. a final EOT; text = their decoding without it)."""
+    on_sample_end(i, result) bracket each sample. -> list of dicts {prompt_tokens, tokens, text,
+    stopped_at_eot} (tokens = generated ids incl. a final EOT; text = their decoding without it;
+    stopped_at_eot: generation ended at EOT rather than after max_new_tokens)."""
     from llmctl.tokenizer import get_tokenizer
 
     tok = tokenizer or get_tokenizer()
@@ -258,10 +259,11 @@ def sample(model, prompt_tokens, num_samples=1, max_new_tokens=64, temperature=1
         tail = dec.flush()
         if tail and on_text is not None:
             on_text(s, tail)
-        text_ids = ids[:-1] if ids and ids[-1] == tok.eot else ids
+        at_eot = bool(ids) and ids[-1] == tok.eot
+        text_ids = ids[:-1] if at_eot else ids
         start = [default_start(model.config.vocab_size, tok.eot)[0]]
         results.append({"prompt_tokens": [int(t) for t in prompt_tokens] or start,
-                        "tokens": ids, "text": tok.decode(text_ids)})
+                        "tokens": ids, "text": tok.decode(text_ids), "stopped_at_eot": at_eot})
         if on_sample_end is not None:
             on_sample_end(s, results[-1])
     return results

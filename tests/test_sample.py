@@ -443,6 +443,23 @@ def test_cli_sample_streams_text(fixed_next_token, capsys):
     assert code in (0, None)
     assert out == "Once" + "".join(word[i] for i in want[:-1]) + "\n"
     assert "tokens/s" in err
+    # the count ends short of -n because the sample reached EOT: the speed line says so
+    assert f"; stopped at <|endoftext|>, token {len(want)} of -n 30" in err.splitlines()[-1]
+
+
+def test_cli_sample_says_which_samples_stopped_at_eot(fixed_next_token, capsys):
+    path, z, _ = fixed_next_token
+    code, out, err = _run(["sample", "--threads", "1", "-e", path, "-n", "30", "--seed", "11",
+                           "--num-samples", "3", "--json"], capsys)
+    assert code in (0, None)
+    got = [json.loads(ln) for ln in out.splitlines()]
+    want = _ref_sample(z, 30, seed=11)
+    assert got[0]["tokens"] == want and got[0]["stopped_at_eot"]
+    assert [r["stopped_at_eot"] for r in got] == [r["tokens"][-1] == 50256 for r in got]
+    k = sum(r["stopped_at_eot"] for r in got)
+    code, out, err = _run(["sample", "--threads", "1", "-e", path, "-n", "30", "--seed", "11",
+                           "--num-samples", "3"], capsys)
+    assert err.splitlines()[-1].endswith(f"; {k} of 3 samples stopped at <|endoftext|> (-n 30)")
 
 
 def test_cli_sample_top_k_keeps_the_k_most_likely(fixed_next_token, capsys):
@@ -452,4 +469,7 @@ def test_cli_sample_top_k_keeps_the_k_most_likely(fixed_next_token, capsys):
     code, out, err = _run(["sample", "--threads", "1", "-e", path, "-n", "24", "--seed", "5",
                            "--temperature", "0.8", "--top-k", "3", "--json"], capsys)
     assert code in (0, None)
-    assert json.loads(out)["tokens"] == want
+    assert json.loads(out)["tokens"] == want and not json.loads(out)["stopped_at_eot"]
+    code, out, err = _run(["sample", "--threads", "1", "-e", path, "-n", "24", "--seed", "5",
+                           "--temperature", "0.8", "--top-k", "3"], capsys)
+    assert "tokens/s" in err and "endoftext" not in err  # ran to -n: no note
