@@ -295,6 +295,10 @@ class Trainer:
                                 hint="use a smaller -d/-b/-t or set -x")
         else:
             self.num_steps = cfg.max_steps
+        self.shared_files = []
+        if self.val_loader is not None and not cfg.overfit_single_batch:
+            val_real = {os.path.realpath(f) for f in self.val_files}
+            self.shared_files = [f for f in self.train_files if os.path.realpath(f) in val_real]
         self.val_num_batches = 0
         if self.val_loader is not None:
             self.val_num_batches = (cfg.val_max_steps if cfg.val_max_steps != -1 else
@@ -576,6 +580,10 @@ class Trainer:
             if cfg.checkpoint_every > 0 and not self.out:  # llm.c says nothing and writes nothing
                 self.display.message(f"Note: -n {cfg.checkpoint_every} writes no checkpoint without "
                                      "-o DIR (checkpoints go into the output directory)")
+            if self.shared_files:
+                self.display.message(
+                    f"Warning: -i and -j both name {_files_text(self.shared_files)}: the val loss "
+                    "is measured on tokens the model trains on")
             if self.left_out:
                 self.display.message(
                     f"-i {self.cfg.train_data!r} also matched {len(self.left_out)} file(s) that are "

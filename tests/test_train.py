@@ -5,6 +5,7 @@ Tiny Shakespeare text stored as an llm.c uint16 shard, and one thread: a step co
 whole training runs (resume, SIGINT, overfitting) fit the CI budget. Checkpoint bytes are checked
 against llm.c's layout with struct/NumPy here, not through llmctl.formats.
 """
+import glob
 import json
 import math
 import os
@@ -1638,3 +1639,20 @@ def test_output_dir_that_is_a_file_is_one_error_naming_it(data, tmp_path, capsys
                     f"Error: output path {out}: {f} is a file, and -o must be a directory")
     assert err.splitlines()[-1].startswith("Hint: -o names the directory")
     assert f.read_text() == "not a directory" and os.listdir(tmp_path) == ["run.txt"]
+
+
+def test_train_and_val_on_the_same_file_warns(data, tmp_path, capsys):
+    """-i and -j naming one shard (here through a second path to it) validate on training tokens:
+    one warning naming it; disjoint splits and -a 1 (the val split by design) say nothing."""
+    val = sorted(glob.glob(data["val"]))[0]
+    alias = tmp_path / "alias.bin"
+    os.symlink(val, alias)
+    rc, out, err = run_cli(_base(data, **{"-i": val, "-j": str(alias), "-v": "1"}), capsys)
+    assert rc == 0, err
+    warnings = [ln for ln in err.splitlines() if ln.startswith("Warning:")]
+    assert warnings == [f"Warning: -i and -j both name {val}: the val loss is measured on tokens "
+                        "the model trains on"], err
+    rc, out, err = run_cli(_base(data, **{"-v": "1"}), capsys)
+    assert rc == 0 and "Warning:" not in err, err
+    rc, out, err = run_cli(_base(data, **{"-a": "1", "-v": "1", "-d": "128"}), capsys)
+    assert rc == 0 and "Warning:" not in err, err
