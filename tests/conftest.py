@@ -6,6 +6,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data"
+TEST_DATA_ENV = "LLMCTL_TEST_DATA"
+
+
+def shared_data_dir():
+    """The real test data: $LLMCTL_TEST_DATA if set, else shared/data beside the checkout."""
+    env = os.environ.get(TEST_DATA_ENV, "").strip()
+    return Path(env).expanduser() if env else SHARED_DATA
 
 
 def under_ci():
@@ -23,10 +30,11 @@ def require(ok, what):
 
 
 def shared_file(rel):
-    """Path to a file of the real test data (the shared data directory beside the repo)."""
-    p = SHARED_DATA / rel
-    require(p.is_file(), f"real data {rel} is absent: looked for {p} (see the README of the "
-                         "shared data directory)")
+    """Path to a file of the real test data ($LLMCTL_TEST_DATA, else the shared data directory
+    beside the repo)."""
+    p = shared_data_dir() / rel
+    require(p.is_file(), f"real data {rel} is absent: looked for {p} (set {TEST_DATA_ENV} to the "
+                         "directory that holds it; README.md, Tests)")
     return p
 
 
