@@ -143,7 +143,8 @@ def _matplotlib_figure():
         from matplotlib.figure import Figure
     except ImportError:
         raise ConfigError("writing an image needs matplotlib, which is not installed",
-                          hint="pip install 'llmctl[plot]', or draw in the terminal with "
+                          hint="`pip install matplotlib` (what the extra llmctl[plot] adds; it "
+                               "rebuilds nothing), or draw in the terminal with "
                                "`llmctl plot --terminal`") from None
     return Figure
 
