@@ -9,7 +9,8 @@ schedule, grad-norm clip, AdamW (skipped when -sl/-sg's outlier z-score says so,
 it also clears the gradients, so the next step's zero_grad has nothing to fill) -> log
 `s:%d trl:%.4f lr:%.6f norm:%.2f`. Checkpoints are llm.c's `model_%08d.bin` (rank 0),
 `state_%08d_%05d.bin` (every rank; with -sl/-sg also a `state_%08d_%05d.outlier.json` sidecar
-holding the detectors, which llm.c does not save) and an empty `DONE_%08d` written last; `-y 1`
+holding the detectors, which llm.c does not save) and an empty `DONE_%08d` written last, every -n
+steps and, whenever -o is given, at the last step (llm.c: only with -n); `-y 1`
 resumes from the newest DONE and continues bit for bit (fixed thread count). Also writes
 `metrics.jsonl`.
 What it is not: the settings and their checks (llmctl/train_config.py), the checkpoint files
@@ -622,10 +623,12 @@ class Trainer:
                     if (self.is_master and cfg.sample_every > 0
                             and ((step > 0 and step % cfg.sample_every == 0) or last)):
                         self.display.sample(step, self.generate_sample())
-                    if (cfg.checkpoint_every > 0 and self.out and not resuming
-                            and ((step > 0 and step % cfg.checkpoint_every == 0) or last)):
+                    # -o: the last step always (llm.c: only with -n), and every -n steps
+                    if self.out and not resuming and (last or (
+                            cfg.checkpoint_every > 0 and step > 0 and step % cfg.checkpoint_every == 0)):
                         self.write_checkpoint(step)
-                        self.rotate_checkpoints(step)
+                        if cfg.checkpoint_every > 0:
+                            self.rotate_checkpoints(step)
                     resuming = False
                     if last:
                         if len(rec) > 1:

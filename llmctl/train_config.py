@@ -90,8 +90,8 @@ class TrainConfig:
                                     f"in the working directory, else {paths.PRETRAINED_DEFAULT} "
                                     "(GPT-2 124M), as llm.c's train_gpt2.c).")
     output_dir: Optional[str] = flag(None, "-o", "--output-dir",
-                                     help="Directory for main.log, metrics.jsonl and checkpoints "
-                                          "(default: none).")
+                                     help="Directory for main.log, metrics.jsonl and checkpoints: "
+                                          "the last step's always, more with -n (default: none).")
     batch_size: int = flag(4, "-b", "--batch-size", help="Micro batch size B per process.",
                            name="micro batch size", check="positive")
     seq_len: int = flag(1024, "-t", "--seq-len", help="Sequence length T (<= the model's maxT).",
@@ -142,7 +142,8 @@ class TrainConfig:
     gen_tokens: int = flag(64, "-g", "--gen-tokens",
                            help="Sample length in tokens, including the start token.")
     checkpoint_every: int = flag(0, "-n", "--checkpoint-every",
-                                 help="Write a checkpoint every N steps (0 = never; needs -o).",
+                                 help="Write a checkpoint every N steps too (0 = only the last "
+                                      "step's; needs -o).",
                                  name="checkpoint every", check="nonnegative")
     checkpoints_keep: int = flag(0, "-nk", "--checkpoints-keep",
                                  help="Keep only the last N checkpoints (0 = all).",

@@ -1370,6 +1370,9 @@ def test_y0_refuses_an_output_dir_with_checkpoints(data, tmp_path, capsys):
     # an -o without DONE_ (only logs) is fine with -y 0: the second run replaces the logs
     logs_only = tmp_path / "logs"
     train(cfg_for(data, logs_only, max_steps=1, val_loss_every=0))
+    for name in os.listdir(logs_only):  # a run with -o writes its final checkpoint: not here
+        if name not in ("main.log", "metrics.jsonl"):
+            os.remove(logs_only / name)
     first = (logs_only / "main.log").read_text()
     s = train(cfg_for(data, logs_only, max_steps=2, val_loss_every=0))
     assert s["steps_run"] == 2 and [r["step"] for r in metrics(logs_only)] == [0, 1]
@@ -1656,3 +1659,22 @@ def test_train_and_val_on_the_same_file_warns(data, tmp_path, capsys):
     assert rc == 0 and "Warning:" not in err, err
     rc, out, err = run_cli(_base(data, **{"-a": "1", "-v": "1", "-d": "128"}), capsys)
     assert rc == 0 and "Warning:" not in err, err
+
+
+def test_output_dir_without_n_keeps_the_final_model_and_state(data, tmp_path, capsys):
+    """llm.c writes no checkpoint without -n; llmctl's -o always keeps the last step's (model,
+    state, DONE), says where, and -y 1 resumes from it."""
+    out = tmp_path / "o"
+    rc, stdout, err = run_cli(_base(data, **{"-o": str(out), "-x": "3"}), capsys)
+    assert rc == 0, err
+    assert sorted(n for n in os.listdir(out) if n not in ("main.log", "metrics.jsonl")) == \
+        ["DONE_00000003", "model_00000003.bin", "state_00000003_00000.bin"]
+    assert f"Writing checkpoint at step 3: {out / 'model_00000003.bin'}" in err.splitlines()
+    from llmctl.model import GPT2
+
+    m = GPT2.from_checkpoint(str(out / "model_00000003.bin"), n_threads=1)
+    init = np.fromfile(data["ckpt"], dtype=np.float32)[256:]
+    assert np.isfinite(m.params).all() and not np.array_equal(m.params, init)  # the trained weights
+    rc, stdout, err = run_cli(_base(data, **{"-o": str(out), "-x": "4", "-y": "1"}), capsys)
+    assert rc == 0 and "resuming from the checkpoint at step 3" in err, err
+    assert (out / "DONE_00000004").is_file()
