@@ -21,6 +21,7 @@ import numpy as np
 from llmctl.atomic import atomic_write
 from llmctl.errors import ConfigError, DataError, FormatError, LlmctlError
 
+RUN_LOGS = ("main.log", "metrics.jsonl")  # what a run writes in -o besides checkpoints
 OUTPUT_HINT = ("make sure -o is a writable directory with free space and that no directory "
                "occupies this file's name")
 
@@ -114,18 +115,42 @@ class Checkpoints:
     def newest(self):
         return find_max_step(self.out)
 
-    def claim(self, resume):
-        """Before anything is written: refuse -y 0 over an earlier run's checkpoints, then create
-        -o and check that it is writable."""
+    def claim(self, resume, overwrite=False):
+        """Before anything is written: refuse -y 0 over an earlier run (its checkpoints or its
+        logs) unless overwrite, then create -o, check that it is writable and, with overwrite,
+        delete the earlier run's checkpoints (its logs are replaced when the run opens them)."""
         if not self.out:
             return
         k = find_max_step(self.out)
-        if resume == 0 and k >= 0:
+        if resume == 0 and not overwrite and k >= 0:
             raise ConfigError(f"output directory {self.out} already holds checkpoints of an "
                               f"earlier run (DONE_{k:08d}); -y 0 would mix the two runs' "
                               "checkpoints (llm.c overwrites silently)",
-                              hint="pass -y 1 to resume from them, or use a new or empty -o")
+                              hint="pass -y 1 to resume from them, --overwrite to delete them and "
+                                   "start over there, or use a new or empty -o")
+        # rank 0 writes the logs (checked there only: another rank could see this run's own)
+        logs = [n for n in RUN_LOGS if self.is_master and os.path.isfile(os.path.join(self.out, n))]
+        if resume == 0 and not overwrite and logs:
+            raise ConfigError(f"output directory {self.out} already holds {' and '.join(logs)} of "
+                              "an earlier run, which -y 0 would overwrite",
+                              hint="pass -y 1 to resume that run, --overwrite to replace it, or "
+                                   "use a new or empty -o")
         prepare_output_dir(self.out, self.rank)
+        if overwrite:
+            self.delete_earlier_run()
+
+    def delete_earlier_run(self):
+        """--overwrite: every checkpoint file in -o (rank 0: all of them, every rank's state
+        files too; other ranks: their own state files, for an -o that is not shared), each
+        DONE_ first, so an interrupted deletion never leaves a complete-looking checkpoint."""
+        names = sorted(os.listdir(self.out), key=lambda n: not n.startswith("DONE_"))
+        own = f"_{self.rank:05d}"
+        for name in names:
+            m = re.fullmatch(r"(?:DONE_\d{8}|model_\d{8}\.bin|state_\d{8}(_\d{5})(?:\.bin|\.outlier\.json))",
+                             name)
+            if m and (self.is_master or m.group(1) == own):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(self.out, name))
 
     def last_good_text(self):
         """Names the newest complete checkpoint in -o (what -y 1 would resume from)."""

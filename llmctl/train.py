@@ -26,6 +26,7 @@ import glob
 import json
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -228,7 +229,9 @@ class Trainer:
                 raise
             raise self.checkpoints.damaged(e, self.resume_step) from None
         self.hellaswag_examples = self._check_fits(init_config)
-        self.checkpoints.claim(cfg.resume)
+        if cfg.overwrite:
+            self._check_init_survives_overwrite()
+        self.checkpoints.claim(cfg.resume, cfg.overwrite)
 
         # 4. model, optimizer schedule, -sl/-sg's outlier detectors over loss and grad norm
         self.model = load_model(init_spec, n_threads=self.n_threads, precision=cfg.precision)
@@ -314,6 +317,19 @@ class Trainer:
             raise ConfigError(f"sequence length -t {self.T} exceeds the model's maxT "
                               f"{mc.max_seq_len}", hint=f"use -t {mc.max_seq_len} or less")
         return _check_hellaswag(self.cfg, mc) if self.cfg.hellaswag else 0
+
+    def _check_init_survives_overwrite(self):
+        """--overwrite deletes the checkpoints in -o: -e must not be one of them."""
+        spec = self.init_spec
+        if not (self.out and os.path.isfile(spec)):
+            return
+        here = os.path.realpath(os.path.dirname(os.path.abspath(spec)))
+        name = os.path.basename(spec)
+        if here == os.path.realpath(self.out) and re.fullmatch(r"model_\d{8}\.bin", name):
+            raise ConfigError(f"-e {spec} is a checkpoint in -o {self.out}, which --overwrite "
+                              "would delete before reading it",
+                              hint="copy it out of -o first, or resume it with -y 1 instead "
+                                   "of --overwrite")
 
     def _detectors(self):
         return (self.loss_detector, self.grad_detector) if self.detect_outliers else None

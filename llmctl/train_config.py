@@ -155,6 +155,10 @@ class TrainConfig:
     resume: int = flag(0, "-y", "--resume",
                        help="1 = resume from the newest checkpoint in -o; 0 = start over.",
                        check="bool01")
+    overwrite: bool = flag(False, "--overwrite",
+                           help="Start over in an -o that holds an earlier run: its checkpoints "
+                                "are deleted and main.log / metrics.jsonl replaced (without it "
+                                "such an -o is refused unless -y 1).")
     overfit_single_batch: int = flag(0, "-a", "--overfit-single-batch",
                                      help="1 = train on one val batch over and over "
                                           "(debugging).", check="bool01")
@@ -238,6 +242,9 @@ class TrainConfig:
             raise ConfigError(f"--hellaswag-limit must be >= 1, got {self.hellaswag_limit}",
                               hint="pass --hellaswag-limit N with N >= 1, or leave it out to "
                                    "score every example")
+        if self.resume == 1 and self.overwrite:
+            raise ConfigError("-y 1 resumes the run in -o, --overwrite replaces it: not both",
+                              hint="drop one of the two")
         if self.resume == 1 and not self.output_dir:
             raise ConfigError("-y 1 resumes from the checkpoints in -o, but no -o was given",
                               hint="pass -o DIR, the output directory of the run to resume")

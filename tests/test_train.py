@@ -717,10 +717,11 @@ def run_cli(args, capsys):
 
 
 def _base(data, **over):
+    """`llmctl train` arguments for the tiny run; a flag mapped to None is given without a value."""
     a = {"-i": data["train"], "-j": data["val"], "-e": data["ckpt"], "-b": "4", "-t": "32",
          "-x": "2", "-v": "0", "-s": "0", "--threads": "1"}
     a.update(over)
-    return [x for kv in a.items() for x in kv]
+    return [x for kv in a.items() for x in kv if x is not None]
 
 
 @pytest.mark.parametrize("case", ["no_match", "too_small", "T_gt_maxT", "d_not_multiple",
@@ -1367,17 +1368,51 @@ def test_y0_refuses_an_output_dir_with_checkpoints(data, tmp_path, capsys):
     assert "resuming from the checkpoint at step 4" in err
     assert {n: (out / n).read_bytes() for n in os.listdir(out) if n != "main.log"} == \
         {n: b for n, b in before.items() if n != "main.log"}
-    # an -o without DONE_ (only logs) is fine with -y 0: the second run replaces the logs
-    logs_only = tmp_path / "logs"
-    train(cfg_for(data, logs_only, max_steps=1, val_loss_every=0))
-    for name in os.listdir(logs_only):  # a run with -o writes its final checkpoint: not here
-        if name not in ("main.log", "metrics.jsonl"):
-            os.remove(logs_only / name)
-    first = (logs_only / "main.log").read_text()
-    s = train(cfg_for(data, logs_only, max_steps=2, val_loss_every=0))
-    assert s["steps_run"] == 2 and [r["step"] for r in metrics(logs_only)] == [0, 1]
-    log = (logs_only / "main.log").read_text().splitlines()
-    assert len(log) == 2 and log[0] == first.strip() and log[1].startswith("s:1 trl:")
+    # --overwrite starts over there: the earlier run's checkpoints go, its logs are replaced
+    rc, _, err = run_cli(_base(data, **{"-o": str(out), "-x": "1", "--overwrite": None}), capsys)
+    assert rc == 0, err
+    assert sorted(n for n in os.listdir(out) if n not in ("main.log", "metrics.jsonl")) == \
+        ["DONE_00000001", "model_00000001.bin", "state_00000001_00000.bin"]
+    assert [r["step"] for r in metrics(out)] == [0]  # -x 1 -v 0: one step, nothing at step 1
+    assert len((out / "main.log").read_text().splitlines()) == 1
+
+
+def test_y0_refuses_an_output_dir_with_an_earlier_run_s_logs(data, tmp_path, capsys):
+    """main.log and metrics.jsonl without a checkpoint (a run that failed, or llm.c's): -y 0
+    refuses to overwrite them, naming -y 1 and --overwrite; --overwrite replaces them."""
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "main.log").write_text("s:0 trl:5.5000 lr:0.000300 norm:1.00\n")
+    (out / "metrics.jsonl").write_text('{"step": 0, "train_loss": 5.5}\n')
+    (out / "notes.txt").write_text("mine")
+    before = {n: (out / n).read_bytes() for n in os.listdir(out)}
+    rc, stdout, err = run_cli(_base(data, **{"-o": str(out)}), capsys)
+    assert rc == 2 and stdout == "", err
+    assert _one_error(err) == (f"Error: output directory {out} already holds main.log and "
+                               "metrics.jsonl of an earlier run, which -y 0 would overwrite")
+    assert err.splitlines()[-1] == ("Hint: pass -y 1 to resume that run, --overwrite to replace it, "
+                                    "or use a new or empty -o")
+    assert {n: (out / n).read_bytes() for n in os.listdir(out)} == before
+    (out / "main.log").unlink()  # either log alone is an earlier run too
+    rc, _, err = run_cli(_base(data, **{"-o": str(out)}), capsys)
+    assert rc == 2 and "already holds metrics.jsonl of an earlier run" in err, err
+    rc, _, err = run_cli(_base(data, **{"-o": str(out), "--overwrite": None}), capsys)
+    assert rc == 0, err
+    assert [r["step"] for r in metrics(out)] == [0, 1] and (out / "notes.txt").read_text() == "mine"
+    assert (out / "main.log").read_text().startswith("s:0 trl:") and (out / "DONE_00000002").is_file()
+
+
+def test_overwrite_refuses_y1_and_an_init_it_would_delete(data, tmp_path, capsys):
+    out = tmp_path / "o"
+    train(cfg_for(data, out, max_steps=2, val_loss_every=0))
+    before = {n: (out / n).read_bytes() for n in os.listdir(out)}
+    rc, _, err = run_cli(_base(data, **{"-o": str(out), "-y": "1", "--overwrite": None}), capsys)
+    assert rc == 2 and "-y 1 resumes the run in -o, --overwrite replaces it" in _one_error(err)
+    ckpt = str(out / "model_00000002.bin")
+    rc, _, err = run_cli(_base(data, **{"-o": str(out), "-e": ckpt, "--overwrite": None}), capsys)
+    assert rc == 2 and _one_error(err) == (f"Error: -e {ckpt} is a checkpoint in -o {out}, which "
+                                           "--overwrite would delete before reading it")
+    assert {n: (out / n).read_bytes() for n in os.listdir(out)} == before
 
 
 @pytest.mark.parametrize("flag,value", [
