@@ -8,6 +8,7 @@ CI), GPT2LMHeadModel / AutoTokenizer load the directory as the issue requires.
 """
 import json
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -56,9 +57,15 @@ def load_tensors(out):
 def test_export_writes_the_hf_gpt2_files(exported):
     out, summary = exported
     assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "merges.txt", "model.safetensors",
-                                       "tokenizer_config.json", "vocab.json"]
+                                       "tokenizer.json", "tokenizer_config.json", "vocab.json"]
     assert summary["files"] == sorted(os.listdir(out))
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {f: oct(stat.S_IMODE(os.stat(out / f).st_mode)) for f in os.listdir(out)}
+    assert set(modes.values()) == {oct(0o666 & ~umask)}, modes  # safetensors alone wrote 0600
     cfg = json.loads((out / "config.json").read_text())
+    # llmctl trains without dropout; GPT2Config's default 0.1 would drop in model.train()
+    assert cfg["attn_pdrop"] == cfg["embd_pdrop"] == cfg["resid_pdrop"] == 0.0
     assert cfg["model_type"] == "gpt2" and cfg["architectures"] == ["GPT2LMHeadModel"]
     assert (cfg["n_layer"], cfg["n_head"], cfg["n_embd"], cfg["n_positions"], cfg["vocab_size"]) == (2, 2, 16, 32, 50257)
     assert cfg["activation_function"] == "gelu_new" and cfg["tie_word_embeddings"] is True
@@ -131,6 +138,41 @@ def test_tokenizer_files_are_openais_and_encode_like_tiktoken_gpt2(exported, mon
                             special_tokens={"<|endoftext|>": 50256}, explicit_n_vocab=50257)
     assert enc.encode_ordinary(TEXT) == get_tokenizer().encode_ordinary(TEXT)
     assert json.loads((out / "vocab.json").read_text(encoding="utf-8"))["<|endoftext|>"] == 50256
+
+
+def test_tokenizer_json_holds_the_same_vocabulary_and_merges(exported):
+    """tokenizer.json (the `tokenizers` format) is vocab.json's ids and merges.txt's merges in
+    order, byte-level pre-tokenizer and decoder, <|endoftext|> an added special token."""
+    out, _ = exported
+    tj = json.loads((out / "tokenizer.json").read_text(encoding="utf-8"))
+    assert tj["model"]["type"] == "BPE" and tj["pre_tokenizer"]["type"] == tj["decoder"]["type"] == "ByteLevel"
+    assert tj["pre_tokenizer"]["add_prefix_space"] is False
+    assert tj["model"]["vocab"] == json.loads((out / "vocab.json").read_text(encoding="utf-8"))
+    lines = (out / "merges.txt").read_text(encoding="utf-8").splitlines()
+    assert lines[0].startswith("#version") and tj["model"]["merges"] == lines[1:]
+    assert len(tj["model"]["merges"]) == 50000
+    assert [(t["id"], t["content"], t["special"]) for t in tj["added_tokens"]] == [(50256, "<|endoftext|>", True)]
+
+
+def test_tokenizer_json_encodes_like_tiktoken_gpt2_in_the_tokenizers_library(exported):
+    """What transformers' GPT2TokenizerFast runs: `tokenizers` on tokenizer.json, offline."""
+    from conftest import require
+
+    try:
+        import tokenizers
+    except ImportError:
+        tokenizers = None
+    require(tokenizers is not None, "the `tokenizers` package is not installed (the test extra has it)")
+    from llmctl.tokenizer import get_tokenizer
+
+    out, _ = exported
+    tok = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json"))
+    ours = get_tokenizer().encoding
+    for text in (TEXT, " leading space", "", "a\r\n\r\nb   \u00a0x 🙂🙂"):
+        want = ours.encode(text, allowed_special={"<|endoftext|>"})
+        assert tok.encode(text).ids == want, text
+        assert tok.decode(want, skip_special_tokens=False) == text
+    assert tok.token_to_id("<|endoftext|>") == 50256 and tok.get_vocab_size() == 50257
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,6 +281,7 @@ def test_transformers_loads_the_export_with_llmctls_loss_and_tiktokens_tokens(ex
         theirs = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).item()
     assert abs(ours - theirs) <= 1e-5 * abs(theirs)
     tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert tok.is_fast  # GPT2TokenizerFast from tokenizer.json
     plain = TEXT.replace("<|endoftext|>", "")
     assert tok(plain)["input_ids"] == get_tokenizer().encode_ordinary(plain)
     assert tok.eos_token_id == tok.bos_token_id == 50256

@@ -128,7 +128,8 @@ def config_from_header(hdr):
     return {
         "activation_function": "gelu_new",
         "architectures": ["GPT2LMHeadModel"],
-        "attn_pdrop": 0.1, "embd_pdrop": 0.1, "resid_pdrop": 0.1,
+        # llm.c and llmctl train without dropout (GPT2Config's default is 0.1: model.train() would drop)
+        "attn_pdrop": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0,
         "bos_token_id": 50256, "eos_token_id": 50256,
         "initializer_range": 0.02,
         "layer_norm_epsilon": LLMC_LN_EPS,

