@@ -177,7 +177,7 @@ def _version_callback(value: bool):
     if value:
         from llmctl.info import runtime_info, format_info
 
-        out_console.print(format_info(runtime_info()))
+        out_console.print(escape(format_info(runtime_info())), soft_wrap=True)
         raise typer.Exit()
 
 
@@ -234,7 +234,7 @@ def info(json_out: bool = typer.Option(False, "--json", help="Print one JSON obj
     if json_out:
         print(json.dumps(inf))
     else:
-        out_console.print(format_info(inf))
+        out_console.print(escape(format_info(inf)), soft_wrap=True)
 
 
 # ---------------------------------------------------------------------------------------------

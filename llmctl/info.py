@@ -1,5 +1,5 @@
 """What this llmctl build and process will use: version, OpenMP, threads, GEMM engine, precisions,
-the instruction sets of the runtime-dispatched kernels."""
+the instruction sets of the runtime-dispatched kernels, and the MFU roofs cached for this CPU."""
 import os
 
 from llmctl import __version__
@@ -57,6 +57,19 @@ def simd_info():
             "bf16_gemv": "avx512_bf16" if matmul.gemv_bf16_available() else "off"}
 
 
+def roof_info():
+    """The MFU roofs cached for this CPU and GEMM engine (llmctl/roof.py), measuring nothing:
+    {"cache": path, "roofs": [{precision, threads, gflops, measurements, measured}]}."""
+    from llmctl.roof import cached_roofs, roof_path
+
+    path = roof_path()
+    return {"cache": path,
+            "roofs": [{"precision": e.get("precision"), "threads": e.get("threads"),
+                       "gflops": round(e["flops"] / 1e9, 1),
+                       "measurements": int(e.get("measurements", 1)), "measured": e.get("measured")}
+                      for e in cached_roofs(path=path)]}
+
+
 def runtime_info():
     from llmctl._ext import buildinfo
 
@@ -67,6 +80,7 @@ def runtime_info():
         "blas": None,
         **gemm_info(),
         "kernels": simd_info(),
+        "mfu_roof": roof_info(),
     }
     try:
         from threadpoolctl import threadpool_info
@@ -96,6 +110,18 @@ def _precision_line(info):
     return f"precisions: fp32 (bf16: no, {why})"
 
 
+def _roof_line(info):
+    r = info["mfu_roof"]
+    if not r["roofs"]:
+        return (f"MFU roof: none measured on this CPU yet (`llmctl train` measures one; "
+                f"cache: {r['cache']})")
+    from llmctl.roof import threads_text
+
+    each = [f"{e['precision']} {e['gflops']:.1f} GFLOP/s at {threads_text(e['threads'])} "
+            f"(best of {e['measurements']})" for e in r["roofs"]]
+    return f"MFU roof: {', '.join(each)}; cached in {r['cache']}"
+
+
 def format_info(info):
     k = info["kernels"]
     return (f"llmctl {info['version']}\n"
@@ -104,4 +130,5 @@ def format_info(info):
             f"{_precision_line(info)}\n"
             f"kernels: attention {k['attention']}, GELU {k['gelu']}, AdamW {k['adamw']}, "
             f"bf16 GEMV {k['bf16_gemv']}\n"
-            f"BLAS: {info['blas'] or 'unknown'}")
+            f"BLAS: {info['blas'] or 'unknown'}\n"
+            f"{_roof_line(info)}")

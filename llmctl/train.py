@@ -44,6 +44,7 @@ from llmctl.loader import DataLoader
 from llmctl.model import load as load_model, peek_config
 from llmctl.outlier import OutlierDetector, as_float32, skip_update
 from llmctl.paths import TINYSHAKESPEARE_VAL, default_init
+from llmctl.roof import best_roof
 from llmctl.schedulers import LRScheduler
 from llmctl.threads import resolve_threads
 from llmctl.train_config import TrainConfig
@@ -257,9 +258,16 @@ class Trainer:
         self.flops_per_step = flops_per_token(self.model.num_parameters, mc.num_layers,
                                               mc.channels, T) * B * T * self.grad_accum_steps
         self.mfu_roof = mfu_roof_precision(cfg.precision)
-        self.peak_flops = measure_peak_flops(self.n_threads, cfg.precision)
+        self._measure_roof()
         self.peak_rechecks = 0
         self.allreduce_ms = 0.0
+
+    def _measure_roof(self, again=False):
+        """MFU's denominator: this run's GEMM measurement merged into the best one cached for
+        this CPU, threads, engine and precision (llmctl/roof.py), so it does not move with the
+        load of the moment; peak_source says where it came from."""
+        measured = measure_peak_flops(self.n_threads, self.cfg.precision, again=again)
+        self.peak_flops, self.peak_source = best_roof(measured, self.n_threads, self.mfu_roof)
 
     def _open_data(self):
         """-i's train shards (its val shards validate unless -j is given; other llm.c files it
@@ -499,7 +507,8 @@ class Trainer:
             "threads": self.n_threads,
             "precision": c.precision + (" (emulated: fp32 GEMMs)" if c.precision != self.mfu_roof else ""),
             "mfu_roof": self.mfu_roof,
-            "peak_flops": f"{self.peak_flops / 1e9:.1f} GFLOP/s ({self.mfu_roof} GEMM 1024^3)",
+            "peak_flops": f"{self.peak_flops / 1e9:.1f} GFLOP/s ({self.mfu_roof} GEMM 1024^3: "
+                          f"{self.peak_source})",
             "output_dir": self.out or "-",
         }
         if self.detect_outliers:
@@ -660,7 +669,7 @@ class Trainer:
                             and self.peak_rechecks < PEAK_RECHECKS):
                         # a step beat the peak: it was measured while the cores were busier
                         self.peak_rechecks += 1
-                        self.peak_flops = measure_peak_flops(self.n_threads, cfg.precision, again=True)
+                        self._measure_roof(again=True)
                     rec.update(train_loss=loss, lr=lr, grad_norm=norm, ms=ms,
                                tokens_per_s=tokens / (ms / 1000.0),
                                mfu=self.flops_per_step / (ms / 1000.0) / self.peak_flops,

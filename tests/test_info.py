@@ -41,12 +41,12 @@ def test_info_json_reports_version_openmp_threads_and_blas():
     assert info["blas"] is not None and info["blas"].rsplit(" (", 1)[0] in apis
 
 
-def test_info_and_version_print_the_same_six_lines():
+def test_info_and_version_print_the_same_seven_lines():
     from llmctl._ext import adamw, attention, layers, matmul
 
     text = _cli("info", env={"OMP_NUM_THREADS": "2"})
     lines = text.splitlines()
-    assert len(lines) == 6, text
+    assert len(lines) == 7, text
     assert lines[0] == f"llmctl {_project_version()}"
     want = "yes" if buildinfo.openmp_enabled() else "NO (serial build)"
     assert lines[1] == f"OpenMP: {want}, threads: 2"
@@ -64,6 +64,7 @@ def test_info_and_version_print_the_same_six_lines():
     assert lines[4] == (f"kernels: attention {attention.isa()}, GELU {layers.simd()}, AdamW {adamw.simd()}, "
                         f"bf16 GEMV {gemv}"), lines[4]
     assert re.fullmatch(r"BLAS: \S+ \S+ \(.*\)|BLAS: unknown", lines[5]), lines[5]
+    assert lines[6].startswith("MFU roof: none measured on this CPU yet"), lines[6]  # a fresh cache
     assert _cli("--version", env={"OMP_NUM_THREADS": "2"}) == text
     # the same facts as --json gives
     info = json.loads(_cli("info", "--json"))
@@ -109,3 +110,26 @@ def test_build_under_fail_no_openmp_has_a_working_openmp(tmp_path):
                        timeout=120, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="3"))
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["True", "3"]
+
+
+def test_info_names_the_mfu_roofs_cached_for_this_cpu_without_measuring(monkeypatch):
+    """The roofs train measured (llmctl/roof.py), read back; `info` itself times nothing."""
+    from llmctl import roof, train
+
+    roof.best_roof(151e9, 2, "fp32")
+    roof.best_roof(379e9, 2, "fp32")
+    roof.best_roof(90e9, 1, "fp32")
+    roof.best_roof(1e9, 1, "fp32", cpu=("Another CPU", "0"))  # not this machine: not listed
+    monkeypatch.setattr(train, "measure_peak_flops", None)  # in this process: never called
+    from llmctl.info import format_info, runtime_info
+
+    info = runtime_info()
+    path = roof.roof_path()
+    assert info["mfu_roof"]["cache"] == path
+    assert [(r["threads"], r["gflops"], r["measurements"]) for r in info["mfu_roof"]["roofs"]] == \
+        [(1, 90.0, 1), (2, 379.0, 2)]
+    assert format_info(info).splitlines()[-1] == ("MFU roof: fp32 90.0 GFLOP/s at 1 thread (best of 1), "
+                                                  f"fp32 379.0 GFLOP/s at 2 threads (best of 2); cached in {path}")
+    line = _cli("info").splitlines()[-1]  # the subprocess reads the same $LLMCTL_CACHE
+    assert line == format_info(info).splitlines()[-1]
+    assert json.loads(_cli("info", "--json"))["mfu_roof"] == json.loads(json.dumps(info["mfu_roof"]))

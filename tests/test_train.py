@@ -939,6 +939,29 @@ def test_mfu_in_metrics_is_flops_over_time_over_the_peak_of_the_precision(data, 
         assert r["mfu"] == pytest.approx(flops_per_step / (r["ms"] / 1000.0) / peaks[precision], rel=1e-12)
 
 
+def test_mfu_is_over_the_best_roof_cached_for_this_cpu_and_the_header_says_so(data, tmp_path, monkeypatch):
+    """A start-up measurement below the best one cached for this CPU (other processes held the
+    cores) does not lower the roof: MFU stays comparable between runs, and the header names it."""
+    import io
+
+    import llmctl.train as tr
+    from llmctl import roof
+
+    roof.best_roof(5.0e15, 1, "fp32")  # an earlier run's better measurement, this CPU and engine
+    monkeypatch.setattr(tr, "measure_peak_flops", lambda n, p="fp32", again=False: 3.0e15)
+    shown = io.StringIO()
+    train(cfg_for(data, tmp_path / "o", max_steps=2, val_loss_every=0), display=PlainDisplay(shown))
+    recs = [r for r in metrics(tmp_path / "o") if "train_loss" in r]
+    flops_per_step = (6 * n_params(**TINY) + 6 * TINY["L"] * TINY["C"] * 32) * 4 * 32
+    for r in recs:
+        assert r["mfu"] == pytest.approx(flops_per_step / (r["ms"] / 1000.0) / 5.0e15, rel=1e-12)
+    path = roof.roof_path()
+    header = [ln for ln in shown.getvalue().splitlines() if ln.startswith("| peak_flops")]
+    assert len(header) == 1 and "5000000.0 GFLOP/s (fp32 GEMM 1024^3: best of 2 measurements on " \
+        f"this CPU at 1 thread, cached in {path})" in header[0], header
+    assert [e["measurements"] for e in roof.cached_roofs()] == [2]
+
+
 def test_rich_display_renders():
     import io
 
