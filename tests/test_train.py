@@ -1678,12 +1678,14 @@ def test_resume_with_the_other_sampler_is_one_error_naming_both(data, tmp_path, 
 def test_checkpoint_every_without_output_dir_writes_nothing_and_says_so(data, tmp_path, monkeypatch, capsys):
     """llm.c writes no checkpoint for -n N without -o, silently; llmctl writes none either and
     prints one note saying -n needs -o."""
-    monkeypatch.chdir(tmp_path)
+    work = tmp_path / "work"  # tmp_path also holds the test's $LLMCTL_CACHE (the MFU roofs)
+    work.mkdir()
+    monkeypatch.chdir(work)
     rc, out, err = run_cli(_base(data, **{"-n": "1"}), capsys)
     assert rc == 0, err
     notes = [ln for ln in err.splitlines() if "-n 1" in ln]
     assert notes == ["Note: -n 1 writes no checkpoint without -o DIR (checkpoints go into the output directory)"]
-    assert os.listdir(tmp_path) == []  # nothing written where it runs
+    assert os.listdir(work) == []  # nothing written where it runs
     rc, out, err = run_cli(_base(data, **{"-n": "1", "-o": str(tmp_path / "o")}), capsys)
     assert rc == 0 and "Note: -n" not in err and (tmp_path / "o" / "DONE_00000002").is_file()
 
