@@ -37,3 +37,13 @@ class ConfigError(LlmctlError):
 
 class DistError(LlmctlError):
     """A distributed-training failure: a dead or hung rank, a rejected peer, a port in use."""
+
+
+# the optional packages pretrained GPT-2 and the Hugging Face export need (llmctl/hf/)
+INSTALL_COMMAND = "pip install 'huggingface_hub>=0.34' 'safetensors>=0.4'"
+
+
+def missing_dependency(pkg):
+    """The error for an optional package (huggingface_hub, safetensors) that is not installed."""
+    return LlmctlError(f"the Python package {pkg} is not installed; pretrained GPT-2 needs it",
+                       f"install it: {INSTALL_COMMAND}")

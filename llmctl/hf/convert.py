@@ -18,7 +18,7 @@ import struct
 
 import numpy as np
 
-from llmctl.errors import FormatError
+from llmctl.errors import FormatError, missing_dependency
 from llmctl.formats import CheckpointHeader, bf16_bits_to_fp32, checkpoint_num_params
 
 # transformers' GPT2Config defaults, used when config.json leaves a field out
@@ -179,8 +179,6 @@ class SafetensorsGPT2:
         try:
             from safetensors import safe_open
         except ImportError:
-            from llmctl.hf.hub import missing_dependency
-
             raise missing_dependency("safetensors") from None
         self._f, info = [], {}
         for i, path in enumerate(paths):

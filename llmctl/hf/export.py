@@ -17,7 +17,7 @@ import shutil
 import stat
 from pathlib import Path
 
-from llmctl.errors import DataError, FormatError, LlmctlError
+from llmctl.errors import DataError, FormatError, LlmctlError, missing_dependency
 from llmctl.formats import GPT2_EOT, GPT2_VOCAB_SIZE, read_checkpoint_params
 from llmctl.hf.convert import config_from_header, hf_tensors
 
@@ -95,8 +95,6 @@ def export_checkpoint(checkpoint, out_dir, force=False):
         import safetensors.numpy as stn
         from safetensors import SafetensorError
     except ImportError:
-        from llmctl.hf.hub import missing_dependency
-
         raise missing_dependency("safetensors") from None
     try:
         hdr, params = read_checkpoint_params(checkpoint)

@@ -20,12 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from llmctl.errors import ConfigError, DataError, FormatError, LlmctlError
+from llmctl.errors import ConfigError, DataError, FormatError, missing_dependency
 from llmctl.hf.convert import SafetensorsGPT2, header_from_config, index_shards, read_config, size_name
 
 HUB_ORG = "openai-community"
 OPENAI_GPT2 = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
-INSTALL_COMMAND = "pip install 'huggingface_hub>=0.34' 'safetensors>=0.4'"
 CACHE_ENV = "LLMCTL_CACHE"
 LAYOUT = "v1"  # bump when the conversion changes, so old cached checkpoints are not reused
 WEIGHTS = "model.safetensors"
@@ -85,11 +84,6 @@ def env_offline():
     """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) set to 1/ON/YES/TRUE, read now."""
     return any(os.environ.get(k, "").strip().upper() in {"1", "ON", "YES", "TRUE"}
                for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
-
-
-def missing_dependency(pkg):
-    return LlmctlError(f"the Python package {pkg} is not installed; pretrained GPT-2 needs it",
-                       f"install it: {INSTALL_COMMAND}")
 
 
 # ---------------------------------------------------------------------------------------------
