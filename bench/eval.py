@@ -73,7 +73,7 @@ def main(argv=None):
     from llmctl._ext import matmul
     from llmctl.evaluate import eval_hellaswag
     from llmctl.formats import read_evalfile
-    from llmctl.model import GPT2
+    from llmctl.model import GPT2, load
     from llmctl.prepro.hellaswag import prepro_hellaswag
 
     precisions, skipped = runnable_precisions(ap, args)
@@ -87,7 +87,7 @@ def main(argv=None):
         exs = read_evalfile(path)
         # positions run: each context once + each completion minus its last token (a target only)
         positions = sum(len(e.context) + sum(len(c) - 1 for c in e.endings) for e in exs)
-        ref = GPT2.from_init(args.model, n_threads=args.threads)   # one init: the same weights for all
+        ref = load(args.model, n_threads=args.threads)   # one init: the same weights for all
         for prec in precisions:
             model = ref if prec == "fp32" else GPT2(ref.config, n_threads=args.threads, precision=prec)
             if model is not ref:

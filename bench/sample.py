@@ -69,11 +69,11 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     from llmctl._ext import matmul
-    from llmctl.model import GPT2
+    from llmctl.model import GPT2, load
 
     precisions, skipped = runnable_precisions(ap, args)
     t0 = time.perf_counter()
-    ref = GPT2.from_init(args.model, n_threads=args.threads)   # one init: the same weights for all
+    ref = load(args.model, n_threads=args.threads)   # one init: the same weights for all
     init_s = time.perf_counter() - t0
     prompt = np.random.default_rng(0).integers(0, ref.config.vocab_size, args.prompt_tokens).tolist()
     runs = []

@@ -16,7 +16,7 @@ import pytest
 
 import reference as R
 from llmctl.errors import ConfigError, FormatError
-from llmctl.model import DECAY_PARAMS, PARAM_NAMES, GPT2, GPT2Config, init_llmc_, param_shapes
+from llmctl.model import DECAY_PARAMS, PARAM_NAMES, GPT2, GPT2Config, init_llmc_, load, param_shapes
 
 CFG = GPT2Config(max_seq_len=16, vocab_size=100, padded_vocab_size=128, num_layers=2, num_heads=4, channels=32)
 REL = 2e-5
@@ -420,7 +420,7 @@ def test_checkpoint_round_trip(tmp_path):
     assert p5.stat().st_size == 1024 + 2 * m.num_parameters
     m3 = GPT2.from_checkpoint(p3)
     assert m3.config == CFG and m3.params.tobytes() == m.params.tobytes()
-    m5 = GPT2.from_init(str(p5))
+    m5 = load(str(p5))
     # bf16 = top 16 bits of fp32 with round-to-nearest-even (independent computation here)
     u = m.params.view(np.uint32).astype(np.uint64)
     want = (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
@@ -434,9 +434,9 @@ def test_checkpoint_round_trip(tmp_path):
     with pytest.raises(FormatError):
         GPT2.from_checkpoint(trunc)
     with pytest.raises(FormatError):
-        GPT2.from_init(str(tmp_path / "missing.bin"))
+        load(str(tmp_path / "missing.bin"))
     with pytest.raises(ConfigError):
-        GPT2.from_init("d5")
+        load("d5")
 
 
 # --- llm.c init, checked against a gcc-compiled C statement of gpt2_build_from_descriptor's loop
@@ -616,7 +616,7 @@ def test_bind_grads_moves_gradients_into_the_given_buffer():
 
 
 def test_load_and_peek_config_resolve_checkpoints_and_descriptors(tmp_path):
-    from llmctl.model import load, peek_config
+    from llmctl.model import peek_config
 
     m, _ = _model(1, seed=13)
     p3, p5 = tmp_path / "m3.bin", tmp_path / "m5.bin"

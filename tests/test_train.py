@@ -318,9 +318,9 @@ def test_llmc_checkpoints_load_fp32_and_bf16(data, tmp_path):
         ck = write_llmc_checkpoint(tmp_path / f"v{version}.bin", p, version=version)
         s = train(cfg_for(data, init=ck, max_steps=2, val_loss_every=0))
         assert s["steps_run"] == 2 and math.isfinite(s["train_loss"])
-    from llmctl.model import GPT2
+    from llmctl.model import load
 
-    m = GPT2.from_init(str(tmp_path / "v5.bin"), n_threads=1)
+    m = load(str(tmp_path / "v5.bin"), n_threads=1)
     assert np.array_equal(m.params.view(np.uint32), p.view(np.uint32) & np.uint32(0xFFFF0000))
 
 
@@ -551,7 +551,7 @@ def test_overfit_reads_the_val_split_like_train_gpt2_cu(data, tmp_path):
     and every step starts over at that batch: the loss of step k is the loss after k updates on
     those same tokens (checked by re-scoring each step's checkpoint on them)."""
     from llmctl.loader import DataLoader
-    from llmctl.model import GPT2
+    from llmctl.model import load
 
     out = tmp_path / "a"
     train(cfg_for(data, out, max_steps=3, overfit_single_batch=1, val_loss_every=0,
@@ -560,16 +560,16 @@ def test_overfit_reads_the_val_split_like_train_gpt2_cu(data, tmp_path):
     losses = [r["train_loss"] for r in metrics(out)]
     for step, loss in enumerate(losses):
         ckpt = data["ckpt"] if step == 0 else str(out / f"model_{step:08d}.bin")
-        assert loss == pytest.approx(float(GPT2.from_init(ckpt, n_threads=1).forward(x, y)), rel=1e-6)
+        assert loss == pytest.approx(float(load(ckpt, n_threads=1).forward(x, y)), rel=1e-6)
 
 
 def _model_loss(path, data):
     """Loss of checkpoint `path` on the first val batch (finite for a usable checkpoint)."""
     from llmctl.loader import DataLoader
-    from llmctl.model import GPT2
+    from llmctl.model import load
 
     x, y = DataLoader(data["val"], 4, 32, shuffle=False).next_batch()
-    return float(GPT2.from_init(str(path), n_threads=1).forward(x, y))
+    return float(load(str(path), n_threads=1).forward(x, y))
 
 
 def test_nan_never_names_a_poisoned_checkpoint(data, tmp_path):
@@ -1636,7 +1636,7 @@ def test_no_e_without_weights_is_one_error_naming_d12(data, tmp_path, capsys, mo
 
 def test_sampler_windows_trains_on_shuffled_windows_and_resumes(data, tmp_path):
     from llmctl.data import TokenWindows, WindowBatches
-    from llmctl.model import GPT2
+    from llmctl.model import load
 
     kw = dict(max_steps=8, checkpoint_every=8, sampler="windows", val_loss_every=4,
               total_batch_size=2 * 4 * 32, seed=5)
@@ -1646,7 +1646,7 @@ def test_sampler_windows_trains_on_shuffled_windows_and_resumes(data, tmp_path):
     import glob as _glob
 
     wb = WindowBatches(TokenWindows(sorted(_glob.glob(data["train"])), 32), 4, seed=5)
-    m = GPT2.from_init(data["ckpt"], n_threads=1)
+    m = load(data["ckpt"], n_threads=1)
     first = np.mean([float(m.forward(*wb.next_batch())) for _ in range(2)])
     assert metrics(a)[0]["train_loss"] == pytest.approx(first, rel=1e-6)
     with pytest.raises(TrainInterrupted):

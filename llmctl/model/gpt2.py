@@ -215,13 +215,6 @@ class GPT2:
         model.load_checkpoint(path)
         return model
 
-    @classmethod
-    def from_init(cls, spec, seed=INIT_SEED, exact_libm=None, **kw):
-        """What llm.c's -e takes: see llmctl.model.load (the one resolver of that spec)."""
-        from llmctl.model.spec import load
-
-        return load(spec, seed=seed, exact_libm=exact_libm, **kw)
-
     def load_checkpoint(self, path):
         """Read a checkpoint's parameters into this model; its config must match exactly."""
         from llmctl import formats
