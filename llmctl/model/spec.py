@@ -14,6 +14,8 @@ import os
 import sys
 
 from llmctl.errors import FormatError
+from llmctl.formats import read_checkpoint_header
+from llmctl.hf import is_pretrained_spec, pretrained_checkpoint, pretrained_header
 from llmctl.model.config import GPT2Config
 from llmctl.model.gpt2 import GPT2, INIT_SEED
 
@@ -23,8 +25,6 @@ SPEC_HINT = ("-e takes an llm.c checkpoint .bin, a descriptor for llm.c's random
 
 def _pretrained(s):
     """A pretrained spec (a file of that name is still a checkpoint, as before)."""
-    from llmctl.hf import is_pretrained_spec  # here, not at the top: llmctl.hf reads formats, which reads the model
-
     return not os.path.isfile(s) and is_pretrained_spec(s)
 
 
@@ -33,8 +33,6 @@ def _checkpoint_path(spec):
     descriptor; FormatError for a missing file."""
     s = str(spec)
     if _pretrained(s):
-        from llmctl.hf import pretrained_checkpoint
-
         return str(pretrained_checkpoint(s, log=lambda msg: print(msg, file=sys.stderr, flush=True)))
     if os.path.isdir(s):
         raise FormatError(f"{s}: is a directory without config.json or model.safetensors", SPEC_HINT)
@@ -49,13 +47,9 @@ def peek_config(spec):
     """The GPT2Config that load(spec) builds, reading at most a checkpoint header (for a
     pretrained spec, its config.json: nothing is downloaded but that, nothing converted)."""
     if _pretrained(str(spec)):
-        from llmctl.hf import pretrained_header
-
         return pretrained_header(str(spec)).config()
     path = _checkpoint_path(spec)
     if path is not None:
-        from llmctl.formats import read_checkpoint_header
-
         return read_checkpoint_header(path).config()
     return GPT2Config.from_descriptor(spec)
 

@@ -1,0 +1,100 @@
+"""Layers only go down: no import cycles, and the low modules load nothing above them."""
+import ast
+import os
+import subprocess
+import sys
+
+from conftest import REPO
+
+PACKAGE = REPO / "llmctl"
+
+
+def _module_name(path):
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def imports(name):
+    """The llmctl modules a module's source imports, anywhere in it (a function-level import
+    counts: it is a dependency all the same). `from pkg import name` counts as pkg.name when that
+    is a module, else as pkg."""
+    out = set()
+    for node in ast.walk(ast.parse(MODULES[name].read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("llmctl"):
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                out.add(sub if sub in MODULES else node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("llmctl"))
+    return {m for m in out if m in MODULES and m != name}
+
+
+def _cycles(graph):
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_of_llmctl_imports_one_that_imports_it_back():
+    assert _cycles({m: imports(m) for m in MODULES}) == []
+
+
+def test_the_file_format_module_imports_only_the_shape_table_of_the_model():
+    assert imports("llmctl.formats") <= {"llmctl.atomic", "llmctl.errors", "llmctl.constants",
+                                         "llmctl.model.config"}
+    assert imports("llmctl.model.config") <= {"llmctl.errors", "llmctl.constants"}
+    assert imports("llmctl.errors") == set()
+
+
+def _loaded_after(statement):
+    """The llmctl modules (and whether NumPy) a fresh interpreter has loaded after `statement`."""
+    code = f"import sys; {statement}; print(' '.join(sorted(m for m in sys.modules if m.startswith(('llmctl', 'numpy')))))"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, check=True)
+    return set(out.stdout.split())
+
+
+def test_importing_the_file_formats_does_not_load_the_model():
+    loaded = _loaded_after("import llmctl.formats")
+    assert "llmctl.formats" in loaded and "llmctl.model.config" in loaded
+    assert not {m for m in loaded if m.startswith(("llmctl.model.gpt2", "llmctl.model.spec", "llmctl.model.cached",
+                                                   "llmctl.hf", "llmctl._ext"))}
+
+
+def test_the_model_config_loads_alone_and_the_model_names_on_first_use():
+    assert not {m for m in _loaded_after("import llmctl.model.config") if m.startswith("numpy")}
+    loaded = _loaded_after("from llmctl.model import GPT2, load")
+    assert {"llmctl.model.gpt2", "llmctl.model.spec"} <= loaded
