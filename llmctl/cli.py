@@ -548,14 +548,12 @@ def inspect_bin_cmd(
 
 def _load_model(spec, threads, precision, json_out=False):
     """A GPT2 from -e (a checkpoint, descriptor, pretrained name or HF directory; None = llm.c's
-    default, llmctl.paths.default_init); threads resolved as llmctl.threads does."""
-    from llmctl.model import load
+    default, llmctl.model.default_init); threads resolved as llmctl.threads does."""
+    from llmctl.model import default_init, load
     from llmctl.model.gpt2 import check_precision
 
     check_precision(precision)  # before a large model is read
     if spec is None:
-        from llmctl.paths import default_init
-
         log = _prepro_log(json_out)
         spec, how = default_init(log=log, progress=not json_out)
         if log:
@@ -611,7 +609,7 @@ def eval_hellaswag_cmd(
 
     from llmctl.errors import ConfigError
     from llmctl.evaluate import eval_hellaswag, eval_hellaswag_multiproc, hellaswag_file
-    from llmctl.paths import default_init
+    from llmctl.model import default_init
 
     if norm not in ("tokens", "chars"):
         raise ConfigError(f"--norm must be 'tokens' or 'chars', got {norm!r}",

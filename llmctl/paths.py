@@ -29,30 +29,3 @@ PRETRAINED_DEFAULT = "gpt2"
 # the image `llmctl plot` writes when -o is not given (none with --terminal)
 PLOT_OUTPUT = "runs.png"
 
-
-def default_init(log=None, progress=True):
-    """The checkpoint `-e` means when not given, and how it was found: (path, note).
-
-    As llm.c's train_gpt2.c: GPT2_124M_CHECKPOINT in the working directory if it is there, else
-    pretrained GPT-2 124M (`-e gpt2`, from the Hugging Face cache or downloaded once, ~500 MB).
-    If neither can be had (offline and not cached, say): one DataError whose hint names
-    `-e d12` and how to fetch the weights.
-    """
-    from llmctl.errors import DataError, LlmctlError
-
-    if os.path.isfile(GPT2_124M_CHECKPOINT):
-        return GPT2_124M_CHECKPOINT, f"{GPT2_124M_CHECKPOINT} in the working directory"
-    from llmctl.hf import pretrained_checkpoint
-
-    try:
-        path = pretrained_checkpoint(PRETRAINED_DEFAULT, progress=progress, log=log)
-        return os.fspath(path), f"pretrained {PRETRAINED_DEFAULT} (GPT-2 124M)"
-    except LlmctlError as e:
-        why, inner_hint = e.message, e.hint
-    hint = (f"pass -e d12 to start from random weights (llm.c's -e d12), or fetch GPT-2 124M once "
-            f"with network: `llmctl prepro gpt2` (writes {GPT2_124M_CHECKPOINT} here) or any command "
-            f"with -e {PRETRAINED_DEFAULT}")
-    if inner_hint and inner_hint.startswith("install"):  # huggingface_hub/safetensors missing
-        hint = f"{inner_hint}; or {hint}"
-    raise DataError(f"no -e given: there is no {GPT2_124M_CHECKPOINT} here and pretrained "
-                    f"{PRETRAINED_DEFAULT} cannot be loaded: {why}", hint=hint)

@@ -41,9 +41,9 @@ from llmctl.distributed.base import SingleProcessComm
 from llmctl.display import Display
 from llmctl.errors import ConfigError, DataError, FormatError, LlmctlError
 from llmctl.loader import DataLoader
-from llmctl.model import load as load_model, peek_config
+from llmctl.model import default_init, load as load_model, peek_config
 from llmctl.outlier import OutlierDetector, as_float32, skip_update
-from llmctl.paths import TINYSHAKESPEARE_VAL, default_init
+from llmctl.paths import TINYSHAKESPEARE_VAL
 from llmctl.roof import best_roof
 from llmctl.schedulers import LRScheduler
 from llmctl.threads import resolve_threads

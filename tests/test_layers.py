@@ -79,6 +79,10 @@ def test_the_file_format_module_imports_only_the_shape_table_of_the_model():
     assert imports("llmctl.errors") == set()
 
 
+def test_the_default_locations_download_nothing():
+    assert imports("llmctl.paths") == set()  # default_init, which may download, is model/spec.py's
+
+
 def _loaded_after(statement):
     """The llmctl modules (and whether NumPy) a fresh interpreter has loaded after `statement`."""
     code = f"import sys; {statement}; print(' '.join(sorted(m for m in sys.modules if m.startswith(('llmctl', 'numpy')))))"

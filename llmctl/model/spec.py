@@ -2,8 +2,8 @@
 
 What it is: `peek_config(spec)` (the GPT2Config a spec will build, from a checkpoint header or a
 descriptor alone: cheap, for checks before anything is allocated) and `load(spec, **kw)` (the
-GPT2 itself). A spec is, as for llm.c's `-e` (train_gpt2.cu `gpt2_build_from_checkpoint` /
-`gpt2_build_from_descriptor`): an llm.c checkpoint path (v3 fp32, or v5 bf16 widened exactly)
+GPT2 itself); `default_init()`, the spec `-e` means when it is not given. A spec is, as for
+llm.c's `-e` (train_gpt2.cu `gpt2_build_from_checkpoint` / `gpt2_build_from_descriptor`): an llm.c checkpoint path (v3 fp32, or v5 bf16 widened exactly)
 or a descriptor ("d12", "gpt2:d12", "gpt3:c768") for llm.c's seeded random init; and, as
 train_gpt2.py's `--model`, pretrained GPT-2 ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "hf:ORG/NAME",
 or a Hugging Face model directory), which llmctl/hf/ turns into a cached llm.c checkpoint. Any
@@ -13,11 +13,12 @@ What it is not: the checkpoint format (llmctl/formats.py) or the model (llmctl/m
 import os
 import sys
 
-from llmctl.errors import FormatError
+from llmctl.errors import DataError, FormatError, LlmctlError
 from llmctl.formats import read_checkpoint_header
 from llmctl.hf import is_pretrained_spec, pretrained_checkpoint, pretrained_header
 from llmctl.model.config import GPT2Config
 from llmctl.model.gpt2 import GPT2, INIT_SEED
+from llmctl.paths import GPT2_124M_CHECKPOINT, PRETRAINED_DEFAULT
 
 SPEC_HINT = ("-e takes an llm.c checkpoint .bin, a descriptor for llm.c's random init (d6, d12, ...), "
              "pretrained gpt2 / gpt2-medium / gpt2-large / gpt2-xl, or a Hugging Face model directory")
@@ -61,3 +62,27 @@ def load(spec, seed=INIT_SEED, exact_libm=None, **kw):
     if path is not None:
         return GPT2.from_checkpoint(path, **kw)
     return GPT2.from_descriptor(str(spec), seed=seed, exact_libm=exact_libm, **kw)
+
+
+def default_init(log=None, progress=True):
+    """The checkpoint `-e` means when not given, and how it was found: (path, note).
+
+    As llm.c's train_gpt2.c: GPT2_124M_CHECKPOINT in the working directory if it is there, else
+    pretrained GPT-2 124M (`-e gpt2`, from the Hugging Face cache or downloaded once, ~500 MB).
+    If neither can be had (offline and not cached, say): one DataError whose hint names
+    `-e d12` and how to fetch the weights.
+    """
+    if os.path.isfile(GPT2_124M_CHECKPOINT):
+        return GPT2_124M_CHECKPOINT, f"{GPT2_124M_CHECKPOINT} in the working directory"
+    try:
+        path = pretrained_checkpoint(PRETRAINED_DEFAULT, progress=progress, log=log)
+        return os.fspath(path), f"pretrained {PRETRAINED_DEFAULT} (GPT-2 124M)"
+    except LlmctlError as e:
+        why, inner_hint = e.message, e.hint
+    hint = (f"pass -e d12 to start from random weights (llm.c's -e d12), or fetch GPT-2 124M once "
+            f"with network: `llmctl prepro gpt2` (writes {GPT2_124M_CHECKPOINT} here) or any command "
+            f"with -e {PRETRAINED_DEFAULT}")
+    if inner_hint and inner_hint.startswith("install"):  # huggingface_hub/safetensors missing
+        hint = f"{inner_hint}; or {hint}"
+    raise DataError(f"no -e given: there is no {GPT2_124M_CHECKPOINT} here and pretrained "
+                    f"{PRETRAINED_DEFAULT} cannot be loaded: {why}", hint=hint)
