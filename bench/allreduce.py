@@ -52,13 +52,14 @@ def _shard(d):
                        "input.txt")
     import numpy as np
 
+    from llmctl.constants import GPT2_VOCAB_SIZE
     from llmctl.formats import write_datafile
     if os.path.isfile(src):
         from llmctl.tokenizer import get_tokenizer  # offline GPT-2 BPE
 
         toks = get_tokenizer().encode_ordinary(open(src).read()[:200_000])
     else:
-        toks = np.random.default_rng(0).integers(0, 50257, 60_000)
+        toks = np.random.default_rng(0).integers(0, GPT2_VOCAB_SIZE, 60_000)
     write_datafile(path, np.asarray(toks, dtype=np.uint16))
     return path
 

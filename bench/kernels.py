@@ -28,8 +28,9 @@ from threadpoolctl import threadpool_limits
 
 from llmctl import threads as TH
 from llmctl._ext import adamw, layers, matmul
+from llmctl.constants import GPT2_PADDED_VOCAB_SIZE, GPT2_VOCAB_SIZE
 
-B, T, C, NH, L, V, Vp, maxT = 4, 64, 768, 12, 12, 50257, 50304, 1024
+B, T, C, NH, L, V, Vp, maxT = 4, 64, 768, 12, 12, GPT2_VOCAB_SIZE, GPT2_PADDED_VOCAB_SIZE, 1024
 BT = B * T
 NUM_PARAMS = 124_475_904
 LINEARS = [  # (name, C_in, OC, count per step)

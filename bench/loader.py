@@ -27,6 +27,7 @@ def main():
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
+    from llmctl.constants import GPT2_VOCAB_SIZE
     from llmctl.formats import write_datafile
     from llmctl.loader import DataLoader
 
@@ -35,7 +36,7 @@ def main():
            "us_per_batch": {}}
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "shard.bin")
-        ids = np.random.default_rng(0).integers(0, 50257, args.tokens).astype(np.uint16)
+        ids = np.random.default_rng(0).integers(0, GPT2_VOCAB_SIZE, args.tokens).astype(np.uint16)
         write_datafile(path, ids)
         for B, T in shapes:
             dl = DataLoader(path, B, T)

@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from llmctl.constants import GPT2_VOCAB_SIZE
 from llmctl.errors import LlmctlError
 from llmctl.info import DEFAULT_PRECISION
 from llmctl.paths import (DATA_DIR, GPT2_124M_CHECKPOINT, HELLASWAG_VAL, PLOT_OUTPUT, PRETRAINED_DEFAULT,
@@ -486,7 +487,7 @@ def export_cmd(
     for f in res["files"]:
         err_console.print(f"wrote {escape(res['out_dir'])}/{escape(f)}")
     if not res["tokenizer"]:
-        err_console.print(f"[yellow]Warning:[/] vocab_size {res['config']['vocab_size']} is not GPT-2's 50257: "
+        err_console.print(f"[yellow]Warning:[/] vocab_size {res['config']['vocab_size']} is not GPT-2's {GPT2_VOCAB_SIZE}: "
                           "no tokenizer files written")
 
 

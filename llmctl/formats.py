@@ -28,6 +28,7 @@ from typing import List, Optional
 import numpy as np
 
 from llmctl.atomic import atomic_open
+from llmctl.constants import GPT2_EOT, GPT2_VOCAB_SIZE
 from llmctl.errors import DataError, FormatError
 from llmctl.model.config import GPT2Config, num_parameters, param_shapes
 
@@ -46,12 +47,6 @@ TOKENIZER_MAGIC = 20240328
 STATE_MAGIC = 20240527
 STATE_VERSION = 1
 DEBUG_STATE_MAGIC = 20240327
-
-GPT2_EOT = 50256
-GPT2_VOCAB_SIZE = 50257
-GPT2_PADDED_VOCAB_SIZE = 50304
-LLAMA3_EOT = 128000  # <|begin_of_text|>, what llm.c's llama-3 prepro places before every document
-LLAMA3_VOCAB_SIZE = 128256
 
 EVAL_DELIMITER = 65535          # START_EXAMPLE; token ids must be < 65535
 EVAL_NUM_COMPLETIONS = 4

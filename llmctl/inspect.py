@@ -14,11 +14,12 @@ import re
 import numpy as np
 
 from llmctl import formats as F
+from llmctl.constants import GPT2_EOT, GPT2_VOCAB_SIZE, LLAMA3_EOT, LLAMA3_VOCAB_SIZE
 from llmctl.errors import DataError, LlmctlError
 from llmctl.paths import DATA_DIR
 
-VOCAB_SIZES = {"shard": F.GPT2_VOCAB_SIZE, "shard-llama3": F.LLAMA3_VOCAB_SIZE}
-EOT_IDS = {"shard": F.GPT2_EOT, "shard-llama3": F.LLAMA3_EOT}
+VOCAB_SIZES = {"shard": GPT2_VOCAB_SIZE, "shard-llama3": LLAMA3_VOCAB_SIZE}
+EOT_IDS = {"shard": GPT2_EOT, "shard-llama3": LLAMA3_EOT}
 
 
 def _n(x):
@@ -131,7 +132,7 @@ def _inspect_eval(path, res, decode, tokenizer, vocab_size):
         texts = _decode(res, [ex.context[:decode]] + [e[:decode] for e in ex.endings], tokenizer)
         if texts:
             res["decoded"], res["decoded_endings"] = texts[0], texts[1:]
-    V = vocab_size or F.GPT2_VOCAB_SIZE
+    V = vocab_size or GPT2_VOCAB_SIZE
     if max_id >= V:
         raise _Invalid(f"token id {_n(max_id)} is >= the vocab size {_n(V)}")
 

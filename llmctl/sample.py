@@ -21,7 +21,7 @@ import unicodedata
 import numpy as np
 
 from llmctl.errors import ConfigError
-from llmctl.formats import GPT2_EOT as EOT
+from llmctl.constants import GPT2_EOT as EOT
 from llmctl.model.gpt2 import KVCache
 
 # Temperatures below this are greedy (argmax, no coin drawn). Any logit gap above ~1e-4 already

@@ -21,10 +21,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from llmctl.errors import DataError, FormatError
-from llmctl.formats import GPT2_EOT as EOT
+from llmctl.constants import GPT2_EOT as EOT, GPT2_VOCAB_SIZE
 
 EOT_TEXT = "<|endoftext|>"
-N_VOCAB = 50257
 
 # sha256 pinned by tiktoken for the OpenAI gpt-2 files (tiktoken_ext/openai_public.py, gpt2()).
 VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
@@ -105,7 +104,7 @@ def _build_encoding():
         pat_str=GPT2_PAT_STR,
         mergeable_ranks=ranks,
         special_tokens={EOT_TEXT: EOT},
-        explicit_n_vocab=N_VOCAB,
+        explicit_n_vocab=GPT2_VOCAB_SIZE,
     )
 
 

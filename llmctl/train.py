@@ -36,6 +36,7 @@ import numpy as np
 
 from llmctl.atomic import atomic_write
 from llmctl.checkpoints import OUTPUT_HINT, Checkpoints, os_error
+from llmctl.constants import GPT2_VOCAB_SIZE
 from llmctl.data import TokenWindows, WindowBatches, split_inputs
 from llmctl.distributed.base import SingleProcessComm
 from llmctl.display import Display
@@ -403,7 +404,7 @@ class Trainer:
         if n <= 0:
             return ""
         ids = generate(self.model, [eot], n, seed=1337, stop_at_eot=False, eot=eot)
-        if V == 50257:
+        if V == GPT2_VOCAB_SIZE:
             try:
                 from llmctl.tokenizer import get_tokenizer
 

@@ -102,3 +102,15 @@ def test_the_model_config_loads_alone_and_the_model_names_on_first_use():
     assert not {m for m in _loaded_after("import llmctl.model.config") if m.startswith("numpy")}
     loaded = _loaded_after("from llmctl.model import GPT2, load")
     assert {"llmctl.model.gpt2", "llmctl.model.spec"} <= loaded
+
+
+def test_gpt2s_vocabulary_numbers_are_written_once_in_constants():
+    from llmctl import constants
+
+    numbers = {constants.GPT2_VOCAB_SIZE, constants.GPT2_EOT, constants.GPT2_PADDED_VOCAB_SIZE,
+               constants.LLAMA3_EOT, constants.LLAMA3_VOCAB_SIZE}
+    found = [(name, node.lineno) for name in MODULES if name != "llmctl.constants"
+             for node in ast.walk(ast.parse(MODULES[name].read_text()))
+             if isinstance(node, ast.Constant) and type(node.value) is int and node.value in numbers]
+    assert found == []
+    assert imports("llmctl.constants") == set()

@@ -18,11 +18,12 @@ import struct
 
 import numpy as np
 
+from llmctl.constants import GPT2_EOT, GPT2_VOCAB_SIZE
 from llmctl.errors import FormatError, missing_dependency
 from llmctl.formats import CheckpointHeader, bf16_bits_to_fp32, checkpoint_num_params
 
 # transformers' GPT2Config defaults, used when config.json leaves a field out
-HF_DEFAULTS = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12,
+HF_DEFAULTS = {"vocab_size": GPT2_VOCAB_SIZE, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12,
                "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "n_inner": None,
                "tie_word_embeddings": True, "scale_attn_weights": True,
                "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
@@ -130,7 +131,7 @@ def config_from_header(hdr):
         "architectures": ["GPT2LMHeadModel"],
         # llm.c and llmctl train without dropout (GPT2Config's default is 0.1: model.train() would drop)
         "attn_pdrop": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0,
-        "bos_token_id": 50256, "eos_token_id": 50256,
+        "bos_token_id": GPT2_EOT, "eos_token_id": GPT2_EOT,
         "initializer_range": 0.02,
         "layer_norm_epsilon": LLMC_LN_EPS,
         "model_type": "gpt2",

@@ -18,7 +18,8 @@ import stat
 from pathlib import Path
 
 from llmctl.errors import DataError, FormatError, LlmctlError, missing_dependency
-from llmctl.formats import GPT2_EOT, GPT2_VOCAB_SIZE, read_checkpoint_params
+from llmctl.constants import GPT2_EOT, GPT2_VOCAB_SIZE
+from llmctl.formats import read_checkpoint_params
 from llmctl.hf.convert import config_from_header, hf_tensors
 
 EOT_TEXT = "<|endoftext|>"

@@ -11,6 +11,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from llmctl.constants import GPT2_PADDED_VOCAB_SIZE, GPT2_VOCAB_SIZE
 from llmctl.errors import ConfigError
 
 PARAM_NAMES = ("wte", "wpe", "ln1w", "ln1b", "qkvw", "qkvb", "attprojw", "attprojb",
@@ -27,8 +28,8 @@ _FIELDS = ("max_seq_len", "vocab_size", "padded_vocab_size", "num_layers", "num_
 @dataclass
 class GPT2Config:
     max_seq_len: int = 1024
-    vocab_size: int = 50257
-    padded_vocab_size: int = 50304
+    vocab_size: int = GPT2_VOCAB_SIZE
+    padded_vocab_size: int = GPT2_PADDED_VOCAB_SIZE
     num_layers: int = 12
     num_heads: int = 12
     channels: int = 768
@@ -46,14 +47,14 @@ class GPT2Config:
             if L not in GPT2_DEPTHS:
                 raise ConfigError(f"unsupported model depth in descriptor {desc!r}", hint)
             C, NH = GPT2_DEPTHS[L]
-            return cls(1024, 50257, 50304, L, NH, C)
+            return cls(1024, GPT2_VOCAB_SIZE, GPT2_PADDED_VOCAB_SIZE, L, NH, C)
         m = re.fullmatch(r"gpt3:c(\d+)", d)
         if m:
             C = int(m.group(1))
             if C not in GPT3_CHANNELS:
                 raise ConfigError(f"unsupported GPT-3 channel count in descriptor {desc!r}", hint)
             L, hs = GPT3_CHANNELS[C]
-            cfg = cls(2048, 50257, 50304, L, C // hs, C)
+            cfg = cls(2048, GPT2_VOCAB_SIZE, GPT2_PADDED_VOCAB_SIZE, L, C // hs, C)
             cfg.validate(what=f"descriptor {desc!r}")
             return cfg
         raise ConfigError(f"unsupported model descriptor {desc!r}", hint)
