@@ -240,7 +240,7 @@ def info(json_out: bool = typer.Option(False, "--json", help="Print one JSON obj
 
 # ---------------------------------------------------------------------------------------------
 # Commands are added below, one small function each, by the module that owns them.
-# (prepro: llmctl/prepro/, inspect-bin: llmctl/inspect.py, train: llmctl/train.py,
+# (prepro: llmctl/prepro/, inspect-bin: llmctl/inspect_bin.py, train: llmctl/train.py,
 #  eval: llmctl/evaluate.py, sample: llmctl/sample.py)
 # ---------------------------------------------------------------------------------------------
 
@@ -509,7 +509,7 @@ def inspect_bin_cmd(
     from rich.markup import escape
     from rich.table import Table
 
-    from llmctl.inspect import data_dir_files, inspect_files, summary_line
+    from llmctl.inspect_bin import data_dir_files, inspect_files, summary_line
 
     if not files:
         files = data_dir_files()

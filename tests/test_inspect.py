@@ -1,4 +1,4 @@
-"""llmctl.inspect and `llmctl inspect-bin`: per-kind reports, a seeded fuzz loop, CLI exit codes.
+"""llmctl.inspect_bin and `llmctl inspect-bin`: per-kind reports, a seeded fuzz loop, CLI exit codes.
 
 The fuzz loop mutates valid files of every kind (truncate, extend, overwrite header ints with
 extreme values, flip payload bytes, random bytes) and requires inspect_file to return a verdict,
@@ -16,7 +16,7 @@ import pytest
 
 from llmctl import formats as F
 from llmctl import tokenizer as tkz  # part of the package: a broken import fails, never skips
-from llmctl.inspect import inspect_file, inspect_files, summary_line
+from llmctl.inspect_bin import inspect_file, inspect_files, summary_line
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -562,7 +562,7 @@ def test_a_directory_that_is_no_model_is_one_error(tmp_path):
 
 
 def test_inspect_bin_validates_every_prepro_gpt2_file(prepro_out):
-    from llmctl.inspect import inspect_files
+    from llmctl.inspect_bin import inspect_files
 
     res = inspect_files(sorted(str(p) for p in prepro_out[0].iterdir()))
     assert [(r["kind"], r["valid"]) for r in res] == [("checkpoint", True), ("checkpoint", True),
