@@ -239,8 +239,8 @@ def info(json_out: bool = typer.Option(False, "--json", help="Print one JSON obj
 
 
 # ---------------------------------------------------------------------------------------------
-# Commands are added below, one small function each, by the module that owns them.
-# (prepro: llmctl/prepro/, inspect-bin: llmctl/inspect_bin.py, train: llmctl/train.py,
+# The commands, one small function each over the library function of the module that owns the
+# work (prepro: llmctl/prepro/, inspect-bin: llmctl/inspect_bin.py, train: llmctl/train.py,
 #  eval: llmctl/evaluate.py, sample: llmctl/sample.py)
 # ---------------------------------------------------------------------------------------------
 

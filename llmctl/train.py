@@ -14,7 +14,7 @@ steps and, whenever -o is given, at the last step (llm.c: only with -n); `-y 1`
 resumes from the newest DONE and continues bit for bit (fixed thread count). Also writes
 `metrics.jsonl`.
 What it is not: the settings and their checks (llmctl/train_config.py), the checkpoint files
-(llmctl/checkpoints.py), the model math (llmctl/model.py), the data pipeline (llmctl/loader.py),
+(llmctl/checkpoints.py), the model math (llmctl/model/), the data pipeline (llmctl/loader.py),
 building the comm and launching ranks (llmctl/distributed/run.py), HellaSwag scoring
 (llmctl/evaluate.py) or the rendering (llmctl/display.py). Differences from llm.c are listed in
 docs/training.md.
