@@ -13,7 +13,6 @@ the display) or any part of the training logic. A display never raises into the 
 import json
 import math
 import sys
-import time
 
 
 def _fmt(x, spec, missing="-"):
@@ -289,13 +288,3 @@ def make_display(json_out=False, quiet=False):
     except (AttributeError, ValueError):
         tty = False
     return RichDisplay() if tty else PlainDisplay()
-
-
-class Timer:
-    """Wall-clock milliseconds between start() and stop() (perf_counter)."""
-
-    def start(self):
-        self.t0 = time.perf_counter()
-
-    def stop(self):
-        return (time.perf_counter() - self.t0) * 1000.0

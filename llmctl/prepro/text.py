@@ -136,10 +136,6 @@ def _check_input(p, flag=""):
         raise DataError(f"{flag}{p}: no such file", hint="check the path(s) given to --source / FILES")
 
 
-def _input_bytes(paths):
-    return sum(os.path.getsize(p) for p in paths if os.path.isfile(p))
-
-
 def _datasets_or_error(what):
     try:
         import datasets

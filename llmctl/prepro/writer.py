@@ -151,15 +151,6 @@ def _tokenize_chunks(docs, workers, backend):
             yield from pool.imap(_encode_docs, _chunks(docs))
 
 
-def tokenize_documents(docs, workers=1, backend="threads"):
-    """Yield one uint16 array [EOT] + encode_ordinary(doc) per document, in input order."""
-    for flat, lengths in tokenize_chunks(docs, workers=workers, backend=backend):
-        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        for i in range(len(lengths)):
-            yield flat[offsets[i]:offsets[i + 1]]
-
-
 class ShardWriter:
     """Accumulate documents' tokens into fixed-size shards named llm.c's way.
 
