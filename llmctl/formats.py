@@ -775,10 +775,10 @@ def write_state_file(path, state):
             f.write(bytes(s.mt_state))
 
 
-def _check_perm(path, a, what):
+def _is_perm(a):
+    """a holds each of 0..a.size-1 exactly once (an empty array does)."""
     n = a.size
-    if n and (int(a.min()) < 0 or int(a.max()) >= n or np.unique(a).size != n):
-        _fail(path, f"{what} ({_n(n)} values) is not a permutation of 0..{_n(n - 1)}")
+    return n == 0 or (int(a.min()) == 0 and int(a.max()) == n - 1 and np.unique(a).size == n)
 
 
 def _check_mt_state(path, blob):
@@ -896,8 +896,9 @@ def read_state_file(path, num_parameters=None):
             P, ns, nsamp, j, js = found
         shard_indices = np.array(np.asarray(u[j + 2:j + 2 + ns]).view("<i4"), dtype=np.int32)
         intra = np.array(np.asarray(u[js + 2:end]).view("<i4"), dtype=np.int32)
-        _check_perm(path, shard_indices, "shard_indices")
-        _check_perm(path, intra, "intra_shard_indices")
+        for what, a in (("shard_indices", shard_indices), ("intra_shard_indices", intra)):
+            if not _is_perm(a):
+                _fail(path, f"{what} ({_n(a.size)} values) is not a permutation of 0..{_n(a.size - 1)}")
         mt_state = _read_bytes(path, size - MT19937_STATE_BYTES, MT19937_STATE_BYTES)
         _check_mt_state(path, mt_state)
     if P <= 0:
@@ -909,11 +910,6 @@ def read_state_file(path, num_parameters=None):
                      should_shuffle=bool(shuffle_flag), step=step, rng_state=rng, rng_state_last_update=rng_last,
                      current_shard_idx=shard_idx, current_sample_idx=sample_idx, m=m, v=v, master=master,
                      shard_indices=shard_indices, intra_shard_indices=intra, mt_state=mt_state)
-
-
-def _is_perm(a):
-    n = a.size
-    return n == 0 or (int(a.min()) == 0 and int(a.max()) == n - 1 and np.unique(a).size == n)
 
 
 # ---------------------------------------------------------------------------------------------

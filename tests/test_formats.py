@@ -572,6 +572,19 @@ def test_state_file_problems(tmp_path):
     expect_problem(lambda: F.read_state_file(noshuf, 19), noshuf, "expected 152 bytes of optimizer state for 19 parameters, found 160")
 
 
+@pytest.mark.parametrize("field,bad", [("shard_indices", [0, 0, 2]), ("shard_indices", [1, 2, 3]),
+                                       ("shard_indices", [-1, 0, 1]), ("intra_shard_indices", [0] * 11)])
+def test_state_file_index_arrays_must_be_permutations(tmp_path, field, bad):
+    import dataclasses
+
+    p = tmp_path / "s.bin"
+    F.write_state_file(p, dataclasses.replace(make_state(P=20), **{field: np.array(bad, dtype=np.int32)}))
+    expect_problem(lambda: F.read_state_file(p, 20), p, f"{field} ({len(bad)} values) is not a permutation of "
+                                                        f"0..{len(bad) - 1}")
+    with pytest.raises(FormatError, match="cannot locate"):  # without P, only permutations are recognised
+        F.read_state_file(p)
+
+
 # ---------------------------------------------------------------------------------------------
 # the tokens extension
 
