@@ -1,10 +1,9 @@
 """Kernels for the KV-cached GPT-2 forward: append new K/V rows to a cache, attend new queries to it.
 
 What it is: the attention of Tq new query positions per row against a per-layer cache of all
-past keys/values of that row (decode: Tq = 1; prefill or HellaSwag completions: Tq > 1), plus
-llm.c's `sample_softmax` (llmc/sampler.h) so sampling uses the same float/double arithmetic.
+past keys/values of that row (decode: Tq = 1; prefill or HellaSwag completions: Tq > 1).
 What it is not: the training attention (no backward, no stored (B,NH,T,T) matrices; that is
-attention.pyx) and no matmul/layernorm/GELU (the cached forward in llmctl/sample.py uses the
+attention.pyx), the sampler (sampler.pyx) and no matmul/layernorm/GELU (the cached forward in llmctl/sample.py uses the
 shared kernels / BLAS for those).
 
 Mirrors llm.c's `attention_forward` (train_gpt2.c) per query: scale 1/sqrt(hs), causal,
@@ -123,22 +122,6 @@ cdef int attention_cached_forward(float* out, const float* qkv, const float* kca
     return 0
 
 
-cdef int sample_softmax_c(const float* logits, int n, float coin) noexcept nogil:
-    # llmc/sampler.h: softmax over raw logits without max subtraction, double normaliser,
-    # coin scaled by it (in float), float running CDF; fallback to the last index.
-    cdef double norm = 0.0
-    cdef float cdf = 0.0
-    cdef int i
-    for i in range(n):
-        norm += expf(logits[i])
-    coin = <float>(coin * norm)
-    for i in range(n):
-        cdf += expf(logits[i])
-        if coin < cdf:
-            return i
-    return n - 1
-
-
 # ----------------------------------------------------------------------------------------------
 # Python wrappers: validate sizes (ValueError), then call the C kernel without the GIL
 
@@ -194,13 +177,3 @@ def attention_cached(float[::1] out, const float[::1] qkv, const float[::1] kcac
                                       B, Tq, C, NH, Tcap, n_threads)
     if rc != 0:
         raise MemoryError("attention_cached: no memory for the score scratch")
-
-
-def sample_softmax(const float[::1] logits, float coin):
-    """llm.c's sample_softmax(logits, n, coin) over all of `logits` (pass the first V only)."""
-    if logits.shape[0] < 1:
-        raise ValueError("logits is empty")
-    cdef int r
-    with nogil:
-        r = sample_softmax_c(&logits[0], <int>logits.shape[0], coin)
-    return r

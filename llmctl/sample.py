@@ -62,7 +62,7 @@ def sample_token(logits, coin, temperature=1.0, top_k=None, top_p=None):
     and/or the smallest set of most likely ids whose mass reaches top_p (always >= 1 id),
     renormalised; the coin walks their CDF in id order. temperature 0 = argmax (callers skip
     the coin)."""
-    from llmctl._ext.kvcache import sample_softmax
+    from llmctl._ext.sampler import sample_softmax
 
     logits = np.ascontiguousarray(logits, dtype=np.float32)
     V = logits.shape[0]

@@ -1,5 +1,5 @@
-"""Tests for llmctl.sample / _ext/kvcache.pyx / `llmctl sample`: the KV-cached forward against a
-full forward and the float64 NumPy reference, greedy decoding against the reference's greedy,
+"""Tests for llmctl.sample / _ext/kvcache.pyx / _ext/sampler.pyx / `llmctl sample`: the KV-cached
+forward against a full forward and the float64 NumPy reference, greedy decoding against the reference's greedy,
 llm.c's sampler arithmetic (vectors from compiling llm.c's sampler.h / random_u32 with gcc),
 top-k/top-p, streaming decode, length limits and the CLI's --json output."""
 import json
