@@ -1,5 +1,6 @@
-"""The default -e, llmctl.model.default_init over llmctl.paths' names (llm.c's gpt2_124M.bin in the working directory, else pretrained
-GPT-2 124M, else one error naming -e d12 and how to fetch the weights)."""
+"""The default -e, llmctl.model.default_init over llmctl.paths' names: llm.c's gpt2_124M.bin in
+the working directory, else pretrained GPT-2 124M, else one error naming -e d12 and how to fetch
+the weights."""
 import struct
 
 import pytest
