@@ -5,7 +5,7 @@ over the raw logits without a max subtraction, a double normaliser, the coin sca
 float, and a float running CDF walked in id order (the last id if the coin is never passed).
 Being C, it rounds exactly as llm.c does, so a plain sample picks llm.c's tokens.
 What it is not: temperature, top-k or top-p (llmctl/sample.py, in NumPy), the RNG (the caller's
-coin) or the forward that produces the logits (llmctl/model/cached.py).
+coin) or the forward that produces the logits (llmctl/model/gpt2.py).
 """
 from libc.math cimport expf
 
