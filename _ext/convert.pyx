@@ -9,13 +9,25 @@ the loss backward, AdamW) write bf16 in their own pass.
 from cython.parallel cimport prange
 from libc.stdint cimport uint16_t
 
-from bf16 cimport llmctl_cast_bf16, llmctl_widen_bf16
+from bf16 cimport llmctl_widen_bf16
+
+cdef extern from "rows.h" nogil:
+    void llmctl_cast_bf16_isa(uint16_t* dst, const float* src, Py_ssize_t n)
+    int llmctl_rows_set_isa(int level)
+
+llmctl_rows_set_isa(-1)   # the cast loop's widest copy this CPU runs (rows.h; the same bits)
 from kernels cimport check_threads, check_len, eff_threads, imin
 
 cdef enum:
     ECHUNK = 16384
 
 cdef Py_ssize_t _grain = 131072
+
+
+def set_isa(int level):
+    """The cast loop's copy: -1 the widest this CPU runs (the default), 0 baseline, 1 AVX2,
+    2 AVX-512 (at most what the CPU has; tests compare them bit for bit). -> the level in force."""
+    return llmctl_rows_set_isa(level)
 
 
 def set_parallel_grain(Py_ssize_t grain):
@@ -49,7 +61,7 @@ cdef int _convert(dst_t[::1] out, const src_t[::1] inp, int n_threads) except -1
         for ch in prange((n + ECHUNK - 1) // ECHUNK, schedule='static', num_threads=nt):
             s = ch * ECHUNK
             if dst_t is uint16_t and src_t is float:
-                llmctl_cast_bf16(&out[0] + s, &inp[0] + s, imin(ECHUNK, n - s))
+                llmctl_cast_bf16_isa(&out[0] + s, &inp[0] + s, imin(ECHUNK, n - s))
             elif dst_t is float and src_t is uint16_t:
                 llmctl_widen_bf16(&out[0] + s, &inp[0] + s, imin(ECHUNK, n - s))
     return 0

@@ -1,11 +1,10 @@
 /* GELU (tanh form, as llm.c's gelu_forward / gelu_backward) over a chunk of n elements.
  *
- * Each loop is compiled twice: for baseline x86-64 (SSE2, 4 floats a vector) and for AVX2
- * (8 floats), and the AVX2 copy runs where the CPU has it (runtime dispatch: the build itself
- * stays baseline, so a wheel never hits SIGILL). GELU is elementwise and written with plain
- * float arithmetic (mathf.h's tanh/sech^2, no FMA: -std=c11 does not contract), so both copies
- * give the same bits; llmctl_gelu_set_simd(0) keeps to the baseline copy, for the tests that
- * check that. Elsewhere (not GCC on x86-64) only the plain loop exists.
+ * Each loop is compiled three times, for baseline x86-64 (SSE2, 4 floats a vector), AVX2 (8)
+ * and AVX-512 (16), and the copy rows.h's run-time switch picks runs (the build itself stays
+ * baseline, so a wheel never hits SIGILL). GELU is elementwise and written with plain float
+ * arithmetic (mathf.h's tanh/sech^2, no FMA: -std=c11 does not contract), so all copies give
+ * the same bits. Elsewhere (not GCC on x86-64) only the plain loop exists.
  */
 #ifndef LLMCTL_GELU_H
 #define LLMCTL_GELU_H
@@ -14,6 +13,7 @@
 
 #include "bf16.h"
 #include "mathf.h"
+#include "rows.h"
 
 #define LLMCTL_GELU_C3 ((float)0.044715)
 #define LLMCTL_GELU_3C3 ((float)(3.0 * 0.044715))
@@ -54,29 +54,16 @@ LLMCTL_GELU_KERNELS(base, )
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(LLMCTL_NO_AVX_DISPATCH)
 LLMCTL_GELU_KERNELS(avx2, __attribute__((target("avx2"))))
-/* whether the AVX2 copies run: set by llmctl_gelu_set_simd, which layers.pyx calls at import,
-   so the parallel loops only ever read it */
-static int llmctl_gelu_avx2 = 0;
-static inline int llmctl_gelu_use_avx2(void) { return llmctl_gelu_avx2; }
-static inline int llmctl_gelu_set_simd(int enabled) {   /* returns whether AVX2 now runs */
-    llmctl_gelu_avx2 = enabled ? (__builtin_cpu_supports("avx2") ? 1 : 0) : 0;
-    return llmctl_gelu_avx2;
-}
-#define LLMCTL_GELU_DISPATCH(name, ...) \
-    (llmctl_gelu_use_avx2() ? name##_avx2(__VA_ARGS__) : name##_base(__VA_ARGS__))
-#else
-static inline int llmctl_gelu_use_avx2(void) { return 0; }
-static inline int llmctl_gelu_set_simd(int enabled) { (void)enabled; return 0; }
-#define LLMCTL_GELU_DISPATCH(name, ...) name##_base(__VA_ARGS__)
+LLMCTL_GELU_KERNELS(avx512, __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,prefer-vector-width=512"))))
 #endif
 
 static inline void llmctl_gelu_fwd_f32(float* out, const float* x, ptrdiff_t n, float k) {
-    LLMCTL_GELU_DISPATCH(llmctl_gelu_fwd_f32, out, x, n, k);
+    LLMCTL_ROWS_DISPATCH(llmctl_gelu_fwd_f32, out, x, n, k);
 }
 static inline void llmctl_gelu_fwd_bf16(uint16_t* out, const float* x, ptrdiff_t n, float k) {
-    LLMCTL_GELU_DISPATCH(llmctl_gelu_fwd_bf16, out, x, n, k);
+    LLMCTL_ROWS_DISPATCH(llmctl_gelu_fwd_bf16, out, x, n, k);
 }
 static inline void llmctl_gelu_bwd(float* dx, const float* x, const float* dy, ptrdiff_t n, float k) {
-    LLMCTL_GELU_DISPATCH(llmctl_gelu_bwd, dx, x, dy, n, k);
+    LLMCTL_ROWS_DISPATCH(llmctl_gelu_bwd, dx, x, dy, n, k);
 }
 #endif

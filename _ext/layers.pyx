@@ -11,27 +11,24 @@ stated. Differences from llm.c, all deliberate:
   is what lets small calls use fewer threads than asked (set_parallel_grain) for free.
 - Row reductions (LN mean/var, softmax sum) accumulate in double with a fixed lane order.
 - exp/tanh use mathf.h's vectorisable helpers instead of libm; sech^2 is 4t/(1+t)^2 with
-  t = exp(-2|u|), which is exactly 1/cosh^2(u) without overflow. GELU's loops are C in gelu.h,
-  with an AVX2 copy chosen at run time (the same bits as the baseline loop; set_simd).
+  t = exp(-2|u|), which is exactly 1/cosh^2(u) without overflow. The loops of GELU (gelu.h),
+  layernorm and softmax + cross-entropy (rows.h) are C, each with AVX2 and AVX-512 copies
+  chosen at run time (the same bits as the baseline loop; set_simd).
 - softmax + cross-entropy is one fused kernel; the loss is log(sum) - (x_target - max), i.e.
   -log p[target] without the underflow to -log(0). Padded logits V..Vp never enter the softmax.
 
 What it is not: attention (attention.pyx) or matmul (matmul.pyx).
 """
 from cython.parallel cimport prange
-from libc.math cimport log, sqrt
-from libc.string cimport memcpy
+from libc.math cimport sqrt
 from libc.stdint cimport uint16_t
 
-from bf16 cimport out_t, store
-from kernels cimport (check_threads, check_len, check_positive, check_disjoint, eff_threads, imin,
-                      llmctl_expf)
+from bf16 cimport out_t
+from kernels cimport check_threads, check_len, check_positive, check_disjoint, eff_threads, imin
 
 cdef enum:
     CCHUNK = 64         # channels per task in the column-parallel reductions (stack accumulators)
     ECHUNK = 16384      # elements per task in elementwise kernels
-    LANES = 16          # independent accumulators in a row reduction (fixed order -> reproducible)
-    SMBLOCK = 1024      # softmax exp block (a multiple of LANES; 4 KB on the stack)
 
 cdef float GELU_SCALE = <float>sqrt(2.0 / 3.14159265358979323846)  # llm.c: sqrtf(2.0f / M_PI)
 
@@ -39,10 +36,21 @@ cdef extern from "gelu.h" nogil:
     void llmctl_gelu_fwd_f32(float* out, const float* x, Py_ssize_t n, float k)
     void llmctl_gelu_fwd_bf16(uint16_t* out, const float* x, Py_ssize_t n, float k)
     void llmctl_gelu_bwd(float* dx, const float* x, const float* dy, Py_ssize_t n, float k)
-    int llmctl_gelu_set_simd(int enabled)
-    int llmctl_gelu_use_avx2()
 
-llmctl_gelu_set_simd(1)   # the AVX2 loop where the CPU has it, decided once at import
+cdef extern from "rows.h" nogil:
+    void llmctl_ln_fwd_f32(float* out, float* mean, float* rstd, const float* x, const float* w,
+                           const float* b, int C)
+    void llmctl_ln_fwd_bf16(uint16_t* out, float* mean, float* rstd, const float* x, const float* w,
+                            const float* b, int C)
+    void llmctl_ln_dinp(float* dx, const float* dy, const float* x, const float* w, float m, float r, int C)
+    void llmctl_xent_fwd(float* loss, float* probs, const float* logits, int target, int V, int Vp)
+    void llmctl_xent_bwd_f32(float* dlogits, const float* probs, int target, float dloss, int V, int Vp)
+    void llmctl_xent_bwd_bf16(uint16_t* dlogits, const float* probs, int target, float dloss, int V, int Vp)
+    int llmctl_rows_set_isa(int level)
+    int llmctl_rows_isa()
+
+ISAS = ("baseline", "avx2", "avx512")
+llmctl_rows_set_isa(-1)   # the widest copy of the loops this CPU runs, decided once at import
 
 # Elements of work per thread below which a kernel uses fewer threads than asked (see
 # kernels.pxd eff_threads). Every kernel here gives the same bits at any thread count.
@@ -50,14 +58,21 @@ cdef Py_ssize_t _grain = 131072
 
 
 def simd():
-    """Which GELU loop runs: "avx2" or "baseline" (x86-64's SSE2, or plain C elsewhere)."""
-    return "avx2" if llmctl_gelu_use_avx2() else "baseline"
+    """Which copy of the GELU, layernorm and softmax loops runs: "avx512", "avx2" or "baseline"
+    (x86-64's SSE2, or plain C elsewhere); all give the same bits."""
+    return ISAS[llmctl_rows_isa()]
 
 
-def set_simd(bint enabled):
-    """Let GELU run its AVX2 loop where the CPU has it (the default), or keep it to the baseline
-    x86-64 loop (tests compare the two bit for bit). Returns whether the AVX2 loop now runs."""
-    return bool(llmctl_gelu_set_simd(enabled))
+def set_simd(enabled):
+    """enabled True: the widest copy this CPU runs (the default); False: the baseline loops; or
+    one of ISAS: at most that one (tests compare the copies bit for bit). -> simd()."""
+    if enabled is True or enabled is False:
+        llmctl_rows_set_isa(-1 if enabled else 0)
+    elif enabled in ISAS:
+        llmctl_rows_set_isa(ISAS.index(enabled))
+    else:
+        raise ValueError(f"set_simd takes True, False or one of {ISAS}, not {enabled!r}")
+    return simd()
 
 
 def set_parallel_grain(Py_ssize_t grain):
@@ -120,49 +135,13 @@ cdef void _encoder_backward(float* dwte, float* dwpe, const float* dout, const i
 # ---------------------------------------------------------------------------------------------
 # layernorm
 
-cdef void _layernorm_stats(float* mean, float* rstd, const float* x, int C) noexcept nogil:
-    cdef double s[LANES]
-    cdef double tot, m, var, d
-    cdef int i, ib, j, cm = C - C % LANES
-    for j in range(LANES):
-        s[j] = 0.0
-    for ib in range(cm // LANES):
-        i = ib * LANES
-        for j in range(LANES):
-            s[j] += x[i + j]
-    tot = 0.0
-    for j in range(LANES):
-        tot += s[j]
-    for i in range(cm, C):
-        tot += x[i]
-    m = tot / C
-    for j in range(LANES):
-        s[j] = 0.0
-    for ib in range(cm // LANES):
-        i = ib * LANES
-        for j in range(LANES):
-            d = x[i + j] - m
-            s[j] += d * d
-    var = 0.0
-    for j in range(LANES):
-        var += s[j]
-    for i in range(cm, C):
-        d = x[i] - m
-        var += d * d
-    var = var / C
-    mean[0] = <float>m
-    rstd[0] = <float>(1.0 / sqrt(var + 1e-5))
-
-
 cdef void _layernorm_row(out_t* out, float* mean, float* rstd, const float* x, const float* w,
                          const float* b, int C) noexcept nogil:
-    cdef float mf, rf
-    cdef int i
-    _layernorm_stats(mean, rstd, x, C)
-    mf = mean[0]
-    rf = rstd[0]
-    for i in range(C):
-        store(out, i, (x[i] - mf) * rf * w[i] + b[i])
+    # rows.h: the row loop, in the copy for this CPU
+    if out_t is float:
+        llmctl_ln_fwd_f32(out, mean, rstd, x, w, b, C)
+    else:
+        llmctl_ln_fwd_bf16(out, mean, rstd, x, w, b, C)
 
 
 cdef void _layernorm_forward(out_t* out, float* mean, float* rstd, const float* inp,
@@ -172,42 +151,6 @@ cdef void _layernorm_forward(out_t* out, float* mean, float* rstd, const float* 
     cdef Py_ssize_t n
     for n in prange(N, schedule='static', num_threads=n_threads):
         _layernorm_row(out + n * C, mean + n, rstd + n, inp + n * C, weight, bias, C)
-
-
-cdef void _layernorm_dinp_row(float* dx, const float* dy, const float* x, const float* w,
-                              float m, float r, int C) noexcept nogil:
-    # dx += r * (dnorm - mean(dnorm) - norm * mean(dnorm * norm)), dnorm = w * dy
-    cdef double s1[LANES]
-    cdef double s2[LANES]
-    cdef double a, b2
-    cdef float norm, dnorm, dmean, dnmean
-    cdef int i, ib, j, cm = C - C % LANES
-    for j in range(LANES):
-        s1[j] = 0.0
-        s2[j] = 0.0
-    for ib in range(cm // LANES):
-        i = ib * LANES
-        for j in range(LANES):
-            norm = (x[i + j] - m) * r
-            dnorm = w[i + j] * dy[i + j]
-            s1[j] += dnorm
-            s2[j] += dnorm * norm
-    a = 0.0
-    b2 = 0.0
-    for j in range(LANES):
-        a += s1[j]
-        b2 += s2[j]
-    for i in range(cm, C):
-        norm = (x[i] - m) * r
-        dnorm = w[i] * dy[i]
-        a += dnorm
-        b2 += dnorm * norm
-    dmean = <float>(a / C)
-    dnmean = <float>(b2 / C)
-    for i in range(C):
-        norm = (x[i] - m) * r
-        dnorm = w[i] * dy[i]
-        dx[i] += r * (dnorm - dmean - norm * dnmean)
 
 
 cdef void _layernorm_dparams_chunk(float* dw, float* db, const float* dout, const float* inp,
@@ -245,7 +188,7 @@ cdef void _layernorm_backward(float* dinp, float* dweight, float* dbias, const f
     cdef Py_ssize_t nch = _nchunks(C, CCHUNK)
     cdef int c0, c1
     for n in prange(N, schedule='static', num_threads=n_threads):
-        _layernorm_dinp_row(dinp + n * C, dout + n * C, inp + n * C, weight, mean[n], rstd[n], C)
+        llmctl_ln_dinp(dinp + n * C, dout + n * C, inp + n * C, weight, mean[n], rstd[n], C)
     for ch in prange(nch, schedule='static', num_threads=n_threads):
         c0 = ch * CCHUNK
         c1 = c0 + CCHUNK
@@ -317,77 +260,20 @@ cdef void _residual_backward(float* dinp1, float* dinp2, const float* dout, Py_s
 # ---------------------------------------------------------------------------------------------
 # fused softmax + cross-entropy over the real V of each padded Vp row
 
-cdef void _softmax_xent_row(float* loss, float* probs, const float* logits, int target,
-                            int V, int Vp) noexcept nogil:
-    cdef float mx[LANES]
-    cdef double s[LANES]
-    cdef float buf[SMBLOCK]
-    cdef float maxv, xt, e, inv
-    cdef double tot
-    cdef int i, ib, j, b0, nb, vm = V - V % LANES
-    # max over the real V (exact, so lane order does not matter)
-    for j in range(LANES):
-        mx[j] = -3.4028234663852886e38
-    for ib in range(vm // LANES):
-        i = ib * LANES
-        for j in range(LANES):
-            mx[j] = logits[i + j] if logits[i + j] > mx[j] else mx[j]
-    maxv = mx[0]
-    for j in range(1, LANES):
-        if mx[j] > maxv:
-            maxv = mx[j]
-    for i in range(vm, V):
-        if logits[i] > maxv:
-            maxv = logits[i]
-    xt = logits[target]  # read before probs (which may alias logits) is written
-    # exp pass in blocks through a stack buffer: probs may alias logits, and with the stores
-    # going straight to probs gcc would not vectorise the exp.
-    for j in range(LANES):
-        s[j] = 0.0
-    b0 = 0
-    while b0 < vm:
-        nb = vm - b0
-        if nb > SMBLOCK:
-            nb = SMBLOCK
-        for i in range(nb):
-            buf[i] = llmctl_expf(logits[b0 + i] - maxv)
-        for ib in range(nb // LANES):
-            for j in range(LANES):
-                s[j] += buf[ib * LANES + j]
-        memcpy(probs + b0, buf, nb * sizeof(float))
-        b0 = b0 + nb
-    tot = 0.0
-    for j in range(LANES):
-        tot += s[j]
-    for i in range(vm, V):
-        e = llmctl_expf(logits[i] - maxv)
-        probs[i] = e
-        tot += e
-    inv = <float>(1.0 / tot)
-    for i in range(V):
-        probs[i] = probs[i] * inv
-    for i in range(V, Vp):
-        probs[i] = 0.0
-    loss[0] = <float>(log(tot) - (<double>xt - <double>maxv))
-
-
 cdef void _softmax_crossentropy_forward(float* losses, float* probs, const float* logits,
                                         const int* targets, int BT, int V, int Vp,
                                         int n_threads) noexcept nogil:
     cdef Py_ssize_t bt
     for bt in prange(BT, schedule='static', num_threads=n_threads):
-        _softmax_xent_row(losses + bt, probs + bt * Vp, logits + bt * Vp, targets[bt], V, Vp)
+        llmctl_xent_fwd(losses + bt, probs + bt * Vp, logits + bt * Vp, targets[bt], V, Vp)
 
 
 cdef void _xent_bwd_row(out_t* dlogits, const float* probs, int target, float dloss,
                         int V, int Vp) noexcept nogil:
-    cdef int i
-    cdef float pt = probs[target]  # read first: fp32 dlogits may alias probs
-    for i in range(V):
-        store(dlogits, i, probs[i] * dloss)
-    store(dlogits, target, (pt - <float>1.0) * dloss)
-    for i in range(V, Vp):
-        dlogits[i] = 0  # +0.0 in fp32 and in bf16
+    if out_t is float:
+        llmctl_xent_bwd_f32(dlogits, probs, target, dloss, V, Vp)
+    else:
+        llmctl_xent_bwd_bf16(dlogits, probs, target, dloss, V, Vp)
 
 
 cdef void _softmax_crossentropy_backward(out_t* dlogits, const float* probs, const int* targets,

@@ -6,7 +6,7 @@ What it measures (best wall time of --repeat runs, threads pinned with llmctl.th
 - matmul forward and backward for each d12 linear layer (qkv, attproj, fc, fcproj, lm head),
   backend "blas" vs "tiled" vs the same products done with NumPy float32 `@`,
 - every other kernel (encoder, layernorm, GELU, residual, softmax+CE, attention if built); on
-  an AVX2 CPU GELU also with its baseline x86-64 loop (layers.set_simd(False)), side by side,
+  an AVX2 / AVX-512 CPU GELU also with its baseline x86-64 loop (layers.set_simd(False)), side by side,
 - AdamW over 124,475,904 floats (the d12 parameter count) and the global grad norm,
 - an estimated whole step (the kernel sequence of one forward+backward+update, from the timings
   above) with its MFU = 6*N*B*T / step time / NumPy peak, and the share of non-matmul kernels.
@@ -123,7 +123,7 @@ def bench_layers(n, repeat):
         lambda: layers.layernorm_backward(y, dw, dbb, dx, x, w, mean, rstd, BT, C, n), repeat)
     t["gelu_fwd"] = timeit(lambda: layers.gelu_forward(hg, h, BT * 4 * C, n), repeat)
     t["gelu_bwd"] = timeit(lambda: layers.gelu_backward(hg, h, dh, BT * 4 * C, n), repeat)
-    if layers.set_simd(False) is False and layers.set_simd(True):  # an AVX2 CPU: the baseline loop too
+    if layers.set_simd(True) != "baseline":  # a CPU with AVX2 or AVX-512: the baseline loop too
         try:
             layers.set_simd(False)
             t["gelu_fwd_baseline"] = timeit(lambda: layers.gelu_forward(hg, h, BT * 4 * C, n), repeat)

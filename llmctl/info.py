@@ -48,12 +48,13 @@ def gemm_info():
 
 def simd_info():
     """The instruction set each runtime-dispatched kernel runs here (the build itself is baseline
-    x86-64; wider copies are picked by cpuid): attention ("default", "avx2", "avx512"), GELU
-    ("baseline", "avx2"), AdamW ("baseline", "avx"), the few-row bf16 matmul of decoding
+    x86-64; wider copies are picked by cpuid): attention ("default", "avx2", "avx512"), the row
+    loops of GELU, layernorm, softmax + cross-entropy and the bf16 cast ("baseline", "avx2",
+    "avx512"), AdamW ("baseline", "avx"), the few-row bf16 matmul of decoding
     ("avx512_bf16", or "off": the bf16 GEMM engine does those rows too)."""
     from llmctl._ext import adamw, attention, layers, matmul
 
-    return {"attention": attention.isa(), "gelu": layers.simd(), "adamw": adamw.simd(),
+    return {"attention": attention.isa(), "layers": layers.simd(), "adamw": adamw.simd(),
             "bf16_gemv": "avx512_bf16" if matmul.gemv_bf16_available() else "off"}
 
 
@@ -128,7 +129,7 @@ def format_info(info):
             f"OpenMP: {'yes' if info['openmp'] else 'NO (serial build)'}, threads: {info['threads']}\n"
             f"{_engine_line(info)}\n"
             f"{_precision_line(info)}\n"
-            f"kernels: attention {k['attention']}, GELU {k['gelu']}, AdamW {k['adamw']}, "
+            f"kernels: attention {k['attention']}, layers {k['layers']}, AdamW {k['adamw']}, "
             f"bf16 GEMV {k['bf16_gemv']}\n"
             f"BLAS: {info['blas'] or 'unknown'}\n"
             f"{_roof_line(info)}")

@@ -61,7 +61,7 @@ def test_info_and_version_print_the_same_seven_lines():
         assert lines[3].startswith("precisions: fp32 (bf16: no, "), lines[3]
     # the kernels' instruction sets, as the modules report them in this process
     gemv = "avx512_bf16" if matmul.gemv_bf16_available() else "off"
-    assert lines[4] == (f"kernels: attention {attention.isa()}, GELU {layers.simd()}, AdamW {adamw.simd()}, "
+    assert lines[4] == (f"kernels: attention {attention.isa()}, layers {layers.simd()}, AdamW {adamw.simd()}, "
                         f"bf16 GEMV {gemv}"), lines[4]
     assert re.fullmatch(r"BLAS: \S+ \S+ \(.*\)|BLAS: unknown", lines[5]), lines[5]
     assert lines[6].startswith("MFU roof: none measured on this CPU yet"), lines[6]  # a fresh cache
@@ -69,7 +69,7 @@ def test_info_and_version_print_the_same_seven_lines():
     # the same facts as --json gives
     info = json.loads(_cli("info", "--json"))
     assert info["engine"] == matmul.default_backend() and ("bf16" in info["precisions"]) == matmul.bf16_native()
-    assert info["kernels"] == {"attention": attention.isa(), "gelu": layers.simd(), "adamw": adamw.simd(),
+    assert info["kernels"] == {"attention": attention.isa(), "layers": layers.simd(), "adamw": adamw.simd(),
                                "bf16_gemv": gemv}
 
 

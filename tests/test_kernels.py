@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import reference as ref
-from llmctl._ext import adamw, layers, matmul
+from llmctl._ext import adamw, convert, layers, matmul
 
 U32 = 2.0 ** -24  # unit roundoff of float32
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -730,33 +730,75 @@ def test_adamw_avx_and_portable_paths_give_identical_bits():
     assert all(np.array_equal(a, b) for a, b in zip(*res))
 
 
-@pytest.mark.parametrize("n_threads", [1, 3])
-def test_gelu_avx2_and_baseline_loops_give_identical_bits(n_threads):
-    # gelu.h compiles each GELU loop for baseline x86-64 and for AVX2 and picks one at run time;
-    # the same float operations (no FMA) in both, so the same bits, specials and tails included
-    has = _cpu_has_avx("avx2")
-    if not has:
-        pytest.skip("this CPU has no AVX2 (or it cannot be told): the baseline loop is the only one, "
-                    "there is nothing to compare it with" if has is False else
-                    "cannot tell whether this CPU has AVX2 (no /proc/cpuinfo)")
-    rng = np.random.default_rng(14)
-    N = 3 * 16384 + 37   # several chunks and a ragged tail
+def _isa_levels():
+    """The copies of the row loops (gelu.h, rows.h) this CPU runs, by /proc/cpuinfo."""
+    want = {"avx2": ["avx2"], "avx512": ["avx512f", "avx512bw", "avx512dq", "avx512vl"]}
+    return ["baseline"] + [isa for isa, flags in want.items() if all(_cpu_has_avx(f) for f in flags)]
+
+
+def _row_kernel_outputs(n_threads, rng):
+    """Every row-loop kernel of layers/convert on awkward data: odd C and V (ragged lane tails),
+    several chunks, NaN, inf, signed zeros, tiny and huge values."""
+    out = []
+    N = 3 * 16384 + 37
     x = (rng.standard_normal(N) * 4).astype(np.float32)
-    x[:10] = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-30, -1e-30, 50.0, -50.0, 9.5]
-    dy, dx0 = _f32(rng, N), _f32(rng, N)
-    res = []
+    x[:12] = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-30, -1e-30, 50.0, -50.0, 9.5, 3e38, -3e38]
+    dy, dx = _f32(rng, N), _f32(rng, N)
+    o, o16 = np.empty(N, np.float32), np.empty(N, np.uint16)
+    layers.gelu_forward(o, x, N, n_threads)
+    layers.gelu_forward_bf16(o16, x, N, n_threads)
+    layers.gelu_backward(dx, x, dy, N, n_threads)
+    out += [o.tobytes(), o16.tobytes(), dx.tobytes()]
+    convert.cast_to_bf16(o16, x, n_threads)
+    out.append(o16.tobytes())
+    R, C = 9, 77
+    xs = (rng.standard_normal(R * C) * 3 + 1).astype(np.float32)
+    xs[5] = np.nan                       # one poisoned row, the rest ordinary
+    w, b = _f32(rng, C), _f32(rng, C)
+    y, y16 = np.empty(R * C, np.float32), np.empty(R * C, np.uint16)
+    mean, rstd = np.empty(R, np.float32), np.empty(R, np.float32)
+    layers.layernorm_forward_bf16(y16, mean, rstd, xs, w, b, R, C, n_threads)
+    layers.layernorm_forward(y, mean, rstd, xs, w, b, R, C, n_threads)
+    din, dw, db = _f32(rng, R * C), np.zeros(C, np.float32), np.zeros(C, np.float32)
+    layers.layernorm_backward(din, dw, db, _f32(rng, R * C), xs, w, mean, rstd, R, C, n_threads)
+    out += [y.tobytes(), y16.tobytes(), mean.tobytes(), rstd.tobytes(), din.tobytes(), dw.tobytes(), db.tobytes()]
+    BT, V, Vp = 5, 1000 + 13, 1040
+    logits = (rng.standard_normal(BT * Vp) * 5).astype(np.float32)
+    logits[3] = np.inf
+    logits[Vp + 7] = -np.inf
+    tg = rng.integers(0, V, BT).astype(np.int32)
+    losses, probs = np.empty(BT, np.float32), np.empty(BT * Vp, np.float32)
+    layers.softmax_crossentropy_forward(losses, probs, logits, tg, BT, V, Vp, n_threads)
+    dl = _f32(rng, BT)
+    d32, d16 = np.empty(BT * Vp, np.float32), np.empty(BT * Vp, np.uint16)
+    layers.softmax_crossentropy_backward(d32, probs, tg, dl, BT, V, Vp, n_threads)
+    layers.softmax_crossentropy_backward_bf16(d16, probs, tg, dl, BT, V, Vp, n_threads)
+    out += [losses.tobytes(), probs.tobytes(), d32.tobytes(), d16.tobytes()]
+    return out
+
+
+@pytest.mark.parametrize("n_threads", [1, 3])
+def test_row_loops_give_identical_bits_in_every_instruction_set(n_threads):
+    # gelu.h and rows.h compile each loop for baseline x86-64, AVX2 and AVX-512 and pick one at
+    # run time; the same float operations in the same order (no FMA, fixed lane partials) in
+    # all, so the same bits, specials and tails included
+    levels = _isa_levels()
+    if len(levels) == 1:
+        pytest.skip("this CPU has no AVX2: the baseline loops are the only copy, nothing to compare")
+    res = {}
     try:
-        for simd in (True, False):
-            assert layers.set_simd(simd) == simd
-            assert layers.simd() == ("avx2" if simd else "baseline")  # what `llmctl info` reports
-            out, out16, dx = np.empty(N, np.float32), np.empty(N, np.uint16), dx0.copy()
-            layers.gelu_forward(out, x, N, n_threads)
-            layers.gelu_forward_bf16(out16, x, N, n_threads)
-            layers.gelu_backward(dx, x, dy, N, n_threads)
-            res.append((out.tobytes(), out16.tobytes(), dx.tobytes()))
+        for isa in levels:
+            assert layers.set_simd(isa) == isa     # what `llmctl info` reports
+            assert convert.set_isa(levels.index(isa)) == levels.index(isa)
+            res[isa] = _row_kernel_outputs(n_threads, np.random.default_rng(14))
+        assert layers.set_simd(False) == "baseline"
     finally:
         layers.set_simd(True)
-    assert res[0] == res[1]
+        convert.set_isa(-1)
+    assert layers.simd() == levels[-1]
+    for isa in levels[1:]:
+        diff = [i for i, (a, b) in enumerate(zip(res["baseline"], res[isa])) if a != b]
+        assert not diff, f"{isa}: outputs {diff} differ from the baseline loops"
 
 
 def test_default_grain_changes_thread_use_not_bits():

@@ -1,0 +1,205 @@
+/* The row loops of layers.pyx's layernorm and fused softmax + cross-entropy, and convert.pyx's
+ * fp32 -> bf16 cast, compiled three times: for baseline x86-64 (SSE2, 4 floats a vector), AVX2
+ * (8) and AVX-512 (16), with the copy for the CPU picked at run time (the build stays baseline,
+ * so a wheel never hits SIGILL). Every loop is plain float/double arithmetic in a fixed order:
+ * row sums keep LLMCTL_ROW_LANES partials whatever the vector width, exp is mathf.h's, bf16
+ * rounding is bf16.h's, and -std=c11 does not contract a*b+c into an FMA. So all three copies
+ * give the same bits (tests/test_kernels.py checks it); llmctl_rows_set_isa() picks one, for
+ * those tests. Elsewhere (not GCC on x86-64) only the plain copy exists.
+ *
+ * The math is llm.c's train_gpt2.c: layernorm_forward / layernorm_backward (the dinp half; the
+ * dweight/dbias reduction over rows stays in layers.pyx), softmax_forward + crossentropy_forward
+ * fused, crossentropy_softmax_backward. Row statistics and the softmax sum accumulate in double.
+ */
+#ifndef LLMCTL_ROWS_H
+#define LLMCTL_ROWS_H
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "bf16.h"
+#include "mathf.h"
+
+#define LLMCTL_ROW_LANES 16      /* independent partial sums of a row reduction (fixed order) */
+#define LLMCTL_SMBLOCK 1024      /* softmax exp block through the stack (a multiple of the lanes) */
+
+#define LLMCTL_ST_F32(dst, i, v) (dst)[i] = (v)
+#define LLMCTL_ST_BF16(dst, i, v) (dst)[i] = llmctl_f32_to_bf16(v)
+
+/* mean and 1/sqrt(var + 1e-5) of x (C), both accumulated in double */
+#define LLMCTL_LN_STATS_BODY                                                                   \
+    double s[LLMCTL_ROW_LANES], tot = 0.0, m, var = 0.0, d;                                    \
+    int cm = C - C % LLMCTL_ROW_LANES;                                                         \
+    for (int j = 0; j < LLMCTL_ROW_LANES; j++) s[j] = 0.0;                                     \
+    for (int i = 0; i < cm; i += LLMCTL_ROW_LANES)                                             \
+        for (int j = 0; j < LLMCTL_ROW_LANES; j++) s[j] += x[i + j];                           \
+    for (int j = 0; j < LLMCTL_ROW_LANES; j++) tot += s[j];                                    \
+    for (int i = cm; i < C; i++) tot += x[i];                                                  \
+    m = tot / C;                                                                               \
+    for (int j = 0; j < LLMCTL_ROW_LANES; j++) s[j] = 0.0;                                     \
+    for (int i = 0; i < cm; i += LLMCTL_ROW_LANES)                                             \
+        for (int j = 0; j < LLMCTL_ROW_LANES; j++) { d = x[i + j] - m; s[j] += d * d; }        \
+    for (int j = 0; j < LLMCTL_ROW_LANES; j++) var += s[j];                                    \
+    for (int i = cm; i < C; i++) { d = x[i] - m; var += d * d; }                               \
+    var = var / C;                                                                             \
+    *mean = (float)m;                                                                          \
+    *rstd = (float)(1.0 / sqrt(var + 1e-5));
+
+/* out = (x - mean) * rstd * w + b */
+#define LLMCTL_LN_FWD_BODY(ST)                                                                 \
+    {                                                                                          \
+        LLMCTL_LN_STATS_BODY                                                                   \
+    }                                                                                          \
+    float mf = *mean, rf = *rstd;                                                              \
+    for (int i = 0; i < C; i++) ST(out, i, (x[i] - mf) * rf * w[i] + b[i]);
+
+/* dx += r * (dnorm - mean(dnorm) - norm * mean(dnorm * norm)), dnorm = w * dy */
+#define LLMCTL_LN_DINP_BODY                                                                    \
+    double s1[LLMCTL_ROW_LANES], s2[LLMCTL_ROW_LANES], a = 0.0, b2 = 0.0;                      \
+    float norm, dnorm, dmean, dnmean;                                                          \
+    int cm = C - C % LLMCTL_ROW_LANES;                                                         \
+    for (int j = 0; j < LLMCTL_ROW_LANES; j++) { s1[j] = 0.0; s2[j] = 0.0; }                   \
+    for (int i = 0; i < cm; i += LLMCTL_ROW_LANES)                                             \
+        for (int j = 0; j < LLMCTL_ROW_LANES; j++) {                                           \
+            norm = (x[i + j] - m) * r;                                                         \
+            dnorm = w[i + j] * dy[i + j];                                                      \
+            s1[j] += dnorm;                                                                    \
+            s2[j] += dnorm * norm;                                                             \
+        }                                                                                      \
+    for (int j = 0; j < LLMCTL_ROW_LANES; j++) { a += s1[j]; b2 += s2[j]; }                    \
+    for (int i = cm; i < C; i++) {                                                             \
+        norm = (x[i] - m) * r;                                                                 \
+        dnorm = w[i] * dy[i];                                                                  \
+        a += dnorm;                                                                            \
+        b2 += dnorm * norm;                                                                    \
+    }                                                                                          \
+    dmean = (float)(a / C);                                                                    \
+    dnmean = (float)(b2 / C);                                                                  \
+    for (int i = 0; i < C; i++) {                                                              \
+        norm = (x[i] - m) * r;                                                                 \
+        dnorm = w[i] * dy[i];                                                                  \
+        dx[i] += r * (dnorm - dmean - norm * dnmean);                                          \
+    }
+
+/* probs = softmax(logits[0:V]) (probs[V:Vp] = 0; probs may alias logits), loss = -log p[target]
+   as log(sum) - (x_target - max). The exp pass goes through a stack block: with the stores
+   going straight to a possibly aliased probs, gcc would not vectorise the exp. */
+#define LLMCTL_XENT_FWD_BODY                                                                   \
+    float mx[LLMCTL_ROW_LANES], buf[LLMCTL_SMBLOCK], maxv, xt, e, inv;                         \
+    double s[LLMCTL_ROW_LANES], tot = 0.0;                                                     \
+    int vm = V - V % LLMCTL_ROW_LANES;                                                         \
+    for (int j = 0; j < LLMCTL_ROW_LANES; j++) mx[j] = -3.4028234663852886e38f;                \
+    for (int i = 0; i < vm; i += LLMCTL_ROW_LANES)                                             \
+        for (int j = 0; j < LLMCTL_ROW_LANES; j++)                                             \
+            mx[j] = logits[i + j] > mx[j] ? logits[i + j] : mx[j];                             \
+    maxv = mx[0];                                                                              \
+    for (int j = 1; j < LLMCTL_ROW_LANES; j++) if (mx[j] > maxv) maxv = mx[j];                 \
+    for (int i = vm; i < V; i++) if (logits[i] > maxv) maxv = logits[i];                       \
+    xt = logits[target];   /* read before probs (which may alias logits) is written */         \
+    for (int j = 0; j < LLMCTL_ROW_LANES; j++) s[j] = 0.0;                                     \
+    for (int b0 = 0; b0 < vm; b0 += LLMCTL_SMBLOCK) {                                          \
+        int nb = vm - b0 < LLMCTL_SMBLOCK ? vm - b0 : LLMCTL_SMBLOCK;                          \
+        for (int i = 0; i < nb; i++) buf[i] = llmctl_expf(logits[b0 + i] - maxv);              \
+        for (int i = 0; i < nb; i += LLMCTL_ROW_LANES)                                         \
+            for (int j = 0; j < LLMCTL_ROW_LANES; j++) s[j] += buf[i + j];                     \
+        memcpy(probs + b0, buf, (size_t)nb * sizeof(float));                                   \
+    }                                                                                          \
+    for (int j = 0; j < LLMCTL_ROW_LANES; j++) tot += s[j];                                    \
+    for (int i = vm; i < V; i++) { e = llmctl_expf(logits[i] - maxv); probs[i] = e; tot += e; } \
+    inv = (float)(1.0 / tot);                                                                  \
+    for (int i = 0; i < V; i++) probs[i] = probs[i] * inv;                                     \
+    for (int i = V; i < Vp; i++) probs[i] = 0.0f;                                              \
+    *loss = (float)(log(tot) - ((double)xt - (double)maxv));
+
+/* dlogits = (probs - onehot(target)) * dloss over V, 0 over the padding (dlogits may alias an
+   fp32 probs: p[target] is read first) */
+#define LLMCTL_XENT_BWD_BODY(ST)                                                               \
+    float pt = probs[target];                                                                  \
+    for (int i = 0; i < V; i++) ST(dlogits, i, probs[i] * dloss);                              \
+    ST(dlogits, target, (pt - 1.0f) * dloss);                                                  \
+    for (int i = V; i < Vp; i++) dlogits[i] = 0;
+
+#define LLMCTL_ROW_KERNELS(SFX, ATTR)                                                                      \
+    ATTR static void llmctl_ln_fwd_f32_##SFX(float* out, float* mean, float* rstd, const float* x,         \
+                                             const float* w, const float* b, int C) {                      \
+        LLMCTL_LN_FWD_BODY(LLMCTL_ST_F32)                                                                  \
+    }                                                                                                      \
+    ATTR static void llmctl_ln_fwd_bf16_##SFX(uint16_t* out, float* mean, float* rstd, const float* x,     \
+                                              const float* w, const float* b, int C) {                     \
+        LLMCTL_LN_FWD_BODY(LLMCTL_ST_BF16)                                                                 \
+    }                                                                                                      \
+    ATTR static void llmctl_ln_dinp_##SFX(float* dx, const float* dy, const float* x, const float* w,      \
+                                          float m, float r, int C) {                                       \
+        LLMCTL_LN_DINP_BODY                                                                                \
+    }                                                                                                      \
+    ATTR static void llmctl_xent_fwd_##SFX(float* loss, float* probs, const float* logits, int target,     \
+                                           int V, int Vp) {                                                \
+        LLMCTL_XENT_FWD_BODY                                                                               \
+    }                                                                                                      \
+    ATTR static void llmctl_xent_bwd_f32_##SFX(float* dlogits, const float* probs, int target, float dloss, \
+                                               int V, int Vp) {                                            \
+        LLMCTL_XENT_BWD_BODY(LLMCTL_ST_F32)                                                                \
+    }                                                                                                      \
+    ATTR static void llmctl_xent_bwd_bf16_##SFX(uint16_t* dlogits, const float* probs, int target,         \
+                                                float dloss, int V, int Vp) {                              \
+        LLMCTL_XENT_BWD_BODY(LLMCTL_ST_BF16)                                                               \
+    }                                                                                                      \
+    ATTR static void llmctl_cast_bf16_##SFX(uint16_t* dst, const float* src, ptrdiff_t n) {                \
+        for (ptrdiff_t i = 0; i < n; i++) dst[i] = llmctl_f32_to_bf16(src[i]);                             \
+    }
+
+LLMCTL_ROW_KERNELS(base, )
+
+/* the instruction set the row loops run: 0 baseline, 1 AVX2, 2 AVX-512 (F, BW, DQ, VL) */
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(LLMCTL_NO_AVX_DISPATCH)
+LLMCTL_ROW_KERNELS(avx2, __attribute__((target("avx2"))))
+LLMCTL_ROW_KERNELS(avx512, __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,prefer-vector-width=512"))))
+static int llmctl_rows_level = 0;   /* set at import (llmctl_rows_set_isa), only read in the loops */
+static inline int llmctl_rows_best(void) {
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl")) return 2;
+    return __builtin_cpu_supports("avx2") ? 1 : 0;
+}
+/* level -1: the best this CPU has; else at most that level. Returns the level now in force. */
+static inline int llmctl_rows_set_isa(int level) {
+    int best = llmctl_rows_best();
+    llmctl_rows_level = (level < 0 || level > best) ? best : level;
+    return llmctl_rows_level;
+}
+static inline int llmctl_rows_isa(void) { return llmctl_rows_level; }
+#define LLMCTL_ROWS_DISPATCH(name, ...)                                          \
+    (llmctl_rows_level == 2 ? name##_avx512(__VA_ARGS__)                        \
+     : llmctl_rows_level == 1 ? name##_avx2(__VA_ARGS__) : name##_base(__VA_ARGS__))
+#else
+static inline int llmctl_rows_set_isa(int level) { (void)level; return 0; }
+static inline int llmctl_rows_isa(void) { return 0; }
+#define LLMCTL_ROWS_DISPATCH(name, ...) name##_base(__VA_ARGS__)
+#endif
+
+static inline void llmctl_ln_fwd_f32(float* out, float* mean, float* rstd, const float* x, const float* w,
+                                     const float* b, int C) {
+    LLMCTL_ROWS_DISPATCH(llmctl_ln_fwd_f32, out, mean, rstd, x, w, b, C);
+}
+static inline void llmctl_ln_fwd_bf16(uint16_t* out, float* mean, float* rstd, const float* x, const float* w,
+                                      const float* b, int C) {
+    LLMCTL_ROWS_DISPATCH(llmctl_ln_fwd_bf16, out, mean, rstd, x, w, b, C);
+}
+static inline void llmctl_ln_dinp(float* dx, const float* dy, const float* x, const float* w, float m, float r,
+                                  int C) {
+    LLMCTL_ROWS_DISPATCH(llmctl_ln_dinp, dx, dy, x, w, m, r, C);
+}
+static inline void llmctl_xent_fwd(float* loss, float* probs, const float* logits, int target, int V, int Vp) {
+    LLMCTL_ROWS_DISPATCH(llmctl_xent_fwd, loss, probs, logits, target, V, Vp);
+}
+static inline void llmctl_xent_bwd_f32(float* dlogits, const float* probs, int target, float dloss, int V, int Vp) {
+    LLMCTL_ROWS_DISPATCH(llmctl_xent_bwd_f32, dlogits, probs, target, dloss, V, Vp);
+}
+static inline void llmctl_xent_bwd_bf16(uint16_t* dlogits, const float* probs, int target, float dloss, int V,
+                                        int Vp) {
+    LLMCTL_ROWS_DISPATCH(llmctl_xent_bwd_bf16, dlogits, probs, target, dloss, V, Vp);
+}
+static inline void llmctl_cast_bf16_isa(uint16_t* dst, const float* src, ptrdiff_t n) {
+    LLMCTL_ROWS_DISPATCH(llmctl_cast_bf16, dst, src, n);
+}
+#endif

@@ -1,0 +1,177 @@
+"""Benchmark: the memory-bound kernels of a GPT-2 step against this machine's memory bandwidth.
+
+What it measures, all in ONE run (best wall time of --repeat runs each):
+- the floor: the bandwidth of NumPy's `np.add(a, b, out=c)` split over the same number of
+  threads (each thread a contiguous part, NumPy releases the GIL), on arrays whose bytes moved
+  equal the kernel's, so the floor sits at the same level of the memory hierarchy (a d12 T=64
+  activation fits in L2, AdamW's 0.5 GB arrays do not). Bytes are counted as STREAM counts them:
+  each array read or written once, no write-allocate traffic;
+- every kernel of the step whose work is a pass over memory, at d12 shapes (B=4 and the --seq
+  lengths): AdamW (fp32; with the bf16 copy; with the gradient zeroing of train), the global
+  grad norm, layernorm forward (fp32 and bf16 output) and backward, GELU forward and backward,
+  the residual add, the softmax + cross-entropy forward and backward (fp32 and bf16 dlogits),
+  and the fp32 -> bf16 cast;
+- per kernel: bytes moved, GB/s achieved, the floor's GB/s at that size, and `x floor` = the
+  kernel's time / the time the floor's bandwidth needs for its bytes (the target: <= 1.5);
+- the row loops (layernorm, GELU, softmax + cross-entropy, the cast) in every copy this CPU
+  runs (`--isa`, default all: baseline x86-64, AVX2, AVX-512; the same bits), side by side.
+What it is not: a correctness test (tests/test_kernels.py) or the GEMMs (bench/kernels.py,
+bench/step.py).
+
+    python bench/membound.py                       # 2 threads, T=64 and T=1024
+    python bench/membound.py --threads 1 --seq 1024 --isa avx512 --json
+"""
+import argparse
+import json
+import threading
+import time
+
+import numpy as np
+
+from llmctl import threads as TH
+from llmctl._ext import adamw, convert, layers
+
+B, C, V, Vp = 4, 768, 50257, 50304
+NUM_PARAMS = 124_475_904   # d12
+
+
+def best_time(fn, repeat, warmup=1):
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def floor_gbs(nbytes, n_threads, repeat):
+    """GB/s of c = a + b (12 bytes an element) over n_threads threads, arrays sized to move nbytes
+    (the better of that and one thread: for small arrays starting threads costs more than it gains)."""
+    n = max(nbytes // 12, 1024)
+    a, b = np.ones(n, np.float32), np.ones(n, np.float32)
+    c = np.empty(n, np.float32)
+    parts = np.array_split(np.arange(n), n_threads)
+    bounds = [(p[0], p[-1] + 1) for p in parts]
+
+    def run():
+        ts = [threading.Thread(target=np.add, args=(a[lo:hi], b[lo:hi]), kwargs={"out": c[lo:hi]})
+              for lo, hi in bounds]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+
+    one = lambda: np.add(a, b, out=c)
+    t = best_time(one, repeat)
+    if n_threads > 1:
+        t = min(t, best_time(run, repeat))
+    return 12 * n / t / 1e9
+
+
+def kernels(BT, nt):
+    """[(name, bytes moved, fn)] for B*T = BT rows at d12."""
+    rng = np.random.default_rng(0)
+    f = lambda n: rng.standard_normal(n, dtype=np.float32)
+    n, n4, nv = BT * C, 4 * BT * C, BT * Vp
+    x, dout, dres, out = f(n), f(n), f(n), np.empty(n, np.float32)
+    out16 = np.empty(n, np.uint16)
+    w, bias = f(C), f(C)
+    dw, db = np.zeros(C, np.float32), np.zeros(C, np.float32)
+    mean, rstd = np.empty(BT, np.float32), np.empty(BT, np.float32)
+    layers.layernorm_forward(out, mean, rstd, x, w, bias, BT, C, nt)
+    h, dh, dh_in = f(n4), f(n4), np.zeros(n4, np.float32)
+    h_out, h16 = np.empty(n4, np.float32), np.empty(n4, np.uint16)
+    logits = f(nv)
+    probs = np.empty(nv, np.float32)
+    d16 = np.empty(nv, np.uint16)
+    tg = rng.integers(0, V, BT).astype(np.int32)
+    losses, dlosses = np.empty(BT, np.float32), np.full(BT, 1.0 / BT, np.float32)
+    layers.softmax_crossentropy_forward(losses, probs, logits, tg, BT, V, Vp, nt)
+    return [
+        ("layernorm_forward", 8 * n, lambda: layers.layernorm_forward(out, mean, rstd, x, w, bias, BT, C, nt)),
+        ("layernorm_forward_bf16", 6 * n,
+         lambda: layers.layernorm_forward_bf16(out16, mean, rstd, x, w, bias, BT, C, nt)),
+        ("layernorm_backward", 16 * n,
+         lambda: layers.layernorm_backward(dres, dw, db, dout, x, w, mean, rstd, BT, C, nt)),
+        ("gelu_forward", 8 * n4, lambda: layers.gelu_forward(h_out, h, n4, nt)),
+        ("gelu_forward_bf16", 6 * n4, lambda: layers.gelu_forward_bf16(h16, h, n4, nt)),
+        ("gelu_backward", 16 * n4, lambda: layers.gelu_backward(dh_in, h, dh, n4, nt)),
+        ("residual_forward", 12 * n, lambda: layers.residual_forward(out, x, dout, n, nt)),
+        ("softmax_crossentropy_forward", 8 * nv,
+         lambda: layers.softmax_crossentropy_forward(losses, probs, logits, tg, BT, V, Vp, nt)),
+        ("softmax_crossentropy_backward", 8 * nv,
+         lambda: layers.softmax_crossentropy_backward(logits, probs, tg, dlosses, BT, V, Vp, nt)),
+        ("softmax_crossentropy_backward_bf16", 6 * nv,
+         lambda: layers.softmax_crossentropy_backward_bf16(d16, probs, tg, dlosses, BT, V, Vp, nt)),
+        ("cast_to_bf16", 6 * n4, lambda: convert.cast_to_bf16(h16, h, nt)),
+    ]
+
+
+def optimizer_kernels(nt):
+    """AdamW and the grad norm over d12's parameter count (the train loop's passes)."""
+    N = NUM_PARAMS
+    p = np.random.default_rng(1).standard_normal(N, dtype=np.float32) * np.float32(0.02)
+    g = np.full(N, 1e-3, np.float32)
+    m, v = np.zeros(N, np.float32), np.zeros(N, np.float32)
+    pb = np.empty(N, np.uint16)
+    step = [0]
+
+    def upd(bf16, zero):
+        step[0] += 1
+        adamw.adamw_update(p, g, m, v, 1e-4, 0.9, 0.95, 1e-8, 0.0, 1.0, step[0], nt,
+                           pb if bf16 else None, zero_grads=zero)
+
+    return [
+        ("global_norm_sq", 4 * N, lambda: adamw.global_norm_sq(g, nt)),
+        ("adamw_update", 28 * N, lambda: upd(False, False)),
+        ("adamw_update +bf16 copy", 30 * N, lambda: upd(True, False)),
+        ("adamw_update +bf16 +zero grads", 34 * N, lambda: upd(True, True)),
+    ]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=2, help="threads (default 2)")
+    ap.add_argument("--seq", default="64,1024", help="comma-separated T for the activation kernels (default 64,1024)")
+    ap.add_argument("--repeat", type=int, default=5, help="timed runs per measurement, best kept (default 5)")
+    ap.add_argument("--isa", default=None,
+                    help="comma-separated copies of the row loops to time (default: every one this CPU runs)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args(argv)
+    nt = TH.configure_threads(args.threads)
+    best = layers.set_simd(True)
+    isas = args.isa.split(",") if args.isa else list(layers.ISAS[:layers.ISAS.index(best) + 1])
+    rows = []
+    groups = [(f"d12 B={B} T={T}", kernels(B * T, nt)) for T in map(int, args.seq.split(","))]
+    groups.append(("d12 optimizer", optimizer_kernels(nt)))
+    try:
+        for group, ks in groups:
+            for name, nbytes, fn in ks:
+                fl = floor_gbs(nbytes, nt, args.repeat)
+                for isa in (isas if group != "d12 optimizer" else [adamw.simd()]):
+                    if group != "d12 optimizer":
+                        got = layers.set_simd(isa)
+                        convert.set_isa(layers.ISAS.index(got))
+                        if got != isa:
+                            raise SystemExit(f"this CPU does not run the {isa} loops (it runs up to {best})")
+                    t = best_time(fn, args.repeat)
+                    rows.append({"group": group, "kernel": name, "isa": isa, "bytes": nbytes, "ms": t * 1e3,
+                                 "GB_per_s": nbytes / t / 1e9, "floor_GB_per_s": fl,
+                                 "x_floor": t / (nbytes / fl / 1e9)})
+    finally:
+        layers.set_simd(True)
+        convert.set_isa(-1)
+    if args.json:
+        print(json.dumps({"threads": nt, "rows": rows}, indent=1))
+        return
+    print(f"threads {nt}; floor = np.add split over {nt} threads at the same bytes; x floor = time / (bytes / floor)")
+    print(f"{'group':<15} {'kernel':<34} {'isa':<8} {'MB':>7} {'ms':>8} {'GB/s':>6} {'floor':>6} {'x floor':>7}")
+    for r in rows:
+        print(f"{r['group']:<15} {r['kernel']:<34} {r['isa']:<8} {r['bytes'] / 1e6:7.1f} {r['ms']:8.2f} "
+              f"{r['GB_per_s']:6.1f} {r['floor_GB_per_s']:6.1f} {r['x_floor']:7.2f}")
+
+
+if __name__ == "__main__":
+    main()
