@@ -81,17 +81,24 @@ def check_examples(examples, config, path="<examples>"):
 
 
 def _token_losses(model, h, targets, chunk=256):
-    """Cross-entropy (float64) of final-normed hidden rows h (M,C) against targets (M,) or
-    (M,k) (k targets scored from the same row's distribution) -> same shape as targets."""
+    """Cross-entropy of final-normed hidden rows h (M,C) against targets (M,) or (M,k) (k targets
+    scored from the same row's distribution) -> float64, the same shape as targets. The fused
+    softmax + cross-entropy kernel scores the first target of each row (log(sum) - (x_t - max),
+    summed in double, as in training); every target of the row is then its log-sum-exp minus
+    its logit, so equal targets score equal losses."""
     targets = np.asarray(targets, dtype=np.int64)
     out = np.empty(targets.shape, dtype=np.float64)
+    V = model.config.vocab_size
     for s in range(0, h.shape[0], chunk):
         lg = model.logits_from_hidden(h[s:s + chunk])          # (m, V) float32
-        m = lg.max(axis=1, keepdims=True)
-        lse = m[:, 0].astype(np.float64) + np.log(np.exp(lg - m).sum(axis=1, dtype=np.float64))
-        tg = targets[s:s + chunk]
-        rows = np.arange(lg.shape[0]).reshape((-1,) + (1,) * (tg.ndim - 1))
-        out[s:s + chunk] = lse.reshape(rows.shape) - lg[rows, tg]
+        m = lg.shape[0]
+        tg = targets[s:s + chunk].reshape(m, -1)
+        x_t = np.take_along_axis(lg, tg, axis=1).astype(np.float64)   # before the kernel overwrites lg
+        loss0 = np.empty(m, dtype=np.float32)
+        model.kernels.layers.softmax_crossentropy_forward(loss0, lg.reshape(-1), lg.reshape(-1),
+                                                          tg[:, 0].astype(np.int32), m, V, V, model.n_threads)
+        lse = loss0.astype(np.float64) + x_t[:, 0]
+        out[s:s + chunk] = (lse[:, None] - x_t).reshape(out[s:s + chunk].shape)
     return out
 
 
