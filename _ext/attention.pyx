@@ -79,6 +79,27 @@ cdef extern from "attention_kernels.h":
                       Py_ssize_t sak, const float* B, Py_ssize_t ldb, Py_ssize_t M, Py_ssize_t N,
                       Py_ssize_t K) noexcept nogil
 
+cdef extern from "dnnl_gemm.h" nogil:
+    int llmctl_cpu_bf16_flags()
+
+cdef extern from "attention_bf16.h" nogil:
+    enum:
+        ATTB_EMULATED
+        ATTB_AVX512_BF16
+        ATTB_AMX
+        ATTB_N_PATH
+    int attb_path_runs(int path, int bf16_flags)
+    unsigned attb_ran_take(int reset)
+    Py_ssize_t attb_forward_scratch_bytes(Py_ssize_t T, Py_ssize_t hs)
+    Py_ssize_t attb_backward_scratch_bytes(Py_ssize_t T, Py_ssize_t hs)
+    void attb_forward_head(float* out, float* lse, const float* qkv, Py_ssize_t b, Py_ssize_t h,
+                           Py_ssize_t T, Py_ssize_t C, Py_ssize_t NH, void* scratch,
+                           const att_kern_t* K, int path)
+    void attb_backward_head(float* dqkv, const float* dout, const float* qkv, const float* out,
+                            const float* lse, Py_ssize_t b, Py_ssize_t h, Py_ssize_t T,
+                            Py_ssize_t C, Py_ssize_t NH, void* scratch, const att_kern_t* K,
+                            int path)
+
 # tile sizes: BR query rows per forward work item, BC keys per key tile, BQ query rows per
 # backward block; the transposed (hs, BC) key/value tiles are 16 KB each at hs=64
 cdef enum:
@@ -518,3 +539,163 @@ def _expf(float[::1] x, bint vector=True):
         else:
             for i in range(x.shape[0]):
                 x[i] = att_expf(K, x[i])
+
+
+# ----------------------------------------------------------------------------------------------
+# bf16: the same attention with its products on bf16 operands (_ext/attention_bf16.h)
+
+BF16_PATHS = ("emulated", "avx512_bf16", "amx")   # index = ATTB_* in attention_bf16.h
+BF16_ENV = "LLMCTL_ATT_BF16"
+# asked once: cpuid, and for AMX Linux's permission to use the tile registers (arch_prctl)
+cdef int _bf16_flags = llmctl_cpu_bf16_flags()
+_bf16_runs = tuple(bool(attb_path_runs(i, _bf16_flags)) for i in range(ATTB_N_PATH))
+cdef int _bf16 = ATTB_EMULATED
+
+
+def bf16_available_paths():
+    """bf16 paths this build and CPU run, worst to best ("emulated" runs everywhere)."""
+    return [n for i, n in enumerate(BF16_PATHS) if _bf16_runs[i]]
+
+
+def bf16_best_path():
+    """The bf16 path used unless told otherwise: the last of bf16_available_paths()."""
+    names = bf16_available_paths()
+    return names[len(names) - 1]
+
+
+def bf16_path():
+    """Name of the path the next attention_*_bf16 call uses."""
+    return BF16_PATHS[_bf16]
+
+
+def set_bf16_path(name=None):
+    """Use bf16 path `name` ("emulated", "avx512_bf16", "amx"; None or "auto": bf16_best_path())
+    for subsequent attention_*_bf16 calls; returns the previous name. Raises ValueError if the
+    name is unknown or this build/CPU cannot run it. The paths compute the same values up to the
+    order of fp32 additions (attention_bf16.h)."""
+    global _bf16
+    prev = bf16_path()
+    if name is None or name == "auto":
+        name = bf16_best_path()
+    if name not in BF16_PATHS:
+        raise ValueError(f"attention: unknown bf16 path {name!r}; expected one of {', '.join(BF16_PATHS)} or auto")
+    i = BF16_PATHS.index(name)
+    if not _bf16_runs[i]:
+        raise ValueError(f"attention: bf16 path {name!r} is not available on this CPU/build; "
+                         f"available: {', '.join(bf16_available_paths())}")
+    _bf16 = i
+    return prev
+
+
+def _bf16_ran(bint reset=False):
+    """Names of the bf16 paths that ran since the last reset (test hook)."""
+    bits = attb_ran_take(reset)
+    return [n for i, n in enumerate(BF16_PATHS) if bits & (1u << i)]
+
+
+def _init_bf16():
+    import os
+    import warnings
+    want = os.environ.get(BF16_ENV, "").strip().lower() or None
+    try:
+        set_bf16_path(want)
+    except ValueError as e:
+        warnings.warn(f"{e} (from {BF16_ENV}); using {bf16_best_path()!r}", RuntimeWarning, stacklevel=2)
+        set_bf16_path(None)
+
+
+_init_bf16()
+
+
+cdef inline Py_ssize_t _align64(Py_ssize_t n) noexcept nogil:
+    return (n + 63) // 64 * 64
+
+
+def bf16_forward_scratch_bytes(int T, int C, int NH, int n_threads=1):
+    """Bytes of scratch attention_forward_bf16 allocates: O(T*hs) per thread, never O(T*T)."""
+    _check_dims(1, T, C, NH, n_threads)
+    return n_threads * _align64(attb_forward_scratch_bytes(T, C // NH))
+
+
+def bf16_backward_scratch_bytes(int T, int C, int NH, int n_threads=1):
+    """Bytes of scratch attention_backward_bf16 allocates: O(T*hs) per thread, never O(T*T)."""
+    _check_dims(1, T, C, NH, n_threads)
+    return n_threads * _align64(attb_backward_scratch_bytes(T, C // NH))
+
+
+def attention_forward_bf16(float[::1] out, float[::1] lse, const float[::1] qkv,
+                           int B, int T, int C, int NH, int n_threads=1):
+    """attention_forward with bf16 products: q, k, v and the probabilities rounded to bf16,
+    fp32 accumulation and softmax (attention_bf16.h). Same arguments, outputs and semantics.
+
+    Work items are (batch, head) pairs, each computed the same way whatever thread runs it, so
+    results are bit-identical for any n_threads (on a given path).
+    """
+    _check_dims(B, T, C, NH, n_threads)
+    cdef Py_ssize_t BT = <Py_ssize_t>B * T
+    check_len("out", out.shape[0], BT * C, f"B*T*C = {B}*{T}*{C}")
+    check_len("lse", lse.shape[0], BT * NH, f"B*NH*T = {B}*{NH}*{T}")
+    check_len("qkv", qkv.shape[0], BT * 3 * C, f"B*T*3C = {B}*{T}*3*{C}")
+    _check_disjoint("out", out, "qkv", qkv)
+    _check_disjoint("out", out, "lse", lse)
+    _check_disjoint("lse", lse, "qkv", qkv)
+    if BT == 0:
+        return
+    cdef Py_ssize_t nwork = <Py_ssize_t>B * NH
+    cdef int nt = n_threads if n_threads < nwork else <int>nwork
+    cdef const att_kern_t* K = _kern
+    cdef int path = _bf16
+    cdef Py_ssize_t per = _align64(attb_forward_scratch_bytes(T, C // NH))
+    cdef char* scratch = <char*>PyMem_RawMalloc(nt * per + 64)
+    cdef char* base
+    cdef Py_ssize_t w
+    if scratch == NULL:
+        raise MemoryError("attention_forward_bf16: could not allocate scratch")
+    base = scratch + (64 - (<size_t>scratch) % 64) % 64
+    try:
+        with nogil, parallel(num_threads=nt):
+            for w in prange(nwork, schedule='static', chunksize=1):
+                attb_forward_head(&out[0], &lse[0], &qkv[0], w // NH, w % NH, T, C, NH,
+                                  base + omp_get_thread_num() * per, K, path)
+    finally:
+        PyMem_RawFree(scratch)
+
+
+def attention_backward_bf16(float[::1] dqkv, const float[::1] dout, const float[::1] qkv,
+                            const float[::1] out, const float[::1] lse,
+                            int B, int T, int C, int NH, int n_threads=1):
+    """attention_backward with bf16 products: q, k, v, dout, P and dS rounded to bf16, fp32
+    accumulation (attention_bf16.h). Same arguments and semantics (dqkv +=); out and lse are
+    those of attention_forward_bf16. Bit-identical for any n_threads (on a given path).
+    """
+    _check_dims(B, T, C, NH, n_threads)
+    cdef Py_ssize_t BT = <Py_ssize_t>B * T
+    check_len("dqkv", dqkv.shape[0], BT * 3 * C, f"B*T*3C = {B}*{T}*3*{C}")
+    check_len("dout", dout.shape[0], BT * C, f"B*T*C = {B}*{T}*{C}")
+    check_len("qkv", qkv.shape[0], BT * 3 * C, f"B*T*3C = {B}*{T}*3*{C}")
+    check_len("out", out.shape[0], BT * C, f"B*T*C = {B}*{T}*{C}")
+    check_len("lse", lse.shape[0], BT * NH, f"B*NH*T = {B}*{NH}*{T}")
+    _check_disjoint("dqkv", dqkv, "dout", dout)
+    _check_disjoint("dqkv", dqkv, "qkv", qkv)
+    _check_disjoint("dqkv", dqkv, "out", out)
+    _check_disjoint("dqkv", dqkv, "lse", lse)
+    if BT == 0:
+        return
+    cdef Py_ssize_t nwork = <Py_ssize_t>B * NH
+    cdef int nt = n_threads if n_threads < nwork else <int>nwork
+    cdef const att_kern_t* K = _kern
+    cdef int path = _bf16
+    cdef Py_ssize_t per = _align64(attb_backward_scratch_bytes(T, C // NH))
+    cdef char* scratch = <char*>PyMem_RawMalloc(nt * per + 64)
+    cdef char* base
+    cdef Py_ssize_t w
+    if scratch == NULL:
+        raise MemoryError("attention_backward_bf16: could not allocate scratch")
+    base = scratch + (64 - (<size_t>scratch) % 64) % 64
+    try:
+        with nogil, parallel(num_threads=nt):
+            for w in prange(nwork, schedule='static', chunksize=1):
+                attb_backward_head(&dqkv[0], &dout[0], &qkv[0], &out[0], &lse[0], w // NH, w % NH,
+                                   T, C, NH, base + omp_get_thread_num() * per, K, path)
+    finally:
+        PyMem_RawFree(scratch)

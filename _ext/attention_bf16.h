@@ -1,0 +1,422 @@
+/* bf16 attention for _ext/attention.pyx: the QK^T and PV products (forward) and the five
+ * products of the backward as blocked bf16 x bf16 -> fp32 GEMMs, around the same online softmax
+ * and flash-attention-2 recurrence as the fp32 kernels (attention_kernels.h).
+ *
+ * Numerics, the same on every path: q, k, v and dout are rounded to bf16 (round to nearest
+ * even, bf16.h; a bf16 subnormal becomes a signed zero, as the hardware's DAZ does), and so are
+ * the probabilities P before P V, P^T dout, and dS before dS K, dS^T Q. Every product of two bf16
+ * is exact in fp32 and is added into an fp32 accumulator. Everything else (scores, the running
+ * max and sum, lse, D = dout.out, dS = P (dP - D) / sqrt(hs), the accumulation of dQ, dK, dV) is
+ * fp32, as in the fp32 kernels. The paths differ only in the order of the fp32 additions:
+ *   "amx"          AMX tiles (TDPBF16PS), 32 x 32 output blocks of four 16 x 16 tiles;
+ *   "avx512_bf16"  VDPBF16PS, 4 rows x 32 columns of accumulators in registers;
+ *   "emulated"     plain C on fp32: each pair adds a[2r+1] b[2r+1], then a[2r] b[2r] (VDPBF16PS's
+ *                  documented order), so tests and CPUs without native bf16 run the same math.
+ *
+ * Layout: per (batch, head) the operands are packed once into bf16 buffers padded to 32 rows
+ * and hsp = hs rounded up to 32 columns (zeros), in the two forms a GEMM C += A B needs here:
+ * A row-major (M x K), and B "pair-packed" (K/2 x N x 2: row r holds, for each column n,
+ * B[2r][n] and B[2r+1][n] next to each other), which is AMX's VNNI tile layout and what one
+ * VDPBF16PS lane reads. Every GEMM is M = 32 (a block), N a multiple of 32, K a multiple of 32.
+ */
+#ifndef LLMCTL_ATTENTION_BF16_H
+#define LLMCTL_ATTENTION_BF16_H
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#include "bf16.h"
+#include "attention_kernels.h"
+
+enum { ATTB_EMULATED = 0, ATTB_AVX512_BF16 = 1, ATTB_AMX = 2, ATTB_N_PATH = 3 };
+#define ATTB_BLK 32
+
+typedef void (*attb_gemm_t)(float* C, ptrdiff_t ldc, const uint16_t* A, ptrdiff_t lda,
+                            const uint16_t* B, ptrdiff_t ldb, int M, int N, int K);
+
+static unsigned attb_ran_bits = 0;   /* which paths ran since the last reset: a test hook */
+static inline void attb_mark(int path)
+{
+    unsigned bit = 1u << path;
+    if (!(__atomic_load_n(&attb_ran_bits, __ATOMIC_RELAXED) & bit))
+        __atomic_fetch_or(&attb_ran_bits, bit, __ATOMIC_RELAXED);
+}
+static unsigned attb_ran_take(int reset)
+{
+    unsigned r = attb_ran_bits;
+    if (reset) attb_ran_bits = 0;
+    return r;
+}
+
+/* fp32 -> bf16, round to nearest even; subnormal results flushed to a signed zero */
+static inline uint16_t attb_rnd(float x)
+{
+    uint16_t h = llmctl_f32_to_bf16(x);
+    return (h & 0x7F80u) ? h : (uint16_t)(h & 0x8000u);
+}
+
+/* ---- the three GEMMs: C (M x N, fp32, ldc) += A (M x K, bf16, lda) B (pair-packed, ldb) ---- */
+
+static void attb_gemm_emulated(float* C, ptrdiff_t ldc, const uint16_t* A, ptrdiff_t lda,
+                               const uint16_t* B, ptrdiff_t ldb, int M, int N, int K)
+{
+    for (int i = 0; i < M; i++) {
+        float* c = C + i * ldc;
+        const uint16_t* a = A + i * lda;
+        for (int r = 0; r < K / 2; r++) {
+            float a0 = llmctl_bf16_to_f32(a[2 * r]), a1 = llmctl_bf16_to_f32(a[2 * r + 1]);
+            const uint16_t* b = B + r * ldb;
+            for (int n = 0; n < N; n++) {
+                float s = c[n] + a1 * llmctl_bf16_to_f32(b[2 * n + 1]);
+                c[n] = s + a0 * llmctl_bf16_to_f32(b[2 * n]);
+            }
+        }
+    }
+}
+
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(LLMCTL_NO_AVX_DISPATCH) \
+    && (__GNUC__ >= 11 || (defined(__clang__) && __clang_major__ >= 12))
+#define ATTB_X86 1
+#include <immintrin.h>
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ATTB_TGT_BF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
+#define ATTB_TGT_AMX __attribute__((target("amx-tile,amx-bf16,avx512f")))
+
+ATTB_TGT_BF16 static void attb_gemm_avx512_bf16(float* C, ptrdiff_t ldc, const uint16_t* A,
+                                                ptrdiff_t lda, const uint16_t* B, ptrdiff_t ldb,
+                                                int M, int N, int K)
+{
+    for (int m = 0; m < M; m += 4)
+        for (int n = 0; n < N; n += 32) {
+            float* c = C + m * ldc + n;
+            __m512 c00 = _mm512_loadu_ps(c), c01 = _mm512_loadu_ps(c + 16);
+            __m512 c10 = _mm512_loadu_ps(c + ldc), c11 = _mm512_loadu_ps(c + ldc + 16);
+            __m512 c20 = _mm512_loadu_ps(c + 2 * ldc), c21 = _mm512_loadu_ps(c + 2 * ldc + 16);
+            __m512 c30 = _mm512_loadu_ps(c + 3 * ldc), c31 = _mm512_loadu_ps(c + 3 * ldc + 16);
+            const uint16_t* a = A + m * lda;
+            for (int r = 0; r < K / 2; r++) {
+                const uint16_t* b = B + r * ldb + 2 * n;
+                __m512bh b0 = (__m512bh)_mm512_loadu_si512((const void*)b);
+                __m512bh b1 = (__m512bh)_mm512_loadu_si512((const void*)(b + 32));
+                uint32_t w;
+                __m512bh x;
+                memcpy(&w, a + 2 * r, 4);
+                x = (__m512bh)_mm512_set1_epi32((int)w);
+                c00 = _mm512_dpbf16_ps(c00, x, b0); c01 = _mm512_dpbf16_ps(c01, x, b1);
+                memcpy(&w, a + lda + 2 * r, 4);
+                x = (__m512bh)_mm512_set1_epi32((int)w);
+                c10 = _mm512_dpbf16_ps(c10, x, b0); c11 = _mm512_dpbf16_ps(c11, x, b1);
+                memcpy(&w, a + 2 * lda + 2 * r, 4);
+                x = (__m512bh)_mm512_set1_epi32((int)w);
+                c20 = _mm512_dpbf16_ps(c20, x, b0); c21 = _mm512_dpbf16_ps(c21, x, b1);
+                memcpy(&w, a + 3 * lda + 2 * r, 4);
+                x = (__m512bh)_mm512_set1_epi32((int)w);
+                c30 = _mm512_dpbf16_ps(c30, x, b0); c31 = _mm512_dpbf16_ps(c31, x, b1);
+            }
+            _mm512_storeu_ps(c, c00); _mm512_storeu_ps(c + 16, c01);
+            _mm512_storeu_ps(c + ldc, c10); _mm512_storeu_ps(c + ldc + 16, c11);
+            _mm512_storeu_ps(c + 2 * ldc, c20); _mm512_storeu_ps(c + 2 * ldc + 16, c21);
+            _mm512_storeu_ps(c + 3 * ldc, c30); _mm512_storeu_ps(c + 3 * ldc + 16, c31);
+        }
+}
+
+/* tiles 0-3: the 2 x 2 fp32 blocks of C; 4-5: two 16-row slices of A; 6-7: two 16-column
+   slices of B. Every tile is 16 rows of 64 bytes (palette 1). */
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} attb_tilecfg;
+
+/* a static constant: gcc drops stores to a stack copy, as it does not see ldtilecfg read them */
+static const attb_tilecfg attb_cfg = {
+    1, 0, {0}, {64, 64, 64, 64, 64, 64, 64, 64, 0, 0, 0, 0, 0, 0, 0, 0},
+    {16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0}};
+
+ATTB_TGT_AMX static void attb_amx_begin(void) { _tile_loadconfig(&attb_cfg); }
+
+ATTB_TGT_AMX static void attb_amx_end(void) { _tile_release(); }
+
+ATTB_TGT_AMX static void attb_gemm_amx(float* C, ptrdiff_t ldc, const uint16_t* A, ptrdiff_t lda,
+                                       const uint16_t* B, ptrdiff_t ldb, int M, int N, int K)
+{
+    const size_t sc = (size_t)ldc * 4, sa = (size_t)lda * 2, sb = (size_t)ldb * 2;
+    for (int m = 0; m < M; m += 32)
+        for (int n = 0; n < N; n += 32) {
+            float* c = C + m * ldc + n;
+            _tile_loadd(0, c, sc);
+            _tile_loadd(1, c + 16, sc);
+            _tile_loadd(2, c + 16 * ldc, sc);
+            _tile_loadd(3, c + 16 * ldc + 16, sc);
+            for (int k = 0; k < K; k += 32) {
+                const uint16_t* a = A + m * lda + k;
+                const uint16_t* b = B + (k / 2) * ldb + 2 * n;
+                _tile_loadd(4, a, sa);
+                _tile_loadd(5, a + 16 * lda, sa);
+                _tile_loadd(6, b, sb);
+                _tile_loadd(7, b + 32, sb);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            _tile_stored(0, c, sc);
+            _tile_stored(1, c + 16, sc);
+            _tile_stored(2, c + 16 * ldc, sc);
+            _tile_stored(3, c + 16 * ldc + 16, sc);
+        }
+}
+
+/* Linux hands out AMX tile state only to a process that asks (ARCH_REQ_XCOMP_PERM for
+   XFEATURE_XTILEDATA); without it the first tile instruction faults. Asked once per process. */
+static int attb_amx_permitted(void)
+{
+    static int state = -1;
+    if (state < 0)
+        state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return state;
+}
+
+/* bf16_flags: llmctl_cpu_bf16_flags() (bit 0 AVX512_BF16, bit 1 AMX-BF16, with the OS checks) */
+static int attb_path_runs(int path, int bf16_flags)
+{
+    __builtin_cpu_init();
+    if (path == ATTB_EMULATED) return 1;
+    if (path == ATTB_AVX512_BF16)
+        return (bf16_flags & 1) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    if (path == ATTB_AMX) {
+        unsigned a, b, c, d;
+        if (!(bf16_flags & 2) || !__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)))
+            return 0;                               /* AMX-TILE */
+        return __builtin_cpu_supports("avx512f") && attb_amx_permitted();
+    }
+    return 0;
+}
+static const attb_gemm_t attb_gemms[ATTB_N_PATH] = {attb_gemm_emulated, attb_gemm_avx512_bf16, attb_gemm_amx};
+#else
+static int attb_path_runs(int path, int bf16_flags) { (void)bf16_flags; return path == ATTB_EMULATED; }
+static const attb_gemm_t attb_gemms[ATTB_N_PATH] = {attb_gemm_emulated, 0, 0};
+static void attb_amx_begin(void) {}
+static void attb_amx_end(void) {}
+#endif
+
+static inline ptrdiff_t attb_pad(ptrdiff_t n, ptrdiff_t to) { return (n + to - 1) / to * to; }
+
+/* ---- packing (fp32 strided source -> bf16), zero padded to Tp rows and hsp columns ---- */
+
+/* dst (Tp x hsp) row-major: the A form of Q, dout */
+static void attb_pack_rows(uint16_t* dst, const float* src, ptrdiff_t ld, ptrdiff_t T,
+                           ptrdiff_t Tp, ptrdiff_t hs, ptrdiff_t hsp)
+{
+    memset(dst, 0, (size_t)Tp * hsp * 2);
+    for (ptrdiff_t t = 0; t < T; t++)
+        for (ptrdiff_t d = 0; d < hs; d++) dst[t * hsp + d] = attb_rnd(src[t * ld + d]);
+}
+
+/* dst (Tp/2 x hsp x 2): rows paired, the B form of X when X's rows are the K dimension
+   (V in P V, dout in P^T dout, Q in dS^T Q, K in dS K) */
+static void attb_pack_rowpairs(uint16_t* dst, const float* src, ptrdiff_t ld, ptrdiff_t T,
+                               ptrdiff_t Tp, ptrdiff_t hs, ptrdiff_t hsp)
+{
+    memset(dst, 0, (size_t)Tp * hsp * 2);
+    for (ptrdiff_t t = 0; t < T; t++)
+        for (ptrdiff_t d = 0; d < hs; d++) dst[(t / 2) * 2 * hsp + 2 * d + (t & 1)] = attb_rnd(src[t * ld + d]);
+}
+
+/* dst: per block of 32 rows, (hsp/2 x 32 x 2): columns paired, the B form of X^T
+   (K in Q K^T, V in dout V^T) */
+static void attb_pack_colpairs(uint16_t* dst, const float* src, ptrdiff_t ld, ptrdiff_t T,
+                               ptrdiff_t Tp, ptrdiff_t hs, ptrdiff_t hsp)
+{
+    memset(dst, 0, (size_t)Tp * hsp * 2);
+    for (ptrdiff_t t = 0; t < T; t++) {
+        uint16_t* blk = dst + (t / ATTB_BLK) * ATTB_BLK * hsp + 2 * (t % ATTB_BLK);
+        for (ptrdiff_t d = 0; d < hs; d++) blk[(d / 2) * 2 * ATTB_BLK + (d & 1)] = attb_rnd(src[t * ld + d]);
+    }
+}
+
+/* ---- forward: one (batch, head) ---- */
+
+static ptrdiff_t attb_forward_scratch_bytes(ptrdiff_t T, ptrdiff_t hs)
+{
+    ptrdiff_t Tp = attb_pad(T, ATTB_BLK), hsp = attb_pad(hs, 32);
+    return 3 * Tp * hsp * 2 + ATTB_BLK * ATTB_BLK * 2          /* Qa, Kb, Vb, Pb (bf16) */
+           + (ATTB_BLK * ATTB_BLK + ATTB_BLK * hsp + 2 * ATTB_BLK) * 4 + 64;   /* S, acc, m, l */
+}
+
+/* out (B,T,C) rows of head h, lse (B,NH,T); qkv (B,T,3C) fp32; path picks the GEMM */
+static void attb_forward_head(float* out, float* lse, const float* qkv, ptrdiff_t b, ptrdiff_t h,
+                              ptrdiff_t T, ptrdiff_t C, ptrdiff_t NH, void* scratch,
+                              const att_kern_t* K, int path)
+{
+    const ptrdiff_t hs = C / NH, C3 = 3 * C, Tp = attb_pad(T, ATTB_BLK), hsp = attb_pad(hs, 32);
+    const float scale = 1.0f / sqrtf((float)hs);
+    const float* qb = qkv + b * T * C3 + h * hs;
+    attb_gemm_t gemm = attb_gemms[path];
+    uint16_t* Qa = (uint16_t*)scratch;
+    uint16_t* Kb = Qa + Tp * hsp;
+    uint16_t* Vb = Kb + Tp * hsp;
+    uint16_t* Pb = Vb + Tp * hsp;
+    float* S = (float*)(Pb + ATTB_BLK * ATTB_BLK);
+    float* acc = S + ATTB_BLK * ATTB_BLK;
+    float* m = acc + ATTB_BLK * hsp;
+    float* l = m + ATTB_BLK;
+
+    attb_mark(path);
+    attb_pack_rows(Qa, qb, C3, T, Tp, hs, hsp);
+    attb_pack_colpairs(Kb, qb + C, C3, T, Tp, hs, hsp);
+    attb_pack_rowpairs(Vb, qb + 2 * C, C3, T, Tp, hs, hsp);
+    if (path == ATTB_AMX) attb_amx_begin();
+    for (ptrdiff_t i0 = 0; i0 < T; i0 += ATTB_BLK) {
+        ptrdiff_t nr = T - i0 < ATTB_BLK ? T - i0 : ATTB_BLK;
+        memset(acc, 0, ATTB_BLK * hsp * 4);
+        for (int r = 0; r < ATTB_BLK; r++) {
+            m[r] = -INFINITY;
+            l[r] = 0.0f;
+        }
+        for (ptrdiff_t j0 = 0; j0 <= i0; j0 += ATTB_BLK) {
+            memset(S, 0, ATTB_BLK * ATTB_BLK * 4);
+            gemm(S, ATTB_BLK, Qa + i0 * hsp, hsp, Kb + j0 * hsp, 2 * ATTB_BLK, ATTB_BLK, ATTB_BLK, (int)hsp);
+            for (int r = 0; r < ATTB_BLK; r++) {     /* online softmax; P row -> bf16 */
+                float* srow = S + r * ATTB_BLK;
+                uint16_t* prow = Pb + r * ATTB_BLK;
+                ptrdiff_t ncr = i0 + r + 1 - j0;      /* keys this row sees in the block */
+                if (r >= nr) ncr = 0;                 /* padding row */
+                if (ncr > ATTB_BLK) ncr = ATTB_BLK;
+                if (ncr <= 0) {
+                    memset(prow, 0, ATTB_BLK * 2);
+                    continue;
+                }
+                float mx = att_scale_max(K, srow, ncr, scale, m[r]);
+                float corr = att_expf(K, m[r] - mx);  /* 0 on the first block (m = -inf) */
+                float tot = att_exp_sum(K, srow, ncr, mx);
+                l[r] = l[r] * corr + tot;
+                m[r] = mx;
+                if (corr != 1.0f) {
+                    float* a = acc + r * hsp;
+                    for (ptrdiff_t d = 0; d < hsp; d++) a[d] *= corr;
+                }
+                for (ptrdiff_t c = 0; c < ncr; c++) prow[c] = attb_rnd(srow[c]);
+                for (ptrdiff_t c = ncr; c < ATTB_BLK; c++) prow[c] = 0;
+            }
+            gemm(acc, hsp, Pb, ATTB_BLK, Vb + j0 * hsp, 2 * hsp, ATTB_BLK, (int)hsp, ATTB_BLK);
+        }
+        for (ptrdiff_t r = 0; r < nr; r++) {
+            float inv = 1.0f / l[r];
+            float* o = out + (b * T + i0 + r) * C + h * hs;
+            for (ptrdiff_t d = 0; d < hs; d++) o[d] = acc[r * hsp + d] * inv;
+            lse[(b * NH + h) * T + i0 + r] = m[r] + logf(l[r]);
+        }
+    }
+    if (path == ATTB_AMX) attb_amx_end();
+}
+
+/* ---- backward: one (batch, head); dqkv += ---- */
+
+static ptrdiff_t attb_backward_scratch_bytes(ptrdiff_t T, ptrdiff_t hs)
+{
+    ptrdiff_t Tp = attb_pad(T, ATTB_BLK), hsp = attb_pad(hs, 32), BB = ATTB_BLK * ATTB_BLK;
+    return 7 * Tp * hsp * 2 + 4 * BB * 2                      /* packed operands, Pb PbT dSb dSbT */
+           + (Tp + Tp * hsp + 2 * BB + 2 * ATTB_BLK * hsp) * 4 + 64;   /* D, dq, S, dP, dk, dv */
+}
+
+static void attb_transpose_blk(uint16_t* dst, const uint16_t* src)
+{
+    for (int i = 0; i < ATTB_BLK; i++)
+        for (int j = 0; j < ATTB_BLK; j++) dst[j * ATTB_BLK + i] = src[i * ATTB_BLK + j];
+}
+
+static void attb_backward_head(float* dqkv, const float* dout, const float* qkv, const float* out,
+                               const float* lse, ptrdiff_t b, ptrdiff_t h, ptrdiff_t T,
+                               ptrdiff_t C, ptrdiff_t NH, void* scratch, const att_kern_t* K,
+                               int path)
+{
+    const ptrdiff_t hs = C / NH, C3 = 3 * C, Tp = attb_pad(T, ATTB_BLK), hsp = attb_pad(hs, 32);
+    const ptrdiff_t BB = ATTB_BLK * ATTB_BLK, TH = Tp * hsp;
+    const float scale = 1.0f / sqrtf((float)hs);
+    const float* qb = qkv + b * T * C3 + h * hs;
+    const float* ob = out + b * T * C + h * hs;
+    const float* dob = dout + b * T * C + h * hs;
+    const float* lb = lse + (b * NH + h) * T;
+    float* dqb = dqkv + b * T * C3 + h * hs;
+    attb_gemm_t gemm = attb_gemms[path];
+    uint16_t* Qa = (uint16_t*)scratch;   /* Q as A (S = Q K^T) */
+    uint16_t* Qr = Qa + TH;              /* Q as B over rows (dK += dS^T Q) */
+    uint16_t* Kc = Qr + TH;              /* K^T as B (S = Q K^T) */
+    uint16_t* Kr = Kc + TH;              /* K as B over rows (dQ += dS K) */
+    uint16_t* Vc = Kr + TH;              /* V^T as B (dP = dout V^T) */
+    uint16_t* Oa = Vc + TH;              /* dout as A (dP = dout V^T) */
+    uint16_t* Or = Oa + TH;              /* dout as B over rows (dV += P^T dout) */
+    uint16_t* Pb = Or + TH;
+    uint16_t* PbT = Pb + BB;
+    uint16_t* dSb = PbT + BB;
+    uint16_t* dSbT = dSb + BB;
+    float* D = (float*)(dSbT + BB);
+    float* dq = D + Tp;
+    float* S = dq + TH;
+    float* dP = S + BB;
+    float* dk = dP + BB;
+    float* dv = dk + ATTB_BLK * hsp;
+
+    attb_mark(path);
+    attb_pack_rows(Qa, qb, C3, T, Tp, hs, hsp);
+    attb_pack_rowpairs(Qr, qb, C3, T, Tp, hs, hsp);
+    attb_pack_colpairs(Kc, qb + C, C3, T, Tp, hs, hsp);
+    attb_pack_rowpairs(Kr, qb + C, C3, T, Tp, hs, hsp);
+    attb_pack_colpairs(Vc, qb + 2 * C, C3, T, Tp, hs, hsp);
+    attb_pack_rows(Oa, dob, C, T, Tp, hs, hsp);
+    attb_pack_rowpairs(Or, dob, C, T, Tp, hs, hsp);
+    for (ptrdiff_t i = 0; i < T; i++) {      /* D_i = bf16(dout_i) . out_i, the rounded dout */
+        float s = 0.0f;
+        for (ptrdiff_t d = 0; d < hs; d++) s += llmctl_bf16_to_f32(Oa[i * hsp + d]) * ob[i * C + d];
+        D[i] = s;
+    }
+    memset(dq, 0, TH * 4);
+    if (path == ATTB_AMX) attb_amx_begin();
+    for (ptrdiff_t j0 = 0; j0 < T; j0 += ATTB_BLK) {
+        memset(dk, 0, ATTB_BLK * hsp * 4);
+        memset(dv, 0, ATTB_BLK * hsp * 4);
+        for (ptrdiff_t i0 = j0; i0 < T; i0 += ATTB_BLK) {
+            memset(S, 0, BB * 4);
+            memset(dP, 0, BB * 4);
+            gemm(S, ATTB_BLK, Qa + i0 * hsp, hsp, Kc + j0 * hsp, 2 * ATTB_BLK, ATTB_BLK, ATTB_BLK, (int)hsp);
+            gemm(dP, ATTB_BLK, Oa + i0 * hsp, hsp, Vc + j0 * hsp, 2 * ATTB_BLK, ATTB_BLK, ATTB_BLK, (int)hsp);
+            for (ptrdiff_t r = 0; r < ATTB_BLK; r++) {
+                float* srow = S + r * ATTB_BLK;
+                float* dprow = dP + r * ATTB_BLK;
+                ptrdiff_t i = i0 + r, ncr = i + 1 - j0, c;
+                if (i >= T) ncr = 0;
+                if (ncr > ATTB_BLK) ncr = ATTB_BLK;
+                if (ncr > 0) att_exp_affine(K, srow, ncr, scale, lb[i]);   /* P = exp(s/sqrt(hs) - lse) */
+                for (c = 0; c < ncr; c++) {
+                    Pb[r * ATTB_BLK + c] = attb_rnd(srow[c]);
+                    dSb[r * ATTB_BLK + c] = attb_rnd(srow[c] * (dprow[c] - D[i]) * scale);
+                }
+                for (; c < ATTB_BLK; c++) {
+                    Pb[r * ATTB_BLK + c] = 0;
+                    dSb[r * ATTB_BLK + c] = 0;
+                }
+            }
+            attb_transpose_blk(PbT, Pb);
+            attb_transpose_blk(dSbT, dSb);
+            gemm(dv, hsp, PbT, ATTB_BLK, Or + i0 * hsp, 2 * hsp, ATTB_BLK, (int)hsp, ATTB_BLK);
+            gemm(dk, hsp, dSbT, ATTB_BLK, Qr + i0 * hsp, 2 * hsp, ATTB_BLK, (int)hsp, ATTB_BLK);
+            gemm(dq + i0 * hsp, hsp, dSb, ATTB_BLK, Kr + j0 * hsp, 2 * hsp, ATTB_BLK, (int)hsp, ATTB_BLK);
+        }
+        for (ptrdiff_t c = 0; c < ATTB_BLK && j0 + c < T; c++) {
+            float* dkr = dqb + C + (j0 + c) * C3;
+            float* dvr = dqb + 2 * C + (j0 + c) * C3;
+            for (ptrdiff_t d = 0; d < hs; d++) {
+                dkr[d] += dk[c * hsp + d];
+                dvr[d] += dv[c * hsp + d];
+            }
+        }
+    }
+    if (path == ATTB_AMX) attb_amx_end();
+    for (ptrdiff_t i = 0; i < T; i++)
+        for (ptrdiff_t d = 0; d < hs; d++) dqb[i * C3 + d] += dq[i * hsp + d];
+}
+#endif /* LLMCTL_ATTENTION_BF16_H */
