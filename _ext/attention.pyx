@@ -611,6 +611,44 @@ cdef inline Py_ssize_t _align64(Py_ssize_t n) noexcept nogil:
     return (n + 63) // 64 * 64
 
 
+# The bf16 kernels' scratch (a few hundred KB per thread) is kept between calls: a fresh
+# allocation of that size is a fresh mmap, and faulting its pages in cost as much as the GEMMs
+# at T <= 256. A call made while another holds it (two Python threads) allocates its own.
+cdef char* _scratch = NULL
+cdef Py_ssize_t _scratch_size = 0
+cdef bint _scratch_busy = False
+
+
+cdef char* _take_scratch(Py_ssize_t n, bint* own) except NULL:
+    # 64-byte aligned; *own: the caller frees it (not the cached block)
+    global _scratch, _scratch_size, _scratch_busy
+    cdef char* p
+    if _scratch_busy:
+        p = <char*>PyMem_RawMalloc(n + 64)
+        if p == NULL:
+            raise MemoryError(f"attention bf16: could not allocate {n} bytes of scratch")
+        own[0] = True
+        return p
+    if _scratch_size < n:
+        PyMem_RawFree(_scratch)
+        _scratch, _scratch_size = NULL, 0
+        _scratch = <char*>PyMem_RawMalloc(n + 64)
+        if _scratch == NULL:
+            raise MemoryError(f"attention bf16: could not allocate {n} bytes of scratch")
+        _scratch_size = n
+    _scratch_busy = True
+    own[0] = False
+    return _scratch
+
+
+cdef void _give_scratch(char* p, bint own) noexcept:
+    global _scratch_busy
+    if own:
+        PyMem_RawFree(p)
+    else:
+        _scratch_busy = False
+
+
 def bf16_forward_scratch_bytes(int T, int C, int NH, int n_threads=1):
     """Bytes of scratch attention_forward_bf16 allocates: O(T*hs) per thread, never O(T*T)."""
     _check_dims(1, T, C, NH, n_threads)
@@ -646,11 +684,10 @@ def attention_forward_bf16(float[::1] out, float[::1] lse, const float[::1] qkv,
     cdef const att_kern_t* K = _kern
     cdef int path = _bf16
     cdef Py_ssize_t per = _align64(attb_forward_scratch_bytes(T, C // NH))
-    cdef char* scratch = <char*>PyMem_RawMalloc(nt * per + 64)
+    cdef bint own = False
+    cdef char* scratch = _take_scratch(nt * per, &own)
     cdef char* base
     cdef Py_ssize_t w
-    if scratch == NULL:
-        raise MemoryError("attention_forward_bf16: could not allocate scratch")
     base = scratch + (64 - (<size_t>scratch) % 64) % 64
     try:
         with nogil, parallel(num_threads=nt):
@@ -658,7 +695,7 @@ def attention_forward_bf16(float[::1] out, float[::1] lse, const float[::1] qkv,
                 attb_forward_head(&out[0], &lse[0], &qkv[0], w // NH, w % NH, T, C, NH,
                                   base + omp_get_thread_num() * per, K, path)
     finally:
-        PyMem_RawFree(scratch)
+        _give_scratch(scratch, own)
 
 
 def attention_backward_bf16(float[::1] dqkv, const float[::1] dout, const float[::1] qkv,
@@ -686,11 +723,10 @@ def attention_backward_bf16(float[::1] dqkv, const float[::1] dout, const float[
     cdef const att_kern_t* K = _kern
     cdef int path = _bf16
     cdef Py_ssize_t per = _align64(attb_backward_scratch_bytes(T, C // NH))
-    cdef char* scratch = <char*>PyMem_RawMalloc(nt * per + 64)
+    cdef bint own = False
+    cdef char* scratch = _take_scratch(nt * per, &own)
     cdef char* base
     cdef Py_ssize_t w
-    if scratch == NULL:
-        raise MemoryError("attention_backward_bf16: could not allocate scratch")
     base = scratch + (64 - (<size_t>scratch) % 64) % 64
     try:
         with nogil, parallel(num_threads=nt):
@@ -698,4 +734,4 @@ def attention_backward_bf16(float[::1] dqkv, const float[::1] dout, const float[
                 attb_backward_head(&dqkv[0], &dout[0], &qkv[0], &out[0], &lse[0], w // NH, w % NH,
                                    T, C, NH, base + omp_get_thread_num() * per, K, path)
     finally:
-        PyMem_RawFree(scratch)
+        _give_scratch(scratch, own)
