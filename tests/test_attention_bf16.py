@@ -285,3 +285,22 @@ def test_env_var_read_at_import(value):
         assert r.stdout.strip() == PATHS[-1] and "unknown bf16 path" in r.stderr
     else:
         assert r.stdout.strip() == value
+
+
+def test_bf16_model_runs_the_bf16_attention_and_fp32_does_not(monkeypatch):
+    from llmctl._ext import matmul
+    from llmctl.model import GPT2, GPT2Config, init_llmc_
+
+    if not matmul.bf16_native():
+        monkeypatch.setenv("LLMCTL_BF16_EMULATE", "1")
+    cfg = GPT2Config(max_seq_len=40, vocab_size=100, padded_vocab_size=128, num_layers=1, num_heads=2, channels=64)
+    x = np.random.default_rng(0).integers(0, 100, (2, 41))
+    for precision, want in (("fp32", []), ("bf16", [A.bf16_path()])):
+        m = GPT2(cfg, n_threads=1, precision=precision)
+        init_llmc_(m.p, cfg, n_threads=1)
+        m.params_changed()
+        A._bf16_ran(reset=True)
+        m.zero_grad()
+        m.forward(x[:, :-1], x[:, 1:])
+        m.backward()
+        assert A._bf16_ran() == want, precision

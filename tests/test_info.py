@@ -63,14 +63,16 @@ def test_info_and_version_print_the_same_seven_lines():
     gemv = "avx512_bf16" if matmul.gemv_bf16_available() else "off"
     assert lines[4] == (f"kernels: attention {attention.isa()}, layers {layers.simd()}, AdamW {adamw.simd()}, "
                         f"bf16 GEMV {gemv}"), lines[4]
-    assert re.fullmatch(r"BLAS: \S+ \S+ \(.*\)|BLAS: unknown", lines[5]), lines[5]
-    assert lines[6].startswith("MFU roof: none measured on this CPU yet"), lines[6]  # a fresh cache
+    assert lines[5] == (f"attention-bf16: {attention.bf16_path()} "
+                        f"(available: {', '.join(attention.bf16_available_paths())})"), lines[5]
+    assert re.fullmatch(r"BLAS: \S+ \S+ \(.*\)|BLAS: unknown", lines[6]), lines[6]
+    assert lines[7].startswith("MFU roof: none measured on this CPU yet"), lines[7]  # a fresh cache
     assert _cli("--version", env={"OMP_NUM_THREADS": "2"}) == text
     # the same facts as --json gives
     info = json.loads(_cli("info", "--json"))
     assert info["engine"] == matmul.default_backend() and ("bf16" in info["precisions"]) == matmul.bf16_native()
     assert info["kernels"] == {"attention": attention.isa(), "layers": layers.simd(), "adamw": adamw.simd(),
-                               "bf16_gemv": gemv}
+                               "bf16_gemv": gemv, "attention_bf16": attention.bf16_path()}
 
 
 def test_ci_build_has_openmp():

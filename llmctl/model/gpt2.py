@@ -392,7 +392,7 @@ class GPT2:
         o.layernorm(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, p["ln1w"][l], p["ln1b"][l], BT, C, nte)
         o.matmul(a.qkv, a.ln1, "qkvw", l, p["qkvb"][l], BT, C, 3 * C, nt)
         if kv is None:
-            self.kernels.attention.attention_forward(a.atty, a.lse, a.qkv, B, T, C, NH, nt)
+            o.attention_forward(a.atty, a.lse, a.qkv, B, T, C, NH, nt)
         else:
             k, v, pos = kv
             KV, Tcap = self.kernels.kvcache, k.shape[2]
@@ -651,7 +651,7 @@ class GPT2:
         o.matmul_backward(dsmall, gW("attprojw"), gb("attprojw"), dres, d16, atty, "attprojw", l, BT, C, C, nt)
         dqkv = dbig[:3 * n]
         dqkv.fill(0.0)
-        self.kernels.attention.attention_backward(dqkv, dsmall, a.qkv, a.atty, a.lse, B, T, C, NH, nt)
+        o.attention_backward(dqkv, dsmall, a.qkv, a.atty, a.lse, B, T, C, NH, nt)
         dsmall.fill(0.0)
         o.matmul_backward(dsmall, gW("qkvw"), gb("qkvw"), dqkv, d16, a.ln1, "qkvw", l, BT, C, 3 * C, nt)
         Ly.layernorm_backward(dres, g["ln1w"][l], g["ln1b"][l], dsmall, a.x, p["ln1w"][l],

@@ -9,7 +9,10 @@ changes the computation:
   matmul             out = inp @ W^T + b, W the model's weight in the matmul precision
   matmul_backward    dinp, dW, db += their gradients (bf16: dout rounded to bf16 for the GEMMs)
   loss_backward      dlogits of a block of rows, as the lm head's matmul_backward reads it
-Everything else (attention, residuals, the loss, AdamW, the master weights) is fp32 in both.
+  attention_forward / attention_backward   the flash-style attention over T positions (bf16:
+                     QK^T, PV and the backward's products on bf16 operands, fp32 accumulation)
+Everything else (residuals, the softmax statistics, the loss, AdamW, the master weights) is fp32
+in both, and so is the KV-cached attention of sampling and HellaSwag (_ext/kvcache.pyx).
 What it is not: the model (llmctl/model/gpt2.py: buffers, the layer loop) or a kernel.
 """
 import numpy as np
@@ -65,6 +68,12 @@ class Fp32Ops:
     def matmul_backward(self, dinp, dW, db, dout, dout_mm, inp, name, l, N, C, OC, nt):
         self.k.matmul.matmul_backward(dinp, dW, db, dout, inp, self.weight(name, l), N, C, OC, nt, self.engine)
 
+    def attention_forward(self, out, lse, qkv, B, T, C, NH, nt):
+        self.k.attention.attention_forward(out, lse, qkv, B, T, C, NH, nt)
+
+    def attention_backward(self, dqkv, dout, qkv, out, lse, B, T, C, NH, nt):
+        self.k.attention.attention_backward(dqkv, dout, qkv, out, lse, B, T, C, NH, nt)
+
     def loss_backward(self, dst16, probs, targets, dlosses, N, V, Vp, nt):
         """-> (dout, dout_mm) for matmul_backward: dlogits overwrite the probs in place."""
         self.k.layers.softmax_crossentropy_backward(probs, probs, targets, dlosses, N, V, Vp, nt)
@@ -102,6 +111,12 @@ class Bf16Ops(Fp32Ops):
         """dout fp32 (cast into dout_mm, the same pass summing db), or None: dout_mm already holds it."""
         self.k.matmul.matmul_backward_bf16(dinp, dW, db, dout, dout_mm[:N * OC], inp, self.weight(name, l),
                                            N, C, OC, nt, self.engine)
+
+    def attention_forward(self, out, lse, qkv, B, T, C, NH, nt):
+        self.k.attention.attention_forward_bf16(out, lse, qkv, B, T, C, NH, nt)
+
+    def attention_backward(self, dqkv, dout, qkv, out, lse, B, T, C, NH, nt):
+        self.k.attention.attention_backward_bf16(dqkv, dout, qkv, out, lse, B, T, C, NH, nt)
 
     def loss_backward(self, dst16, probs, targets, dlosses, N, V, Vp, nt):
         """-> (None, dlogits in bf16, written straight into dst16; the probs stay fp32)."""
