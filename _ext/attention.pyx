@@ -51,6 +51,7 @@ backward time of "default" over the set's): avx512 2.0x/2.2x at T=64, 2.7x/2.8x 
 from cython.parallel cimport parallel, prange
 from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc
 from libc.math cimport INFINITY, logf, sqrtf
+from libc.stdint cimport uint16_t
 from libc.string cimport memset
 
 from _openmp cimport omp_get_thread_num  # index of the thread's slice of the scratch block
@@ -92,13 +93,17 @@ cdef extern from "attention_bf16.h" nogil:
     unsigned attb_ran_take(int reset)
     Py_ssize_t attb_forward_scratch_bytes(Py_ssize_t T, Py_ssize_t hs)
     Py_ssize_t attb_backward_scratch_bytes(Py_ssize_t T, Py_ssize_t hs)
-    void attb_forward_head(float* out, float* lse, const float* qkv, Py_ssize_t b, Py_ssize_t h,
-                           Py_ssize_t T, Py_ssize_t C, Py_ssize_t NH, void* scratch,
+    Py_ssize_t attb_shared_bytes(Py_ssize_t B, Py_ssize_t T, Py_ssize_t C, Py_ssize_t NH, int backward)
+    Py_ssize_t attb_pad(Py_ssize_t n, Py_ssize_t to)
+    void attb_pack_heads(uint16_t* dst, const float* src, Py_ssize_t n, Py_ssize_t B, Py_ssize_t b,
+                         Py_ssize_t T, Py_ssize_t t0, Py_ssize_t t1, Py_ssize_t C, Py_ssize_t NH,
+                         float* D, const float* out, int path)
+    void attb_forward_head(float* out, float* lse, const uint16_t* rows, Py_ssize_t B, Py_ssize_t b,
+                           Py_ssize_t h, Py_ssize_t T, Py_ssize_t C, Py_ssize_t NH, void* scratch,
                            const att_kern_t* K, int path)
-    void attb_backward_head(float* dqkv, const float* dout, const float* qkv, const float* out,
-                            const float* lse, Py_ssize_t b, Py_ssize_t h, Py_ssize_t T,
-                            Py_ssize_t C, Py_ssize_t NH, void* scratch, const att_kern_t* K,
-                            int path)
+    void attb_backward_head(float* dqkv, const uint16_t* rows, const uint16_t* drows, const float* D,
+                            const float* lse, Py_ssize_t B, Py_ssize_t b, Py_ssize_t h, Py_ssize_t T,
+                            Py_ssize_t C, Py_ssize_t NH, void* scratch, const att_kern_t* K, int path)
 
 # tile sizes: BR query rows per forward work item, BC keys per key tile, BQ query rows per
 # backward block; the transposed (hs, BC) key/value tiles are 16 KB each at hs=64
@@ -607,6 +612,10 @@ def _init_bf16():
 _init_bf16()
 
 
+cdef enum:
+    TILE_T = 32     # rows per packing work item (pack_heads)
+
+
 cdef inline Py_ssize_t _align64(Py_ssize_t n) noexcept nogil:
     return (n + 63) // 64 * 64
 
@@ -649,16 +658,18 @@ cdef void _give_scratch(char* p, bint own) noexcept:
         _scratch_busy = False
 
 
-def bf16_forward_scratch_bytes(int T, int C, int NH, int n_threads=1):
-    """Bytes of scratch attention_forward_bf16 allocates: O(T*hs) per thread, never O(T*T)."""
-    _check_dims(1, T, C, NH, n_threads)
-    return n_threads * _align64(attb_forward_scratch_bytes(T, C // NH))
+def bf16_forward_scratch_bytes(int B, int T, int C, int NH, int n_threads=1):
+    """Bytes of scratch attention_forward_bf16 uses: the bf16 copy of qkv (B*T*3C, padded) and
+    O(T*hs) per thread; never O(T*T). Kept between calls."""
+    _check_dims(B, T, C, NH, n_threads)
+    return _align64(attb_shared_bytes(B, T, C, NH, 0)) + n_threads * _align64(attb_forward_scratch_bytes(T, C // NH))
 
 
-def bf16_backward_scratch_bytes(int T, int C, int NH, int n_threads=1):
-    """Bytes of scratch attention_backward_bf16 allocates: O(T*hs) per thread, never O(T*T)."""
-    _check_dims(1, T, C, NH, n_threads)
-    return n_threads * _align64(attb_backward_scratch_bytes(T, C // NH))
+def bf16_backward_scratch_bytes(int B, int T, int C, int NH, int n_threads=1):
+    """Bytes of scratch attention_backward_bf16 uses: bf16 copies of qkv and dout, D (B*NH*T) and
+    O(T*hs) per thread; never O(T*T). Kept between calls."""
+    _check_dims(B, T, C, NH, n_threads)
+    return _align64(attb_shared_bytes(B, T, C, NH, 1)) + n_threads * _align64(attb_backward_scratch_bytes(T, C // NH))
 
 
 def attention_forward_bf16(float[::1] out, float[::1] lse, const float[::1] qkv,
@@ -684,16 +695,25 @@ def attention_forward_bf16(float[::1] out, float[::1] lse, const float[::1] qkv,
     cdef const att_kern_t* K = _kern
     cdef int path = _bf16
     cdef Py_ssize_t per = _align64(attb_forward_scratch_bytes(T, C // NH))
+    cdef Py_ssize_t shared = _align64(attb_shared_bytes(B, T, C, NH, 0))
+    cdef Py_ssize_t nchunk = (T + TILE_T - 1) // TILE_T
     cdef bint own = False
-    cdef char* scratch = _take_scratch(nt * per, &own)
+    cdef char* scratch = _take_scratch(shared + nt * per, &own)
     cdef char* base
-    cdef Py_ssize_t w
+    cdef uint16_t* rows
+    cdef Py_ssize_t w, t0
     base = scratch + (64 - (<size_t>scratch) % 64) % 64
+    rows = <uint16_t*>base
     try:
-        with nogil, parallel(num_threads=nt):
-            for w in prange(nwork, schedule='static', chunksize=1):
-                attb_forward_head(&out[0], &lse[0], &qkv[0], w // NH, w % NH, T, C, NH,
-                                  base + omp_get_thread_num() * per, K, path)
+        with nogil:
+            for w in prange(B * nchunk, num_threads=n_threads, schedule='static'):
+                t0 = (w % nchunk) * TILE_T
+                attb_pack_heads(rows, &qkv[0], 3, B, w // nchunk, T, t0, _imin(T, t0 + TILE_T), C, NH,
+                                NULL, NULL, path)
+            with parallel(num_threads=nt):
+                for w in prange(nwork, schedule='static', chunksize=1):
+                    attb_forward_head(&out[0], &lse[0], rows, B, w // NH, w % NH, T, C, NH,
+                                      base + shared + omp_get_thread_num() * per, K, path)
     finally:
         _give_scratch(scratch, own)
 
@@ -723,15 +743,31 @@ def attention_backward_bf16(float[::1] dqkv, const float[::1] dout, const float[
     cdef const att_kern_t* K = _kern
     cdef int path = _bf16
     cdef Py_ssize_t per = _align64(attb_backward_scratch_bytes(T, C // NH))
+    cdef Py_ssize_t shared = _align64(attb_shared_bytes(B, T, C, NH, 1))
+    cdef Py_ssize_t nchunk = (T + TILE_T - 1) // TILE_T
+    cdef Py_ssize_t nrows = <Py_ssize_t>B * NH * attb_pad(T, 32) * attb_pad(C // NH, 32)
     cdef bint own = False
-    cdef char* scratch = _take_scratch(nt * per, &own)
+    cdef char* scratch = _take_scratch(shared + nt * per, &own)
     cdef char* base
-    cdef Py_ssize_t w
+    cdef uint16_t* rows
+    cdef uint16_t* drows
+    cdef float* D
+    cdef Py_ssize_t w, t0
     base = scratch + (64 - (<size_t>scratch) % 64) % 64
+    rows = <uint16_t*>base
+    drows = rows + 3 * nrows
+    D = <float*>(drows + nrows)
     try:
-        with nogil, parallel(num_threads=nt):
-            for w in prange(nwork, schedule='static', chunksize=1):
-                attb_backward_head(&dqkv[0], &dout[0], &qkv[0], &out[0], &lse[0], w // NH, w % NH,
-                                   T, C, NH, base + omp_get_thread_num() * per, K, path)
+        with nogil:
+            for w in prange(B * nchunk, num_threads=n_threads, schedule='static'):
+                t0 = (w % nchunk) * TILE_T
+                attb_pack_heads(rows, &qkv[0], 3, B, w // nchunk, T, t0, _imin(T, t0 + TILE_T), C, NH,
+                                NULL, NULL, path)
+                attb_pack_heads(drows, &dout[0], 1, B, w // nchunk, T, t0, _imin(T, t0 + TILE_T), C, NH,
+                                D, &out[0], path)
+            with parallel(num_threads=nt):
+                for w in prange(nwork, schedule='static', chunksize=1):
+                    attb_backward_head(&dqkv[0], rows, drows, D, &lse[0], B, w // NH, w % NH,
+                                       T, C, NH, base + shared + omp_get_thread_num() * per, K, path)
     finally:
         _give_scratch(scratch, own)

@@ -32,7 +32,7 @@ enum { ATTB_EMULATED = 0, ATTB_AVX512_BF16 = 1, ATTB_AMX = 2, ATTB_N_PATH = 3 };
 #define ATTB_BLK 32
 
 typedef void (*attb_gemm_t)(float* C, ptrdiff_t ldc, const uint16_t* A, ptrdiff_t lda,
-                            const uint16_t* B, ptrdiff_t ldb, int M, int N, int K);
+                            const uint16_t* B, ptrdiff_t ldb, int M, int N, int K, int acc);
 
 static unsigned attb_ran_bits = 0;   /* which paths ran since the last reset: a test hook */
 static inline void attb_mark(int path)
@@ -56,14 +56,16 @@ static inline uint16_t attb_rnd(float x)
     return (uint16_t)((h & keep) | (h & 0x8000u & ~keep));
 }
 
-/* ---- the three GEMMs: C (M x N, fp32, ldc) += A (M x K, bf16, lda) B (pair-packed, ldb) ---- */
+/* ---- the three GEMMs: C (M x N, fp32, ldc) += A (M x K, bf16, lda) B (pair-packed, ldb);
+   with acc = 0, C = A B (C starts from zeros instead of its contents) ---- */
 
 static void attb_gemm_emulated(float* C, ptrdiff_t ldc, const uint16_t* A, ptrdiff_t lda,
-                               const uint16_t* B, ptrdiff_t ldb, int M, int N, int K)
+                               const uint16_t* B, ptrdiff_t ldb, int M, int N, int K, int acc)
 {
     for (int i = 0; i < M; i++) {
         float* c = C + i * ldc;
         const uint16_t* a = A + i * lda;
+        if (!acc) memset(c, 0, (size_t)N * 4);
         for (int r = 0; r < K / 2; r++) {
             float a0 = llmctl_bf16_to_f32(a[2 * r]), a1 = llmctl_bf16_to_f32(a[2 * r + 1]);
             const uint16_t* b = B + r * ldb;
@@ -88,15 +90,20 @@ static void attb_gemm_emulated(float* C, ptrdiff_t ldc, const uint16_t* A, ptrdi
 
 ATTB_TGT_BF16 static void attb_gemm_avx512_bf16(float* C, ptrdiff_t ldc, const uint16_t* A,
                                                 ptrdiff_t lda, const uint16_t* B, ptrdiff_t ldb,
-                                                int M, int N, int K)
+                                                int M, int N, int K, int acc)
 {
     for (int m = 0; m < M; m += 4)
         for (int n = 0; n < N; n += 32) {
             float* c = C + m * ldc + n;
-            __m512 c00 = _mm512_loadu_ps(c), c01 = _mm512_loadu_ps(c + 16);
-            __m512 c10 = _mm512_loadu_ps(c + ldc), c11 = _mm512_loadu_ps(c + ldc + 16);
-            __m512 c20 = _mm512_loadu_ps(c + 2 * ldc), c21 = _mm512_loadu_ps(c + 2 * ldc + 16);
-            __m512 c30 = _mm512_loadu_ps(c + 3 * ldc), c31 = _mm512_loadu_ps(c + 3 * ldc + 16);
+            __m512 c00, c01, c10, c11, c20, c21, c30, c31;
+            if (acc) {
+                c00 = _mm512_loadu_ps(c), c01 = _mm512_loadu_ps(c + 16);
+                c10 = _mm512_loadu_ps(c + ldc), c11 = _mm512_loadu_ps(c + ldc + 16);
+                c20 = _mm512_loadu_ps(c + 2 * ldc), c21 = _mm512_loadu_ps(c + 2 * ldc + 16);
+                c30 = _mm512_loadu_ps(c + 3 * ldc), c31 = _mm512_loadu_ps(c + 3 * ldc + 16);
+            } else {
+                c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = _mm512_setzero_ps();
+            }
             const uint16_t* a = A + m * lda;
             for (int r = 0; r < K / 2; r++) {
                 const uint16_t* b = B + r * ldb + 2 * n;
@@ -142,16 +149,23 @@ ATTB_TGT_AMX static void attb_amx_begin(void) { _tile_loadconfig(&attb_cfg); }
 ATTB_TGT_AMX static void attb_amx_end(void) { _tile_release(); }
 
 ATTB_TGT_AMX static void attb_gemm_amx(float* C, ptrdiff_t ldc, const uint16_t* A, ptrdiff_t lda,
-                                       const uint16_t* B, ptrdiff_t ldb, int M, int N, int K)
+                                       const uint16_t* B, ptrdiff_t ldb, int M, int N, int K, int acc)
 {
     const size_t sc = (size_t)ldc * 4, sa = (size_t)lda * 2, sb = (size_t)ldb * 2;
     for (int m = 0; m < M; m += 32)
         for (int n = 0; n < N; n += 32) {
             float* c = C + m * ldc + n;
-            _tile_loadd(0, c, sc);
-            _tile_loadd(1, c + 16, sc);
-            _tile_loadd(2, c + 16 * ldc, sc);
-            _tile_loadd(3, c + 16 * ldc + 16, sc);
+            if (acc) {
+                _tile_loadd(0, c, sc);
+                _tile_loadd(1, c + 16, sc);
+                _tile_loadd(2, c + 16 * ldc, sc);
+                _tile_loadd(3, c + 16 * ldc + 16, sc);
+            } else {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+            }
             for (int k = 0; k < K; k += 32) {
                 const uint16_t* a = A + m * lda + k;
                 const uint16_t* b = B + (k / 2) * ldb + 2 * n;
@@ -206,18 +220,26 @@ static void attb_amx_end(void) {}
 
 static inline ptrdiff_t attb_pad(ptrdiff_t n, ptrdiff_t to) { return (n + to - 1) / to * to; }
 
+/* per thread: the paired layouts of one head, the block buffers */
 static ptrdiff_t attb_forward_scratch_bytes(ptrdiff_t T, ptrdiff_t hs)
 {
     ptrdiff_t Tp = attb_pad(T, ATTB_BLK), hsp = attb_pad(hs, 32);
-    return 4 * Tp * hsp * 2 + ATTB_BLK * ATTB_BLK * 2          /* Qa, Kc, Vr, a row buffer, Pb */
-           + (ATTB_BLK * ATTB_BLK + ATTB_BLK * hsp + 2 * ATTB_BLK) * 4 + 64;   /* S, acc, m, l */
+    return 2 * Tp * hsp * 2 + ATTB_BLK * ATTB_BLK * 2                  /* Kc, Vr, Pb */
+           + (ATTB_BLK * ATTB_BLK + ATTB_BLK * hsp + 2 * ATTB_BLK) * 4;   /* S, acc, m, l */
 }
 
 static ptrdiff_t attb_backward_scratch_bytes(ptrdiff_t T, ptrdiff_t hs)
 {
     ptrdiff_t Tp = attb_pad(T, ATTB_BLK), hsp = attb_pad(hs, 32), BB = ATTB_BLK * ATTB_BLK;
-    return 8 * Tp * hsp * 2 + 4 * BB * 2                      /* packed operands, a row buffer, P, dS */
-           + (Tp + Tp * hsp + 2 * BB + 2 * ATTB_BLK * hsp) * 4 + 64;   /* D, dq, S, dP, dk, dv */
+    return 5 * Tp * hsp * 2 + 4 * BB * 2                        /* Qr Kc Kr Vc Or, P, dS */
+           + (Tp * hsp + 2 * BB + 2 * ATTB_BLK * hsp) * 4;       /* dq, S, dP, dk, dv */
+}
+
+/* shared by the threads: pack_heads' bf16 rows of q, k, v (and dout, and D, for backward) */
+static ptrdiff_t attb_shared_bytes(ptrdiff_t B, ptrdiff_t T, ptrdiff_t C, ptrdiff_t NH, int backward)
+{
+    ptrdiff_t rows = B * NH * attb_pad(T, ATTB_BLK) * attb_pad(C / NH, 32) * 2;
+    return backward ? 4 * rows + B * NH * T * 4 : 3 * rows;
 }
 
 #define ATTB_FN(name) attb_##name##_base
@@ -235,22 +257,31 @@ static ptrdiff_t attb_backward_scratch_bytes(ptrdiff_t T, ptrdiff_t hs)
 #define ATTB_NATIVE(name) attb_##name##_base
 #endif
 
-/* out (B,T,C) rows of head h, lse (B,NH,T); qkv (B,T,3C) fp32; path picks the GEMM */
-static void attb_forward_head(float* out, float* lse, const float* qkv, ptrdiff_t b, ptrdiff_t h,
-                              ptrdiff_t T, ptrdiff_t C, ptrdiff_t NH, void* scratch,
-                              const att_kern_t* K, int path)
+/* path picks the copy: the emulated path runs the baseline one, the native paths AVX-512's */
+static void attb_pack_heads(uint16_t* dst, const float* src, ptrdiff_t n, ptrdiff_t B, ptrdiff_t b,
+                            ptrdiff_t T, ptrdiff_t t0, ptrdiff_t t1, ptrdiff_t C, ptrdiff_t NH,
+                            float* D, const float* out, int path)
 {
-    (path == ATTB_EMULATED ? attb_forward_head_base : ATTB_NATIVE(forward_head))
-        (out, lse, qkv, b, h, T, C, NH, scratch, K, path);
+    (path == ATTB_EMULATED ? attb_pack_heads_base : ATTB_NATIVE(pack_heads))
+        (dst, src, n, B, b, T, t0, t1, C, NH, D, out);
 }
 
-/* dqkv (B,T,3C) += the gradient of head h; dout, out (B,T,C); lse (B,NH,T) */
-static void attb_backward_head(float* dqkv, const float* dout, const float* qkv, const float* out,
-                               const float* lse, ptrdiff_t b, ptrdiff_t h, ptrdiff_t T,
-                               ptrdiff_t C, ptrdiff_t NH, void* scratch, const att_kern_t* K,
-                               int path)
+/* out (B,T,C) rows of head h, lse (B,NH,T), from pack_heads' rows of qkv */
+static void attb_forward_head(float* out, float* lse, const uint16_t* rows, ptrdiff_t B,
+                              ptrdiff_t b, ptrdiff_t h, ptrdiff_t T, ptrdiff_t C, ptrdiff_t NH,
+                              void* scratch, const att_kern_t* K, int path)
+{
+    (path == ATTB_EMULATED ? attb_forward_head_base : ATTB_NATIVE(forward_head))
+        (out, lse, rows, B, b, h, T, C, NH, scratch, K, path);
+}
+
+/* dqkv (B,T,3C) += the gradient of head h, from pack_heads' rows of qkv and dout, and D */
+static void attb_backward_head(float* dqkv, const uint16_t* rows, const uint16_t* drows,
+                               const float* D, const float* lse, ptrdiff_t B, ptrdiff_t b,
+                               ptrdiff_t h, ptrdiff_t T, ptrdiff_t C, ptrdiff_t NH, void* scratch,
+                               const att_kern_t* K, int path)
 {
     (path == ATTB_EMULATED ? attb_backward_head_base : ATTB_NATIVE(backward_head))
-        (dqkv, dout, qkv, out, lse, b, h, T, C, NH, scratch, K, path);
+        (dqkv, rows, drows, D, lse, B, b, h, T, C, NH, scratch, K, path);
 }
 #endif /* LLMCTL_ATTENTION_BF16_H */

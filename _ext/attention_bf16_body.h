@@ -5,17 +5,34 @@
  * only the GEMM behind `gemm` differs between paths. Not a header to include on its own. */
 /* ---- packing (fp32 strided source -> bf16), zero padded to Tp rows and hsp columns ---- */
 
-/* dst (Tp x hsp) row-major: the A form of Q and dout, and the source of the two B forms */
-static void ATTB_FN(pack_rows)(uint16_t* dst, const float* src, ptrdiff_t ld, ptrdiff_t T,
-                               ptrdiff_t Tp, ptrdiff_t hs, ptrdiff_t hsp)
+/* Rows [t0, t1) of batch b of src (B,T,n*C) fp32 -> bf16, row-major per head:
+   dst[(((w * B + b) * NH + h) * Tp + t) * hsp + d] for the n tensors w (q, k, v; or dout).
+   One pass along src's rows (a per-head pass would stride through memory a page per row);
+   columns hs..hsp and, with the last rows, rows T..Tp are zeroed. With D (n = 1, dout):
+   D[(b * NH + h) * T + t] = bf16(dout) . out over the head's columns, in fp32. */
+static void ATTB_FN(pack_heads)(uint16_t* dst, const float* src, ptrdiff_t n, ptrdiff_t B,
+                                ptrdiff_t b, ptrdiff_t T, ptrdiff_t t0, ptrdiff_t t1,
+                                ptrdiff_t C, ptrdiff_t NH, float* D, const float* out)
 {
-    for (ptrdiff_t t = 0; t < T; t++) {
-        uint16_t* o = dst + t * hsp;
-        const float* x = src + t * ld;
-        for (ptrdiff_t d = 0; d < hs; d++) o[d] = attb_rnd(x[d]);
-        for (ptrdiff_t d = hs; d < hsp; d++) o[d] = 0;
-    }
-    memset(dst + T * hsp, 0, (size_t)(Tp - T) * hsp * 2);
+    const ptrdiff_t hs = C / NH, Tp = attb_pad(T, ATTB_BLK), hsp = attb_pad(hs, 32);
+    for (ptrdiff_t t = t0; t < t1; t++)
+        for (ptrdiff_t w = 0; w < n; w++)
+            for (ptrdiff_t h = 0; h < NH; h++) {
+                uint16_t* o = dst + (((w * B + b) * NH + h) * Tp + t) * hsp;
+                const float* x = src + (b * T + t) * n * C + w * C + h * hs;
+                for (ptrdiff_t d = 0; d < hs; d++) o[d] = attb_rnd(x[d]);
+                for (ptrdiff_t d = hs; d < hsp; d++) o[d] = 0;
+                if (D) {
+                    const float* y = out + (b * T + t) * C + h * hs;
+                    float s = 0.0f;
+                    for (ptrdiff_t d = 0; d < hs; d++) s += llmctl_bf16_to_f32(o[d]) * y[d];
+                    D[(b * NH + h) * T + t] = s;
+                }
+            }
+    if (t1 == T)
+        for (ptrdiff_t w = 0; w < n; w++)
+            for (ptrdiff_t h = 0; h < NH; h++)
+                memset(dst + (((w * B + b) * NH + h) * Tp + T) * hsp, 0, (size_t)(Tp - T) * hsp * 2);
 }
 
 /* rows paired (Tp/2 x hsp x 2), from row-major R: the B form of X when X's rows are the K
@@ -49,30 +66,28 @@ static void ATTB_FN(colpairs)(uint16_t* dst, const uint16_t* R, ptrdiff_t Tp, pt
 /* ---- forward: one (batch, head) ---- */
 
 /* out (B,T,C) rows of head h, lse (B,NH,T); qkv (B,T,3C) fp32; path picks the GEMM */
-static void ATTB_FN(forward_head)(float* out, float* lse, const float* qkv, ptrdiff_t b, ptrdiff_t h,
-                              ptrdiff_t T, ptrdiff_t C, ptrdiff_t NH, void* scratch,
-                              const att_kern_t* K, int path)
+static void ATTB_FN(forward_head)(float* out, float* lse, const uint16_t* rows, ptrdiff_t B,
+                                  ptrdiff_t b, ptrdiff_t h, ptrdiff_t T, ptrdiff_t C, ptrdiff_t NH,
+                                  void* scratch, const att_kern_t* K, int path)
 {
-    const ptrdiff_t hs = C / NH, C3 = 3 * C, Tp = attb_pad(T, ATTB_BLK), hsp = attb_pad(hs, 32);
+    const ptrdiff_t hs = C / NH, Tp = attb_pad(T, ATTB_BLK), hsp = attb_pad(hs, 32);
+    const ptrdiff_t TH = Tp * hsp, BNH = B * NH;
     const float scale = 1.0f / sqrtf((float)hs);
-    const float* qb = qkv + b * T * C3 + h * hs;
     attb_gemm_t gemm = attb_gemms[path];
-    uint16_t* Qa = (uint16_t*)scratch;
-    uint16_t* Kb = Qa + Tp * hsp;
-    uint16_t* Vb = Kb + Tp * hsp;
-    uint16_t* Rw = Vb + Tp * hsp;
-    uint16_t* Pb = Rw + Tp * hsp;
+    const uint16_t* Qa = rows + (b * NH + h) * TH;   /* pack_heads' q, k, v of this head */
+    const uint16_t* Kw = Qa + BNH * TH;
+    const uint16_t* Vw = Kw + BNH * TH;
+    uint16_t* Kb = (uint16_t*)scratch;
+    uint16_t* Vb = Kb + TH;
+    uint16_t* Pb = Vb + TH;
     float* S = (float*)(Pb + ATTB_BLK * ATTB_BLK);
     float* acc = S + ATTB_BLK * ATTB_BLK;
     float* m = acc + ATTB_BLK * hsp;
     float* l = m + ATTB_BLK;
 
     attb_mark(path);
-    ATTB_FN(pack_rows)(Qa, qb, C3, T, Tp, hs, hsp);
-    ATTB_FN(pack_rows)(Rw, qb + C, C3, T, Tp, hs, hsp);
-    ATTB_FN(colpairs)(Kb, Rw, Tp, hsp);
-    ATTB_FN(pack_rows)(Rw, qb + 2 * C, C3, T, Tp, hs, hsp);
-    ATTB_FN(rowpairs)(Vb, Rw, Tp, hsp);
+    ATTB_FN(colpairs)(Kb, Kw, Tp, hsp);
+    ATTB_FN(rowpairs)(Vb, Vw, Tp, hsp);
     if (path == ATTB_AMX) attb_amx_begin();
     for (ptrdiff_t i0 = 0; i0 < T; i0 += ATTB_BLK) {
         ptrdiff_t nr = T - i0 < ATTB_BLK ? T - i0 : ATTB_BLK;
@@ -82,8 +97,7 @@ static void ATTB_FN(forward_head)(float* out, float* lse, const float* qkv, ptrd
             l[r] = 0.0f;
         }
         for (ptrdiff_t j0 = 0; j0 <= i0; j0 += ATTB_BLK) {
-            memset(S, 0, ATTB_BLK * ATTB_BLK * 4);
-            gemm(S, ATTB_BLK, Qa + i0 * hsp, hsp, Kb + j0 * hsp, 2 * ATTB_BLK, ATTB_BLK, ATTB_BLK, (int)hsp);
+            gemm(S, ATTB_BLK, Qa + i0 * hsp, hsp, Kb + j0 * hsp, 2 * ATTB_BLK, ATTB_BLK, ATTB_BLK, (int)hsp, 0);
             for (int r = 0; r < ATTB_BLK; r++) {     /* online softmax; P row -> bf16 */
                 float* srow = S + r * ATTB_BLK;
                 uint16_t* prow = Pb + r * ATTB_BLK;
@@ -95,7 +109,8 @@ static void ATTB_FN(forward_head)(float* out, float* lse, const float* qkv, ptrd
                     continue;
                 }
                 float mx = att_scale_max(K, srow, ncr, scale, m[r]);
-                float corr = att_expf(K, m[r] - mx);  /* 0 on the first block (m = -inf) */
+                /* 0 on the first block (m = -inf); exp(0) is exactly 1 in every kernel set */
+                float corr = mx == m[r] ? 1.0f : att_expf(K, m[r] - mx);
                 float tot = att_exp_sum(K, srow, ncr, mx);
                 l[r] = l[r] * corr + tot;
                 m[r] = mx;
@@ -106,7 +121,7 @@ static void ATTB_FN(forward_head)(float* out, float* lse, const float* qkv, ptrd
                 for (ptrdiff_t c = 0; c < ncr; c++) prow[c] = attb_rnd(srow[c]);
                 for (ptrdiff_t c = ncr; c < ATTB_BLK; c++) prow[c] = 0;
             }
-            gemm(acc, hsp, Pb, ATTB_BLK, Vb + j0 * hsp, 2 * hsp, ATTB_BLK, (int)hsp, ATTB_BLK);
+            gemm(acc, hsp, Pb, ATTB_BLK, Vb + j0 * hsp, 2 * hsp, ATTB_BLK, (int)hsp, ATTB_BLK, 1);
         }
         for (ptrdiff_t r = 0; r < nr; r++) {
             float inv = 1.0f / l[r];
@@ -126,64 +141,51 @@ static void ATTB_FN(transpose_blk)(uint16_t* dst, const uint16_t* src)
         for (int j = 0; j < ATTB_BLK; j++) dst[j * ATTB_BLK + i] = src[i * ATTB_BLK + j];
 }
 
-static void ATTB_FN(backward_head)(float* dqkv, const float* dout, const float* qkv, const float* out,
-                               const float* lse, ptrdiff_t b, ptrdiff_t h, ptrdiff_t T,
-                               ptrdiff_t C, ptrdiff_t NH, void* scratch, const att_kern_t* K,
-                               int path)
+static void ATTB_FN(backward_head)(float* dqkv, const uint16_t* rows, const uint16_t* drows,
+                                   const float* Dall, const float* lse, ptrdiff_t B, ptrdiff_t b,
+                                   ptrdiff_t h, ptrdiff_t T, ptrdiff_t C, ptrdiff_t NH,
+                                   void* scratch, const att_kern_t* K, int path)
 {
     const ptrdiff_t hs = C / NH, C3 = 3 * C, Tp = attb_pad(T, ATTB_BLK), hsp = attb_pad(hs, 32);
-    const ptrdiff_t BB = ATTB_BLK * ATTB_BLK, TH = Tp * hsp;
+    const ptrdiff_t BB = ATTB_BLK * ATTB_BLK, TH = Tp * hsp, BNH = B * NH;
     const float scale = 1.0f / sqrtf((float)hs);
-    const float* qb = qkv + b * T * C3 + h * hs;
-    const float* ob = out + b * T * C + h * hs;
-    const float* dob = dout + b * T * C + h * hs;
     const float* lb = lse + (b * NH + h) * T;
+    const float* D = Dall + (b * NH + h) * T;
     float* dqb = dqkv + b * T * C3 + h * hs;
     attb_gemm_t gemm = attb_gemms[path];
-    uint16_t* Qa = (uint16_t*)scratch;   /* Q as A (S = Q K^T) */
-    uint16_t* Qr = Qa + TH;              /* Q as B over rows (dK += dS^T Q) */
+    const uint16_t* Qa = rows + (b * NH + h) * TH;   /* Q as A (S = Q K^T) */
+    const uint16_t* Kw = Qa + BNH * TH;
+    const uint16_t* Vw = Kw + BNH * TH;
+    const uint16_t* Oa = drows + (b * NH + h) * TH;  /* dout as A (dP = dout V^T) */
+    uint16_t* Qr = (uint16_t*)scratch;   /* Q as B over rows (dK += dS^T Q) */
     uint16_t* Kc = Qr + TH;              /* K^T as B (S = Q K^T) */
     uint16_t* Kr = Kc + TH;              /* K as B over rows (dQ += dS K) */
     uint16_t* Vc = Kr + TH;              /* V^T as B (dP = dout V^T) */
-    uint16_t* Oa = Vc + TH;              /* dout as A (dP = dout V^T) */
-    uint16_t* Or = Oa + TH;              /* dout as B over rows (dV += P^T dout) */
-    uint16_t* Rw = Or + TH;              /* a row-major staging buffer (K, then V) */
-    uint16_t* Pb = Rw + TH;
+    uint16_t* Or = Vc + TH;              /* dout as B over rows (dV += P^T dout) */
+    uint16_t* Pb = Or + TH;
     uint16_t* PbT = Pb + BB;
     uint16_t* dSb = PbT + BB;
     uint16_t* dSbT = dSb + BB;
-    float* D = (float*)(dSbT + BB);
-    float* dq = D + Tp;
+    float* dq = (float*)(dSbT + BB);
     float* S = dq + TH;
     float* dP = S + BB;
     float* dk = dP + BB;
     float* dv = dk + ATTB_BLK * hsp;
 
     attb_mark(path);
-    ATTB_FN(pack_rows)(Qa, qb, C3, T, Tp, hs, hsp);
     ATTB_FN(rowpairs)(Qr, Qa, Tp, hsp);
-    ATTB_FN(pack_rows)(Rw, qb + C, C3, T, Tp, hs, hsp);
-    ATTB_FN(colpairs)(Kc, Rw, Tp, hsp);
-    ATTB_FN(rowpairs)(Kr, Rw, Tp, hsp);
-    ATTB_FN(pack_rows)(Rw, qb + 2 * C, C3, T, Tp, hs, hsp);
-    ATTB_FN(colpairs)(Vc, Rw, Tp, hsp);
-    ATTB_FN(pack_rows)(Oa, dob, C, T, Tp, hs, hsp);
+    ATTB_FN(colpairs)(Kc, Kw, Tp, hsp);
+    ATTB_FN(rowpairs)(Kr, Kw, Tp, hsp);
+    ATTB_FN(colpairs)(Vc, Vw, Tp, hsp);
     ATTB_FN(rowpairs)(Or, Oa, Tp, hsp);
-    for (ptrdiff_t i = 0; i < T; i++) {      /* D_i = bf16(dout_i) . out_i, the rounded dout */
-        float s = 0.0f;
-        for (ptrdiff_t d = 0; d < hs; d++) s += llmctl_bf16_to_f32(Oa[i * hsp + d]) * ob[i * C + d];
-        D[i] = s;
-    }
     memset(dq, 0, TH * 4);
     if (path == ATTB_AMX) attb_amx_begin();
     for (ptrdiff_t j0 = 0; j0 < T; j0 += ATTB_BLK) {
         memset(dk, 0, ATTB_BLK * hsp * 4);
         memset(dv, 0, ATTB_BLK * hsp * 4);
         for (ptrdiff_t i0 = j0; i0 < T; i0 += ATTB_BLK) {
-            memset(S, 0, BB * 4);
-            memset(dP, 0, BB * 4);
-            gemm(S, ATTB_BLK, Qa + i0 * hsp, hsp, Kc + j0 * hsp, 2 * ATTB_BLK, ATTB_BLK, ATTB_BLK, (int)hsp);
-            gemm(dP, ATTB_BLK, Oa + i0 * hsp, hsp, Vc + j0 * hsp, 2 * ATTB_BLK, ATTB_BLK, ATTB_BLK, (int)hsp);
+            gemm(S, ATTB_BLK, Qa + i0 * hsp, hsp, Kc + j0 * hsp, 2 * ATTB_BLK, ATTB_BLK, ATTB_BLK, (int)hsp, 0);
+            gemm(dP, ATTB_BLK, Oa + i0 * hsp, hsp, Vc + j0 * hsp, 2 * ATTB_BLK, ATTB_BLK, ATTB_BLK, (int)hsp, 0);
             for (ptrdiff_t r = 0; r < ATTB_BLK; r++) {
                 float* srow = S + r * ATTB_BLK;
                 float* dprow = dP + r * ATTB_BLK;
@@ -202,9 +204,9 @@ static void ATTB_FN(backward_head)(float* dqkv, const float* dout, const float* 
             }
             ATTB_FN(transpose_blk)(PbT, Pb);
             ATTB_FN(transpose_blk)(dSbT, dSb);
-            gemm(dv, hsp, PbT, ATTB_BLK, Or + i0 * hsp, 2 * hsp, ATTB_BLK, (int)hsp, ATTB_BLK);
-            gemm(dk, hsp, dSbT, ATTB_BLK, Qr + i0 * hsp, 2 * hsp, ATTB_BLK, (int)hsp, ATTB_BLK);
-            gemm(dq + i0 * hsp, hsp, dSb, ATTB_BLK, Kr + j0 * hsp, 2 * hsp, ATTB_BLK, (int)hsp, ATTB_BLK);
+            gemm(dv, hsp, PbT, ATTB_BLK, Or + i0 * hsp, 2 * hsp, ATTB_BLK, (int)hsp, ATTB_BLK, 1);
+            gemm(dk, hsp, dSbT, ATTB_BLK, Qr + i0 * hsp, 2 * hsp, ATTB_BLK, (int)hsp, ATTB_BLK, 1);
+            gemm(dq + i0 * hsp, hsp, dSb, ATTB_BLK, Kr + j0 * hsp, 2 * hsp, ATTB_BLK, (int)hsp, ATTB_BLK, 1);
         }
         for (ptrdiff_t c = 0; c < ATTB_BLK && j0 + c < T; c++) {
             float* dkr = dqb + C + (j0 + c) * C3;

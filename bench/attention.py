@@ -13,12 +13,18 @@ What it measures, at GPT-2 d12 head shapes (B=4, NH=12, hs=64, C=768) for each T
   see _ext/attention.pyx): their runs are interleaved, so load on a shared machine hits them
   alike and the speed-up ratios stay meaningful even when absolute times do not.
 
+- fp32 against the bf16 kernels (attention_forward_bf16 / attention_backward_bf16: q, k, v, P,
+  dout, dS rounded to bf16, fp32 accumulation) on each bf16 path named by --bf16 (default: the
+  best this CPU runs; "emulated", "avx512_bf16", "amx"), interleaved run by run like the sets, with
+  GFLOP/s and the fp32/bf16 time ratio (> 1: bf16 is faster).
+
 It is not a correctness test (tests/test_attention.py is), though it reports the max abs
 difference between the two implementations as a sanity check.
 
     python bench/attention.py                 # T = 64, 256, 1024 on 2 threads
     python bench/attention.py --T 64 --threads 1 --repeat 10 --json
     python bench/attention.py --threads 1 --no-numpy --isa default avx2 avx512
+    python bench/attention.py --threads 1 2 --no-numpy --isa --bf16 avx512_bf16 amx   # fp32 vs bf16
 
 Measured (1 thread, AMD EPYC Zen 4 shared with other jobs, GCC 12, default SSE2 build; ms, best
 of 10 runs at T <= 256 and of 2 at T = 1024; speed-up = default's time / the set's):
@@ -120,7 +126,30 @@ def _isa_times(sets, fwd, bwd, repeat):
     return best
 
 
-def bench_one(T, B, NH, hs, n_threads, repeat, with_numpy, isas=()):
+def _bf16_times(paths, fwd32, bwd32, fwd16, bwd16, repeat):
+    """{"fp32" or bf16 path: (best fwd s, best bwd s)}, interleaved run by run."""
+    prev = A.bf16_path()
+    runs = [("fp32", None, fwd32, bwd32)] + [(p, p, fwd16, bwd16) for p in paths]
+    best = {name: [math.inf, math.inf] for name, *_ in runs}
+    try:
+        for _, path, f, b in runs:            # warm up (and size the cached scratch) once each
+            if path:
+                A.set_bf16_path(path)
+            f(), b()
+        for _ in range(repeat):
+            for name, path, f, b in runs:
+                if path:
+                    A.set_bf16_path(path)
+                for j, fn in enumerate((f, b)):
+                    t0 = time.perf_counter()
+                    fn()
+                    best[name][j] = min(best[name][j], time.perf_counter() - t0)
+    finally:
+        A.set_bf16_path(prev)
+    return best
+
+
+def bench_one(T, B, NH, hs, n_threads, repeat, with_numpy, isas=(), bf16_paths=()):
     C = NH * hs
     rng = np.random.default_rng(0)
     qkv = rng.standard_normal((B, T, 3 * C)).astype(np.float32)
@@ -147,6 +176,16 @@ def bench_one(T, B, NH, hs, n_threads, repeat, with_numpy, isas=()):
     flops_fwd = B * NH * (T * (T + 1) // 2) * hs * 4          # QK^T and PV, causal half
     r["llmctl_fwd_gflops"] = flops_fwd / r["llmctl_fwd_ms"] / 1e6
     r["llmctl_bwd_gflops"] = 2.5 * flops_fwd / r["llmctl_bwd_ms"] / 1e6   # 5 T x T x hs products
+    if bf16_paths:
+        out16, lse16, dqkv16 = np.zeros_like(out), np.zeros_like(lse), np.zeros_like(dqkv)
+        fwd16 = lambda: A.attention_forward_bf16(out16, lse16, flat, B, T, C, NH, n_threads)  # noqa: E731
+        bwd16 = lambda: A.attention_backward_bf16(dqkv16, dflat, flat, out16, lse16, B, T, C, NH, n_threads)  # noqa: E731
+        bt = _bf16_times(bf16_paths, fwd, bwd, fwd16, bwd16, repeat)
+        r["bf16"] = {name: {"fwd_ms": 1e3 * f, "bwd_ms": 1e3 * b,
+                            "fwd_gflops": flops_fwd / f / 1e9, "bwd_gflops": 2.5 * flops_fwd / b / 1e9,
+                            "fwd_ratio": bt["fp32"][0] / f, "bwd_ratio": bt["fp32"][1] / b}
+                     for name, (f, b) in bt.items()}
+        r["bf16_scratch_bytes"] = A.bf16_backward_scratch_bytes(B, T, C, NH, n_threads)
     if with_numpy:
         with threadpool_limits(limits=n_threads):
             holder = {}
@@ -182,25 +221,32 @@ def main(argv=None):
     ap.add_argument("--B", type=int, default=4, help="batch size (default 4)")
     ap.add_argument("--NH", type=int, default=12, help="heads (default 12)")
     ap.add_argument("--hs", type=int, default=64, help="head size (default 64)")
-    ap.add_argument("--threads", type=int, default=2, help="OpenMP / BLAS threads (default 2)")
+    ap.add_argument("--threads", type=int, nargs="+", default=[2], help="OpenMP / BLAS threads, one run each (default 2)")
     ap.add_argument("--repeat", type=int, default=0, help="timed runs per measurement (default: 10 for T<=256, else 2)")
     ap.add_argument("--no-numpy", action="store_true", help="skip the materialised NumPy baseline")
     ap.add_argument("--isa", nargs="*", default=None,
                     help="kernel sets to time against each other, interleaved (default: default and "
                          "the best this CPU runs; --isa with no names: only the active set)")
+    ap.add_argument("--bf16", nargs="*", default=None,
+                    help="bf16 paths to time against fp32, interleaved (default: the best this CPU runs; "
+                         "--bf16 with no names: none)")
     ap.add_argument("--json", action="store_true", help="print one JSON object per T on stdout")
     args = ap.parse_args(argv)
     isas = ["default", A.best_isa()] if args.isa is None else args.isa
     bad = [n for n in isas if n not in A.available_isas()]
     if bad:
         ap.error(f"--isa {' '.join(bad)}: not available here (available: {' '.join(A.available_isas())})")
-    for T in args.T:
+    paths = [A.bf16_best_path()] if args.bf16 is None else args.bf16
+    bad = [n for n in paths if n not in A.bf16_available_paths()]
+    if bad:
+        ap.error(f"--bf16 {' '.join(bad)}: not available here (available: {' '.join(A.bf16_available_paths())})")
+    for T, threads in [(T, n) for n in args.threads for T in args.T]:
         repeat = args.repeat or (10 if T <= 256 else 2)
-        r = bench_one(T, args.B, args.NH, args.hs, args.threads, repeat, not args.no_numpy, isas)
+        r = bench_one(T, args.B, args.NH, args.hs, threads, repeat, not args.no_numpy, isas, paths)
         if args.json:
             print(json.dumps(r), flush=True)
             continue
-        line = (f"T={T:5d} B={args.B} NH={args.NH} hs={args.hs} threads={args.threads} | llmctl[{r['isa']}] fwd "
+        line = (f"T={T:5d} B={args.B} NH={args.NH} hs={args.hs} threads={threads} | llmctl[{r['isa']}] fwd "
                 f"{r['llmctl_fwd_ms']:8.2f} ms ({r['llmctl_fwd_gflops']:.1f} GFLOP/s) bwd {r['llmctl_bwd_ms']:8.2f} ms "
                 f"({r['llmctl_bwd_gflops']:.1f} GFLOP/s) peak extra {_mb(r['llmctl_peak_extra_bytes'])}")
         if "numpy_fwd_ms" in r:
@@ -213,6 +259,13 @@ def main(argv=None):
             if name in r.get("isa_speedup", {}):
                 sp = r["isa_speedup"][name]
                 line += f"  = {sp['fwd']:.2f}x / {sp['bwd']:.2f}x the default set"
+        for name, t in r.get("bf16", {}).items():
+            line += (f"\n        {'fp32' if name == 'fp32' else 'bf16 ' + name:16s} fwd {t['fwd_ms']:8.2f} ms "
+                     f"({t['fwd_gflops']:6.1f} GFLOP/s) bwd {t['bwd_ms']:8.2f} ms ({t['bwd_gflops']:6.1f} GFLOP/s)")
+            if name != "fp32":
+                line += f"  fp32/bf16 time {t['fwd_ratio']:.2f}x / {t['bwd_ratio']:.2f}x"
+        if "bf16_scratch_bytes" in r:
+            line += f"\n        bf16 scratch (kept between calls) {_mb(r['bf16_scratch_bytes'])}"
         print(line, file=sys.stderr, flush=True)
 
 

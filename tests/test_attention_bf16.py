@@ -228,8 +228,8 @@ def test_paths_agree_to_fp32_rounding():
 
 def test_no_t_by_t_allocation():
     T, C, NH = 2048, 64, 1
-    assert A.bf16_backward_scratch_bytes(T, C, NH) < 16 * T * C * 2     # O(T*hs), not T*T
-    assert A.bf16_forward_scratch_bytes(T, C, NH) < 8 * T * C * 2
+    assert A.bf16_backward_scratch_bytes(1, T, C, NH) < 16 * T * C * 2  # O(T*hs), not T*T
+    assert A.bf16_forward_scratch_bytes(1, T, C, NH) < 8 * T * C * 2
     qkv, dout = _inputs(1, T, C, seed=2)
     out = np.zeros(T * C, np.float32)
     lse = np.zeros(T * NH, np.float32)
