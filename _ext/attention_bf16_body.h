@@ -135,10 +135,11 @@ static void ATTB_FN(forward_head)(float* out, float* lse, const uint16_t* rows, 
 
 /* ---- backward: one (batch, head); dqkv += ---- */
 
-static void ATTB_FN(transpose_blk)(uint16_t* dst, const uint16_t* src)
+/* dst (hsp x Tp) = R (Tp x hsp)^T: Q and dout as the A of dK^T += Q^T dS and dV^T += dout^T P */
+static void ATTB_FN(transpose)(uint16_t* dst, const uint16_t* R, ptrdiff_t Tp, ptrdiff_t hsp)
 {
-    for (int i = 0; i < ATTB_BLK; i++)
-        for (int j = 0; j < ATTB_BLK; j++) dst[j * ATTB_BLK + i] = src[i * ATTB_BLK + j];
+    for (ptrdiff_t t = 0; t < Tp; t++)
+        for (ptrdiff_t d = 0; d < hsp; d++) dst[d * Tp + t] = R[t * hsp + d];
 }
 
 static void ATTB_FN(backward_head)(float* dqkv, const uint16_t* rows, const uint16_t* drows,
@@ -157,32 +158,32 @@ static void ATTB_FN(backward_head)(float* dqkv, const uint16_t* rows, const uint
     const uint16_t* Kw = Qa + BNH * TH;
     const uint16_t* Vw = Kw + BNH * TH;
     const uint16_t* Oa = drows + (b * NH + h) * TH;  /* dout as A (dP = dout V^T) */
-    uint16_t* Qr = (uint16_t*)scratch;   /* Q as B over rows (dK += dS^T Q) */
-    uint16_t* Kc = Qr + TH;              /* K^T as B (S = Q K^T) */
+    uint16_t* QT = (uint16_t*)scratch;   /* Q^T as A (dK^T += Q^T dS) */
+    uint16_t* Kc = QT + TH;              /* K^T as B (S = Q K^T) */
     uint16_t* Kr = Kc + TH;              /* K as B over rows (dQ += dS K) */
     uint16_t* Vc = Kr + TH;              /* V^T as B (dP = dout V^T) */
-    uint16_t* Or = Vc + TH;              /* dout as B over rows (dV += P^T dout) */
-    uint16_t* Pb = Or + TH;
-    uint16_t* PbT = Pb + BB;
-    uint16_t* dSb = PbT + BB;
-    uint16_t* dSbT = dSb + BB;
-    float* dq = (float*)(dSbT + BB);
+    uint16_t* OT = Vc + TH;              /* dout^T as A (dV^T += dout^T P) */
+    uint16_t* Pb = OT + TH;              /* P, dS (bf16) and the same with rows paired */
+    uint16_t* Pp = Pb + BB;
+    uint16_t* dSb = Pp + BB;
+    uint16_t* dSp = dSb + BB;
+    float* dq = (float*)(dSp + BB);
     float* S = dq + TH;
     float* dP = S + BB;
-    float* dk = dP + BB;
-    float* dv = dk + ATTB_BLK * hsp;
+    float* dkT = dP + BB;                /* dK^T, dV^T of the key block (hsp x 32) */
+    float* dvT = dkT + ATTB_BLK * hsp;
 
     attb_mark(path);
-    ATTB_FN(rowpairs)(Qr, Qa, Tp, hsp);
+    ATTB_FN(transpose)(QT, Qa, Tp, hsp);
     ATTB_FN(colpairs)(Kc, Kw, Tp, hsp);
     ATTB_FN(rowpairs)(Kr, Kw, Tp, hsp);
     ATTB_FN(colpairs)(Vc, Vw, Tp, hsp);
-    ATTB_FN(rowpairs)(Or, Oa, Tp, hsp);
+    ATTB_FN(transpose)(OT, Oa, Tp, hsp);
     memset(dq, 0, TH * 4);
     if (path == ATTB_AMX) attb_amx_begin();
     for (ptrdiff_t j0 = 0; j0 < T; j0 += ATTB_BLK) {
-        memset(dk, 0, ATTB_BLK * hsp * 4);
-        memset(dv, 0, ATTB_BLK * hsp * 4);
+        memset(dkT, 0, ATTB_BLK * hsp * 4);
+        memset(dvT, 0, ATTB_BLK * hsp * 4);
         for (ptrdiff_t i0 = j0; i0 < T; i0 += ATTB_BLK) {
             gemm(S, ATTB_BLK, Qa + i0 * hsp, hsp, Kc + j0 * hsp, 2 * ATTB_BLK, ATTB_BLK, ATTB_BLK, (int)hsp, 0);
             gemm(dP, ATTB_BLK, Oa + i0 * hsp, hsp, Vc + j0 * hsp, 2 * ATTB_BLK, ATTB_BLK, ATTB_BLK, (int)hsp, 0);
@@ -202,18 +203,20 @@ static void ATTB_FN(backward_head)(float* dqkv, const uint16_t* rows, const uint
                     dSb[r * ATTB_BLK + c] = 0;
                 }
             }
-            ATTB_FN(transpose_blk)(PbT, Pb);
-            ATTB_FN(transpose_blk)(dSbT, dSb);
-            gemm(dv, hsp, PbT, ATTB_BLK, Or + i0 * hsp, 2 * hsp, ATTB_BLK, (int)hsp, ATTB_BLK, 1);
-            gemm(dk, hsp, dSbT, ATTB_BLK, Qr + i0 * hsp, 2 * hsp, ATTB_BLK, (int)hsp, ATTB_BLK, 1);
+            /* dV^T += dout^T P and dK^T += Q^T dS: the same products and sums over the rows as
+               dV += P^T dout, dK += dS^T Q, without transposing P and dS (only pairing rows) */
+            ATTB_FN(rowpairs)(Pp, Pb, ATTB_BLK, ATTB_BLK);
+            ATTB_FN(rowpairs)(dSp, dSb, ATTB_BLK, ATTB_BLK);
+            gemm(dvT, ATTB_BLK, OT + i0, Tp, Pp, 2 * ATTB_BLK, (int)hsp, ATTB_BLK, ATTB_BLK, 1);
+            gemm(dkT, ATTB_BLK, QT + i0, Tp, dSp, 2 * ATTB_BLK, (int)hsp, ATTB_BLK, ATTB_BLK, 1);
             gemm(dq + i0 * hsp, hsp, dSb, ATTB_BLK, Kr + j0 * hsp, 2 * hsp, ATTB_BLK, (int)hsp, ATTB_BLK, 1);
         }
         for (ptrdiff_t c = 0; c < ATTB_BLK && j0 + c < T; c++) {
             float* dkr = dqb + C + (j0 + c) * C3;
             float* dvr = dqb + 2 * C + (j0 + c) * C3;
             for (ptrdiff_t d = 0; d < hs; d++) {
-                dkr[d] += dk[c * hsp + d];
-                dvr[d] += dv[c * hsp + d];
+                dkr[d] += dkT[d * ATTB_BLK + c];
+                dvr[d] += dvT[d * ATTB_BLK + c];
             }
         }
     }
