@@ -47,6 +47,19 @@ reproducible; to reproduce bits on another machine, force the same class with LL
 Speed (bench/attention.py, d12 heads B=4 NH=12 hs=64, 1 thread, AMD EPYC (Zen 4), forward /
 backward time of "default" over the set's): avx512 2.0x/2.2x at T=64, 2.7x/2.8x at T=256,
 2.4x/2.7x at T=1024; avx2 1.9x/2.0x, 2.4x/2.3x, 2.1x/2.5x.
+
+bf16 (attention_forward_bf16 / attention_backward_bf16, _ext/attention_bf16.h): the same
+attention with its products on bf16 operands for the bf16 model. q, k, v and dout are rounded to
+bf16 once, in one pass along the rows of qkv/dout; P is rounded before P V and P^T dout, dS before
+dS K and dS^T Q; every product is exact and summed in fp32; softmax, lse and D stay fp32 (the exp
+is the "default" set's polynomial as a vectorisable loop, so LLMCTL_ATT_ISA does not change them). Work items are (batch, head); 32-row blocks. The products run on one
+of three paths, picked at import from cpuid (and, for AMX, Linux's permission to use the tiles,
+asked once with arch_prctl; refused -> AVX512_BF16) or by LLMCTL_ATT_BF16=emulated|avx512_bf16|amx
+|auto, or set_bf16_path(): "amx" (TDPBF16PS tiles), "avx512_bf16" (VDPBF16PS), "emulated" (plain
+C on fp32, the same rounding points, every CPU). They differ only in the order of fp32 additions;
+"emulated" adds each pair in VDPBF16PS's documented order. Bit-identical for any thread count on
+a given path. Scratch (a bf16 copy of qkv, dout for backward, and O(T*hs) per thread) is kept
+between calls. Speed and the fp32/bf16 ratios: docs/performance.md.
 """
 from cython.parallel cimport parallel, prange
 from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc
@@ -100,10 +113,10 @@ cdef extern from "attention_bf16.h" nogil:
                          float* D, const float* out, int path)
     void attb_forward_head(float* out, float* lse, const uint16_t* rows, Py_ssize_t B, Py_ssize_t b,
                            Py_ssize_t h, Py_ssize_t T, Py_ssize_t C, Py_ssize_t NH, void* scratch,
-                           const att_kern_t* K, int path)
+                           int path)
     void attb_backward_head(float* dqkv, const uint16_t* rows, const uint16_t* drows, const float* D,
                             const float* lse, Py_ssize_t B, Py_ssize_t b, Py_ssize_t h, Py_ssize_t T,
-                            Py_ssize_t C, Py_ssize_t NH, void* scratch, const att_kern_t* K, int path)
+                            Py_ssize_t C, Py_ssize_t NH, void* scratch, int path)
 
 # tile sizes: BR query rows per forward work item, BC keys per key tile, BQ query rows per
 # backward block; the transposed (hs, BC) key/value tiles are 16 KB each at hs=64
@@ -692,7 +705,6 @@ def attention_forward_bf16(float[::1] out, float[::1] lse, const float[::1] qkv,
         return
     cdef Py_ssize_t nwork = <Py_ssize_t>B * NH
     cdef int nt = n_threads if n_threads < nwork else <int>nwork
-    cdef const att_kern_t* K = _kern
     cdef int path = _bf16
     cdef Py_ssize_t per = _align64(attb_forward_scratch_bytes(T, C // NH))
     cdef Py_ssize_t shared = _align64(attb_shared_bytes(B, T, C, NH, 0))
@@ -713,7 +725,7 @@ def attention_forward_bf16(float[::1] out, float[::1] lse, const float[::1] qkv,
             with parallel(num_threads=nt):
                 for w in prange(nwork, schedule='static', chunksize=1):
                     attb_forward_head(&out[0], &lse[0], rows, B, w // NH, w % NH, T, C, NH,
-                                      base + shared + omp_get_thread_num() * per, K, path)
+                                      base + shared + omp_get_thread_num() * per, path)
     finally:
         _give_scratch(scratch, own)
 
@@ -740,7 +752,6 @@ def attention_backward_bf16(float[::1] dqkv, const float[::1] dout, const float[
         return
     cdef Py_ssize_t nwork = <Py_ssize_t>B * NH
     cdef int nt = n_threads if n_threads < nwork else <int>nwork
-    cdef const att_kern_t* K = _kern
     cdef int path = _bf16
     cdef Py_ssize_t per = _align64(attb_backward_scratch_bytes(T, C // NH))
     cdef Py_ssize_t shared = _align64(attb_shared_bytes(B, T, C, NH, 1))
@@ -768,6 +779,6 @@ def attention_backward_bf16(float[::1] dqkv, const float[::1] dout, const float[
             with parallel(num_threads=nt):
                 for w in prange(nwork, schedule='static', chunksize=1):
                     attb_backward_head(&dqkv[0], rows, drows, D, &lse[0], B, w // NH, w % NH,
-                                       T, C, NH, base + shared + omp_get_thread_num() * per, K, path)
+                                       T, C, NH, base + shared + omp_get_thread_num() * per, path)
     finally:
         _give_scratch(scratch, own)

@@ -7,7 +7,10 @@
  * the probabilities P before P V, P^T dout, and dS before dS K, dS^T Q. Every product of two bf16
  * is exact in fp32 and is added into an fp32 accumulator. Everything else (scores, the running
  * max and sum, lse, D = dout.out, dS = P (dP - D) / sqrt(hs), the accumulation of dQ, dK, dV) is
- * fp32, as in the fp32 kernels. The paths differ only in the order of the fp32 additions:
+ * fp32, as in the fp32 kernels (the exp is attention_kernels.h's polynomial in its unfused
+ * "default" form, written as a loop over a block row, so the bf16 results do not depend on the fp32
+ * kernel set; row sums are kept as 16 lane partials). The paths differ only in the order of fp32
+ * additions:
  *   "amx"          AMX tiles (TDPBF16PS), 32 x 32 output blocks of four 16 x 16 tiles;
  *   "avx512_bf16"  VDPBF16PS, 4 rows x 32 columns of accumulators in registers;
  *   "emulated"     plain C on fp32: each pair adds a[2r+1] b[2r+1], then a[2r] b[2r] (VDPBF16PS's
@@ -225,7 +228,7 @@ static ptrdiff_t attb_forward_scratch_bytes(ptrdiff_t T, ptrdiff_t hs)
 {
     ptrdiff_t Tp = attb_pad(T, ATTB_BLK), hsp = attb_pad(hs, 32);
     return 2 * Tp * hsp * 2 + ATTB_BLK * ATTB_BLK * 2                  /* Kc, Vr, Pb */
-           + (ATTB_BLK * ATTB_BLK + ATTB_BLK * hsp + 2 * ATTB_BLK) * 4;   /* S, acc, m, l */
+           + (ATTB_BLK * ATTB_BLK + ATTB_BLK * hsp + ATTB_BLK + ATTB_BLK * ATTB_BLK / 2) * 4;  /* S, acc, m, l */
 }
 
 static ptrdiff_t attb_backward_scratch_bytes(ptrdiff_t T, ptrdiff_t hs)
@@ -269,19 +272,19 @@ static void attb_pack_heads(uint16_t* dst, const float* src, ptrdiff_t n, ptrdif
 /* out (B,T,C) rows of head h, lse (B,NH,T), from pack_heads' rows of qkv */
 static void attb_forward_head(float* out, float* lse, const uint16_t* rows, ptrdiff_t B,
                               ptrdiff_t b, ptrdiff_t h, ptrdiff_t T, ptrdiff_t C, ptrdiff_t NH,
-                              void* scratch, const att_kern_t* K, int path)
+                              void* scratch, int path)
 {
     (path == ATTB_EMULATED ? attb_forward_head_base : ATTB_NATIVE(forward_head))
-        (out, lse, rows, B, b, h, T, C, NH, scratch, K, path);
+        (out, lse, rows, B, b, h, T, C, NH, scratch, path);
 }
 
 /* dqkv (B,T,3C) += the gradient of head h, from pack_heads' rows of qkv and dout, and D */
 static void attb_backward_head(float* dqkv, const uint16_t* rows, const uint16_t* drows,
                                const float* D, const float* lse, ptrdiff_t B, ptrdiff_t b,
                                ptrdiff_t h, ptrdiff_t T, ptrdiff_t C, ptrdiff_t NH, void* scratch,
-                               const att_kern_t* K, int path)
+                               int path)
 {
     (path == ATTB_EMULATED ? attb_backward_head_base : ATTB_NATIVE(backward_head))
-        (dqkv, rows, drows, D, lse, B, b, h, T, C, NH, scratch, K, path);
+        (dqkv, rows, drows, D, lse, B, b, h, T, C, NH, scratch, path);
 }
 #endif /* LLMCTL_ATTENTION_BF16_H */

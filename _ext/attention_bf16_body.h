@@ -35,6 +35,46 @@ static void ATTB_FN(pack_heads)(uint16_t* dst, const float* src, ptrdiff_t n, pt
                 memset(dst + (((w * B + b) * NH + h) * Tp + T) * hsp, 0, (size_t)(Tp - T) * hsp * 2);
 }
 
+/* exp(v): attention_kernels.h's exp (Cody-Waite, Cephes degree 6, unfused as in its "default"
+   set); -inf (a masked key) -> 0. Inlined into exp_row's loop, which gcc vectorises. */
+static inline float ATTB_FN(exp1)(float v)
+{
+    float xc = v < ATT_EXP_LO ? ATT_EXP_LO : (v > ATT_EXP_HI ? ATT_EXP_HI : v);
+    float t = xc * ATT_LOG2E + ATT_SHIFT;
+    float n = t - ATT_SHIFT;
+    uint32_t ti, bits;
+    float r, y, pow2n;
+    memcpy(&ti, &t, 4);
+    r = n * -ATT_LN2_HI + xc;
+    r = n * -ATT_LN2_LO + r;
+    y = ATT_P0;
+    y = y * r + ATT_P1;
+    y = y * r + ATT_P2;
+    y = y * r + ATT_P3;
+    y = y * r + ATT_P4;
+    y = y * r + ATT_P5;
+    y = y * (r * r) + r + 1.0f;
+    bits = (ti - 0x4B400000u + 127u) << 23;
+    memcpy(&pow2n, &bits, 4);
+    return v < ATT_EXP_LO ? 0.0f : y * pow2n;
+}
+
+/* x[c] = exp(x[c]) for a block row */
+static inline void ATTB_FN(exp_row)(float* x)
+{
+    for (int c = 0; c < ATTB_BLK; c++) x[c] = ATTB_FN(exp1)(x[c]);
+}
+
+/* max(m0, x[0..ATTB_BLK)) by halving (max is exact in any order), vectorisable */
+static inline float ATTB_FN(row_max)(const float* x, float m0)
+{
+    float h[ATTB_BLK / 2];
+    for (int c = 0; c < ATTB_BLK / 2; c++) h[c] = x[c] > x[c + ATTB_BLK / 2] ? x[c] : x[c + ATTB_BLK / 2];
+    for (int w = ATTB_BLK / 4; w >= 1; w /= 2)
+        for (int c = 0; c < w; c++) h[c] = h[c] > h[c + w] ? h[c] : h[c + w];
+    return h[0] > m0 ? h[0] : m0;
+}
+
 /* rows paired (Tp/2 x hsp x 2), from row-major R: the B form of X when X's rows are the K
    dimension (V in P V, dout in P^T dout, Q in dS^T Q, K in dS K) */
 static void ATTB_FN(rowpairs)(uint16_t* dst, const uint16_t* R, ptrdiff_t Tp, ptrdiff_t hsp)
@@ -68,7 +108,7 @@ static void ATTB_FN(colpairs)(uint16_t* dst, const uint16_t* R, ptrdiff_t Tp, pt
 /* out (B,T,C) rows of head h, lse (B,NH,T); qkv (B,T,3C) fp32; path picks the GEMM */
 static void ATTB_FN(forward_head)(float* out, float* lse, const uint16_t* rows, ptrdiff_t B,
                                   ptrdiff_t b, ptrdiff_t h, ptrdiff_t T, ptrdiff_t C, ptrdiff_t NH,
-                                  void* scratch, const att_kern_t* K, int path)
+                                  void* scratch, int path)
 {
     const ptrdiff_t hs = C / NH, Tp = attb_pad(T, ATTB_BLK), hsp = attb_pad(hs, 32);
     const ptrdiff_t TH = Tp * hsp, BNH = B * NH;
@@ -83,7 +123,7 @@ static void ATTB_FN(forward_head)(float* out, float* lse, const uint16_t* rows, 
     float* S = (float*)(Pb + ATTB_BLK * ATTB_BLK);
     float* acc = S + ATTB_BLK * ATTB_BLK;
     float* m = acc + ATTB_BLK * hsp;
-    float* l = m + ATTB_BLK;
+    float* l = m + ATTB_BLK;             /* ATTB_BLK/2 lane partials of the row sums per row */
 
     attb_mark(path);
     ATTB_FN(colpairs)(Kb, Kw, Tp, hsp);
@@ -94,7 +134,7 @@ static void ATTB_FN(forward_head)(float* out, float* lse, const uint16_t* rows, 
         memset(acc, 0, ATTB_BLK * hsp * 4);
         for (int r = 0; r < ATTB_BLK; r++) {
             m[r] = -INFINITY;
-            l[r] = 0.0f;
+            for (int q = 0; q < ATTB_BLK / 2; q++) l[r * (ATTB_BLK / 2) + q] = 0.0f;
         }
         for (ptrdiff_t j0 = 0; j0 <= i0; j0 += ATTB_BLK) {
             gemm(S, ATTB_BLK, Qa + i0 * hsp, hsp, Kb + j0 * hsp, 2 * ATTB_BLK, ATTB_BLK, ATTB_BLK, (int)hsp, 0);
@@ -108,26 +148,29 @@ static void ATTB_FN(forward_head)(float* out, float* lse, const uint16_t* rows, 
                     memset(prow, 0, ATTB_BLK * 2);
                     continue;
                 }
-                float mx = att_scale_max(K, srow, ncr, scale, m[r]);
-                /* 0 on the first block (m = -inf); exp(0) is exactly 1 in every kernel set */
-                float corr = mx == m[r] ? 1.0f : att_expf(K, m[r] - mx);
-                float tot = att_exp_sum(K, srow, ncr, mx);
-                l[r] = l[r] * corr + tot;
+                for (int c = 0; c < ATTB_BLK; c++) srow[c] = c < ncr ? srow[c] * scale : -INFINITY;
+                float mx = ATTB_FN(row_max)(srow, m[r]);
+                float corr = ATTB_FN(exp1)(m[r] - mx);   /* 0 on the first block (m = -inf) */
+                float* lr = l + r * (ATTB_BLK / 2);
+                for (int c = 0; c < ATTB_BLK; c++) srow[c] -= mx;
+                ATTB_FN(exp_row)(srow);
+                for (int q = 0; q < ATTB_BLK / 2; q++) lr[q] = lr[q] * corr + (srow[q] + srow[q + ATTB_BLK / 2]);
                 m[r] = mx;
                 if (corr != 1.0f) {
                     float* a = acc + r * hsp;
                     for (ptrdiff_t d = 0; d < hsp; d++) a[d] *= corr;
                 }
-                for (ptrdiff_t c = 0; c < ncr; c++) prow[c] = attb_rnd(srow[c]);
-                for (ptrdiff_t c = ncr; c < ATTB_BLK; c++) prow[c] = 0;
+                for (int c = 0; c < ATTB_BLK; c++) prow[c] = attb_rnd(srow[c]);
             }
             gemm(acc, hsp, Pb, ATTB_BLK, Vb + j0 * hsp, 2 * hsp, ATTB_BLK, (int)hsp, ATTB_BLK, 1);
         }
         for (ptrdiff_t r = 0; r < nr; r++) {
-            float inv = 1.0f / l[r];
+            float lsum = 0.0f;
+            for (int q = 0; q < ATTB_BLK / 2; q++) lsum += l[r * (ATTB_BLK / 2) + q];
+            float inv = 1.0f / lsum;
             float* o = out + (b * T + i0 + r) * C + h * hs;
             for (ptrdiff_t d = 0; d < hs; d++) o[d] = acc[r * hsp + d] * inv;
-            lse[(b * NH + h) * T + i0 + r] = m[r] + logf(l[r]);
+            lse[(b * NH + h) * T + i0 + r] = m[r] + logf(lsum);
         }
     }
     if (path == ATTB_AMX) attb_amx_end();
@@ -145,7 +188,7 @@ static void ATTB_FN(transpose)(uint16_t* dst, const uint16_t* R, ptrdiff_t Tp, p
 static void ATTB_FN(backward_head)(float* dqkv, const uint16_t* rows, const uint16_t* drows,
                                    const float* Dall, const float* lse, ptrdiff_t B, ptrdiff_t b,
                                    ptrdiff_t h, ptrdiff_t T, ptrdiff_t C, ptrdiff_t NH,
-                                   void* scratch, const att_kern_t* K, int path)
+                                   void* scratch, int path)
 {
     const ptrdiff_t hs = C / NH, C3 = 3 * C, Tp = attb_pad(T, ATTB_BLK), hsp = attb_pad(hs, 32);
     const ptrdiff_t BB = ATTB_BLK * ATTB_BLK, TH = Tp * hsp, BNH = B * NH;
@@ -190,17 +233,15 @@ static void ATTB_FN(backward_head)(float* dqkv, const uint16_t* rows, const uint
             for (ptrdiff_t r = 0; r < ATTB_BLK; r++) {
                 float* srow = S + r * ATTB_BLK;
                 float* dprow = dP + r * ATTB_BLK;
-                ptrdiff_t i = i0 + r, ncr = i + 1 - j0, c;
+                ptrdiff_t i = i0 + r, ncr = i + 1 - j0;
+                float li = i < T ? lb[i] : 0.0f, Di = i < T ? D[i] : 0.0f;
                 if (i >= T) ncr = 0;
-                if (ncr > ATTB_BLK) ncr = ATTB_BLK;
-                if (ncr > 0) att_exp_affine(K, srow, ncr, scale, lb[i]);   /* P = exp(s/sqrt(hs) - lse) */
-                for (c = 0; c < ncr; c++) {
+                for (int c = 0; c < ATTB_BLK; c++)       /* P = exp(s/sqrt(hs) - lse), 0 if masked */
+                    srow[c] = c < ncr ? srow[c] * scale - li : -INFINITY;
+                ATTB_FN(exp_row)(srow);
+                for (int c = 0; c < ATTB_BLK; c++) {
                     Pb[r * ATTB_BLK + c] = attb_rnd(srow[c]);
-                    dSb[r * ATTB_BLK + c] = attb_rnd(srow[c] * (dprow[c] - D[i]) * scale);
-                }
-                for (; c < ATTB_BLK; c++) {
-                    Pb[r * ATTB_BLK + c] = 0;
-                    dSb[r * ATTB_BLK + c] = 0;
+                    dSb[r * ATTB_BLK + c] = attb_rnd(srow[c] * (dprow[c] - Di) * scale);
                 }
             }
             /* dV^T += dout^T P and dK^T += Q^T dS: the same products and sums over the rows as

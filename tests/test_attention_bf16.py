@@ -304,3 +304,22 @@ def test_bf16_model_runs_the_bf16_attention_and_fp32_does_not(monkeypatch):
         m.forward(x[:, :-1], x[:, 1:])
         m.backward()
         assert A._bf16_ran() == want, precision
+
+
+def test_bf16_results_do_not_depend_on_the_fp32_kernel_set(path):
+    # the bf16 kernels' exp is their own loop (the "default" set's polynomial), not the active
+    # fp32 set's: forcing another set (LLMCTL_ATT_ISA) leaves their bits unchanged
+    B, T, C, NH = 1, 70, 64, 1
+    qkv, dout = _inputs(B, T, C, seed=6)
+    prev = A.isa()
+    got = []
+    try:
+        for isa in A.available_isas():
+            A.set_isa(isa)
+            out, lse = _forward(qkv, NH, 1)
+            got.append((out, lse, _backward(dout, qkv, out, lse, NH, 1)))
+    finally:
+        A.set_isa(prev)
+    for g in got[1:]:
+        for x, y in zip(g, got[0]):
+            np.testing.assert_array_equal(x, y)
