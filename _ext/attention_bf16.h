@@ -8,9 +8,8 @@
  * is exact in fp32 and is added into an fp32 accumulator. Everything else (scores, the running
  * max and sum, lse, D = dout.out, dS = P (dP - D) / sqrt(hs), the accumulation of dQ, dK, dV) is
  * fp32, as in the fp32 kernels (the exp is attention_kernels.h's polynomial in its unfused
- * "default" form, written as a loop over a block row, so the bf16 results do not depend on the fp32
- * kernel set; row sums are kept as 16 lane partials). The paths differ only in the order of fp32
- * additions:
+ * "default" form, written as loops gcc vectorises, so the bf16 results do not depend on the fp32
+ * kernel set). The paths differ only in the order of fp32 additions:
  *   "amx"          AMX tiles (TDPBF16PS), 32 x 32 output blocks of four 16 x 16 tiles;
  *   "avx512_bf16"  VDPBF16PS, 4 rows x 32 columns of accumulators in registers;
  *   "emulated"     plain C on fp32: each pair adds a[2r+1] b[2r+1], then a[2r] b[2r] (VDPBF16PS's
@@ -227,8 +226,8 @@ static inline ptrdiff_t attb_pad(ptrdiff_t n, ptrdiff_t to) { return (n + to - 1
 static ptrdiff_t attb_forward_scratch_bytes(ptrdiff_t T, ptrdiff_t hs)
 {
     ptrdiff_t Tp = attb_pad(T, ATTB_BLK), hsp = attb_pad(hs, 32);
-    return 2 * Tp * hsp * 2 + ATTB_BLK * ATTB_BLK * 2                  /* Kc, Vr, Pb */
-           + (ATTB_BLK * ATTB_BLK + ATTB_BLK * hsp + ATTB_BLK + ATTB_BLK * ATTB_BLK / 2) * 4;  /* S, acc, m, l */
+    return 2 * Tp * hsp * 2 + ATTB_BLK * ATTB_BLK * 2                  /* Q^T, V^T, P^T */
+           + (ATTB_BLK * ATTB_BLK + ATTB_BLK * hsp + 4 * ATTB_BLK) * 4;   /* S^T, out^T, m l corr max */
 }
 
 static ptrdiff_t attb_backward_scratch_bytes(ptrdiff_t T, ptrdiff_t hs)

@@ -36,7 +36,7 @@ static void ATTB_FN(pack_heads)(uint16_t* dst, const float* src, ptrdiff_t n, pt
 }
 
 /* exp(v): attention_kernels.h's exp (Cody-Waite, Cephes degree 6, unfused as in its "default"
-   set); -inf (a masked key) -> 0. Inlined into exp_row's loop, which gcc vectorises. */
+   set); -inf (a masked key) -> 0. Inlined into the loops over a block, which gcc vectorises. */
 static inline float ATTB_FN(exp1)(float v)
 {
     float xc = v < ATT_EXP_LO ? ATT_EXP_LO : (v > ATT_EXP_HI ? ATT_EXP_HI : v);
@@ -63,16 +63,6 @@ static inline float ATTB_FN(exp1)(float v)
 static inline void ATTB_FN(exp_row)(float* x)
 {
     for (int c = 0; c < ATTB_BLK; c++) x[c] = ATTB_FN(exp1)(x[c]);
-}
-
-/* max(m0, x[0..ATTB_BLK)) by halving (max is exact in any order), vectorisable */
-static inline float ATTB_FN(row_max)(const float* x, float m0)
-{
-    float h[ATTB_BLK / 2];
-    for (int c = 0; c < ATTB_BLK / 2; c++) h[c] = x[c] > x[c + ATTB_BLK / 2] ? x[c] : x[c + ATTB_BLK / 2];
-    for (int w = ATTB_BLK / 4; w >= 1; w /= 2)
-        for (int c = 0; c < w; c++) h[c] = h[c] > h[c + w] ? h[c] : h[c + w];
-    return h[0] > m0 ? h[0] : m0;
 }
 
 /* rows paired (Tp/2 x hsp x 2), from row-major R: the B form of X when X's rows are the K
@@ -105,85 +95,97 @@ static void ATTB_FN(colpairs)(uint16_t* dst, const uint16_t* R, ptrdiff_t Tp, pt
 
 /* ---- forward: one (batch, head) ---- */
 
-/* out (B,T,C) rows of head h, lse (B,NH,T); qkv (B,T,3C) fp32; path picks the GEMM */
+/* dst (hsp x Tp) = R (Tp x hsp)^T: V, Q, dout as the A of out^T += V^T P^T, dK^T += Q^T dS, dV^T += dout^T P */
+static void ATTB_FN(transpose)(uint16_t* dst, const uint16_t* R, ptrdiff_t Tp, ptrdiff_t hsp)
+{
+    for (ptrdiff_t t = 0; t < Tp; t++)
+        for (ptrdiff_t d = 0; d < hsp; d++) dst[d * Tp + t] = R[t * hsp + d];
+}
+
+/* Works on transposed blocks, S^T = K Q^T (keys x query rows) and out^T += V^T P^T, so that the
+   online softmax runs down the keys with the 32 query rows in the vector lanes: the running max,
+   the correction exp(m_old - m_new) and the row sums are elementwise vector operations, with no
+   horizontal reduction per row and block. Row i's sum adds its keys in order. */
 static void ATTB_FN(forward_head)(float* out, float* lse, const uint16_t* rows, ptrdiff_t B,
                                   ptrdiff_t b, ptrdiff_t h, ptrdiff_t T, ptrdiff_t C, ptrdiff_t NH,
                                   void* scratch, int path)
 {
-    const ptrdiff_t hs = C / NH, Tp = attb_pad(T, ATTB_BLK), hsp = attb_pad(hs, 32);
+    enum { N = ATTB_BLK };
+    const ptrdiff_t hs = C / NH, Tp = attb_pad(T, N), hsp = attb_pad(hs, 32);
     const ptrdiff_t TH = Tp * hsp, BNH = B * NH;
     const float scale = 1.0f / sqrtf((float)hs);
     attb_gemm_t gemm = attb_gemms[path];
     const uint16_t* Qa = rows + (b * NH + h) * TH;   /* pack_heads' q, k, v of this head */
-    const uint16_t* Kw = Qa + BNH * TH;
+    const uint16_t* Kw = Qa + BNH * TH;              /* K as A (S^T = K Q^T) */
     const uint16_t* Vw = Kw + BNH * TH;
-    uint16_t* Kb = (uint16_t*)scratch;
-    uint16_t* Vb = Kb + TH;
-    uint16_t* Pb = Vb + TH;
-    float* S = (float*)(Pb + ATTB_BLK * ATTB_BLK);
-    float* acc = S + ATTB_BLK * ATTB_BLK;
-    float* m = acc + ATTB_BLK * hsp;
-    float* l = m + ATTB_BLK;             /* ATTB_BLK/2 lane partials of the row sums per row */
+    uint16_t* Qc = (uint16_t*)scratch;               /* Q^T as B (S^T = K Q^T) */
+    uint16_t* VT = Qc + TH;                          /* V^T as A (out^T += V^T P^T) */
+    uint16_t* Pp = VT + TH;                          /* bf16 P^T, keys paired: B of out^T += V^T P^T */
+    float* ST = (float*)(Pp + N * N);                /* S^T, then P^T (keys x rows) */
+    float* accT = ST + N * N;                        /* out^T (hsp x rows), unnormalised */
+    float* m = accT + N * hsp;                       /* per row: running max, sum, correction */
+    float* l = m + N;
+    float* corr = l + N;
+    float* mx = corr + N;
 
     attb_mark(path);
-    ATTB_FN(colpairs)(Kb, Kw, Tp, hsp);
-    ATTB_FN(rowpairs)(Vb, Vw, Tp, hsp);
+    ATTB_FN(colpairs)(Qc, Qa, Tp, hsp);
+    ATTB_FN(transpose)(VT, Vw, Tp, hsp);
     if (path == ATTB_AMX) attb_amx_begin();
-    for (ptrdiff_t i0 = 0; i0 < T; i0 += ATTB_BLK) {
-        ptrdiff_t nr = T - i0 < ATTB_BLK ? T - i0 : ATTB_BLK;
-        memset(acc, 0, ATTB_BLK * hsp * 4);
-        for (int r = 0; r < ATTB_BLK; r++) {
+    for (ptrdiff_t i0 = 0; i0 < T; i0 += N) {
+        ptrdiff_t nr = T - i0 < N ? T - i0 : N;
+        memset(accT, 0, N * hsp * 4);
+        for (int r = 0; r < N; r++) {
             m[r] = -INFINITY;
-            for (int q = 0; q < ATTB_BLK / 2; q++) l[r * (ATTB_BLK / 2) + q] = 0.0f;
+            l[r] = 0.0f;
         }
-        for (ptrdiff_t j0 = 0; j0 <= i0; j0 += ATTB_BLK) {
-            gemm(S, ATTB_BLK, Qa + i0 * hsp, hsp, Kb + j0 * hsp, 2 * ATTB_BLK, ATTB_BLK, ATTB_BLK, (int)hsp, 0);
-            for (int r = 0; r < ATTB_BLK; r++) {     /* online softmax; P row -> bf16 */
-                float* srow = S + r * ATTB_BLK;
-                uint16_t* prow = Pb + r * ATTB_BLK;
-                ptrdiff_t ncr = i0 + r + 1 - j0;      /* keys this row sees in the block */
-                if (r >= nr) ncr = 0;                 /* padding row */
-                if (ncr > ATTB_BLK) ncr = ATTB_BLK;
-                if (ncr <= 0) {
-                    memset(prow, 0, ATTB_BLK * 2);
-                    continue;
+        for (ptrdiff_t j0 = 0; j0 <= i0; j0 += N) {
+            gemm(ST, N, Kw + j0 * hsp, hsp, Qc + i0 * hsp, 2 * N, N, N, (int)hsp, 0);
+            for (int r = 0; r < N; r++) mx[r] = m[r];
+            for (int c = 0; c < N; c++) {            /* scale, mask (key j0+c visible to row i0+r
+                                                        when j0+c <= i0+r, and the row is real) */
+                float* s = ST + c * N;
+                for (int r = 0; r < N; r++) {
+                    float v = (j0 + c <= i0 + r && r < nr) ? s[r] * scale : -INFINITY;
+                    s[r] = v;
+                    mx[r] = v > mx[r] ? v : mx[r];
                 }
-                for (int c = 0; c < ATTB_BLK; c++) srow[c] = c < ncr ? srow[c] * scale : -INFINITY;
-                float mx = ATTB_FN(row_max)(srow, m[r]);
-                float corr = ATTB_FN(exp1)(m[r] - mx);   /* 0 on the first block (m = -inf) */
-                float* lr = l + r * (ATTB_BLK / 2);
-                for (int c = 0; c < ATTB_BLK; c++) srow[c] -= mx;
-                ATTB_FN(exp_row)(srow);
-                for (int q = 0; q < ATTB_BLK / 2; q++) lr[q] = lr[q] * corr + (srow[q] + srow[q + ATTB_BLK / 2]);
-                m[r] = mx;
-                if (corr != 1.0f) {
-                    float* a = acc + r * hsp;
-                    for (ptrdiff_t d = 0; d < hsp; d++) a[d] *= corr;
-                }
-                for (int c = 0; c < ATTB_BLK; c++) prow[c] = attb_rnd(srow[c]);
             }
-            gemm(acc, hsp, Pb, ATTB_BLK, Vb + j0 * hsp, 2 * hsp, ATTB_BLK, (int)hsp, ATTB_BLK, 1);
+            for (int r = 0; r < N; r++) {            /* -inf only on padding rows: keep them 0 */
+                if (mx[r] == -INFINITY) mx[r] = 0.0f;
+                corr[r] = ATTB_FN(exp1)(m[r] - mx[r]);   /* 0 on the first block (m = -inf) */
+                l[r] *= corr[r];
+                m[r] = mx[r];
+            }
+            for (int c = 0; c < N; c++) {            /* P^T = exp(S^T - max), row sums */
+                float* s = ST + c * N;
+                for (int r = 0; r < N; r++) {
+                    s[r] = ATTB_FN(exp1)(s[r] - mx[r]);
+                    l[r] += s[r];
+                }
+            }
+            for (int c = 0; c < N; c += 2) {         /* bf16, keys paired */
+                uint16_t* o = Pp + c * N;
+                for (int r = 0; r < N; r++) {
+                    o[2 * r] = attb_rnd(ST[c * N + r]);
+                    o[2 * r + 1] = attb_rnd(ST[(c + 1) * N + r]);
+                }
+            }
+            for (ptrdiff_t d = 0; d < hsp; d++)
+                for (int r = 0; r < N; r++) accT[d * N + r] *= corr[r];
+            gemm(accT, N, VT + j0, Tp, Pp, 2 * N, (int)hsp, N, N, 1);
         }
         for (ptrdiff_t r = 0; r < nr; r++) {
-            float lsum = 0.0f;
-            for (int q = 0; q < ATTB_BLK / 2; q++) lsum += l[r * (ATTB_BLK / 2) + q];
-            float inv = 1.0f / lsum;
+            float inv = 1.0f / l[r];
             float* o = out + (b * T + i0 + r) * C + h * hs;
-            for (ptrdiff_t d = 0; d < hs; d++) o[d] = acc[r * hsp + d] * inv;
-            lse[(b * NH + h) * T + i0 + r] = m[r] + logf(lsum);
+            for (ptrdiff_t d = 0; d < hs; d++) o[d] = accT[d * N + r] * inv;
+            lse[(b * NH + h) * T + i0 + r] = m[r] + logf(l[r]);
         }
     }
     if (path == ATTB_AMX) attb_amx_end();
 }
 
 /* ---- backward: one (batch, head); dqkv += ---- */
-
-/* dst (hsp x Tp) = R (Tp x hsp)^T: Q and dout as the A of dK^T += Q^T dS and dV^T += dout^T P */
-static void ATTB_FN(transpose)(uint16_t* dst, const uint16_t* R, ptrdiff_t Tp, ptrdiff_t hsp)
-{
-    for (ptrdiff_t t = 0; t < Tp; t++)
-        for (ptrdiff_t d = 0; d < hsp; d++) dst[d * Tp + t] = R[t * hsp + d];
-}
 
 static void ATTB_FN(backward_head)(float* dqkv, const uint16_t* rows, const uint16_t* drows,
                                    const float* Dall, const float* lse, ptrdiff_t B, ptrdiff_t b,
