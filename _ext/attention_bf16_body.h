@@ -98,8 +98,9 @@ static void ATTB_FN(colpairs)(uint16_t* dst, const uint16_t* R, ptrdiff_t Tp, pt
 /* dst (hsp x Tp) = R (Tp x hsp)^T: V, Q, dout as the A of out^T += V^T P^T, dK^T += Q^T dS, dV^T += dout^T P */
 static void ATTB_FN(transpose)(uint16_t* dst, const uint16_t* R, ptrdiff_t Tp, ptrdiff_t hsp)
 {
-    for (ptrdiff_t t = 0; t < Tp; t++)
-        for (ptrdiff_t d = 0; d < hsp; d++) dst[d * Tp + t] = R[t * hsp + d];
+    for (ptrdiff_t t0 = 0; t0 < Tp; t0 += ATTB_BLK)     /* by 32-row blocks: stays in L1 */
+        for (ptrdiff_t d = 0; d < hsp; d++)
+            for (ptrdiff_t t = t0; t < t0 + ATTB_BLK; t++) dst[d * Tp + t] = R[t * hsp + d];
 }
 
 /* Works on transposed blocks, S^T = K Q^T (keys x query rows) and out^T += V^T P^T, so that the
