@@ -18,6 +18,8 @@ What it measures, at GPT-2 d12 head shapes (B=4, NH=12, hs=64, C=768) for each T
   best this CPU runs; "emulated", "avx512_bf16", "amx"), interleaved run by run like the sets, with
   GFLOP/s and the fp32/bf16 time ratio (> 1: bf16 is faster).
 
+fp32 vs bf16, measured on an Intel Xeon with AMX: docs/performance.md ("bf16 attention").
+
 It is not a correctness test (tests/test_attention.py is), though it reports the max abs
 difference between the two implementations as a sanity check.
 
