@@ -64,16 +64,28 @@ static inline uint16_t attb_rnd(float x)
 static void attb_gemm_emulated(float* C, ptrdiff_t ldc, const uint16_t* A, ptrdiff_t lda,
                                const uint16_t* B, ptrdiff_t ldb, int M, int N, int K, int acc)
 {
-    for (int i = 0; i < M; i++) {
-        float* c = C + i * ldc;
-        const uint16_t* a = A + i * lda;
-        if (!acc) memset(c, 0, (size_t)N * 4);
-        for (int r = 0; r < K / 2; r++) {
-            float a0 = llmctl_bf16_to_f32(a[2 * r]), a1 = llmctl_bf16_to_f32(a[2 * r + 1]);
-            const uint16_t* b = B + r * ldb;
-            for (int n = 0; n < N; n++) {
-                float s = c[n] + a1 * llmctl_bf16_to_f32(b[2 * n + 1]);
-                c[n] = s + a0 * llmctl_bf16_to_f32(b[2 * n]);
+    /* B widened once per call into two planes (even and odd k), so the inner loop is a plain
+       contiguous multiply-add that compilers vectorise; blocks of up to 64 columns */
+    float b0[16 * 64], b1[16 * 64];
+    for (int n0 = 0; n0 < N; n0 += 64) {
+        int nn = N - n0 < 64 ? N - n0 : 64;
+        for (int r0 = 0; r0 < K / 2; r0 += 16) {
+            int nr = K / 2 - r0 < 16 ? K / 2 - r0 : 16;
+            for (int r = 0; r < nr; r++)
+                for (int n = 0; n < nn; n++) {
+                    b0[r * 64 + n] = llmctl_bf16_to_f32(B[(r0 + r) * ldb + 2 * (n0 + n)]);
+                    b1[r * 64 + n] = llmctl_bf16_to_f32(B[(r0 + r) * ldb + 2 * (n0 + n) + 1]);
+                }
+            for (int i = 0; i < M; i++) {
+                float* c = C + i * ldc + n0;
+                const uint16_t* a = A + i * lda;
+                if (!acc && r0 == 0) memset(c, 0, (size_t)nn * 4);
+                for (int r = 0; r < nr; r++) {
+                    float a0 = llmctl_bf16_to_f32(a[2 * (r0 + r)]), a1 = llmctl_bf16_to_f32(a[2 * (r0 + r) + 1]);
+                    const float* p0 = b0 + r * 64;
+                    const float* p1 = b1 + r * 64;
+                    for (int n = 0; n < nn; n++) c[n] = (c[n] + a1 * p1[n]) + a0 * p0[n];
+                }
             }
         }
     }
