@@ -15,11 +15,13 @@
  *   "emulated"     plain C on fp32: each pair adds a[2r+1] b[2r+1], then a[2r] b[2r] (VDPBF16PS's
  *                  documented order), so tests and CPUs without native bf16 run the same math.
  *
- * Layout: per (batch, head) the operands are packed once into bf16 buffers padded to 32 rows
- * and hsp = hs rounded up to 32 columns (zeros), in the two forms a GEMM C += A B needs here:
- * A row-major (M x K), and B "pair-packed" (K/2 x N x 2: row r holds, for each column n,
- * B[2r][n] and B[2r+1][n] next to each other), which is AMX's VNNI tile layout and what one
- * VDPBF16PS lane reads. Every GEMM is M = 32 (a block), N a multiple of 32, K a multiple of 32.
+ * Layout: qkv and dout are rounded once, in one pass along their rows, into per-head bf16 rows
+ * padded to 32 rows and hsp = hs rounded up to 32 columns (zeros); per (batch, head) they are
+ * then rearranged into the two forms a GEMM C += A B needs here: A row-major (M x K), and B
+ * "pair-packed" (K/2 x N x 2: row r holds, for each column n, B[2r][n] and B[2r+1][n] next to
+ * each other), which is AMX's VNNI tile layout and what one VDPBF16PS lane reads. M, N and K are
+ * multiples of 32. The forward works on transposed blocks (S^T = K Q^T, out^T += V^T P^T) so the
+ * online softmax has the query rows in the vector lanes; the backward computes dK^T and dV^T.
  */
 #ifndef LLMCTL_ATTENTION_BF16_H
 #define LLMCTL_ATTENTION_BF16_H
