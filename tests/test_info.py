@@ -41,12 +41,12 @@ def test_info_json_reports_version_openmp_threads_and_blas():
     assert info["blas"] is not None and info["blas"].rsplit(" (", 1)[0] in apis
 
 
-def test_info_and_version_print_the_same_seven_lines():
+def test_info_and_version_print_the_same_eight_lines():
     from llmctl._ext import adamw, attention, layers, matmul
 
     text = _cli("info", env={"OMP_NUM_THREADS": "2"})
     lines = text.splitlines()
-    assert len(lines) == 7, text
+    assert len(lines) == 8, text
     assert lines[0] == f"llmctl {_project_version()}"
     want = "yes" if buildinfo.openmp_enabled() else "NO (serial build)"
     assert lines[1] == f"OpenMP: {want}, threads: 2"
