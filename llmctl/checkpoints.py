@@ -163,10 +163,11 @@ class Checkpoints:
 
     # -- save / resume ---------------------------------------------------------------------------
 
-    def write(self, step, model, loader_state, detectors=None):
+    def write(self, step, model, loader_state, detectors=None, zero=None):
         """model (rank 0), state (every rank), detectors, barrier, DONE (rank 0): llm.c
         write_checkpoint. loader_state: DataLoader.state(); detectors: (loss, grad norm)
-        OutlierDetectors or None. -> the model path."""
+        OutlierDetectors or None; zero: -z 1's Zero1, whose m/v shard the state file holds
+        (llm.c: shard_num_parameters floats each). -> the model path."""
         from llmctl.formats import StateFile, write_state_file
 
         model_path, state_path, done_path = self.paths(step)
@@ -176,8 +177,11 @@ class Checkpoints:
             except OSError as e:
                 raise os_error(model_path, e) from None
         n, ld = model.num_parameters, loader_state
-        m = model.m if model.m is not None else np.zeros(n, np.float32)
-        v = model.v if model.v is not None else np.zeros(n, np.float32)
+        if zero is not None:
+            m, v = zero.state()
+        else:
+            m = model.m if model.m is not None else np.zeros(n, np.float32)
+            v = model.v if model.v is not None else np.zeros(n, np.float32)
         P = self.comm.world_size
         st = StateFile(num_processes=P, process_rank=self.rank, use_master_weights=False,
                        should_shuffle=ld["should_shuffle"], step=step,
@@ -207,7 +211,7 @@ class Checkpoints:
         return FormatError(err.message, hint=f"delete {self.paths(step)[2]} to resume from the "
                                              "checkpoint before it (or start over with -y 0)")
 
-    def load(self, step, model, loader, detectors=None, restore_loader=True):
+    def load(self, step, model, loader, detectors=None, restore_loader=True, zero=None):
         """Resume from checkpoint `step` (its model was loaded as -e): this rank's state file
         into model.m/v (and fp32 master weights), the loader's position and shuffle state
         (unless restore_loader is False: -a 1 never reads it again) and, given detectors, their
@@ -220,9 +224,12 @@ class Checkpoints:
             raise FormatError(f"{path}: missing (DONE_{step:08d} exists but this rank's state "
                               "file does not)", hint="resume with the same number of processes, "
                               "or delete the incomplete checkpoint")
+        N = model.num_parameters
+        want = zero.shard_size if zero is not None else N
         try:
-            st = read_state_file(path, num_parameters=model.num_parameters)
+            st = read_state_file(path, num_parameters=want)
         except FormatError as e:
+            self._check_layout(path, N, want, zero is not None)
             raise self.damaged(e, step) from None
         if st.step != step:
             raise FormatError(f"{path}: says step {st.step} but belongs to checkpoint {step}",
@@ -232,8 +239,11 @@ class Checkpoints:
             raise ConfigError(f"{path}: written by rank {st.process_rank} of {st.num_processes} "
                               f"processes, but this is rank {self.rank} of {P}",
                               hint="resume with the same number of processes")
-        model.m = np.array(st.m, dtype=np.float32)
-        model.v = np.array(st.v, dtype=np.float32)
+        if zero is not None:
+            zero.load_state(st.m, st.v)
+        else:
+            model.m = np.array(st.m, dtype=np.float32)
+            model.v = np.array(st.v, dtype=np.float32)
         if st.use_master_weights and st.master is not None:
             # llm.c (bf16 builds) keeps fp32 master weights: those are the real parameters
             model.params[:] = np.asarray(st.master, dtype=np.float32)
@@ -257,6 +267,26 @@ class Checkpoints:
         if detectors is not None:
             notes += self._load_detectors(step, detectors)
         return int(st.step), notes
+
+    def _check_layout(self, path, N, want, zero1):
+        """The state file did not hold `want` floats of m and v: when it is a whole state file
+        of another world size or zero stage, say so (ConfigError) instead of calling it damaged."""
+        from llmctl.formats import read_state_file
+
+        try:
+            st = read_state_file(path)
+        except FormatError:
+            return   # really damaged
+        P, got = self.comm.world_size, st.m.shape[0]
+        if st.num_processes != P:
+            raise ConfigError(f"{path}: written by {st.num_processes} processes, but this run "
+                              f"has {P}", hint="resume with the same number of processes (and "
+                                               "the same -z)")
+        stage = 0 if got == N else 1 if got * st.num_processes == N else None
+        if stage is not None:
+            raise ConfigError(f"{path}: holds the AdamW state of {got} parameters, a -z {stage} "
+                              f"checkpoint, but this run has -z {1 if zero1 else 0} ({want} per "
+                              "rank)", hint=f"resume with -z {stage}")
 
     def _load_detectors(self, step, detectors):
         path = outlier_state_path(self.out, step, self.rank)

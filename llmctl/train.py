@@ -39,6 +39,7 @@ from llmctl.checkpoints import OUTPUT_HINT, Checkpoints, os_error
 from llmctl.constants import GPT2_VOCAB_SIZE
 from llmctl.data import TokenWindows, WindowBatches, split_inputs
 from llmctl.distributed.base import SingleProcessComm
+from llmctl.distributed.zero import Zero1, shard_layout
 from llmctl.display import Display
 from llmctl.errors import ConfigError, DataError, FormatError, LlmctlError
 from llmctl.loader import DataLoader
@@ -231,16 +232,19 @@ class Trainer:
                 raise
             raise self.checkpoints.damaged(e, self.resume_step) from None
         self.hellaswag_examples = self._check_fits(init_config)
+        self._check_zero(init_config)
         if cfg.overwrite:
             self._check_init_survives_overwrite()
         self.checkpoints.claim(cfg.resume, cfg.overwrite)
 
         # 4. model, optimizer schedule, -sl/-sg's outlier detectors over loss and grad norm
-        self.model = load_model(init_spec, n_threads=self.n_threads, precision=cfg.precision)
+        self.model = load_model(init_spec, n_threads=self.n_threads, precision=cfg.precision,
+                                recompute=None if cfg.recompute == -1 else cfg.recompute)
         mc = self.model.config
         self.gen_tokens = min(cfg.gen_tokens, mc.max_seq_len)
         self.detect_outliers = cfg.skip_update_lossz != 0 or cfg.skip_update_gradz != 0
         self.loss_detector, self.grad_detector = OutlierDetector(), OutlierDetector()
+        self.zero = Zero1(self.model, self.comm) if cfg.zero_stage == 1 and self.P > 1 else None
         self.scheduler = LRScheduler(cfg.lr_scheduler, cfg.learning_rate, cfg.warmup_iters,
                                      self.num_steps, cfg.final_lr_frac)
 
@@ -250,7 +254,8 @@ class Trainer:
         if self.resume_step >= 0:
             self.start_step, self.resume_notes = self.checkpoints.load(
                 self.resume_step, self.model, self.train_loader, self._detectors(),
-                restore_loader=not cfg.overfit_single_batch)  # -a 1: reset every step
+                restore_loader=not cfg.overfit_single_batch,  # -a 1: reset every step
+                zero=self.zero)
             if self.start_step > self.num_steps:
                 raise ConfigError(f"the checkpoint in {self.out} is at step {self.start_step}, "
                                   f"beyond the {self.num_steps} steps of this run",
@@ -262,6 +267,7 @@ class Trainer:
         self._measure_roof()
         self.peak_rechecks = 0
         self.allreduce_ms = 0.0
+        self.adamw_ms = 0.0   # the last step's AdamW (-z 1: on this rank's shard)
 
     def _measure_roof(self, again=False):
         """MFU's denominator: this run's GEMM measurement merged into the best one cached for
@@ -340,6 +346,18 @@ class Trainer:
                               hint="copy it out of -o first, or resume it with -y 1 instead "
                                    "of --overwrite")
 
+    def _check_zero(self, mc):
+        """-z 1 needs a backend with the reduce-scatter and all-gather, and tensors that cut
+        into P equal shards (llmctl/distributed/zero.py); with one process it is -z 0, as in
+        llm.c (its one shard is the whole model)."""
+        if self.cfg.zero_stage != 1 or self.P == 1:
+            return
+        if not self.comm.supports_zero:
+            raise ConfigError(f"-z 1 is not available over this backend ({type(self.comm).__name__}"
+                              "); it runs over shm (--nproc), ring and MPI",
+                              hint="use -z 0, or one host's --nproc, a flat ring or mpiexec")
+        shard_layout(mc, self.P)
+
     def _detectors(self):
         return (self.loss_detector, self.grad_detector) if self.detect_outliers else None
 
@@ -359,7 +377,8 @@ class Trainer:
                 f"the parameters hold NaN/Inf at step {step}: checkpoint {model_path} was not "
                 f"written ({self.checkpoints.last_good_text()})",
                 hint="lower the learning rate (-l), add warmup (-u) or keep --grad-clip on")
-        self.checkpoints.write(step, self.model, self.train_loader.state(), self._detectors())
+        self.checkpoints.write(step, self.model, self.train_loader.state(), self._detectors(),
+                               zero=self.zero)
         if self.is_master:
             self.display.checkpoint(step, model_path)
 
@@ -416,10 +435,14 @@ class Trainer:
     # -- one optimization step ------------------------------------------------------------------
 
     def all_reduce_grads(self):
-        """Average the flat gradient buffer over ranks (one collective per step)."""
+        """Average the flat gradient buffer over ranks (one collective per step); -z 1: the
+        reduce-scatter, this rank's shard only."""
         if self.P > 1:
             t0 = time.perf_counter()
-            self.comm.all_reduce_mean(self.model.grads)
+            if self.zero is not None:
+                self.zero.reduce_grads()
+            else:
+                self.comm.all_reduce_mean(self.model.grads)
             self.allreduce_ms = (time.perf_counter() - t0) * 1000.0
 
     def train_step(self, step):
@@ -444,7 +467,7 @@ class Trainer:
         # rank sees the same all-reduced values, so every rank makes the same decision
         zloss = self.loss_detector.update(as_float32(loss))
         lr = self.scheduler.lr_at(step)
-        grad_norm = float(model.grad_norm())
+        grad_norm = float(model.grad_norm() if self.zero is None else self.zero.grad_norm())
         zgrad = self.grad_detector.update(as_float32(grad_norm))
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             what = "loss" if not math.isfinite(loss) else "gradient norm"
@@ -478,8 +501,15 @@ class Trainer:
         # writes only its own row until the next step's all-reduce, whose first collective
         # waits for every rank's update and backward. Ring, MPI and hier reduce a private
         # buffer in place (ring's sends are flushed before it returns).
-        model.update(lr, self.cfg.beta1, self.cfg.beta2, self.cfg.eps, self.cfg.weight_decay,
-                     grad_scale, step + 1, zero_grads=True)
+        t0 = time.perf_counter()
+        if self.zero is not None:  # AdamW on this rank's shard, then the all-gather
+            self.zero.update(lr, self.cfg.beta1, self.cfg.beta2, self.cfg.eps,
+                             self.cfg.weight_decay, grad_scale, step + 1)
+            self.adamw_ms = self.zero.adamw_ms
+        else:
+            model.update(lr, self.cfg.beta1, self.cfg.beta2, self.cfg.eps, self.cfg.weight_decay,
+                         grad_scale, step + 1, zero_grads=True)
+            self.adamw_ms = (time.perf_counter() - t0) * 1000.0
         return loss, lr, grad_norm, outlier
 
     # -- the loop -------------------------------------------------------------------------------
@@ -604,6 +634,9 @@ class Trainer:
                     f"no complete checkpoint in {self.out}: starting from {self.init_note or cfg.init}")
             for note in self.resume_notes:
                 self.display.message(note)
+            if cfg.zero_stage == 1 and self.P == 1:
+                self.display.message("Note: -z 1 with one process: its one shard is the whole "
+                                     "model, so it runs as -z 0 (as llm.c does)")
             if cfg.checkpoint_every > 0 and not self.out:  # llm.c says nothing and writes nothing
                 self.display.message(f"Note: -n {cfg.checkpoint_every} writes no checkpoint without "
                                      "-o DIR (checkpoints go into the output directory)")
@@ -677,6 +710,7 @@ class Trainer:
                                **outlier)
                     if self.P > 1:
                         rec["allreduce_ms"] = self.allreduce_ms
+                        rec["adamw_ms"] = self.adamw_ms
                     self._log(f"s:{step} trl:{loss:.4f} lr:{lr:.6f} norm:{norm:.2f}")
                     self._record(rec)
                     summary.update(steps_run=summary["steps_run"] + 1, train_loss=loss)

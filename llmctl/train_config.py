@@ -183,6 +183,17 @@ class TrainConfig:
                           help="Matmul precision: fp32, or bf16 (bf16 inputs, fp32 accumulate; "
                                "weights, gradients and AdamW state stay fp32; needs a CPU with "
                                "AVX512_BF16 or AMX, see `llmctl info`).")
+    recompute: int = flag(-1, "-r", "--recompute",
+                          help="Recompute in backward instead of keeping per layer: 0 = none, "
+                               "1 = GELU, 2 = GELU and layernorms; the same bits either way, "
+                               "less memory, a little more time (-1 = auto: 0 while L*B*T*4C "
+                               "floats fit in 256 MiB, else 2; llm.c's -r, whose default is 1).",
+                          name="recompute")
+    zero_stage: int = flag(0, "-z", "--zero-stage",
+                           help="ZeRO stage (llm.c's -z): 0 = every rank holds all AdamW state; "
+                                "1 = each rank updates only its shard of every tensor "
+                                "(reduce-scatter, AdamW on 1/P of m and v, all-gather).",
+                           name="zero stage")
 
     def validate(self, P=1):
         """Raise ConfigError for settings that cannot work with P processes, before any file is
@@ -245,6 +256,15 @@ class TrainConfig:
         if self.resume == 1 and self.overwrite:
             raise ConfigError("-y 1 resumes the run in -o, --overwrite replaces it: not both",
                               hint="drop one of the two")
+        if self.recompute not in (-1, 0, 1, 2):
+            raise ConfigError(f"recompute (-r) must be 0, 1 or 2 (or -1 = auto), got "
+                              f"{self.recompute}",
+                              hint="pass -r 0 (keep all), -r 1 (recompute GELU) or -r 2 (GELU "
+                                   "and layernorms)")
+        if self.zero_stage not in (0, 1):
+            raise ConfigError(f"zero stage (-z) must be 0 or 1, got {self.zero_stage} (llm.c "
+                              "falls back to 0 for stages 2 and 3, which it does not implement)",
+                              hint="pass -z 1 to shard the AdamW state, or -z 0")
         if self.resume == 1 and not self.output_dir:
             raise ConfigError("-y 1 resumes from the checkpoints in -o, but no -o was given",
                               hint="pass -o DIR, the output directory of the run to resume")

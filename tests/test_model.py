@@ -76,10 +76,11 @@ def test_forward_backward_vs_reference(n_threads, B, T):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("recompute", [True, False])
+@pytest.mark.parametrize("recompute", [True, False, 0, 1, 2])
 def test_recompute_modes_agree(recompute, precision, monkeypatch):
     # default (None) keeps fch_gelu, ln1, ln2 (atty16) per layer for tiny B*T; recomputing them
-    # in backward gives the same loss, gradients and updated parameters, bit for bit
+    # in backward (llm.c's -r 1: fch_gelu; -r 2 and True: also ln1, ln2, atty16) gives the same
+    # loss, gradients and updated parameters, bit for bit
     from llmctl._ext import matmul
 
     if precision == "bf16" and not matmul.bf16_native():
@@ -100,12 +101,18 @@ def test_recompute_modes_agree(recompute, precision, monkeypatch):
         x.backward()
         x.loss0 = loss
     assert m.loss0 == base.loss0
-    kept = 1 if recompute else CFG.num_layers
+    level = 2 if recompute is True else int(recompute)
     names = ["gelu", "ln1", "ln2"] + (["atty16"] if precision == "bf16" else [])
-    assert {k: m._acts[k].shape[0] for k in names} == dict.fromkeys(names, kept)
+    kept = {k: 1 if level >= (1 if k == "gelu" else 2) else CFG.num_layers for k in names}
+    assert {k: m._acts[k].shape[0] for k in names} == kept
     assert {k: base._acts[k].shape[0] for k in names} == dict.fromkeys(names, CFG.num_layers)
     assert m.grads.tobytes() == base.grads.tobytes()
     assert m.params.tobytes() == base.params.tobytes()
+
+
+def test_recompute_level_checked():
+    with pytest.raises(ConfigError, match="recompute must be"):
+        GPT2(CFG, n_threads=1, recompute=3)
 
 
 def test_reference_gradients_by_finite_differences():

@@ -104,7 +104,7 @@ def metrics(out):
 
 
 def no_timing(recs):
-    return [{k: v for k, v in r.items() if k not in ("ms", "tokens_per_s", "mfu", "allreduce_ms")} for r in recs]
+    return [{k: v for k, v in r.items() if k not in ("ms", "tokens_per_s", "mfu", "allreduce_ms", "adamw_ms")} for r in recs]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,6 +29,20 @@ class Comm:
         """Replace buf (1-D, contiguous float32) on every rank with the element-wise mean over ranks."""
         raise NotImplementedError
 
+    # True when the backend implements reduce_scatter_mean and all_gather (ZeRO-1, -z 1)
+    supports_zero: bool = False
+
+    def reduce_scatter_mean(self, buf: np.ndarray, shards) -> None:
+        """shards[r]: the (lo, hi) ranges of buf that rank r owns (disjoint, together all of buf,
+        the same list on every rank). Afterwards this rank's ranges of buf hold the element-wise
+        mean over ranks; the rest of buf is unspecified (ZeRO-1's gradient reduce-scatter)."""
+        raise NotImplementedError
+
+    def all_gather(self, buf: np.ndarray, shards) -> None:
+        """shards as in reduce_scatter_mean: every rank's ranges of buf are copied from the rank
+        that owns them into buf on every rank (ZeRO-1's parameter all-gather)."""
+        raise NotImplementedError
+
     def all_reduce_sum_scalar(self, x: float) -> float:
         """Sum of one float over ranks (losses, correct counts)."""
         raise NotImplementedError
@@ -72,6 +86,14 @@ class SingleProcessComm(Comm):
     """The world of one process: every collective is the identity."""
 
     def all_reduce_mean(self, buf):
+        pass
+
+    supports_zero = True
+
+    def reduce_scatter_mean(self, buf, shards):
+        pass
+
+    def all_gather(self, buf, shards):
         pass
 
     def all_reduce_sum_scalar(self, x):

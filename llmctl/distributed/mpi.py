@@ -90,6 +90,55 @@ class MpiComm(Comm):
         self.allreduce_calls += 1
         self.allreduce_seconds += time.perf_counter() - t0
 
+    supports_zero = True
+
+    def _pack(self, buf, ranges, out):
+        k = 0
+        for lo, hi in ranges:
+            out[k:k + hi - lo] = buf[lo:hi]
+            k += hi - lo
+        return out[:k]
+
+    def _unpack(self, buf, ranges, src):
+        k = 0
+        for lo, hi in ranges:
+            buf[lo:hi] = src[k:k + hi - lo]
+            k += hi - lo
+
+    def reduce_scatter_mean(self, buf, shards):
+        """One MPI_Reduce per rank's shard, packed contiguously (1/P of buf at a time), to
+        that rank; the owner divides by P and unpacks into its ranges."""
+        if self.world_size == 1 or buf.shape[0] == 0:
+            return
+        t0 = time.perf_counter()
+        MPI = self.MPI
+        n = max(sum(hi - lo for lo, hi in ranges) for ranges in shards)
+        send, recv = np.empty(n, np.float32), np.empty(n, np.float32)
+        for root, ranges in enumerate(shards):
+            sb = self._pack(buf, ranges, send)
+            self.comm.Reduce([sb, MPI.FLOAT], [recv[:sb.shape[0]], MPI.FLOAT] if root == self.rank
+                             else None, op=MPI.SUM, root=root)
+            if root == self.rank:
+                rb = recv[:sb.shape[0]]
+                np.divide(rb, np.float32(self.world_size), out=rb)
+                self._unpack(buf, ranges, rb)
+        self.allreduce_calls += 1
+        self.allreduce_seconds += time.perf_counter() - t0
+
+    def all_gather(self, buf, shards):
+        """One MPI_Bcast per rank's shard, packed contiguously, from that rank."""
+        if self.world_size == 1 or buf.shape[0] == 0:
+            return
+        MPI = self.MPI
+        n = max(sum(hi - lo for lo, hi in ranges) for ranges in shards)
+        tmp = np.empty(n, np.float32)
+        for root, ranges in enumerate(shards):
+            t = self._pack(buf, ranges, tmp) if root == self.rank else \
+                tmp[:sum(hi - lo for lo, hi in ranges)]
+            self.comm.Bcast([t, MPI.FLOAT], root=root)
+            if root != self.rank:
+                self._unpack(buf, ranges, t)
+
     def all_reduce_sum_scalar(self, x):
         for watched in self._watch:
             self.assert_identical(*watched)

@@ -47,7 +47,8 @@ from llmctl.errors import DistError
 CHUNK_BYTES = 1 << 20
 _HDR = struct.Struct(">8sQBIQ")   # magic, seq, op, root, nbytes
 _HDR_MAGIC = b"LLMRING1"
-_OPS = {1: "all_reduce_mean", 2: "all_reduce_sum", 3: "broadcast", 4: "all_gather"}
+_OPS = {1: "all_reduce_mean", 2: "all_reduce_sum", 3: "broadcast", 4: "all_gather",
+        5: "reduce_scatter_mean", 6: "all_gather_shards"}
 
 
 def _set_keepalive(s, timeout):
@@ -322,7 +323,74 @@ class RingComm(Comm):
                     self._send(dst)
         self._end()
 
+    def _pieces(self, buf, ranges):
+        """buf's views over `ranges`, cut at chunk_bytes (the same cuts on every member)."""
+        ce = max(1, self.chunk_bytes // buf.itemsize)
+        for lo, hi in ranges:
+            for c in range(lo, hi, ce):
+                yield buf[c:min(hi, c + ce)]
+
+    def _shard_segs(self, shards):
+        """Ring position k's segment is the shard of the rank at position k - 1, so that the
+        reduce-scatter leaves each member with its own rank's shard (position r ends with k = r+1)."""
+        ranks = [m["rank"] for m in self.members]
+        return lambda k: shards[ranks[(k - 1) % self.size]]
+
     # -- Comm interface --------------------------------------------------------------------------
+    supports_zero = True
+
+    def reduce_scatter_mean(self, buf, shards):
+        """The first half of the ring all-reduce over the ranks' shards as segments: P-1 steps,
+        each sending a partial sum of one shard to the next member; this rank's shard ends with
+        the sum over all members, divided by P."""
+        if not isinstance(buf, np.ndarray) or buf.dtype != np.float32 or buf.ndim != 1 \
+                or not buf.flags.c_contiguous or not buf.flags.writeable:
+            raise ValueError("reduce_scatter_mean needs a writeable 1-D contiguous float32 array")
+        if self.size == 1:
+            return
+        t0 = time.perf_counter()
+        P, r = self.size, self.pos
+        seg = self._shard_segs(shards)
+        self._begin(5, buf.nbytes)
+        ce = max(1, self.chunk_bytes // buf.itemsize)
+        tmp = self._tmp(min(ce, max(1, buf.shape[0])), buf.dtype)
+        div = buf.dtype.type(P)
+        for piece in self._pieces(buf, seg(r)):
+            self._send(piece)
+        for s in range(P - 1):
+            last = s == P - 2
+            for dst in self._pieces(buf, seg(r - s - 1)):
+                t = tmp[:dst.shape[0]]
+                self._recv_into(t)
+                np.add(dst, t, out=dst)
+                if last:
+                    np.divide(dst, div, out=dst)
+                else:
+                    self._send(dst)
+        self._end()   # every send flushed: the caller may overwrite buf
+        self.allreduce_calls += 1
+        self.allreduce_seconds += time.perf_counter() - t0
+
+    def all_gather(self, buf, shards):
+        """The second half of the ring all-reduce: this rank's shard goes round the ring."""
+        if not isinstance(buf, np.ndarray) or buf.dtype != np.float32 or buf.ndim != 1 \
+                or not buf.flags.c_contiguous or not buf.flags.writeable:
+            raise ValueError("all_gather needs a writeable 1-D contiguous float32 array")
+        if self.size == 1:
+            return
+        P, r = self.size, self.pos
+        seg = self._shard_segs(shards)
+        self._begin(6, buf.nbytes)
+        for piece in self._pieces(buf, seg(r + 1)):
+            self._send(piece)
+        for s in range(P - 1):
+            fwd = s < P - 2
+            for dst in self._pieces(buf, seg(r - s)):
+                self._recv_into(dst)
+                if fwd:
+                    self._send(dst)
+        self._end()
+
     def all_reduce_mean(self, buf):
         if not isinstance(buf, np.ndarray) or buf.dtype != np.float32 or buf.ndim != 1 \
                 or not buf.flags.c_contiguous or not buf.flags.writeable:

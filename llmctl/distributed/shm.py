@@ -394,6 +394,50 @@ class ShmComm(HubComm):
         k.copy_floats(buf[:lo], result[:lo], nt)
         k.copy_floats(buf[hi:n], result[hi:n], nt)
 
+    supports_zero = True
+
+    def reduce_scatter_mean(self, buf, shards):
+        """ZeRO-1's reduce-scatter. On the shared gradient buffer it is zero-copy: each rank
+        averages its ranges across all rows (rows summed in order 0..N-1, as all_reduce_mean), and
+        a second collective keeps every rank off the rows until all have read them. A private buf
+        is published whole into this rank's row first."""
+        _as_float32_1d(buf, "reduce_scatter_mean")
+        if self.world_size == 1:
+            return
+        t0 = time.perf_counter()
+        n, k, nt, P = buf.shape[0], self._k, self.n_threads, self.world_size
+        shared = self._is_shared(buf)
+        if not shared:
+            self._ensure(n)
+            k.copy_floats(self.seg.slots[self.rank, :n], buf, nt)
+        self._collective("reducescatter", n)
+        for lo, hi in shards[self.rank]:
+            if shared:
+                k.reduce_mean_inplace(self.gseg.slots, lo, hi, nt)
+            else:
+                k.reduce_mean_slice(self.seg.slots[P], self.seg.slots[:P], lo, hi, nt, buf, self.rank)
+        self._collective("reducescatter-done", n)
+        self.allreduce_calls += 1
+        self.allreduce_seconds += time.perf_counter() - t0
+
+    def all_gather(self, buf, shards):
+        """ZeRO-1's all-gather: each rank writes its ranges into the scratch segment's result
+        row, then (after one collective) copies everyone else's. The next write to that row
+        comes after a later collective, which no rank passes before its copies are done."""
+        _as_float32_1d(buf, "all_gather")
+        if self.world_size == 1:
+            return
+        n, k, nt = buf.shape[0], self._k, self.n_threads
+        self._ensure(n)
+        res = self.seg.slots[self.world_size]
+        for lo, hi in shards[self.rank]:
+            k.copy_floats(res[lo:hi], buf[lo:hi], nt)
+        self._collective("allgather-shards", n)
+        for r, ranges in enumerate(shards):
+            if r != self.rank:
+                for lo, hi in ranges:
+                    k.copy_floats(buf[lo:hi], res[lo:hi], nt)
+
     def all_reduce_sum_scalar(self, x):
         x = float(x)
         if self.world_size == 1:

@@ -114,7 +114,8 @@ class ActPlan:
     """What the activation buffers hold, decided once where they are sized (GPT2._ensure_acts)."""
     rows: int          # B*T the buffers take
     layers: int        # layers of saved activations: L (training) or 1 (a forward that keeps nothing)
-    recompute: bool    # ln1, ln2, fch_gelu (bf16: atty16) held for one layer, recomputed in backward
+    recompute: int     # llm.c's -r level: 0 keep every layer's fch_gelu, ln1, ln2 (bf16: atty16);
+                       # 1 hold fch_gelu for one layer and recompute it in backward; 2 also the rest
     logits_rows: int   # rows of logits held: `rows`, or LMHEAD_ROWS when a bf16 training forward
                        # runs the lm head and the loss in blocks (recomputed in backward)
 
@@ -148,12 +149,15 @@ class GPT2:
         """recompute: the matmul inputs that one cheap kernel reproduces from what backward keeps
         anyway (fch_gelu = GELU(fch), ln1/ln2 = layernorm(x) with the saved mean/rstd, and bf16's
         copy of atty) are kept per layer, or recomputed in backward into one layer of scratch, the
-        same bits either way. None = keep them while fch_gelu costs <= 256 MiB (small B*T: saves
-        those kernels in backward), True = always recompute, False = always keep.
+        same bits either way. llm.c's -r levels: 0 = keep all, 1 = recompute fch_gelu, 2 = also
+        ln1/ln2 (and bf16's atty copy). None = 0 while fch_gelu costs <= 256 MiB (small B*T: saves
+        those kernels in backward), else 2; True = 2, False = 0.
         matmul: the GEMM engine (None: the default, oneDNN where built, else scipy's BLAS).
         precision: "fp32" or "bf16" (mixed precision, see the module docstring)."""
         self.config = config
         self.precision = check_precision(precision)
+        if recompute not in (None, True, False, 0, 1, 2):
+            raise ConfigError(f"recompute must be None, 0, 1 or 2, got {recompute!r}")
         self.recompute = recompute
         config.validate()
         from llmctl.threads import configure_threads
@@ -255,17 +259,18 @@ class GPT2:
         if self.plan is not None:
             BT, nl = max(BT, self.plan.rows), max(nl, self.plan.layers)
         if self.recompute is None:
-            recompute = c.num_layers * BT * 4 * c.channels * 4 > KEEP_GELU_BYTES
+            level = 2 if c.num_layers * BT * 4 * c.channels * 4 > KEEP_GELU_BYTES else 0
         else:
-            recompute = bool(self.recompute)
-        recompute = recompute or nl < c.num_layers
+            level = 2 if self.recompute is True else int(self.recompute)
+        if nl < c.num_layers:   # a forward that keeps nothing holds one layer of everything
+            level = 2
         # bf16 only (fp32 keeps llm.c's full logits): when B*T x Vp fp32 logits exceed 256 MiB (d12
         # at B*T > 1334), a training forward runs the lm head and the loss LMHEAD_ROWS rows at a
         # time, keeping only the losses, and backward recomputes each block's logits (the same GEMM
         # on the same inputs: the same bits) before its gradient: ~9 % more FLOPs at d12 B=4
         # T=1024, 0.8 GB less memory
         blocks = self.precision == "bf16" and BT * c.padded_vocab_size * 4 > LOGITS_KEEP_BYTES
-        return ActPlan(BT, nl, recompute, min(BT, LMHEAD_ROWS) if blocks else BT)
+        return ActPlan(BT, nl, level, min(BT, LMHEAD_ROWS) if blocks else BT)
 
     def _ensure_acts(self, BT, nl):
         """Buffers for >= BT rows and nl layers of saved activations."""
@@ -274,7 +279,8 @@ class GPT2:
         plan = self._make_plan(BT, nl)
         c = self.config
         BT, L, C, NH, Vp = plan.rows, plan.layers, c.channels, c.num_heads, c.padded_vocab_size
-        Lr = 1 if plan.recompute else L   # ln1, ln2, fch_gelu (and atty16): all layers, or one
+        Lg = 1 if plan.recompute >= 1 else L   # fch_gelu: all layers, or one
+        Lr = 1 if plan.recompute >= 2 else L   # ln1, ln2 (and atty16) likewise
         z = lambda *shape: np.zeros(shape, dtype=np.float32)
         zm = lambda *shape: np.zeros(shape, dtype=self.ops.act_dtype)   # matmul inputs
         self._acts = None  # free the old buffers before allocating bigger ones
@@ -287,7 +293,7 @@ class GPT2:
             "atty": z(L, BT * C), "lse": z(L, BT * NH),
             "ln2": zm(Lr, BT * C), "ln2_mean": z(L, BT), "ln2_rstd": z(L, BT),
             "fch": z(L, BT * 4 * C),
-            "gelu": zm(Lr, BT * 4 * C),
+            "gelu": zm(Lg, BT * 4 * C),
             "lnf": zm(BT * C), "lnf_mean": z(BT), "lnf_rstd": z(BT),
             "logits": z(plan.logits_rows * Vp),   # logits -> probs -> dlogits, in place (fp32)
             "losses": z(BT), "dlosses": z(BT),
@@ -303,7 +309,8 @@ class GPT2:
         a, C, NH = self._acts, self.config.channels, self.config.num_heads
         n = BT * C
         r = l if keep else 0
-        rr = 0 if self.plan.recompute else r
+        rg = 0 if self.plan.recompute >= 1 else r
+        rr = 0 if self.plan.recompute >= 2 else r
         xr, outr = (l, l + 1) if keep else (l % 2, (l + 1) % 2)
         return SimpleNamespace(
             x=a["resid"][xr, :n], x2=a["res2"][r, :n], out=a["resid"][outr, :n],
@@ -311,7 +318,7 @@ class GPT2:
             qkv=a["qkv"][r, :3 * n], atty=a["atty"][r, :n], lse=a["lse"][r, :BT * NH],
             atty16=a["atty16"][rr, :n] if "atty16" in a else None,
             ln2=a["ln2"][rr, :n], ln2_mean=a["ln2_mean"][r, :BT], ln2_rstd=a["ln2_rstd"][r, :BT],
-            fch=a["fch"][r, :4 * n], gelu=a["gelu"][rr, :4 * n])
+            fch=a["fch"][r, :4 * n], gelu=a["gelu"][rg, :4 * n])
 
     def _fresh_layer_acts(self, x):
         """One layer's buffers for the rows of x (N, C), newly allocated (a cached forward)."""
@@ -629,8 +636,9 @@ class GPT2:
         dres, dsmall, dbig, d16 = s["dres"][:n], s["dsmall"][:n], s["dbig"][:4 * n], s.get("dout16")
         gW = lambda name: g[name][l].reshape(-1)
         gb = lambda name: g[name[:-1] + "b"][l]
-        if self.plan.recompute:   # the forward's kernels on the same inputs: the same bits
+        if self.plan.recompute >= 1:   # the forward's kernels on the same inputs: the same bits
             o.gelu(a.gelu, a.fch, 4 * n, nt)
+        if self.plan.recompute >= 2:
             o.layernorm(a.ln2, a.ln2_mean, a.ln2_rstd, a.x2, p["ln2w"][l], p["ln2b"][l], BT, C, nt)
             o.layernorm(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, p["ln1w"][l], p["ln1b"][l], BT, C, nt)
             o.mm_input(a.atty16, a.atty, nt)
@@ -695,3 +703,28 @@ class GPT2:
                                        zero_grads=zero_grads)
         self._bf16_fresh = pb is not None   # the runs cover every parameter
         self.grads_known_zero = bool(zero_grads)   # ... and every gradient
+
+    def update_shard(self, pieces, m, v, lr, beta1, beta2, eps, weight_decay, grad_scale, step):
+        """AdamW (as update) on some pieces of the parameters only: ZeRO-1's shard
+        (llmctl/distributed/zero.py). pieces: [(lo, hi, m_off, name)]; m, v hold the moments of
+        the pieces only, piece k at m_off. The bf16 copy of the pieces is written in the same
+        pass; the rest of it must be re-cast (params_gathered) once the other ranks' pieces are in."""
+        if step < 1:
+            raise ValueError(f"AdamW step t is 1-based, got {step}")
+        pb = self.params_bf16
+        for lo, hi, mo, name in pieces:
+            n = hi - lo
+            self.kernels.adamw.adamw_update(self.params[lo:hi], self.grads[lo:hi], m[mo:mo + n], v[mo:mo + n],
+                                       lr, beta1, beta2, eps, weight_decay if name in DECAY_PARAMS else 0.0,
+                                       grad_scale, int(step), self.n_threads, None if pb is None else pb[lo:hi])
+
+    def params_gathered(self, ranges):
+        """params[lo:hi] for each (lo, hi) were written by an all-gather: re-cast their bf16 copy
+        (the same bits the rank that updated them wrote), keeping the copy current."""
+        if self.params_bf16 is None:
+            return
+        if not self._bf16_fresh:
+            self._sync_bf16()
+            return
+        for lo, hi in ranges:
+            self.kernels.convert.cast_to_bf16(self.params_bf16[lo:hi], self.params[lo:hi], self.n_threads)
