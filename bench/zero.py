@@ -1,0 +1,127 @@
+"""Benchmark `llmctl train -z 1` (ZeRO-1) and `-r` (recompute): memory saved, time paid.
+
+What it reports, measured in ONE run so the figures sit side by side:
+  - 2 ranks on this host (--nproc 2, shm), -z 0 vs -z 1: AdamW ms per rank (metrics.jsonl's
+    adamw_ms: the fused AdamW pass, on the whole model or on the rank's shard; the median over
+    the steps after the first), the step's gradient collective (allreduce_ms) and ms/step, and
+    each rank's peak RSS (VmHWM, read from /proc while the ranks run; shm's shared gradient
+    rows count in every rank that touched them);
+  - one process, -r 0 / 1 / 2: ms/step (median after the first) and peak RSS (VmHWM).
+The model is llm.c's random-init descriptor (-e d12 by default) on random tokens: the data does
+not change time or memory. Each configuration is one `llmctl train` subprocess.
+What it is not: a convergence or correctness test (tests/test_zero.py), or a multi-host
+measurement.
+
+    python bench/zero.py                          # d12; -z: B=1 T=256; -r: B=4 T=512
+    python bench/zero.py --model d6 --steps 3
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+
+def _children(pid):
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def _hwm(pid):
+    """VmHWM (peak RSS) of pid in bytes, or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return None
+
+
+def run(args, nranks):
+    """Run `llmctl train args`; -> (metrics records, {pid: peak RSS}) of the train processes
+    (the process itself for one rank, the launcher's children for --nproc)."""
+    p = subprocess.Popen([sys.executable, "-m", "llmctl.cli", *args], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+    peaks = {}
+    while p.poll() is None:
+        pids = [p.pid] if nranks == 1 else _children(p.pid)
+        for pid in pids:
+            h = _hwm(pid)
+            if h is not None:
+                peaks[pid] = max(peaks.get(pid, 0), h)
+        time.sleep(0.05)
+    err = p.stderr.read()
+    if p.returncode != 0:
+        sys.exit(f"llmctl train {' '.join(args)} failed:\n{err}")
+    return peaks
+
+
+def records(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(ln) for ln in f if "train_loss" in ln]
+
+
+def med(xs):
+    return statistics.median(xs[1:] if len(xs) > 1 else xs)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="d12", help="llm.c descriptor (-e)")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--zero-bt", default="1x256", help="B x T of the 2-rank -z runs")
+    ap.add_argument("--recompute-bt", default="4x512", help="B x T of the -r runs")
+    ap.add_argument("--threads", type=int, default=2, help="threads of the one-process -r runs")
+    a = ap.parse_args()
+    d = tempfile.mkdtemp(prefix="llmctl-bench-zero-")
+    from llmctl.formats import write_datafile
+
+    rng = np.random.default_rng(0)
+    write_datafile(os.path.join(d, "train.bin"), rng.integers(0, 50257, 200_000).astype(np.uint16))
+    write_datafile(os.path.join(d, "val.bin"), rng.integers(0, 50257, 20_000).astype(np.uint16))
+
+    def base(out, bt, *extra):
+        B, T = bt.split("x")
+        return ["train", "-i", os.path.join(d, "train.bin"), "-j", os.path.join(d, "val.bin"),
+                "-e", a.model, "-b", B, "-t", T, "-x", str(a.steps), "-v", "0", "-s", "0",
+                "-o", os.path.join(d, out), *extra]
+
+    rows = {}
+    print(f"# {a.model}, 2 ranks (--nproc 2, shm, 1 thread each), B x T = {a.zero_bt}, "
+          f"{a.steps} steps")
+    print(f"{'':6} {'AdamW ms':>9} {'collective ms':>14} {'ms/step':>9} {'peak RSS per rank (GiB)':>26}")
+    for z in ("0", "1"):
+        peaks = run(base(f"z{z}", a.zero_bt, "--nproc", "2", "-z", z), 2)
+        rec = records(os.path.join(d, f"z{z}"))
+        row = {"adamw_ms": med([r["adamw_ms"] for r in rec]),
+               "collective_ms": med([r["allreduce_ms"] for r in rec]),
+               "ms": med([r["ms"] for r in rec]),
+               "peak_rss_gib": sorted(round(v / 2**30, 3) for v in peaks.values())}
+        rows[f"-z {z}"] = row
+        print(f"-z {z}  {row['adamw_ms']:9.1f} {row['collective_ms']:14.1f} {row['ms']:9.1f} "
+              f"{', '.join(f'{x:.2f}' for x in row['peak_rss_gib']):>26}")
+    print(f"\n# {a.model}, one process, --threads {a.threads}, B x T = {a.recompute_bt}, {a.steps} steps")
+    print(f"{'':6} {'ms/step':>9} {'peak RSS (GiB)':>15}")
+    for r in ("0", "1", "2"):
+        peaks = run(base(f"r{r}", a.recompute_bt, "-r", r, "--threads", str(a.threads)), 1)
+        rec = records(os.path.join(d, f"r{r}"))
+        row = {"ms": med([x["ms"] for x in rec]), "peak_rss_gib": round(max(peaks.values()) / 2**30, 3)}
+        rows[f"-r {r}"] = row
+        print(f"-r {r}  {row['ms']:9.1f} {row['peak_rss_gib']:15.2f}")
+    print("\n" + json.dumps(rows))
+    shutil.rmtree(d, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
