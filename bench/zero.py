@@ -13,7 +13,7 @@ What it is not: a convergence or correctness test (tests/test_zero.py), or a mul
 measurement.
 
     python bench/zero.py                          # d12; -z: B=1 T=256; -r: B=4 T=512
-    python bench/zero.py --model d6 --steps 3
+    python bench/zero.py --model d6 --only zero
 """
 import argparse
 import json
@@ -83,8 +83,9 @@ def main():
     ap.add_argument("--zero-bt", default="1x256", help="B x T of the 2-rank -z runs")
     ap.add_argument("--recompute-bt", default="4x512", help="B x T of the -r runs")
     ap.add_argument("--threads", type=int, default=2, help="threads of the one-process -r runs")
+    ap.add_argument("--only", choices=("zero", "recompute"), help="run one of the two parts")
     a = ap.parse_args()
-    d = tempfile.mkdtemp(prefix="llmctl-bench-zero-")
+    d = a.dir = tempfile.mkdtemp(prefix="llmctl-bench-zero-")
     from llmctl.formats import write_datafile
 
     rng = np.random.default_rng(0)
@@ -98,12 +99,21 @@ def main():
                 "-o", os.path.join(d, out), *extra]
 
     rows = {}
+    if a.only != "recompute":
+        zero_part(a, base, rows)
+    if a.only != "zero":
+        recompute_part(a, base, rows)
+    print("\n" + json.dumps(rows))
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def zero_part(a, base, rows):
     print(f"# {a.model}, 2 ranks (--nproc 2, shm, 1 thread each), B x T = {a.zero_bt}, "
           f"{a.steps} steps")
     print(f"{'':6} {'AdamW ms':>9} {'collective ms':>14} {'ms/step':>9} {'peak RSS per rank (GiB)':>26}")
     for z in ("0", "1"):
         peaks = run(base(f"z{z}", a.zero_bt, "--nproc", "2", "-z", z), 2)
-        rec = records(os.path.join(d, f"z{z}"))
+        rec = records(os.path.join(a.dir, f"z{z}"))
         row = {"adamw_ms": med([r["adamw_ms"] for r in rec]),
                "collective_ms": med([r["allreduce_ms"] for r in rec]),
                "ms": med([r["ms"] for r in rec]),
@@ -111,16 +121,17 @@ def main():
         rows[f"-z {z}"] = row
         print(f"-z {z}  {row['adamw_ms']:9.1f} {row['collective_ms']:14.1f} {row['ms']:9.1f} "
               f"{', '.join(f'{x:.2f}' for x in row['peak_rss_gib']):>26}")
+
+
+def recompute_part(a, base, rows):
     print(f"\n# {a.model}, one process, --threads {a.threads}, B x T = {a.recompute_bt}, {a.steps} steps")
     print(f"{'':6} {'ms/step':>9} {'peak RSS (GiB)':>15}")
     for r in ("0", "1", "2"):
         peaks = run(base(f"r{r}", a.recompute_bt, "-r", r, "--threads", str(a.threads)), 1)
-        rec = records(os.path.join(d, f"r{r}"))
+        rec = records(os.path.join(a.dir, f"r{r}"))
         row = {"ms": med([x["ms"] for x in rec]), "peak_rss_gib": round(max(peaks.values()) / 2**30, 3)}
         rows[f"-r {r}"] = row
         print(f"-r {r}  {row['ms']:9.1f} {row['peak_rss_gib']:15.2f}")
-    print("\n" + json.dumps(rows))
-    shutil.rmtree(d, ignore_errors=True)
 
 
 if __name__ == "__main__":

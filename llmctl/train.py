@@ -506,6 +506,7 @@ class Trainer:
             self.zero.update(lr, self.cfg.beta1, self.cfg.beta2, self.cfg.eps,
                              self.cfg.weight_decay, grad_scale, step + 1)
             self.adamw_ms = self.zero.adamw_ms
+            self.allreduce_ms += self.zero.comm_ms   # the reduce-scatter and the all-gather
         else:
             model.update(lr, self.cfg.beta1, self.cfg.beta2, self.cfg.eps, self.cfg.weight_decay,
                          grad_scale, step + 1, zero_grads=True)

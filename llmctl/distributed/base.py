@@ -38,9 +38,11 @@ class Comm:
         mean over ranks; the rest of buf is unspecified (ZeRO-1's gradient reduce-scatter)."""
         raise NotImplementedError
 
-    def all_gather(self, buf: np.ndarray, shards) -> None:
+    def all_gather(self, buf: np.ndarray, shards, scratch=None) -> None:
         """shards as in reduce_scatter_mean: every rank's ranges of buf are copied from the rank
-        that owns them into buf on every rank (ZeRO-1's parameter all-gather)."""
+        that owns them into buf on every rank (ZeRO-1's parameter all-gather). scratch: a buffer
+        of the same size whose contents the caller no longer needs (the gradients after
+        AdamW), which a backend may overwrite as staging; None: none."""
         raise NotImplementedError
 
     def all_reduce_sum_scalar(self, x: float) -> float:
@@ -93,7 +95,7 @@ class SingleProcessComm(Comm):
     def reduce_scatter_mean(self, buf, shards):
         pass
 
-    def all_gather(self, buf, shards):
+    def all_gather(self, buf, shards, scratch=None):
         pass
 
     def all_reduce_sum_scalar(self, x):

@@ -125,8 +125,8 @@ class MpiComm(Comm):
         self.allreduce_calls += 1
         self.allreduce_seconds += time.perf_counter() - t0
 
-    def all_gather(self, buf, shards):
-        """One MPI_Bcast per rank's shard, packed contiguously, from that rank."""
+    def all_gather(self, buf, shards, scratch=None):
+        """One MPI_Bcast per rank's shard, packed contiguously, from that rank (scratch unused)."""
         if self.world_size == 1 or buf.shape[0] == 0:
             return
         MPI = self.MPI

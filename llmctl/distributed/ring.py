@@ -371,8 +371,9 @@ class RingComm(Comm):
         self.allreduce_calls += 1
         self.allreduce_seconds += time.perf_counter() - t0
 
-    def all_gather(self, buf, shards):
-        """The second half of the ring all-reduce: this rank's shard goes round the ring."""
+    def all_gather(self, buf, shards, scratch=None):
+        """The second half of the ring all-reduce: this rank's shard goes round the ring
+        (scratch is not needed: the pieces travel straight into buf)."""
         if not isinstance(buf, np.ndarray) or buf.dtype != np.float32 or buf.ndim != 1 \
                 or not buf.flags.c_contiguous or not buf.flags.writeable:
             raise ValueError("all_gather needs a writeable 1-D contiguous float32 array")

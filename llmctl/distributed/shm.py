@@ -420,23 +420,33 @@ class ShmComm(HubComm):
         self.allreduce_calls += 1
         self.allreduce_seconds += time.perf_counter() - t0
 
-    def all_gather(self, buf, shards):
-        """ZeRO-1's all-gather: each rank writes its ranges into the scratch segment's result
-        row, then (after one collective) copies everyone else's. The next write to that row
-        comes after a later collective, which no rank passes before its copies are done."""
+    def all_gather(self, buf, shards, scratch=None):
+        """ZeRO-1's all-gather: each rank writes its ranges into shared memory, then (after one
+        collective) copies everyone else's from there. `scratch`, this rank's shared_buffer()
+        whose contents are no longer needed (the gradients once AdamW has read them), is used
+        in place: rank r's ranges of row r, so no memory is added; a second collective then keeps
+        each rank from rewriting its row (the next zero_grad) before all have read it.
+        Without it the scratch segment's result row is used (n floats more of shared memory;
+        its next write comes after a later collective, which no rank passes before its copies)."""
         _as_float32_1d(buf, "all_gather")
         if self.world_size == 1:
             return
         n, k, nt = buf.shape[0], self._k, self.n_threads
-        self._ensure(n)
-        res = self.seg.slots[self.world_size]
+        in_place = scratch is not None and self._is_shared(scratch)
+        if in_place:
+            rows = self.gseg.slots
+        else:
+            self._ensure(n)
+            rows = [self.seg.slots[self.world_size]] * self.world_size
         for lo, hi in shards[self.rank]:
-            k.copy_floats(res[lo:hi], buf[lo:hi], nt)
+            k.copy_floats(rows[self.rank][lo:hi], buf[lo:hi], nt)
         self._collective("allgather-shards", n)
         for r, ranges in enumerate(shards):
             if r != self.rank:
                 for lo, hi in ranges:
-                    k.copy_floats(buf[lo:hi], res[lo:hi], nt)
+                    k.copy_floats(buf[lo:hi], rows[r][lo:hi], nt)
+        if in_place:
+            self._collective("allgather-shards-done", n)
 
     def all_reduce_sum_scalar(self, x):
         x = float(x)

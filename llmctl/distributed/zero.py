@@ -107,7 +107,9 @@ class Zero1:
         model.update_shard(self.mine, self.m, self.v, lr, beta1, beta2, eps, weight_decay,
                            grad_scale, step)
         t1 = time.perf_counter()
-        self.comm.all_gather(model.params, self.ranges)
+        # the gradients are spent once AdamW has read them: the all-gather may stage in them
+        # (zero_grad clears them before the next backward)
+        self.comm.all_gather(model.params, self.ranges, scratch=model.grads)
         others = [(lo, hi) for r, rr in enumerate(self.ranges) if r != self.rank for lo, hi in rr]
         model.params_gathered(others)
         self.adamw_ms = (t1 - t0) * 1000.0
