@@ -4,8 +4,9 @@ What it reports, measured in ONE run so the figures sit side by side:
   - 2 ranks on this host (--nproc 2, shm), -z 0 vs -z 1: AdamW ms per rank (metrics.jsonl's
     adamw_ms: the fused AdamW pass, on the whole model or on the rank's shard; the median over
     the steps after the first), the step's gradient collective (allreduce_ms) and ms/step, and
-    each rank's peak RSS (VmHWM, read from /proc while the ranks run; shm's shared gradient
-    rows count in every rank that touched them);
+    each rank's peak RSS (VmHWM, read from /proc while the ranks run: shm's shared gradient
+    rows count in full in every rank that touched them) and peak PSS (smaps_rollup polled every
+    50 ms: shared pages split between the ranks, so the ranks' PSS add up to the host's memory);
   - one process, -r 0 / 1 / 2: ms/step (median after the first) and peak RSS (VmHWM).
 The model is llm.c's random-init descriptor (-e d12 by default) on random tokens: the data does
 not change time or memory. Each configuration is one `llmctl train` subprocess.
@@ -48,23 +49,37 @@ def _hwm(pid):
     return None
 
 
+def _pss(pid):
+    """Current PSS of pid in bytes (shared pages split among the processes mapping them)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return None
+
+
 def run(args, nranks):
     """Run `llmctl train args`; -> (metrics records, {pid: peak RSS}) of the train processes
     (the process itself for one rank, the launcher's children for --nproc)."""
     p = subprocess.Popen([sys.executable, "-m", "llmctl.cli", *args], stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE, text=True)
-    peaks = {}
+    peaks, pss = {}, {}
     while p.poll() is None:
         pids = [p.pid] if nranks == 1 else _children(p.pid)
         for pid in pids:
-            h = _hwm(pid)
+            h, q = _hwm(pid), _pss(pid)
             if h is not None:
                 peaks[pid] = max(peaks.get(pid, 0), h)
+            if q is not None:
+                pss[pid] = max(pss.get(pid, 0), q)
         time.sleep(0.05)
     err = p.stderr.read()
     if p.returncode != 0:
         sys.exit(f"llmctl train {' '.join(args)} failed:\n{err}")
-    return peaks
+    return peaks, pss
 
 
 def records(out):
@@ -83,7 +98,9 @@ def main():
     ap.add_argument("--zero-bt", default="1x256", help="B x T of the 2-rank -z runs")
     ap.add_argument("--recompute-bt", default="4x512", help="B x T of the -r runs")
     ap.add_argument("--threads", type=int, default=2, help="threads of the one-process -r runs")
-    ap.add_argument("--only", choices=("zero", "recompute"), help="run one of the two parts")
+    ap.add_argument("--only", choices=("zero", "recompute", "medium"),
+                    help="run one part; medium (not in the default run: minutes per step) is "
+                         "`-e d24` (GPT-2 medium's shape, 355M) at -b 4 -t 1024, 2 steps")
     a = ap.parse_args()
     d = a.dir = tempfile.mkdtemp(prefix="llmctl-bench-zero-")
     from llmctl.formats import write_datafile
@@ -99,10 +116,12 @@ def main():
                 "-o", os.path.join(d, out), *extra]
 
     rows = {}
-    if a.only != "recompute":
+    if a.only in (None, "zero"):
         zero_part(a, base, rows)
-    if a.only != "zero":
+    if a.only in (None, "recompute"):
         recompute_part(a, base, rows)
+    if a.only == "medium":
+        medium_part(a, base, rows)
     print("\n" + json.dumps(rows))
     shutil.rmtree(d, ignore_errors=True)
 
@@ -110,28 +129,45 @@ def main():
 def zero_part(a, base, rows):
     print(f"# {a.model}, 2 ranks (--nproc 2, shm, 1 thread each), B x T = {a.zero_bt}, "
           f"{a.steps} steps")
-    print(f"{'':6} {'AdamW ms':>9} {'collective ms':>14} {'ms/step':>9} {'peak RSS per rank (GiB)':>26}")
+    print(f"{'':6} {'AdamW ms':>9} {'collective ms':>14} {'ms/step':>9} {'peak RSS per rank (GiB)':>26} "
+          f"{'peak PSS per rank (GiB)':>26}")
     for z in ("0", "1"):
-        peaks = run(base(f"z{z}", a.zero_bt, "--nproc", "2", "-z", z), 2)
+        peaks, pss = run(base(f"z{z}", a.zero_bt, "--nproc", "2", "-z", z), 2)
         rec = records(os.path.join(a.dir, f"z{z}"))
         row = {"adamw_ms": med([r["adamw_ms"] for r in rec]),
                "collective_ms": med([r["allreduce_ms"] for r in rec]),
                "ms": med([r["ms"] for r in rec]),
-               "peak_rss_gib": sorted(round(v / 2**30, 3) for v in peaks.values())}
+               "peak_rss_gib": sorted(round(v / 2**30, 3) for v in peaks.values()),
+               "peak_pss_gib": sorted(round(v / 2**30, 3) for v in pss.values())}
         rows[f"-z {z}"] = row
         print(f"-z {z}  {row['adamw_ms']:9.1f} {row['collective_ms']:14.1f} {row['ms']:9.1f} "
-              f"{', '.join(f'{x:.2f}' for x in row['peak_rss_gib']):>26}")
+              f"{', '.join(f'{x:.2f}' for x in row['peak_rss_gib']):>26} "
+              f"{', '.join(f'{x:.2f}' for x in row['peak_pss_gib']):>26}")
 
 
 def recompute_part(a, base, rows):
     print(f"\n# {a.model}, one process, --threads {a.threads}, B x T = {a.recompute_bt}, {a.steps} steps")
     print(f"{'':6} {'ms/step':>9} {'peak RSS (GiB)':>15}")
     for r in ("0", "1", "2"):
-        peaks = run(base(f"r{r}", a.recompute_bt, "-r", r, "--threads", str(a.threads)), 1)
+        peaks, _ = run(base(f"r{r}", a.recompute_bt, "-r", r, "--threads", str(a.threads)), 1)
         rec = records(os.path.join(a.dir, f"r{r}"))
         row = {"ms": med([x["ms"] for x in rec]), "peak_rss_gib": round(max(peaks.values()) / 2**30, 3)}
         rows[f"-r {r}"] = row
         print(f"-r {r}  {row['ms']:9.1f} {row['peak_rss_gib']:15.2f}")
+
+
+def medium_part(a, base, rows):
+    """GPT-2 medium's shape (llm.c's d24 random init: the memory and time of fine-tuning the
+    pretrained gpt2-medium, whose download this bench avoids) at B=4, T=1024, 2 steps."""
+    a.model = "d24"
+    print(f"\n# d24 (GPT-2 medium, 355M), one process, --threads {a.threads}, B x T = 4x1024, 2 steps")
+    args = base("medium", "4x1024", "--threads", str(a.threads))
+    args[args.index("-x") + 1] = "2"
+    peaks, _ = run(args, 1)
+    rec = records(os.path.join(a.dir, "medium"))
+    row = {"ms": [x["ms"] for x in rec], "peak_rss_gib": round(max(peaks.values()) / 2**30, 3)}
+    rows["medium"] = row
+    print(f"ms/step {', '.join(f'{x:.0f}' for x in row['ms'])}; peak RSS {row['peak_rss_gib']:.2f} GiB")
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ What it is: `Trainer`, which wires one run together (config, loaders, model, che
 display), and `train(cfg, comm, display)`, which runs the loop of train_gpt2.cu in its order,
 for step = start..N inclusive:
 val loss -> HellaSwag (-h 1) -> sample -> checkpoint -> (stop at the last step) -> micro-steps of
-forward/backward with gradient accumulation -> all-reduce of the flat gradient buffer -> lr
-schedule, grad-norm clip, AdamW (skipped when -sl/-sg's outlier z-score says so, llmctl/outlier.py;
+forward/backward with gradient accumulation -> all-reduce of the flat gradient buffer (-z 1:
+reduce-scatter, and AdamW on this rank's shard then an all-gather: llmctl/distributed/zero.py)
+-> lr schedule, grad-norm clip, AdamW (skipped when -sl/-sg's outlier z-score says so, llmctl/outlier.py;
 it also clears the gradients, so the next step's zero_grad has nothing to fill) -> log
 `s:%d trl:%.4f lr:%.6f norm:%.2f`. Checkpoints are llm.c's `model_%08d.bin` (rank 0),
 `state_%08d_%05d.bin` (every rank; with -sl/-sg also a `state_%08d_%05d.outlier.json` sidecar
