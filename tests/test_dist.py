@@ -277,6 +277,29 @@ def test_collectives_exact_across_ranks(dist_clean, nproc, shared):
         assert res["iters"] == 2 and res["checked"] == 10 and res["threads"] == "1"
 
 
+@pytest.mark.parametrize("nproc,shared", [(2, False), (3, True)])
+def test_zero_collectives_exact_across_ranks(dist_clean, nproc, shared):
+    """reduce_scatter_mean leaves each rank's ranges holding the fixed-order float32 mean (the
+    all-reduce's bits), all_gather gives every rank all of it: the copy path, and the shared
+    gradient row (zero-copy reduce, in-place staging of the all-gather)."""
+    launch(TOY, {"dir": str(dist_clean), "iters": 2, "shared": shared, "zero": True}, nproc,
+           threads=1, timeout=10)
+    for r in range(nproc):
+        assert json.loads((dist_clean / f"result_{r}.json").read_text())["checked"] == 10
+
+
+def test_rank_killed_during_the_reduce_scatter_ends_the_job(dist_clean):
+    """Rank 1 dies while rank 0 waits in ZeRO-1's reduce-scatter: one error naming it, within
+    the heartbeat timeout rather than the collective timeout."""
+    t0 = time.monotonic()
+    with pytest.raises(DistError, match=r"rank 1 \(pid \d+\) was killed by SIGKILL"):
+        launch(TOY, {"dir": str(dist_clean), "iters": 3, "zero": True, "fail_rank": 1,
+                     "fail_at": 1, "fail": "kill", "fail_in": "reduce_scatter"},
+               2, threads=1, timeout=3, grace=1, collective_timeout=300)
+    assert time.monotonic() - t0 < 120
+    assert not (dist_clean / "result_0.json").exists()
+
+
 @pytest.mark.parametrize("fail,expect", [
     ("error", r"rank 1 \(pid \d+\) failed at step 1: synthetic failure on rank 1"),
     ("raise", r"rank 1 \(pid \d+\) failed at step 1: RuntimeError: synthetic bug"),

@@ -30,9 +30,13 @@ def rank_data(rank, it, n):
 def collectives(args, comm):
     """Run `iters` rounds of all_reduce_mean/sum/broadcast/assert_identical and check the bits.
 
+    {"zero": true} also checks ZeRO-1's reduce_scatter_mean and all_gather on each size (the
+    buffer cut into 2P interleaved ranges, range j owned by rank j % P): the owner's ranges hold
+    the fixed-order mean, and after the all-gather every rank holds all of it.
     Optional fault injection: {"fail_rank": r, "fail_at": i, "fail": "error"|"kill"|"stop"|
-    "exit0"|"mismatch"} makes rank r misbehave at iteration i. {"loop": true} keeps iterating
-    (with `sleep` s between rounds) until comm.stop_requested, for signal tests.
+    "exit0"|"mismatch"} makes rank r misbehave at iteration i ({"fail_in": "reduce_scatter"}:
+    right before its reduce-scatter, while the others wait in it). {"loop": true} keeps
+    iterating (with `sleep` s between rounds) until comm.stop_requested, for signal tests.
     """
     _write(args, f"{comm.rank}.pid", {"pid": os.getpid()})
     sizes = args.get("sizes", [0, 1, 17, 4099, 100003])
@@ -45,18 +49,9 @@ def collectives(args, comm):
         shared = comm.shared_buffer(max(sizes))
     while True:
         comm.step = it
-        if args.get("fail_rank") == comm.rank and args.get("fail_at") == it:
-            kind = args.get("fail", "error")
-            if kind == "error":
-                raise DataError(f"synthetic failure on rank {comm.rank}")
-            if kind == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            if kind == "stop":
-                os.kill(os.getpid(), signal.SIGSTOP)
-            if kind == "exit0":
-                os._exit(0)
-            if kind == "raise":
-                raise RuntimeError("synthetic bug")
+        if (args.get("fail_rank") == comm.rank and args.get("fail_at") == it
+                and not args.get("fail_in")):
+            _fail(args, comm)
         for n in sizes:
             buf = rank_data(comm.rank, it, n)
             if shared is not None and n == shared.shape[0]:
@@ -71,6 +66,8 @@ def collectives(args, comm):
                 raise DataError(f"rank {comm.rank}: all_reduce_mean(n={n}) differs from the reference "
                                 f"(max |diff| {np.max(np.abs(buf - want)):.3g})")
             checked += 1
+            if args.get("zero"):
+                _check_zero(args, comm, it, n, shared, want)
         s = comm.all_reduce_sum_scalar(comm.rank + 0.5)
         if s != sum(r + 0.5 for r in range(comm.world_size)):
             raise DataError(f"rank {comm.rank}: all_reduce_sum_scalar gave {s}")
@@ -93,6 +90,45 @@ def collectives(args, comm):
     _write(args, f"result_{comm.rank}.json",
            {"rank": comm.rank, "world_size": comm.world_size, "iters": it, "checked": checked,
             "stopped": bool(comm.stop_requested), "threads": os.environ.get("OMP_NUM_THREADS")})
+
+
+def _fail(args, comm):
+    kind = args.get("fail", "error")
+    if kind == "error":
+        raise DataError(f"synthetic failure on rank {comm.rank}")
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if kind == "exit0":
+        os._exit(0)
+    if kind == "raise":
+        raise RuntimeError("synthetic bug")
+
+
+def _check_zero(args, comm, it, n, shared, want):
+    """reduce_scatter_mean then all_gather of one size against the all-reduce's mean `want`."""
+    P, r = comm.world_size, comm.rank
+    cuts = [j * n // (2 * P) for j in range(2 * P + 1)]
+    shards = [[(cuts[j], cuts[j + 1]) for j in range(2 * P) if j % P == q] for q in range(P)]
+    buf = rank_data(r, it, n)
+    if shared is not None and n == shared.shape[0]:
+        shared[:] = buf
+        buf = shared
+    if (args.get("fail_in") == "reduce_scatter" and args.get("fail_rank") == r
+            and args.get("fail_at") == it):
+        _fail(args, comm)
+    comm.reduce_scatter_mean(buf, shards)
+    for lo, hi in shards[r]:
+        if not np.array_equal(buf[lo:hi], want[lo:hi]):
+            raise DataError(f"rank {r}: reduce_scatter_mean(n={n}) differs from the reference "
+                            f"on [{lo}, {hi})")
+    params = np.full(n, np.float32(-r - 1))   # another value on every rank outside its ranges
+    for lo, hi in shards[r]:
+        params[lo:hi] = buf[lo:hi]
+    comm.all_gather(params, shards, scratch=buf if buf is shared else None)
+    if not np.array_equal(params, want):
+        raise DataError(f"rank {r}: all_gather(n={n}) differs from the reference")
 
 
 def bench_allreduce(args, comm):
