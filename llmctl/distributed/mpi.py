@@ -71,6 +71,7 @@ class MpiComm(Comm):
         self.step = -1
         self.stop_requested = False
         self._watch = []
+        self._ztmp = [None, None]   # -z 1's packing buffers (N/P floats each), kept between steps
         self.allreduce_calls = 0
         self.allreduce_seconds = 0.0
 
@@ -91,6 +92,13 @@ class MpiComm(Comm):
         self.allreduce_seconds += time.perf_counter() - t0
 
     supports_zero = True
+
+    def _zero_tmp(self, i, n):
+        """Packing buffer i (0 or 1) of >= n floats, kept between steps."""
+        tmps = self._ztmp
+        if tmps[i] is None or tmps[i].shape[0] < n:
+            tmps[i] = np.empty(n, np.float32)
+        return tmps[i][:n]
 
     def _pack(self, buf, ranges, out):
         k = 0
@@ -113,7 +121,7 @@ class MpiComm(Comm):
         t0 = time.perf_counter()
         MPI = self.MPI
         n = max(sum(hi - lo for lo, hi in ranges) for ranges in shards)
-        send, recv = np.empty(n, np.float32), np.empty(n, np.float32)
+        send, recv = self._zero_tmp(0, n), self._zero_tmp(1, n)
         for root, ranges in enumerate(shards):
             sb = self._pack(buf, ranges, send)
             self.comm.Reduce([sb, MPI.FLOAT], [recv[:sb.shape[0]], MPI.FLOAT] if root == self.rank
@@ -131,7 +139,7 @@ class MpiComm(Comm):
             return
         MPI = self.MPI
         n = max(sum(hi - lo for lo, hi in ranges) for ranges in shards)
-        tmp = np.empty(n, np.float32)
+        tmp = self._zero_tmp(0, n)
         for root, ranges in enumerate(shards):
             t = self._pack(buf, ranges, tmp) if root == self.rank else \
                 tmp[:sum(hi - lo for lo, hi in ranges)]
