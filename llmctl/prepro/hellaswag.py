@@ -82,7 +82,8 @@ def tokenize_examples(rows, path="<jsonl>"):
             ctx_tokens = tok.encode(ctx)
             ending_tokens = [tok.encode(" " + e) for e in endings]
         except ValueError as e:  # tiktoken refuses special-token text under `encode`
-            raise DataError(f"{path}:{no}: {_first_line(e)}") from None
+            raise DataError(f"{path}:{no}: {_first_line(e)}",
+                            hint="remove the special-token text from that line (llm.c's hellaswag.py refuses it too)") from None
         examples.append({"label": label, "ctx_tokens": ctx_tokens, "ending_tokens": ending_tokens})
     return examples
 

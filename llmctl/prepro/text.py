@@ -94,7 +94,8 @@ def iter_json_documents(path, field):
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{no}: not valid JSON ({e.msg})") from None
+                raise DataError(f"{path}:{no}: not valid JSON ({e.msg})",
+                                hint="a .jsonl file holds one JSON object per line") from None
             yield get(obj, f"{path}:{no}")
 
 
@@ -293,7 +294,8 @@ def prepro_fineweb(edu=False, version="10B", out_dir=None, source=None, shard_si
     streams HuggingFaceFW/fineweb[-edu] config sample-{version}T. max_shards stops early.
     """
     if version not in ("10B", "100B"):
-        raise ConfigError(f"--version {version!r}: use 10B or 100B")
+        raise ConfigError(f"--version {version!r}: use 10B or 100B",
+                          hint="the FineWeb samples llm.c's fineweb.py offers: sample-10BT, sample-100BT")
     prefix = "edu_fineweb" if edu else "fineweb"
     out_dir = check_out_dir(out_dir or os.path.join(DATA_DIR, f"{prefix}{version}"))
     if source:
