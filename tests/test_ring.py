@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 import pytest
+from errcheck import assert_error, raises_error
 
 from llmctl.distributed import rendezvous as rdzv
 from llmctl.distributed.ring import RingComm, init_ring, ring_connect
@@ -41,6 +42,22 @@ def _free_port(addr="127.0.0.2"):
     port = s.getsockname()[1]
     s.close()
     return port
+
+
+def _listening(host, port):
+    """Whether a socket listens on host:port, read from /proc/net/tcp (connecting to find out
+    would itself be a peer the rendezvous logs and refuses)."""
+    want = "%08X:%04X" % (int.from_bytes(socket.inet_aton(host), "little"), port)
+    with open("/proc/net/tcp") as f:
+        return any(ln.split()[1] == want and ln.split()[3] == "0A" for ln in f.readlines()[1:])
+
+
+def _wait_until(cond, what, timeout=120):
+    """Poll cond() until true; a generous deadline, so a loaded machine is slow, never flaky."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
 
 
 def _env(**kw):
@@ -78,18 +95,23 @@ def procs(tmp_path):
     yield ps
     ps.kill_all()
     # ranks started by a node launcher die with it (PR_SET_PDEATHSIG); check no pid survives
-    time.sleep(0.2)
-    for name in os.listdir(tmp_path):
-        if name.endswith(".pid"):
-            pid = json.loads((tmp_path / name).read_text())["pid"]
-            try:
-                with open(f"/proc/{pid}/status") as f:
-                    alive = "zombie" not in f.read()
-            except FileNotFoundError:
-                alive = False
-            if alive:
-                os.kill(pid, signal.SIGKILL)
-                pytest.fail(f"orphaned rank process {pid}")
+    # (the kernel delivers the signal at once; the rank takes a moment to exit: wait for it)
+    pids = [json.loads((tmp_path / n).read_text())["pid"] for n in os.listdir(tmp_path) if n.endswith(".pid")]
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for pid in pids:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+            pytest.fail(f"orphaned rank process {pid}")
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "zombie" not in f.read()
+    except FileNotFoundError:
+        return False
 
 
 def _mean_bound(xs, nsum):
@@ -249,22 +271,24 @@ def test_resolve_node_secret_and_backend():
     for kw in ({"nnodes": 2, "node_rank": 2}, {"nnodes": 0}, {"master_port": 70000}):
         with pytest.raises(ConfigError):
             rdzv.resolve_node(environ={}, **kw)
-    with pytest.raises(ConfigError, match="LLMCTL_SECRET"):
+    with raises_error(ConfigError, names="LLMCTL_SECRET"):
         rdzv.resolve_secret({})
-    with pytest.raises(ConfigError, match="at least 16"):
+    with raises_error(ConfigError, names=["LLMCTL_SECRET", "16"]):
         rdzv.resolve_secret({"LLMCTL_SECRET": "short"})
     assert rdzv.resolve_secret({"LLMCTL_SECRET": SECRET_TEXT}) == SECRET and len(SECRET) == 32
     assert rdzv.resolve_secret({"LLMCTL_SECRET": SECRET_TEXT + "x"}) != SECRET
     assert rdzv.choose_backend("auto", 1, {}) == "shm"
     assert rdzv.choose_backend("auto", 2, {}) == "ring"
-    mpi = "mpi" if rdzv._have_mpi4py() else "shm"  # auto needs mpi4py to pick mpi
+    import importlib.util
+
+    mpi = "mpi" if importlib.util.find_spec("mpi4py") else "shm"  # auto needs mpi4py to pick mpi
     assert rdzv.choose_backend("auto", 1, {"PMI_RANK": "0", "PMI_SIZE": "2"}) == mpi
     assert rdzv.choose_backend("auto", 1, {"OMPI_COMM_WORLD_RANK": "0"}) == mpi
     with pytest.raises(ConfigError):
         rdzv.choose_backend("nccl", 1, {})
-    with pytest.raises(ConfigError, match="one host only"):
+    with raises_error(ConfigError, names="shm"):
         rdzv.choose_backend("shm", 2, {})
-    with pytest.raises(DistError, match="no local interface"):
+    with raises_error(DistError, names="192.0.2.1"):
         rdzv.bind_listener("192.0.2.1", 0)  # TEST-NET address: not ours, nothing is sent
 
 
@@ -292,12 +316,10 @@ def test_peer_that_never_connects(tmp_path):
     t_0.join(120)  # generous ceilings: both end once the 2 s rendezvous timeout has passed
     t_1.join(120)
     assert not t_0.is_alive() and not t_1.is_alive()
-    assert isinstance(b0.get("err"), DistError), b0
-    assert "ranks [2] did not join the rendezvous at 127.0.0.2:" in b0["err"].message
-    assert isinstance(b1.get("err"), DistError), b1
-    assert "rendezvous failed: ranks [2] did not join" in b1["err"].message
+    assert_error(b0.get("err"), DistError, names=["ranks [2]", f"127.0.0.2:{port}"])
+    assert_error(b1.get("err"), DistError, names="ranks [2]")  # rank 1 learns the cause from rank 0
     # and a rank whose rendezvous host is not there at all
-    with pytest.raises(DistError, match="cannot reach the rendezvous at 127.0.0.2"):
+    with raises_error(DistError, names="127.0.0.2:"):
         init_ring(1, 2, bind_addr=_host(1), **dict(kw, master_port=_free_port(), rdzv_timeout=1))
 
 
@@ -309,26 +331,21 @@ def test_wrong_secret_and_garbage_at_the_rendezvous():
     logs = []
     kw = dict(master_addr=_host(0), master_port=port, timeout=3, rdzv_timeout=6)
     t_0, b0 = _rank_thread(init_ring, 0, 2, bind_addr=_host(0), secret=SECRET, log=logs.append, **kw)
-    time.sleep(0.3)
+    _wait_until(lambda: _listening(_host(0), port), "rank 0's rendezvous to listen")
     g = socket.create_connection((_host(0), port), timeout=5)
     g.sendall(b"GET / HTTP/1.0\r\n\r\n" + os.urandom(200))
     garbage_from = "%s:%d" % g.getsockname()
-    with pytest.raises(DistError, match="rejected this rank's credentials"):
+    with raises_error(DistError, names="credentials"):
         init_ring(1, 2, bind_addr=_host(1), secret=rdzv.resolve_secret(
             {"LLMCTL_SECRET": "a-different-secret-value"}), **kw)
     g.close()
     # logged as it happened: the line is there while rank 0 still waits for rank 1
-    for _ in range(200):
-        if any("wrong job secret" in m for m in logs):
-            break
-        time.sleep(0.01)
+    _wait_until(lambda: any("wrong job secret" in m for m in logs) or not t_0.is_alive(), "the refusal's log line")
     assert t_0.is_alive() and any("wrong job secret" in m for m in logs), logs
     t_0.join(120)  # a generous ceiling: rank 0 ends once its 6 s rendezvous timeout has passed
     assert not t_0.is_alive()
-    err = b0.get("err")
-    assert isinstance(err, DistError), b0
-    assert "ranks [1] did not join" in err.message and "refused 2 peer(s): " in err.message, err.message
-    assert f"{garbage_from} (not an llmctl peer (bad greeting))" in err.message, err.message
+    # the missing rank, how many peers were refused, and each refused peer's address and reason
+    assert_error(b0.get("err"), DistError, names=["ranks [1]", "2 peer(s)", f"{garbage_from} (not an llmctl peer (bad greeting))"])
     wrong = [m for m in logs if "wrong job secret" in m]
     assert [m for m in logs if "bad greeting" in m] == [
         f"rank 0: refused a peer at the rendezvous at {_host(0)}:{port} from {garbage_from}: "
@@ -351,10 +368,10 @@ def test_train_launcher_reports_a_wrong_secret_node_as_it_is_refused(procs, tmp_
             "--rdzv-timeout", str(t))], env=dict(_env(), LLMCTL_SECRET=secret))
 
     n0 = node(0, SECRET_TEXT, 10)
-    time.sleep(1.0)
+    _wait_until(lambda: _listening(_host(0), port) or n0.poll() is not None, "node 0's rendezvous to listen")
     n1 = node(1, "a-different-secret-of-this-node", 6)
     _, err1 = n1.communicate(timeout=60)
-    assert n1.returncode == 1 and "rejected this rank's credentials" in err1, err1
+    assert n1.returncode == 1 and "Error:" in err1 and "credentials" in err1 and "Traceback" not in err1, err1
     # node 0's line about the refused peer is on its stderr before its own (10 s) timeout ends
     line = ""
     while "refused" not in line:
@@ -365,7 +382,7 @@ def test_train_launcher_reports_a_wrong_secret_node_as_it_is_refused(procs, tmp_
     assert n0.poll() is None  # said while node 0 still waits, not only when it gives up
     rest = n0.communicate(timeout=60)[1]
     assert n0.returncode == 1
-    assert "ranks [1] did not join the rendezvous" in rest and "refused 1 peer(s): 127.0.0." in rest, rest
+    assert "ranks [1]" in rest and "1 peer(s): 127.0.0." in rest and "Traceback" not in rest, rest
 
 
 def test_peer_sending_garbage_after_authenticating():
@@ -387,14 +404,10 @@ def test_peer_sending_garbage_after_authenticating():
             fake._in.close()
         t_r.join(10)
         assert not t_r.is_alive()
-        e = br.get("err")
-        assert isinstance(e, DistError), br
-        assert f"rank 1 (hostB 127.0.0.3:{real.members[1]['port']})" in e.message, e.message
-        if mode == "garbage":
-            assert "not an llmctl ring header" in e.message
-        else:
-            assert "closed the connection" in e.message
-        with pytest.raises(DistError, match="ring is broken"):
+        # the peer by rank, host and address, and what it did (garbage or a closed connection)
+        assert_error(br.get("err"), DistError, names=[f"rank 1 (hostB 127.0.0.3:{real.members[1]['port']})",
+                                                      "header" if mode == "garbage" else "closed"], hint=None)
+        with raises_error(DistError, names="broken", hint=None):
             real.barrier()
         real.close()
         fake.close()

@@ -163,6 +163,10 @@ def choose_backend(backend, nnodes=1, environ=None):
     return "ring" if nnodes > 1 else "shm"
 
 
+# what a rank whose peers did not all join can check (rank 0 and the ranks it tells alike)
+JOIN_HINT = "start every node with the same --nnodes/--nproc, --master-addr/--master-port and LLMCTL_SECRET"
+
+
 def _have_mpi4py():
     import importlib.util
 
@@ -386,7 +390,7 @@ def _join(rank, world, addr, port, secret, record, deadline, timeout):
         except ProtocolError as e:
             raise DistError(f"rank {rank}: malformed reply from {where}: {e}") from None
         if isinstance(msg, dict) and msg.get("t") == "fail" and isinstance(msg.get("msg"), str):
-            raise DistError(f"rank {rank}: rendezvous failed: {msg['msg'][:2000]}")
+            raise DistError(f"rank {rank}: rendezvous failed: {msg['msg'][:2000]}", hint=JOIN_HINT)
         try:
             if not (isinstance(msg, dict) and set(msg) == {"t", "peers"} and msg["t"] == "table"
                     and isinstance(msg["peers"], list) and len(msg["peers"]) == world):
@@ -438,8 +442,7 @@ def _serve(world, addr, port, secret, record, deadline, timeout, log):
                         send_msg(s, {"t": "fail", "msg": msg})
                     except OSError:
                         pass
-                raise DistError(f"rank 0: {msg}", hint="start every node with the same --nnodes/"
-                                "--nproc, --master-addr/--master-port and LLMCTL_SECRET")
+                raise DistError(f"rank 0: {msg}", hint=JOIN_HINT)
             try:
                 s, peer = lis.accept()
                 threading.Thread(target=handshake, args=(s, peer), daemon=True).start()
