@@ -6,6 +6,7 @@ import struct
 
 import numpy as np
 import pytest
+from errcheck import raises_error
 
 from llmctl.data import TokenWindows, WindowBatches
 from llmctl.errors import ConfigError, DataError, FormatError
@@ -72,27 +73,28 @@ def test_indexing_like_a_sequence(shards):
 def test_pickles_without_its_memory_maps(shards):
     pattern, _ = shards
     ds = TokenWindows(pattern, 8)
+    fresh = len(pickle.dumps(ds))
     ds[0]  # opens a map
+    assert len(pickle.dumps(ds)) == fresh  # the open map is not in the pickle (no shard bytes)
     copy = pickle.loads(pickle.dumps(ds))  # what DataLoader workers receive
-    assert copy._maps is None
     assert all((a == b).all() for a, b in zip(copy[5], ds[5]))
 
 
 def test_bad_input_is_one_clear_error(tmp_path, shards):
-    with pytest.raises(DataError, match="no file matches"):
+    with raises_error(DataError, names=str(tmp_path / "nope_*.bin")):
         TokenWindows(str(tmp_path / "nope_*.bin"), 8)
     short = write_shard(tmp_path / "short.bin", [1, 2, 3, 4])
-    with pytest.raises(DataError, match="no window of block_size\\+2 = 6 tokens fits in .*short.bin"):
+    with raises_error(DataError, names=["block_size+2 = 6", str(short)]):
         TokenWindows(short, 4)
     assert len(TokenWindows(short, 2)) == 1
     for bad in (0, -3):
-        with pytest.raises(ConfigError, match="block_size"):
+        with raises_error(ConfigError, names=["block_size", str(bad)], hint=None):  # library arguments: no flag to name
             TokenWindows(shards[0], bad)
-        with pytest.raises(ConfigError, match="stride"):
+        with raises_error(ConfigError, names=["stride", str(bad)], hint=None):
             TokenWindows(shards[0], 4, stride=bad)
     junk = tmp_path / "junk.bin"
     junk.write_bytes(b"\0" * 2000)
-    with pytest.raises(FormatError, match="junk.bin: bad magic 0"):
+    with raises_error(FormatError, names=[str(junk), "magic", "0"]):
         TokenWindows(str(junk), 4)
 
 
@@ -145,7 +147,7 @@ def test_window_batches_epochs_ranks_and_resume(shards):
     b.load_state(st)
     for _ in range(5):
         assert (a.next_batch()[0] == b.next_batch()[0]).all()
-    with pytest.raises(DataError, match="fewer than one batch"):
+    with raises_error(DataError, names=[str(len(ds)), str(len(ds) + 1)]):
         WindowBatches(ds, len(ds) + 1)
 
 
@@ -178,7 +180,7 @@ def test_split_inputs_of_a_data_glob(tmp_path):
     s = split_inputs(str(d / "*_val*.bin"))
     assert [p.split("/")[-1] for p in s.train] == ["fineweb_val_000000.bin", "tiny_shakespeare_val.bin"]
     assert s.val == [] and [p.split("/")[-1] for p, _ in s.left_out] == ["hellaswag_val.bin"]
-    with pytest.raises(DataError, match="matches no token shard, only other llm.c files .*hellaswag_val.bin: an eval"):
+    with raises_error(DataError, names=["hellaswag_val.bin", "an eval file"]):
         split_inputs(str(d / "hellaswag*"))
-    with pytest.raises(DataError, match="no file matches"):
+    with raises_error(DataError, names=str(d / "nothing*")):
         split_inputs(str(d / "nothing*"))
