@@ -36,6 +36,12 @@ _SOURCES = [
 ]
 
 
+def _fix_hint(name, lo):
+    if name.startswith("-"):
+        return f"pass {name} an integer >= {lo}"
+    return f"set {name} to an integer >= {lo}, or unset it"
+
+
 def parse_int(name, value, lo=0):
     """An integer >= lo from a flag or environment variable `name`; ConfigError naming it.
     Slurm's compressed counts read as their first value: SLURM_NTASKS_PER_NODE="2(x3)" is 2
@@ -43,9 +49,9 @@ def parse_int(name, value, lo=0):
     try:
         v = int(str(value).strip().split("(")[0])
     except ValueError:
-        raise ConfigError(f"{name}={value!r} is not an integer") from None
+        raise ConfigError(f"{name}={value!r} is not an integer", hint=_fix_hint(name, lo)) from None
     if v < lo:
-        raise ConfigError(f"{name}={v} must be >= {lo}")
+        raise ConfigError(f"{name}={v} must be >= {lo}", hint=_fix_hint(name, lo))
     return v
 
 
