@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 import pytest
+from errcheck import raises_error
 
 import reference as ref
 from llmctl._ext import adamw, convert, layers, matmul
@@ -155,19 +156,19 @@ def test_matmul_tiled_is_thread_count_independent():
 
 def test_matmul_rejects_bad_arguments():
     z = lambda n: np.zeros(n, np.float32)
-    with pytest.raises(ValueError, match="out has 5 elements, expected 6"):
+    with raises_error(ValueError, names=["out", "5", "6"], hint=None):
         matmul.matmul_forward(z(5), z(6), z(9), None, 2, 3, 3)
-    with pytest.raises(ValueError, match="bias"):
+    with raises_error(ValueError, names="bias", hint=None):
         matmul.matmul_forward(z(6), z(6), z(9), z(2), 2, 3, 3)
-    with pytest.raises(ValueError, match="unknown matmul backend"):
+    with raises_error(ValueError, names="'cuda'", hint=None):
         matmul.matmul_forward(z(6), z(6), z(9), None, 2, 3, 3, backend="cuda")
-    with pytest.raises(ValueError, match="n_threads"):
+    with raises_error(ValueError, names=["n_threads", "0"], hint=None):
         matmul.matmul_forward(z(6), z(6), z(9), None, 2, 3, 3, n_threads=0)
-    with pytest.raises(ValueError, match="dinp"):
+    with raises_error(ValueError, names="dinp", hint=None):
         matmul.matmul_backward(z(5), z(9), None, z(6), z(6), z(9), 2, 3, 3)
-    with pytest.raises(ValueError, match="BT must be > 0"):
+    with raises_error(ValueError, names=["BT", "0"], hint=None):
         matmul.matmul_forward(z(0), z(0), z(9), None, 0, 3, 3)
-    with pytest.raises(ValueError, match="unknown matmul backend"):
+    with raises_error(ValueError, names="'cuda'", hint=None):
         matmul.matmul_backward(None, z(9), None, z(6), z(6), z(9), 2, 3, 3, backend="cuda")
     assert "blas" in matmul.get_backends() and "tiled" in matmul.get_backends()
 
@@ -183,7 +184,7 @@ def test_matmul_blas_fallback_when_dnnl_disabled(monkeypatch):
     monkeypatch.setenv("LLMCTL_NO_DNNL", "1")
     assert matmul.get_backends() == ("blas", "tiled")
     z = lambda n: np.zeros(n, np.float32)
-    with pytest.raises(ValueError, match="'dnnl' is not available"):
+    with raises_error(ValueError, names="'dnnl'", hint=None):
         matmul.matmul_forward(z(6), z(6), z(9), None, 2, 3, 3, backend="dnnl")
     rng = np.random.default_rng(2)
     BT, C, OC = 5, 7, 3
@@ -304,11 +305,11 @@ def test_encoder_rejects_bad_ids_and_sizes():
     C = 4
     wte, wpe = np.zeros(3 * C, np.float32), np.zeros(2 * C, np.float32)
     out = np.zeros(2 * C, np.float32)
-    with pytest.raises(ValueError, match=r"inp\[1\] = 3 is outside \[0, 3\)"):
+    with raises_error(ValueError, names=["inp[1] = 3", "[0, 3)"], hint=None):
         layers.encoder_forward(out, np.array([0, 3], np.int32), wte, wpe, 1, 2, C)
-    with pytest.raises(ValueError, match="outside"):
+    with raises_error(ValueError, names=["-1", "[0, 3)"], hint=None):
         layers.encoder_backward(wte.copy(), wpe.copy(), out, np.array([-1, 0], np.int32), 1, 2, C)
-    with pytest.raises(ValueError, match="wpe"):
+    with raises_error(ValueError, names="wpe", hint=None):
         layers.encoder_forward(out, np.array([0, 1], np.int32), wte, wpe[:C], 1, 2, C)
 
 
@@ -453,11 +454,11 @@ def test_residual_forward_backward(n_threads):
 
 def test_elementwise_reject_bad_sizes():
     z = np.zeros(4, np.float32)
-    with pytest.raises(ValueError, match="inp has 4 elements, expected 5"):
+    with raises_error(ValueError, names=["inp", "4", "5"], hint=None):
         layers.gelu_forward(np.zeros(5, np.float32), z, 5)
-    with pytest.raises(ValueError, match="dout"):
+    with raises_error(ValueError, names="dout", hint=None):
         layers.residual_backward(z, z, np.zeros(3, np.float32), 4)
-    with pytest.raises(ValueError, match="rstd"):
+    with raises_error(ValueError, names="rstd", hint=None):
         layers.layernorm_forward(np.zeros(8, np.float32), np.zeros(2, np.float32), np.zeros(1, np.float32),
                                  np.zeros(8, np.float32), z, z, 2, 4)
 
@@ -547,9 +548,9 @@ def test_softmax_crossentropy_backward_finite_differences():
 
 def test_softmax_crossentropy_rejects_bad_targets():
     z = np.zeros(8, np.float32)
-    with pytest.raises(ValueError, match=r"targets\[0\] = 6 is outside \[0, 6\)"):
+    with raises_error(ValueError, names=["targets[0] = 6", "[0, 6)"], hint=None):
         layers.softmax_crossentropy_forward(np.zeros(1, np.float32), z, z, np.array([6], np.int32), 1, 6, 8)
-    with pytest.raises(ValueError, match="Vp=4 is smaller than V=6"):
+    with raises_error(ValueError, names=["Vp=4", "V=6"], hint=None):
         layers.softmax_crossentropy_backward(z, z, np.array([0], np.int32), np.zeros(1, np.float32), 1, 6, 4)
 
 
@@ -668,16 +669,16 @@ def test_adamw_zero_grads_refuses_read_only_grads():
     g = np.ones(4, np.float32)
     g.flags.writeable = False
     adamw.adamw_update(z.copy(), g, z.copy(), z.copy(), 1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0, 1)
-    with pytest.raises(ValueError, match="read-only"):
+    with raises_error(ValueError, names="read-only", hint=None):
         adamw.adamw_update(z.copy(), g, z.copy(), z.copy(), 1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0, 1,
                            zero_grads=True)
 
 
 def test_adamw_rejects_bad_arguments():
     z = np.zeros(4, np.float32)
-    with pytest.raises(ValueError, match="t \\(the 1-based step\\) must be >= 1"):
+    with raises_error(ValueError, names=["t ", "1-based step"], hint=None):
         adamw.adamw_update(z.copy(), z, z.copy(), z.copy(), 1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0, 0)
-    with pytest.raises(ValueError, match="grads has 3 elements"):
+    with raises_error(ValueError, names=["grads", "3"], hint=None):
         adamw.adamw_update(z.copy(), z[:3], z.copy(), z.copy(), 1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0, 1)
 
 
@@ -832,9 +833,9 @@ def test_resolve_threads(monkeypatch):
     assert threads.resolve_threads(5) == 5
     cores = threads.usable_cores()
     assert threads.resolve_threads(-1) == cores
-    with pytest.raises(ConfigError, match="leaves no cores"):
+    with raises_error(ConfigError, names=[str(-cores - 1), str(cores)]):  # the request, the cores there are
         threads.resolve_threads(-cores - 1)
-    with pytest.raises(ConfigError, match="integer"):
+    with raises_error(ConfigError, names="'two'"):
         threads.resolve_threads("two")
 
 
@@ -854,15 +855,15 @@ def test_configure_threads_sets_every_blas_pool():
 def test_overlapping_outputs_are_rejected():
     buf = np.zeros(64, np.float32)
     z = lambda n: np.zeros(n, np.float32)
-    with pytest.raises(ValueError, match="out and inp overlap"):
+    with raises_error(ValueError, names=["out", "inp", "overlap"], hint=None):
         matmul.matmul_forward(buf[:6], buf[4:10], z(9), None, 2, 3, 3)
-    with pytest.raises(ValueError, match="dinp and dout overlap"):
+    with raises_error(ValueError, names=["dinp", "dout", "overlap"], hint=None):
         matmul.matmul_backward(buf[:6], z(9), None, buf[:6], z(6), z(9), 2, 3, 3)
-    with pytest.raises(ValueError, match="dweight and dbias overlap"):
+    with raises_error(ValueError, names=["dweight", "dbias", "overlap"], hint=None):
         matmul.matmul_backward(None, buf[:9], buf[8:11], z(6), z(6), z(9), 2, 3, 3)
-    with pytest.raises(ValueError, match="dinp and dout overlap"):
+    with raises_error(ValueError, names=["dinp", "dout", "overlap"], hint=None):
         layers.gelu_backward(buf[:8], z(8), buf[:8], 8)
-    with pytest.raises(ValueError, match="dinp and dout overlap"):
+    with raises_error(ValueError, names=["dinp", "dout", "overlap"], hint=None):
         layers.layernorm_backward(buf[:8], z(4), z(4), buf[4:12], z(8), z(4), z(2), z(2), 2, 4)
     # adjacent but disjoint views are fine
     matmul.matmul_forward(buf[:6], buf[6:12], buf[12:21], buf[21:24], 2, 3, 3)
