@@ -17,6 +17,8 @@ the same libm (d12 init ~2 s). `libm=` picks the math explicitly:
         distinct input, memoised over the 2^24 possible uniforms; `release_libm_memo()`)
   False correctly rounded NumPy math (float64 rounded to float32), which agrees with glibc's
         float functions on ~99% of inputs and is otherwise a few float32 ulps away
+  "ctypes" the process's libm through ctypes even where the extension is built (True's fallback,
+        chosen on purpose: to check one exact path against the other)
 
 What it is not: a general RNG library. It mirrors rand.h only.
 """
@@ -246,8 +248,12 @@ _warned_fallback = False
 
 def _math_for(libm):
     """None -> extension (else NumPy + one RuntimeWarning); True -> extension, else ctypes libm;
-    False -> NumPy."""
+    "ctypes" -> ctypes libm; False -> NumPy."""
     global _warned_fallback
+    if isinstance(libm, str):
+        if libm != "ctypes":
+            raise ValueError(f"libm={libm!r}: use None, True, False or 'ctypes'")
+        return _LIBM
     if libm is not None and not libm:  # False (or 0)
         return _NUMPY
     if _randinit is not None:

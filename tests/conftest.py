@@ -1,5 +1,9 @@
 """Shared test fixtures: where the repo and the shared real data are."""
 import os
+import pickle
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -36,6 +40,19 @@ def shared_file(rel):
     require(p.is_file(), f"real data {rel} is absent: looked for {p} (set {TEST_DATA_ENV} to the "
                          "directory that holds it; README.md, Tests)")
     return p
+
+
+def without_module(module, code):
+    """Run `code` in a fresh Python where `import module` fails (as when an extension is not built)
+    and return (the value it assigns to `result`, the texts of the RuntimeWarnings it raised)."""
+    prog = (f"import pickle, sys, warnings\nsys.modules[{module!r}] = None\n"
+            "with warnings.catch_warnings(record=True) as caught:\n    warnings.simplefilter('always')\n"
+            + textwrap.indent(code, "    ") +
+            "\nsys.stdout.buffer.write(pickle.dumps((result, [str(w.message) for w in caught "
+            "if issubclass(w.category, RuntimeWarning)])))\n")
+    r = subprocess.run([sys.executable, "-c", prog], capture_output=True, timeout=600)
+    assert r.returncode == 0, r.stderr.decode()
+    return pickle.loads(r.stdout)
 
 
 @pytest.fixture

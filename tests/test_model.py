@@ -512,13 +512,6 @@ SMALL_CFGS = (GPT2Config(16, 100, 128, 3, 4, 24),   # odd sizes: wte V*C = 2400 
               GPT2Config(3, 5, 8, 1, 1, 2))         # wpe 6, attprojw 4: the n < 16 float64 path
 
 
-@pytest.fixture
-def no_ext(monkeypatch):
-    import llmctl.rand as rand_mod
-
-    monkeypatch.setattr(rand_mod, "_randinit", None)
-    monkeypatch.setattr(rand_mod, "_warned_fallback", False)
-
 
 @pytest.mark.parametrize("build", ["O2", "native"])
 def test_init_bit_identical_to_c_default(c_init, build):
@@ -531,28 +524,29 @@ def test_init_bit_identical_to_c_default(c_init, build):
         assert m.params.tobytes() == c_init(c, build).tobytes()
 
 
-def test_init_ctypes_libm_exact(c_init, no_ext):
-    # exact_libm=True without the extension: the slow ctypes libm path, still bit-identical
+def test_init_ctypes_libm_exact(c_init):
+    # the slow ctypes libm path (exact_libm=True without the extension), still bit-identical
     for c in SMALL_CFGS:
         m = GPT2(c)
-        init_llmc_(m.p, c, libm=True)
+        init_llmc_(m.p, c, libm="ctypes")
         assert m.params.tobytes() == c_init(c).tobytes()
 
 
-def test_init_fallback_without_extension(c_init, no_ext):
+def test_init_fallback_without_extension(c_init):
     # default init with the extension missing: NumPy math with a RuntimeWarning, a few ulps from
     # C on ~1% of draws (see test_rand.py), drawing the same words (so the layout is right).
-    # The warning is given once per process.
-    for i, c in enumerate(SMALL_CFGS[:2]):
-        m = GPT2(c)
-        if i == 0:
-            with pytest.warns(RuntimeWarning, match="randinit is not built"):
-                init_llmc_(m.p, c)
-        else:
-            init_llmc_(m.p, c)
+    # The warning is given once per process: one for the two inits.
+    from conftest import without_module
+
+    cfgs = SMALL_CFGS[:2]
+    got, warned = without_module("llmctl._ext.randinit", (
+        "from llmctl.model import GPT2, GPT2Config, init_llmc_\nresult = []\n"
+        f"for c in {cfgs!r}:\n    m = GPT2(c)\n    init_llmc_(m.p, c)\n    result.append(m.params.copy())"))
+    assert len(warned) == 1 and "randinit is not built" in warned[0], warned
+    for params, c in zip(got, cfgs):
         want = c_init(c)
-        np.testing.assert_allclose(m.params, want, rtol=4 * 2.0 ** -23, atol=0)
-        assert (m.params.view(np.uint32) == want.view(np.uint32)).mean() > 0.95
+        np.testing.assert_allclose(params, want, rtol=4 * 2.0 ** -23, atol=0)
+        assert (params.view(np.uint32) == want.view(np.uint32)).mean() > 0.95
 
 
 def test_from_descriptor_d6(c_init):

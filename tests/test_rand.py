@@ -1,28 +1,23 @@
 """llmctl.rand vs llm.c's llmc/rand.h: its documented test vectors and a gcc-compiled C restatement.
 
 normal_'s math paths: the default (llmctl._ext.randinit, libm through Cython), libm=False (NumPy,
-correctly rounded), the ctypes libm path (libm=True when the extension is missing) and the
-fallback when the extension is missing (simulated by setting llmctl.rand._randinit to None).
+correctly rounded), the ctypes libm path (libm="ctypes", what libm=True falls back to) and the
+fallback when the extension is missing (in a subprocess where importing it fails).
 """
+import inspect
 import shutil
 import struct
 import subprocess
 
 import numpy as np
 import pytest
+from conftest import without_module
 from errcheck import raises_error
 
 import llmctl.rand as rand_mod
 from llmctl._ext import randinit  # part of the build: a missing extension must fail, not skip
 from llmctl.errors import FormatError
 from llmctl.rand import STATE_STRUCT_BYTES, Mt19937, random_permutation
-
-
-@pytest.fixture
-def no_ext(monkeypatch):
-    """Pretend llmctl._ext.randinit is not built (and the fallback warning not yet given)."""
-    monkeypatch.setattr(rand_mod, "_randinit", None)
-    monkeypatch.setattr(rand_mod, "_warned_fallback", False)
 
 
 def test_randint32_vectors():
@@ -33,12 +28,9 @@ def test_randint32_vectors():
 
 
 @pytest.mark.parametrize("libm", [None, False, True, "ctypes"])
-def test_normal_vectors(libm, monkeypatch):
+def test_normal_vectors(libm):
     # llm.c / PyTorch vectors (rand.h header comment); printed with 5-7 digits there, and
     # PyTorch's own float math may differ in the last ulp, hence 1e-6 absolute.
-    if libm == "ctypes":
-        monkeypatch.setattr(rand_mod, "_randinit", None)
-        libm = True
     r = Mt19937(137)
     r.randint32_array(5)
     n8 = r.normal_(8, libm=libm)
@@ -198,9 +190,9 @@ def test_against_c_default_exact(c_output):
     _assert_bit_identical(c_output, _python_sequence(libm=None))
 
 
-def test_against_c_ctypes_libm_exact(c_output, no_ext):
-    # libm=True without the extension: the ctypes libm path, also bit-identical (slow, memoised)
-    _assert_bit_identical(c_output, _python_sequence(libm=True))
+def test_against_c_ctypes_libm_exact(c_output):
+    # the ctypes libm path (libm=True's fallback), also bit-identical (slow, memoised)
+    _assert_bit_identical(c_output, _python_sequence(libm="ctypes"))
     rand_mod.release_libm_memo()
 
 
@@ -223,14 +215,20 @@ def test_against_c_numpy_within_ulps(c_output):
     _assert_within_ulps(c_output, _python_sequence(libm=False))
 
 
-def test_fallback_without_extension(c_output, no_ext):
+def test_fallback_without_extension(c_output):
     # default math with the extension missing: NumPy math, one RuntimeWarning, same words drawn
-    with pytest.warns(RuntimeWarning, match="randinit is not built"):
-        py = _python_sequence(libm=None)
+    (py, want), warned = without_module("llmctl._ext.randinit", "from llmctl.rand import Mt19937\n"
+                                        + inspect.getsource(_python_sequence)
+                                        + "result = (_python_sequence(None), _python_sequence(False))")
+    assert len(warned) == 1 and "randinit is not built" in warned[0], warned
     _assert_within_ulps(c_output, py)
-    want = _python_sequence(libm=False)
     for a, b in zip(py[1::2], want[1::2]):
         assert a.tobytes() == b.tobytes()
+
+
+def test_unknown_libm_choice_is_refused():
+    with raises_error(ValueError, names="'glibc'", hint=None):
+        Mt19937(1).normal_(4, libm="glibc")
 
 
 def test_extension_threads_and_validation():
