@@ -495,15 +495,14 @@ def test_text_val_tokens_and_long_documents(tmp_path, stories):
     assert [t for g in got for t in g] == flat
 
 
-def test_text_blank_line_documents_and_chunk_boundaries(tmp_path, monkeypatch, ref_enc):
+def test_text_blank_line_documents_and_chunk_boundaries(tmp_path, ref_enc):
     body = "para one\nline two\n\n\n  para two  \n \t\npara three\n\n\n"
     src = tmp_path / "p.txt"
     src.write_text(body * 50, encoding="utf-8")
     expect = ["para one\nline two", "para two", "para three"] * 50
-    monkeypatch.setattr(text_mod, "_READ_CHUNK", 7)  # documents and separators straddle chunks
-    assert list(text_mod.iter_text_documents(str(src))) == expect
-    monkeypatch.setattr(text_mod, "_READ_CHUNK", 8 << 20)
-    assert list(text_mod.iter_text_documents(str(src))) == expect
+    # documents and separators straddle 7-character chunks; one chunk holds the whole file
+    assert list(text_mod.iter_text_documents(str(src), chunk_chars=7)) == expect
+    assert list(text_mod.iter_text_documents(str(src), chunk_chars=8 << 20)) == expect
     eot_src = tmp_path / "e.txt"
     eot_src.write_text("a\n\nb<|endoftext|>\n c <|endoftext|><|endoftext|>d", encoding="utf-8")
     assert list(text_mod.iter_text_documents(str(eot_src))) == ["a\n\nb", "c", "d"]

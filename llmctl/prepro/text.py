@@ -29,7 +29,7 @@ from llmctl.prepro.writer import Progress, check_out_dir, make_out_dir, tokenize
 from llmctl.tokenizer import EOT_TEXT
 
 DEFAULT_SHARD_SIZE = 10**8
-_READ_CHUNK = 1 << 20  # small: the main thread holds the GIL while decoding + splitting a chunk
+READ_CHUNK = 1 << 20  # small: the main thread holds the GIL while decoding + splitting a chunk
 _BLANK_LINES = re.compile(r"\n[ \t\r\f\v]*\n\s*")
 # Inputs at least this big get a progress bar from the CLI (smaller ones finish in ~1 s).
 PROGRESS_MIN_BYTES = 8 << 20
@@ -42,8 +42,9 @@ def _file_has_marker(path, marker=EOT_TEXT.encode()):
         return m.find(marker) != -1
 
 
-def iter_text_documents(path, sep=None):
-    """Stream documents from a UTF-8 text file. sep: "eot", "blank", or None (auto)."""
+def iter_text_documents(path, sep=None, chunk_chars=READ_CHUNK):
+    """Stream documents from a UTF-8 text file. sep: "eot", "blank", or None (auto). The file is
+    read chunk_chars characters at a time; the documents do not depend on it."""
     if sep is None:
         sep = "eot" if _file_has_marker(path) else "blank"
     split = (lambda s: s.split(EOT_TEXT)) if sep == "eot" else _BLANK_LINES.split
@@ -51,7 +52,7 @@ def iter_text_documents(path, sep=None):
     try:
         with open(path, "r", encoding="utf-8") as f:
             while True:
-                chunk = f.read(_READ_CHUNK)
+                chunk = f.read(chunk_chars)
                 if not chunk:
                     break
                 parts = split(tail + chunk)
