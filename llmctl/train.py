@@ -750,7 +750,7 @@ def train(cfg, comm=None, display=None, *, check_params=False):
     comm = comm if comm is not None else SingleProcessComm()
     trainer = Trainer(cfg, comm, display)  # its loop sets comm.step, checks comm.stop_requested
     if comm.world_size > 1 and comm.shares_memory:
-        _adopt_grads(comm, trainer.model)
+        adopt_grads(comm, trainer.model)
     if check_params:
         comm.watch(trainer.model.params, "parameters")
         if trainer.model.params_bf16 is not None:  # each rank's own copy the matmuls read
@@ -758,7 +758,7 @@ def train(cfg, comm=None, display=None, *, check_params=False):
     return trainer.run()
 
 
-def _adopt_grads(comm, model):
+def adopt_grads(comm, model):
     """Place the model's gradients in comm.shared_buffer(n), so the per-step all-reduce is
     zero-copy (GPT2.bind_grads copies them in; the private buffer is dropped)."""
     model.bind_grads(comm.shared_buffer(model.grads.shape[0]))

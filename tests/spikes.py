@@ -39,7 +39,7 @@ def train_entry(args, comm):
     The job checks after every step that all ranks hold bit-identical parameters. Returns the
     run's summary plus "grads_shared" and "fills_skipped" (zero_grad calls that found the
     gradients already cleared by AdamW)."""
-    from llmctl.train import _adopt_grads
+    from llmctl.train import adopt_grads
 
     if args.get("unfused"):
         GPT2.update = unfused_update(GPT2.update)
@@ -47,7 +47,7 @@ def train_entry(args, comm):
     poison = {int(k): v for k, v in args["poison"].get(str(comm.rank), {}).items()}
     t = poisoned_trainer(cfg, poison, comm=comm)
     if args.get("shared_grads") and comm.shares_memory:
-        _adopt_grads(comm, t.model)
+        adopt_grads(comm, t.model)
     comm.watch(t.model.params, "parameters")
     skipped, zero_grad = [0], t.model.zero_grad
 
@@ -56,5 +56,4 @@ def train_entry(args, comm):
         zero_grad()
     t.model.zero_grad = counted_zero_grad
     summary = t.run()
-    shared = getattr(comm, "_is_shared", None)
-    return {**summary, "grads_shared": bool(shared and shared(t.model.grads)), "fills_skipped": skipped[0]}
+    return {**summary, "grads_shared": comm.is_shared(t.model.grads), "fills_skipped": skipped[0]}

@@ -45,17 +45,17 @@ def tiny_train_args(d, out, B, T, *extra):
 
 
 def check_adopted_grads(args, comm):
-    """Launcher target: on this rank's real shared-memory comm, the worker's _adopt_grads moves
+    """Launcher target: on this rank's real shared-memory comm, the worker's adopt_grads moves
     model.grads (and the views model.g) into the comm's row; zero_grad, backward, grad_norm,
     the zero-copy all-reduce and update must then give exactly the steps of an untouched model
     whose private gradients are all-reduced by copy. Raises AssertionError (failing the job)."""
-    from llmctl.train import _adopt_grads
+    from llmctl.train import adopt_grads
     from llmctl.model import GPT2
 
     ref = GPT2.from_checkpoint(args["init"], n_threads=1)
     m = GPT2.from_checkpoint(args["init"], n_threads=1)
-    _adopt_grads(comm, m)
-    assert comm._is_shared(m.grads) and not comm._is_shared(ref.grads)
+    adopt_grads(comm, m)
+    assert comm.is_shared(m.grads) and not comm.is_shared(ref.grads)
     for name, v in m.g.items():
         assert np.shares_memory(v, m.grads) and v.shape == ref.g[name].shape, name
     rng = np.random.default_rng(3 + comm.rank)  # each rank its own batch: the mean matters

@@ -61,6 +61,11 @@ class Comm:
         its row of a shared segment (shares_memory = True); this default is private memory."""
         return np.zeros(n, dtype=np.float32)
 
+    def is_shared(self, buf: np.ndarray) -> bool:
+        """Whether buf is (the start of) this rank's shared_buffer row, which all_reduce_mean then
+        reduces in place; private memory is never shared here."""
+        return False
+
     def watch(self, buf: np.ndarray, what: str = "buffer") -> None:
         """Check buf with assert_identical before every scalar collective (a debug mode; each
         call adds a buffer); the world of one has nothing to compare."""

@@ -333,7 +333,9 @@ class ShmComm(HubComm):
         buf.fill(0.0)
         return buf
 
-    def _is_shared(self, buf):
+    def is_shared(self, buf):
+        """Whether buf is (the start of) this rank's row of the shared gradient segment: the
+        zero-copy path of all_reduce_mean."""
         if self.gseg is None:
             return False
         row = self.gseg.slots[self.rank]
@@ -352,7 +354,7 @@ class ShmComm(HubComm):
             return
         t0 = time.perf_counter()
         n = buf.shape[0]
-        if self._is_shared(buf):
+        if self.is_shared(buf):
             lo, hi = self._slice(n)
             self._collective("allreduce-shared", n)  # a rank on the copy path would mismatch
             self._k.reduce_mean_inplace(self.gseg.slots, lo, hi, self.n_threads)
