@@ -408,7 +408,7 @@ class ShmComm(HubComm):
             return
         t0 = time.perf_counter()
         n, k, nt, P = buf.shape[0], self._k, self.n_threads, self.world_size
-        shared = self._is_shared(buf)
+        shared = self.is_shared(buf)
         if not shared:
             self._ensure(n)
             k.copy_floats(self.seg.slots[self.rank, :n], buf, nt)
@@ -434,7 +434,7 @@ class ShmComm(HubComm):
         if self.world_size == 1:
             return
         n, k, nt = buf.shape[0], self._k, self.n_threads
-        in_place = scratch is not None and self._is_shared(scratch)
+        in_place = scratch is not None and self.is_shared(scratch)
         if in_place:
             rows = self.gseg.slots
         else:
