@@ -53,7 +53,6 @@ PREFIX = "llmctl-scal"           # namespace names: PREFIX-<pid>-br, PREFIX-<pid
 SUBNET = "10.213.0"              # host i has SUBNET.(i+1)/24 on its veth, inside its namespace
 PORT = 29500
 SECRET_TEXT = "bench-scaling-secret-0123456789abcdef"
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class BenchError(Exception):
@@ -176,10 +175,32 @@ class Cluster:
                 burst = max(256 * 1024, int(gbit * 1e9 / 8 * 1e-3))
                 _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", *parent,
                     "tbf", "rate", f"{gbit}gbit", "burst", str(burst), "latency", "200ms")
+        self.wait_links()
 
-    def start(self, i, argv, env):
-        p = subprocess.Popen(["ip", "netns", "exec", self.hosts[i], *argv], env=env,
-                             stdin=subprocess.DEVNULL, start_new_session=True)
+    def wait_links(self, timeout=10.0):
+        """Until every host's eth0 is operationally up, twice, 1.1 s apart. Swapping a qdisc
+        takes the link down for a moment and the kernel publishes the state again up to a second
+        later; meanwhile MPICH's UCX sees no usable eth0 and fails to start."""
+        deadline = time.monotonic() + timeout
+        for settle in (True, False):
+            while True:
+                down = [ns for ns in self.hosts if " state UP " not in
+                        _sh("ip", "-n", ns, "-o", "link", "show", "eth0").stdout]
+                if not down:
+                    break
+                if time.monotonic() > deadline:
+                    raise BenchError(f"the links of {down} did not come up within {timeout:.0f} s")
+                time.sleep(0.05)
+            if settle:
+                time.sleep(1.1)
+
+    def start(self, i, argv, env, output=None):
+        """Run argv in host i's namespace (its own session); output: a file for its stdout and
+        stderr, or None (inherit)."""
+        with open(output, "w") if output else contextlib.nullcontext() as f:
+            p = subprocess.Popen(["ip", "netns", "exec", self.hosts[i], *argv], env=env,
+                                 stdin=subprocess.DEVNULL, stdout=f, start_new_session=True,
+                                 stderr=subprocess.STDOUT if f else None)
         self.procs.append(p)
         return p
 
@@ -263,9 +284,13 @@ def _collect(d, kind, world):
 
 
 def _env(threads=1):
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
+    return dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+
+
+def _job_timeout(floats, repeat):
+    """Start-up plus every all-reduce at 20 MB/s: far beyond any point of the sweep, short
+    enough that a rank that died at start (MPI leaves its peers waiting) fails the run."""
+    return 60 + (repeat + 1) * 4 * floats / 20e6
 
 
 def ring_allreduce(cl, floats, repeat, check):
@@ -274,7 +299,7 @@ def ring_allreduce(cl, floats, repeat, check):
             {"kind": "ring", "rank": r, "world": cl.n, "master": cl.addr(0), "bind": cl.addr(r),
              "floats": floats, "repeat": repeat, "dir": d, "check": check})], _env())
             for r in range(cl.n)]
-        cl.wait(ps, 600, f"ring all-reduce on {cl.n} hosts")
+        cl.wait(ps, _job_timeout(floats, repeat), f"ring all-reduce on {cl.n} hosts")
         return _collect(d, "ring", cl.n)
 
 
@@ -308,7 +333,7 @@ def mpi_allreduce(cl, floats, repeat, check):
                          "-n", str(cl.n), sys.executable, os.path.abspath(__file__), "--worker",
                          json.dumps({"kind": "mpi", "floats": floats, "repeat": repeat, "dir": d,
                                      "check": check})], env)
-        cl.wait([p], 600, f"MPI all-reduce on {cl.n} hosts")
+        cl.wait([p], _job_timeout(floats, repeat), f"MPI all-reduce on {cl.n} hosts")
         return _collect(d, "mpi", cl.n)
 
 
@@ -332,6 +357,9 @@ def _shard(d, tokens):
 
 
 def train_steps(cl, model, B, T, steps, shard, out):
+    """`steps` steps on every host (per-rank form, one flat ring); -> (median step s, median
+    all-reduce s) over the steps after the first, from rank 0's metrics.jsonl."""
+    os.makedirs(out, exist_ok=True)
     ps = []
     for r in range(cl.n):
         env = _env(1)
@@ -341,8 +369,13 @@ def train_steps(cl, model, B, T, steps, shard, out):
         ps.append(cl.start(r, [sys.executable, "-m", "llmctl.cli", "train", "--backend", "ring",
                                "-e", model, "-i", shard, "-j", shard, "-b", str(B), "-t", str(T),
                                "-x", str(steps), "-v", "0", "-s", "0", "-l", "1e-4", "--threads", "1",
-                               "-o", out, "--dist-timeout", "60"], env))
-    cl.wait(ps, 1800, f"training on {cl.n} hosts")
+                               "-o", out, "--dist-timeout", "60"], env,
+                               output=os.path.join(out, f"output_{r}.txt")))
+    try:
+        cl.wait(ps, 1800, f"training on {cl.n} hosts")
+    except BenchError as e:
+        with open(os.path.join(out, "output_0.txt"), errors="replace") as f:
+            raise BenchError(f"{e}; rank 0's last output:\n{f.read()[-2000:]}") from None
     recs = [json.loads(ln) for ln in open(os.path.join(out, "metrics.jsonl"))]
     recs = [x for x in recs if "ms" in x][1:]  # the first step warms up
     return (statistics.median(x["ms"] for x in recs) / 1000,
@@ -411,7 +444,7 @@ def run(a, log):
                         if gbit is None:
                             base_step = tr
                         else:
-                            grad_bytes = _param_bytes(os.path.join(d, f"out{gbit}"))
+                            grad_bytes = _param_bytes(a.model)
                             ar_model = wire_seconds(n, grad_bytes, gbit, 0.0) + base_step["allreduce_s"]
                             tr.update(grad_bytes=grad_bytes, allreduce_model_s=ar_model,
                                       step_model_s=base_step["step_s"] - base_step["allreduce_s"] + ar_model)
@@ -420,13 +453,11 @@ def run(a, log):
     return {"allreduce": rows, "train": trains, "mpi": mpi_why or "ran"}
 
 
-def _param_bytes(out):
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        for ln in f:
-            rec = json.loads(ln)
-            if "num_parameters" in rec:
-                return 4 * rec["num_parameters"]
-    raise BenchError("metrics.jsonl does not record num_parameters")
+def _param_bytes(model):
+    """Bytes of the fp32 gradient buffer the training all-reduce moves."""
+    from llmctl.model.config import GPT2Config, num_parameters
+
+    return 4 * num_parameters(GPT2Config.from_descriptor(model))
 
 
 def _pct(meas, model):
