@@ -13,13 +13,18 @@ them it runs
 - a few training steps (`llmctl train --backend ring`, per-rank form) of a small model;
 and prints each all-reduce and step time next to the bandwidth model
 
-    ring all-reduce  t = 2(N-1)/N * bytes / bandwidth + 2(N-1) * latency + t_cpu(N, bytes)
+    wire   = 2(N-1)/N * bytes / bandwidth + 2(N-1) * latency
+    ring   = max(wire, t_cpu)      llmctl's ring is pipelined: link and CPU work overlap
+    MPI    = wire + t_cpu          MPICH's large-message steps reduce after each transfer
 
 where t_cpu is what the same all-reduce costs on unshaped links in the same namespaces (the
 copies into and out of the kernel, the additions, with N processes on this machine's cores),
-measured in the same run. On real hosts each rank has its own cores, so t_cpu is small next to
-the wire time; here it is not, and leaving it out would blame the network for the CPU.
-The step model is the unshaped step's compute time (step - all-reduce) plus the all-reduce model.
+measured in the same run, and latency is the configured delay plus one measured hop (a ring
+all-reduce of N floats on unshaped links, divided by its 2(N-1) hops). On real hosts each rank
+has its own cores, so t_cpu is small next to the wire time; here it is not, and leaving it out
+would blame the network for the CPU. wire + t_cpu (no overlap) is printed beside the ring's
+model as its upper bound. The step model is the unshaped step's compute time (step minus
+all-reduce) plus the ring model for the gradient buffer.
 
 Traffic: every address lives on the veths inside the namespaces this bench made (SUBNET.1 ...
 SUBNET.N, a /24 that is not routed anywhere); nothing is configured in the caller's namespace.
@@ -30,8 +35,8 @@ What it is not: a correctness test of the collectives (tests/test_ring.py, tests
 tests/test_scaling.py runs this bench's smallest point), or a real network: the links share
 this machine's memory bandwidth and cores.
 
-    sudo python bench/scaling.py                          # short sweep (~3 min)
-    sudo python bench/scaling.py --full                   # 2/4/8 hosts x 1/10/25 Gbit/s + training
+    sudo python bench/scaling.py                          # short sweep (about a minute)
+    sudo python bench/scaling.py --full                   # 2/4/8 hosts x 1/10/25 Gbit/s, d6/d12 steps
     sudo python bench/scaling.py --hosts 2 --gbit 10 --mb 4 --no-mpi --no-train --json
 """
 import argparse
@@ -404,6 +409,18 @@ def memory_rates(mb=64):
     return 4 * n / min(tc) / 1e9, 4 * n / min(ta) / 1e9
 
 
+def ring_model(wire, cpu):
+    """llmctl's ring is pipelined (a sender thread forwards each 1 MiB chunk while the next one
+    is received and added), so the link and the CPU work overlap: the slower one sets the time."""
+    return max(wire, cpu)
+
+
+def mpi_model(wire, cpu):
+    """MPICH's large-message Allreduce moves a whole half (or segment) per step and reduces it
+    after it arrived: transfer and reduction follow each other."""
+    return wire + cpu
+
+
 def run(a, log):
     rows, trains = [], []
     mpi_why = None if a.mpi else "--no-mpi"
@@ -413,44 +430,57 @@ def run(a, log):
     nbytes = 4 * floats
     for n in a.hosts:
         with Cluster(n) as cl:
-            points = [(None, 0.0)] + [(g, dl) for g in a.gbit for dl in a.delay_ms]
+            cl.shape(None, 0.0)
+            # one float per segment: 2(N-1) hops that carry (almost) nothing
+            hop = ring_allreduce(cl, n, 2 * a.repeat + 1, False) / (2 * (n - 1))
+            log(f"N={n}: one ring hop (TCP over veth, Python, no shaping) takes {hop * 1e6:.0f} us")
             base = {}
-            for gbit, delay in points:
+            for gbit, delay in [(None, 0.0)] + [(g, dl) for g in a.gbit for dl in a.delay_ms]:
                 cl.shape(gbit, delay)
-                row = {"hosts": n, "mb": a.mb, "gbit": gbit, "delay_ms": delay}
-                row["ring_s"] = ring_allreduce(cl, floats, a.repeat, a.check)
+                row = {"hosts": n, "mb": a.mb, "gbit": gbit, "delay_ms": delay, "hop_s": hop}
+                rep = a.repeat if gbit else 2 * a.repeat + 1  # the baseline: more repeats
+                row["ring_s"] = ring_allreduce(cl, floats, rep, a.check)
                 if mpi_why is None:
-                    row["mpi_s"] = mpi_allreduce(cl, floats, a.repeat, a.check)
+                    row["mpi_s"] = mpi_allreduce(cl, floats, rep, a.check)
                 if gbit is None:
                     base = row
                 else:
-                    wire = wire_seconds(n, nbytes, gbit, delay)
-                    row["wire_s"] = wire
-                    row["ring_model_s"] = wire + base["ring_s"]
+                    wire = wire_seconds(n, nbytes, gbit, delay + hop * 1000)
+                    row.update(wire_s=wire, cpu_s=base["ring_s"],
+                               ring_model_s=ring_model(wire, base["ring_s"]),
+                               ring_serial_s=wire + base["ring_s"])
                     if "mpi_s" in row:
-                        row["mpi_model_s"] = wire + base["mpi_s"]
+                        row.update(mpi_cpu_s=base["mpi_s"], mpi_model_s=mpi_model(wire, base["mpi_s"]))
                 rows.append(row)
                 log(_fmt_row(row))
-            if a.train and n in a.train_hosts:
-                with tempfile.TemporaryDirectory() as d:
-                    shard = _shard(d, n * a.batch * a.seq * 4 + 1)
-                    base_step = None
-                    for gbit in [None] + a.train_gbit:
-                        cl.shape(gbit, 0.0)
-                        step, ar = train_steps(cl, a.model, a.batch, a.seq, a.steps, shard,
-                                               os.path.join(d, f"out{gbit}"))
-                        tr = {"hosts": n, "model": a.model, "gbit": gbit, "step_s": step,
-                              "allreduce_s": ar}
-                        if gbit is None:
-                            base_step = tr
-                        else:
-                            grad_bytes = _param_bytes(a.model)
-                            ar_model = wire_seconds(n, grad_bytes, gbit, 0.0) + base_step["allreduce_s"]
-                            tr.update(grad_bytes=grad_bytes, allreduce_model_s=ar_model,
-                                      step_model_s=base_step["step_s"] - base_step["allreduce_s"] + ar_model)
-                        trains.append(tr)
-                        log(_fmt_train(tr))
+            for model in [m for m, h in a.train_runs if h == n] if a.train else []:
+                trains += train_sweep(cl, a, model, hop, log)
     return {"allreduce": rows, "train": trains, "mpi": mpi_why or "ran"}
+
+
+def train_sweep(cl, a, model, hop, log):
+    """Steps on unshaped links (compute and the all-reduce's CPU time), then on each shaped
+    rate; model: compute + ring_model(wire, unshaped all-reduce)."""
+    out = []
+    grad_bytes = _param_bytes(model)
+    with tempfile.TemporaryDirectory() as d:
+        shard = _shard(d, cl.n * a.batch * a.seq * 4 + 1)
+        base = None
+        for gbit in [None] + a.train_gbit:
+            cl.shape(gbit, 0.0)
+            step, ar = train_steps(cl, model, a.batch, a.seq, a.steps, shard,
+                                   os.path.join(d, f"out{gbit}"))
+            tr = {"hosts": cl.n, "model": model, "gbit": gbit, "step_s": step, "allreduce_s": ar,
+                  "grad_bytes": grad_bytes, "B": a.batch, "T": a.seq}
+            if gbit is None:
+                base = tr
+            else:
+                ar_model = ring_model(wire_seconds(cl.n, grad_bytes, gbit, hop * 1000), base["allreduce_s"])
+                tr.update(allreduce_model_s=ar_model,
+                          step_model_s=base["step_s"] - base["allreduce_s"] + ar_model)
+            out.append(tr)
+            log(_fmt_train(tr))
+    return out
 
 
 def _param_bytes(model):
@@ -468,11 +498,14 @@ def _fmt_row(r):
     link = "unshaped" if r["gbit"] is None else f"{r['gbit']:g} Gbit/s {r['delay_ms']:g} ms"
     s = f"N={r['hosts']} {r['mb']} MB {link:>18}: ring {r['ring_s'] * 1000:8.1f} ms"
     if "ring_model_s" in r:
-        s += f" (model {r['ring_model_s'] * 1000:.1f} = wire {r['wire_s'] * 1000:.1f} + cpu, {_pct(r['ring_s'], r['ring_model_s'])})"
+        s += (f" (model {r['ring_model_s'] * 1000:.1f} = max(wire {r['wire_s'] * 1000:.1f}, cpu "
+              f"{r['cpu_s'] * 1000:.1f}) {_pct(r['ring_s'], r['ring_model_s'])}; no overlap "
+              f"{r['ring_serial_s'] * 1000:.1f} {_pct(r['ring_s'], r['ring_serial_s'])})")
     if "mpi_s" in r:
         s += f" | mpi {r['mpi_s'] * 1000:8.1f} ms"
         if "mpi_model_s" in r:
-            s += f" (model {r['mpi_model_s'] * 1000:.1f}, {_pct(r['mpi_s'], r['mpi_model_s'])})"
+            s += (f" (model {r['mpi_model_s'] * 1000:.1f} = wire + cpu {r['mpi_cpu_s'] * 1000:.1f}, "
+                  f"{_pct(r['mpi_s'], r['mpi_model_s'])})")
     return s
 
 
@@ -495,8 +528,8 @@ def main():
     ap.add_argument("--repeat", type=int, default=3, help="timed all-reduces per point (median; default 3)")
     ap.add_argument("--no-mpi", dest="mpi", action="store_false", help="skip MPI")
     ap.add_argument("--no-train", dest="train", action="store_false", help="skip the training steps")
-    ap.add_argument("--model", default="d6", help="-e for the training steps (default d6)")
-    ap.add_argument("--train-hosts", type=int, nargs="+", default=[2], help="host counts that train (default 2)")
+    ap.add_argument("--train-runs", nargs="+", default=["d6:2"],
+                    help="MODEL:HOSTS training runs, MODEL a -e descriptor (default d6:2)")
     ap.add_argument("--train-gbit", type=float, nargs="+", default=[1], help="link rates for training (default 1)")
     ap.add_argument("--batch", type=int, default=2, help="-b per rank (default 2)")
     ap.add_argument("--seq", type=int, default=64, help="-t (default 64)")
@@ -512,8 +545,14 @@ def main():
     if a.netns_launch:
         return netns_launch(a.netns_launch[0], a.netns_launch[1:])
     if a.full:
-        a.hosts, a.gbit, a.mb, a.train_hosts, a.train_gbit = [2, 4, 8], [1, 10, 25], 100, [2, 4], [1, 10]
+        a.hosts, a.gbit, a.mb, a.train_gbit = [2, 4, 8], [1, 10, 25], 100, [1, 10]
+        a.train_runs = ["d6:2", "d6:4", "d12:2"]
     a.check = a.mb <= 16
+    try:
+        a.train_runs = [(m, int(h)) for m, h in (r.rsplit(":", 1) for r in a.train_runs)]
+    except ValueError:
+        sys.exit(f"Error: --train-runs takes MODEL:HOSTS, got {a.train_runs}\nHint: e.g. --train-runs d6:2 d12:2")
+    a.hosts = sorted(set(a.hosts) | ({h for _, h in a.train_runs} if a.train else set()))
     if any(not 2 <= n <= 8 for n in a.hosts):
         sys.exit("Error: --hosts must be between 2 and 8\nHint: e.g. --hosts 2 4 8")
     why = requirements()

@@ -89,7 +89,8 @@ def test_bench_smallest_point_prints_json_and_cleans_up():
     res = json.loads(out)
     base, shaped = res["allreduce"]
     assert base["gbit"] is None and shaped["gbit"] == 10
-    assert shaped["ring_model_s"] == pytest.approx(shaped["wire_s"] + base["ring_s"])
+    assert shaped["wire_s"] == pytest.approx(scaling.wire_seconds(2, 4e6, 10, 1000 * base["hop_s"]))
+    assert shaped["ring_model_s"] == pytest.approx(max(shaped["wire_s"], base["ring_s"]))
     assert 0 < shaped["ring_s"] < 10 * shaped["ring_model_s"] + 2.0
     assert _ours(p.pid) == []
 
