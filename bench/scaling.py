@@ -537,6 +537,7 @@ def main():
     ap.add_argument("--full", action="store_true",
                     help="the documented sweep: hosts 2 4 8, 1 10 25 Gbit/s, 100 MB, d6 and d12 training")
     ap.add_argument("--json", action="store_true", help="print JSON only")
+    ap.add_argument("--save", help="also write the JSON results to this file")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--netns-launch", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -572,7 +573,10 @@ def main():
         sys.exit(f"Error: {e}")
     except KeyboardInterrupt:
         sys.exit(130)
-    res.update(memcpy_GBps=cp, add_GBps=add)
+    res.update(memcpy_GBps=cp, add_GBps=add, cores=os.cpu_count(), argv=sys.argv[1:])
+    if a.save:
+        with open(a.save, "w") as f:
+            json.dump(res, f, indent=1)
     if a.json:
         print(json.dumps(res, indent=1))
 
