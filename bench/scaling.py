@@ -13,7 +13,8 @@ them it runs
 - a few training steps (`llmctl train --backend ring`, per-rank form) of a small model;
 and prints each all-reduce and step time next to the bandwidth model
 
-    wire   = 2(N-1)/N * bytes / bandwidth + 2(N-1) * latency
+    wire   = 2(N-1)/N * bytes / bandwidth + 2(N-1) * latency   (bandwidth: payload, 1448/1514
+                                                               of the shaped frame rate)
     ring   = max(wire, t_cpu)      llmctl's ring is pipelined: link and CPU work overlap
     MPI    = wire + t_cpu          MPICH's large-message steps reduce after each transfer
 
@@ -57,6 +58,10 @@ import numpy as np
 PREFIX = "llmctl-scal"           # namespace names: PREFIX-<pid>-br, PREFIX-<pid>-h<i>
 SUBNET = "10.213.0"              # host i has SUBNET.(i+1)/24 on its veth, inside its namespace
 PORT = 29500
+# tbf counts each frame from its Ethernet header on: a full 1500-byte-MTU TCP segment carries
+# 1448 payload bytes (20 IP + 32 TCP with timestamps) in 1514 bytes. (A real NIC also sends a
+# preamble, FCS and gap, 1538 bytes: 94 %; with 9000-byte jumbo frames 99 %.)
+FRAME_EFFICIENCY = 1448 / 1514
 SECRET_TEXT = "bench-scaling-secret-0123456789abcdef"
 
 
@@ -156,7 +161,8 @@ class Cluster:
             self.made.append(ns)
             # the pair is born inside the host namespace, then its peer moves to the bridge's:
             # no interface ever exists in the caller's namespace
-            _sh("ip", "-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", f"p{i}")
+            _sh("ip", "-n", ns, "link", "add", "eth0", "mtu", "1500", "type", "veth", "peer", "name", f"p{i}",
+                "mtu", "1500")
             _sh("ip", "-n", ns, "link", "set", f"p{i}", "netns", self.bridge)
             _sh("ip", "-n", self.bridge, "link", "set", f"p{i}", "master", "br0", "up")
             _sh("ip", "-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
@@ -389,9 +395,11 @@ def train_steps(cl, model, B, T, steps, shard, out):
 
 # -- the model -------------------------------------------------------------------------------------
 
-def wire_seconds(n, nbytes, gbit, delay_ms):
-    """The ring's network time: 2(N-1)/N * bytes / bandwidth + 2(N-1) * latency."""
-    return 2 * (n - 1) / n * nbytes / (gbit * 1e9 / 8) + 2 * (n - 1) * delay_ms / 1000
+def wire_seconds(n, nbytes, gbit, delay_ms, efficiency=1.0):
+    """The ring's network time: 2(N-1)/N * bytes / bandwidth + 2(N-1) * latency, where the
+    bandwidth that carries payload is the link rate times `efficiency` (the payload share of
+    each frame on the wire)."""
+    return 2 * (n - 1) / n * nbytes / (efficiency * gbit * 1e9 / 8) + 2 * (n - 1) * delay_ms / 1000
 
 
 def memory_rates(mb=64):
@@ -445,7 +453,7 @@ def run(a, log):
                 if gbit is None:
                     base = row
                 else:
-                    wire = wire_seconds(n, nbytes, gbit, delay + hop * 1000)
+                    wire = wire_seconds(n, nbytes, gbit, delay + hop * 1000, FRAME_EFFICIENCY)
                     row.update(wire_s=wire, cpu_s=base["ring_s"],
                                ring_model_s=ring_model(wire, base["ring_s"]),
                                ring_serial_s=wire + base["ring_s"])
@@ -475,7 +483,8 @@ def train_sweep(cl, a, model, hop, log):
             if gbit is None:
                 base = tr
             else:
-                ar_model = ring_model(wire_seconds(cl.n, grad_bytes, gbit, hop * 1000), base["allreduce_s"])
+                wire = wire_seconds(cl.n, grad_bytes, gbit, hop * 1000, FRAME_EFFICIENCY)
+                ar_model = ring_model(wire, base["allreduce_s"])
                 tr.update(allreduce_model_s=ar_model,
                           step_model_s=base["step_s"] - base["allreduce_s"] + ar_model)
             out.append(tr)

@@ -74,6 +74,7 @@ def test_wire_model():
     # 2(N-1)/N * bytes / bandwidth + 2(N-1) * latency: 4 hosts, 1 GB at 10 Gbit/s, 0.5 ms
     assert scaling.wire_seconds(4, 1e9, 10, 0.5) == pytest.approx(1.5 * 0.8 + 6 * 0.0005)
     assert scaling.wire_seconds(2, 125e6, 1, 0.0) == pytest.approx(1.0)
+    assert scaling.wire_seconds(2, 125e6, 1, 0.0, efficiency=0.5) == pytest.approx(2.0)
 
 
 def _bench(*args):
@@ -89,7 +90,8 @@ def test_bench_smallest_point_prints_json_and_cleans_up():
     res = json.loads(out)
     base, shaped = res["allreduce"]
     assert base["gbit"] is None and shaped["gbit"] == 10
-    assert shaped["wire_s"] == pytest.approx(scaling.wire_seconds(2, 4e6, 10, 1000 * base["hop_s"]))
+    assert shaped["wire_s"] == pytest.approx(scaling.wire_seconds(2, 4e6, 10, 1000 * base["hop_s"],
+                                                                  scaling.FRAME_EFFICIENCY))
     assert shaped["ring_model_s"] == pytest.approx(max(shaped["wire_s"], base["ring_s"]))
     assert 0 < shaped["ring_s"] < 10 * shaped["ring_model_s"] + 2.0
     assert _ours(p.pid) == []
