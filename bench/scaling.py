@@ -13,19 +13,21 @@ them it runs
 - a few training steps (`llmctl train --backend ring`, per-rank form) of a small model;
 and prints each all-reduce and step time next to the bandwidth model
 
-    wire   = 2(N-1)/N * bytes / bandwidth + 2(N-1) * latency   (bandwidth: payload, 1448/1514
-                                                               of the shaped frame rate)
-    ring   = max(wire, t_cpu)      llmctl's ring is pipelined: link and CPU work overlap
-    MPI    = wire + t_cpu          MPICH's large-message steps reduce after each transfer
+    wire   = 2(N-1)/N * bytes / bandwidth + 2(N-1) * latency
+    model  = max(wire, t_cpu)
 
-where t_cpu is what the same all-reduce costs on unshaped links in the same namespaces (the
-copies into and out of the kernel, the additions, with N processes on this machine's cores),
-measured in the same run, and latency is the configured delay plus one measured hop (a ring
-all-reduce of N floats on unshaped links, divided by its 2(N-1) hops). On real hosts each rank
-has its own cores, so t_cpu is small next to the wire time; here it is not, and leaving it out
-would blame the network for the CPU. wire + t_cpu (no overlap) is printed beside the ring's
-model as its upper bound. The step model is the unshaped step's compute time (step minus
-all-reduce) plus the ring model for the gradient buffer.
+bandwidth is the payload rate (1448 of every 1514 bytes tbf counts, at MTU 1500); latency is
+the configured delay plus one measured hop (an all-reduce of N floats on unlimited links divided
+by its 2(N-1) hops); t_cpu is what the same all-reduce costs on unlimited links (a tbf far above
+what the cores can push: the same qdisc work, no rate limit) in the same namespaces, measured in
+the same run: the copies into and out of the kernel, the bridge, the additions, with N
+processes on this machine's cores. On real hosts each rank has its own cores, so t_cpu is small
+next to the wire time; here it is not, and leaving it out would blame the network for the CPU.
+max, not a sum, because llmctl's ring is pipelined (a sender thread forwards each 1 MiB chunk
+while the next one is received and added), so the link and the CPU work overlap; the sum
+wire + t_cpu (no overlap) is printed beside it as an upper bound. MPI is held to the same model:
+what a bandwidth-optimal all-reduce would take. The step model is the unlimited step's compute
+time (step minus all-reduce) plus the model for the gradient buffer.
 
 Traffic: every address lives on the veths inside the namespaces this bench made (SUBNET.1 ...
 SUBNET.N, a /24 that is not routed anywhere); nothing is configured in the caller's namespace.
@@ -62,6 +64,8 @@ PORT = 29500
 # 1448 payload bytes (20 IP + 32 TCP with timestamps) in 1514 bytes. (A real NIC also sends a
 # preamble, FCS and gap, 1538 bytes: 94 %; with 9000-byte jumbo frames 99 %.)
 FRAME_EFFICIENCY = 1448 / 1514
+UNLIMITED_GBIT = 1000
+QUEUE_MS = 200   # tbf's queue; 5 ms measured the same
 SECRET_TEXT = "bench-scaling-secret-0123456789abcdef"
 
 
@@ -173,7 +177,10 @@ class Cluster:
             _sh("ip", "netns", "exec", ns, "sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0")
 
     def shape(self, gbit, delay_ms):
-        """Every host's uplink: `gbit` Gbit/s (None: unshaped) and `delay_ms` one-way delay."""
+        """Every host's uplink: `gbit` Gbit/s and `delay_ms` one-way delay. gbit None: the
+        baseline, a tbf at UNLIMITED_GBIT: the same qdisc work per packet, no rate limit that
+        this machine's cores could reach."""
+        gbit = gbit or UNLIMITED_GBIT
         for ns in self.hosts:
             _sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", "eth0", "root", check=False)
             parent = ["root"]
@@ -185,7 +192,7 @@ class Cluster:
                 # burst: 1 ms at the line rate, at least a few 64 KiB GSO segments
                 burst = max(256 * 1024, int(gbit * 1e9 / 8 * 1e-3))
                 _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", *parent,
-                    "tbf", "rate", f"{gbit}gbit", "burst", str(burst), "latency", "200ms")
+                    "tbf", "rate", f"{gbit}gbit", "burst", str(burst), "latency", f"{QUEUE_MS}ms")
         self.wait_links()
 
     def wait_links(self, timeout=10.0):
@@ -326,7 +333,7 @@ def mpi_available():
     return None if _mpiexec() else "no mpiexec found (pip install mpich)"
 
 
-def mpi_allreduce(cl, floats, repeat, check):
+def mpi_allreduce(cl, floats, repeat, check, algorithm="auto"):
     """mpiexec runs in host 0's namespace; its ssh launcher is this script's --netns-launch, which
     starts each host's proxy in that host's namespace (hosts are named by their addresses)."""
     with tempfile.TemporaryDirectory() as d:
@@ -338,7 +345,7 @@ def mpi_allreduce(cl, floats, repeat, check):
         os.chmod(launcher, 0o700)
         env = _env()
         # every rank talks over its veth (its network path), never MPICH's shared memory
-        env.update(MPIR_CVAR_NOLOCAL="1", HYDRA_IFACE="eth0", FI_PROVIDER="tcp",
+        env.update(MPIR_CVAR_NOLOCAL="1", MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM=algorithm, HYDRA_IFACE="eth0", FI_PROVIDER="tcp",
                    FI_TCP_IFACE="eth0", UCX_NET_DEVICES="eth0", UCX_TLS="tcp")
         p = cl.start(0, [_mpiexec(), "-launcher", "ssh", "-launcher-exec", launcher, "-hosts", hosts,
                          "-n", str(cl.n), sys.executable, os.path.abspath(__file__), "--worker",
@@ -418,15 +425,10 @@ def memory_rates(mb=64):
 
 
 def ring_model(wire, cpu):
-    """llmctl's ring is pipelined (a sender thread forwards each 1 MiB chunk while the next one
-    is received and added), so the link and the CPU work overlap: the slower one sets the time."""
+    """A bandwidth-optimal all-reduce whose transfers overlap its CPU work (llmctl's ring is
+    pipelined: a sender thread forwards each 1 MiB chunk while the next one is received and
+    added): the slower of the link and the CPU sets the time."""
     return max(wire, cpu)
-
-
-def mpi_model(wire, cpu):
-    """MPICH's large-message Allreduce moves a whole half (or segment) per step and reduces it
-    after it arrived: transfer and reduction follow each other."""
-    return wire + cpu
 
 
 def run(a, log):
@@ -441,7 +443,7 @@ def run(a, log):
             cl.shape(None, 0.0)
             # one float per segment: 2(N-1) hops that carry (almost) nothing
             hop = ring_allreduce(cl, n, 2 * a.repeat + 1, False) / (2 * (n - 1))
-            log(f"N={n}: one ring hop (TCP over veth, Python, no shaping) takes {hop * 1e6:.0f} us")
+            log(f"N={n}: one ring hop (TCP over veth, Python, unlimited link) takes {hop * 1e6:.0f} us")
             base = {}
             for gbit, delay in [(None, 0.0)] + [(g, dl) for g in a.gbit for dl in a.delay_ms]:
                 cl.shape(gbit, delay)
@@ -449,7 +451,7 @@ def run(a, log):
                 rep = a.repeat if gbit else 2 * a.repeat + 1  # the baseline: more repeats
                 row["ring_s"] = ring_allreduce(cl, floats, rep, a.check)
                 if mpi_why is None:
-                    row["mpi_s"] = mpi_allreduce(cl, floats, rep, a.check)
+                    row["mpi_s"] = mpi_allreduce(cl, floats, rep, a.check, a.mpi_algorithm)
                 if gbit is None:
                     base = row
                 else:
@@ -458,7 +460,7 @@ def run(a, log):
                                ring_model_s=ring_model(wire, base["ring_s"]),
                                ring_serial_s=wire + base["ring_s"])
                     if "mpi_s" in row:
-                        row.update(mpi_cpu_s=base["mpi_s"], mpi_model_s=mpi_model(wire, base["mpi_s"]))
+                        row.update(mpi_cpu_s=base["mpi_s"], mpi_model_s=ring_model(wire, base["mpi_s"]))
                 rows.append(row)
                 log(_fmt_row(row))
             for model in [m for m, h in a.train_runs if h == n] if a.train else []:
@@ -467,8 +469,8 @@ def run(a, log):
 
 
 def train_sweep(cl, a, model, hop, log):
-    """Steps on unshaped links (compute and the all-reduce's CPU time), then on each shaped
-    rate; model: compute + ring_model(wire, unshaped all-reduce)."""
+    """Steps on unlimited links (compute and the all-reduce's CPU time), then on each shaped
+    rate; model: compute + ring_model(wire, unlimited all-reduce)."""
     out = []
     grad_bytes = _param_bytes(model)
     with tempfile.TemporaryDirectory() as d:
@@ -504,7 +506,7 @@ def _pct(meas, model):
 
 
 def _fmt_row(r):
-    link = "unshaped" if r["gbit"] is None else f"{r['gbit']:g} Gbit/s {r['delay_ms']:g} ms"
+    link = "unlimited" if r["gbit"] is None else f"{r['gbit']:g} Gbit/s {r['delay_ms']:g} ms"
     s = f"N={r['hosts']} {r['mb']} MB {link:>18}: ring {r['ring_s'] * 1000:8.1f} ms"
     if "ring_model_s" in r:
         s += (f" (model {r['ring_model_s'] * 1000:.1f} = max(wire {r['wire_s'] * 1000:.1f}, cpu "
@@ -513,13 +515,13 @@ def _fmt_row(r):
     if "mpi_s" in r:
         s += f" | mpi {r['mpi_s'] * 1000:8.1f} ms"
         if "mpi_model_s" in r:
-            s += (f" (model {r['mpi_model_s'] * 1000:.1f} = wire + cpu {r['mpi_cpu_s'] * 1000:.1f}, "
+            s += (f" (model {r['mpi_model_s'] * 1000:.1f} = max(wire, cpu {r['mpi_cpu_s'] * 1000:.1f}) "
                   f"{_pct(r['mpi_s'], r['mpi_model_s'])})")
     return s
 
 
 def _fmt_train(t):
-    link = "unshaped" if t["gbit"] is None else f"{t['gbit']:g} Gbit/s"
+    link = "unlimited" if t["gbit"] is None else f"{t['gbit']:g} Gbit/s"
     s = f"train {t['model']} N={t['hosts']} {link:>12}: step {t['step_s'] * 1000:.0f} ms, all-reduce {t['allreduce_s'] * 1000:.0f} ms"
     if "step_model_s" in t:
         s += (f" (model: step {t['step_model_s'] * 1000:.0f} ms {_pct(t['step_s'], t['step_model_s'])}, "
@@ -536,6 +538,9 @@ def main():
     ap.add_argument("--mb", type=int, default=50, help="all-reduce buffer, MB (default 50)")
     ap.add_argument("--repeat", type=int, default=3, help="timed all-reduces per point (median; default 3)")
     ap.add_argument("--no-mpi", dest="mpi", action="store_false", help="skip MPI")
+    ap.add_argument("--mpi-algorithm", default="auto",
+                    help="MPICH's MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM: auto, ring, "
+                         "reduce_scatter_allgather, recursive_doubling, ... (default auto)")
     ap.add_argument("--no-train", dest="train", action="store_false", help="skip the training steps")
     ap.add_argument("--train-runs", nargs="+", default=["d6:2"],
                     help="MODEL:HOSTS training runs, MODEL a -e descriptor (default d6:2)")
@@ -582,7 +587,7 @@ def main():
         sys.exit(f"Error: {e}")
     except KeyboardInterrupt:
         sys.exit(130)
-    res.update(memcpy_GBps=cp, add_GBps=add, cores=os.cpu_count(), argv=sys.argv[1:])
+    res.update(mpi_algorithm=a.mpi_algorithm, memcpy_GBps=cp, add_GBps=add, cores=os.cpu_count(), argv=sys.argv[1:])
     if a.save:
         with open(a.save, "w") as f:
             json.dump(res, f, indent=1)
