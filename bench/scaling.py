@@ -240,6 +240,11 @@ class Cluster:
                     os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
         self.procs = []
+        # what they started in our namespaces in sessions of its own (mpiexec's proxies)
+        for ns in self.made:
+            for pid in _sh("ip", "netns", "pids", ns, check=False).stdout.split():
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
         for ns in reversed(self.made):  # deleting a namespace deletes its veth ends and pairs
             _sh("ip", "netns", "del", ns, check=False)
         self.made = []
