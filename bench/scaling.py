@@ -552,7 +552,7 @@ def main():
     ap.add_argument("--train-gbit", type=float, nargs="+", default=[1], help="link rates for training (default 1)")
     ap.add_argument("--batch", type=int, default=2, help="-b per rank (default 2)")
     ap.add_argument("--seq", type=int, default=64, help="-t (default 64)")
-    ap.add_argument("--steps", type=int, default=4, help="-x (default 4; the first is not timed)")
+    ap.add_argument("--steps", type=int, default=4, help="-x, at least 2 (default 4; the first is not timed)")
     ap.add_argument("--full", action="store_true",
                     help="the documented sweep: hosts 2 4 8, 1 10 25 Gbit/s, 100 MB, d6 and d12 training")
     ap.add_argument("--json", action="store_true", help="print JSON only")
@@ -572,9 +572,22 @@ def main():
         a.train_runs = [(m, int(h)) for m, h in (r.rsplit(":", 1) for r in a.train_runs)]
     except ValueError:
         sys.exit(f"Error: --train-runs takes MODEL:HOSTS, got {a.train_runs}\nHint: e.g. --train-runs d6:2 d12:2")
+    from llmctl.errors import LlmctlError
+    for m, _ in a.train_runs if a.train else []:
+        try:
+            _param_bytes(m)
+        except LlmctlError as e:
+            sys.exit(f"Error: --train-runs {m}: {e}\nHint: a descriptor such as d6 or d12")
     a.hosts = sorted(set(a.hosts) | ({h for _, h in a.train_runs} if a.train else set()))
     if any(not 2 <= n <= 8 for n in a.hosts):
         sys.exit("Error: --hosts must be between 2 and 8\nHint: e.g. --hosts 2 4 8")
+    for flag, vals, ok in (("--gbit", a.gbit, lambda v: 0 < v < UNLIMITED_GBIT),
+                           ("--delay-ms", a.delay_ms, lambda v: v >= 0),
+                           ("--mb", [a.mb], lambda v: v >= 1), ("--repeat", [a.repeat], lambda v: v >= 1),
+                           ("--steps", [a.steps], lambda v: v >= 2)):
+        if not all(ok(v) for v in vals):
+            sys.exit(f"Error: {flag} {' '.join(map(str, vals))} is out of range\n"
+                     f"Hint: see --help for {flag} (rates below {UNLIMITED_GBIT} Gbit/s, >= 2 steps)")
     why = requirements()
     if why:
         sys.exit(f"Error: cannot build the emulated hosts: {why}\nHint: run as root on Linux with iproute2")
