@@ -188,11 +188,10 @@ class Cluster:
                 _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root",
                     "handle", "1:", "netem", "delay", f"{delay_ms}ms", "limit", "100000")
                 parent = ["parent", "1:1"]
-            if gbit:
-                # burst: 1 ms at the line rate, at least a few 64 KiB GSO segments
-                burst = max(256 * 1024, int(gbit * 1e9 / 8 * 1e-3))
-                _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", *parent,
-                    "tbf", "rate", f"{gbit}gbit", "burst", str(burst), "latency", f"{QUEUE_MS}ms")
+            # burst: 1 ms at the line rate, at least a few 64 KiB GSO segments
+            burst = max(256 * 1024, int(gbit * 1e9 / 8 * 1e-3))
+            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", *parent,
+                "tbf", "rate", f"{gbit}gbit", "burst", str(burst), "latency", f"{QUEUE_MS}ms")
         self.wait_links()
 
     def wait_links(self, timeout=10.0):
