@@ -37,6 +37,7 @@ static inline int llmctl_cpu_bf16_flags(void) { return 0; }
 #include <oneapi/dnnl/dnnl.h>
 #include <pthread.h>
 #include <signal.h>
+#include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
 #define LLMCTL_DNNL_THREADS(n) do { if (omp_get_max_threads() != (n)) omp_set_num_threads(n); } while (0)
@@ -120,6 +121,149 @@ static inline int llmctl_dnnl_gemm_bf16(char ta, char tb, int64_t M, int64_t N, 
     return st;
 }
 
+/* bf16 GEMMs through oneDNN's matmul primitive (on AMX/AVX512_BF16 CPUs its "brg" brgemm
+ * implementations), C (M,N) = A (M,K) @ B (K,N) [+ bias (N)] [+ C], both operands in their
+ * plain row-major layouts (ta/tb: stored transposed; lda/ldb/ldc the row strides), fp32 C.
+ *
+ * Why not dnnl_gemm_bf16bf16f32 everywhere: that BLAS-like call chooses its blocking and packs
+ * both operands on every call; the primitive reads the operands where they are and, on
+ * d12's training shapes on 2 AMX cores, runs 1.0-1.9x faster (docs/performance.md). Packing the
+ * weight once into the primitive's preferred layout (format_tag_any + a reorder) did not pay:
+ * the reorder costs more than it saves, and GPT-2's weights change every step.
+ *
+ * A primitive is built for one (M, N, K, ta, tb, lds, bias, accumulate, threads) and kept in a
+ * small LRU cache (creating one takes ~0.5 ms; a training step uses ~20 shapes); the operands
+ * are passed at execution. The accumulation (C += ...) is oneDNN's "sum" post-op, the bias its
+ * bias argument. A cache mutex serialises the calls (oneDNN's library scratchpad is shared
+ * between primitives). Signals are blocked as for the GEMM calls above. */
+#define LLMCTL_MM_CACHE 64
+
+typedef struct {
+    int64_t M, N, K, lda, ldb, ldc;
+    int ta, tb, bias, acc, threads;
+    unsigned long long used;     /* 0: free slot */
+    dnnl_primitive_t prim;
+    dnnl_memory_t a, b, c, bs;
+} llmctl_mm_entry;
+
+static llmctl_mm_entry llmctl_mm_cache[LLMCTL_MM_CACHE];
+static unsigned long long llmctl_mm_clock = 0;
+static pthread_mutex_t llmctl_mm_lock = PTHREAD_MUTEX_INITIALIZER;
+static dnnl_engine_t llmctl_mm_engine = NULL;
+static dnnl_stream_t llmctl_mm_stream = NULL;
+static long llmctl_mm_builds = 0;   /* primitives built since load (tests read it) */
+
+static void llmctl_mm_free(llmctl_mm_entry* e) {
+    if (e->prim) dnnl_primitive_destroy(e->prim);
+    if (e->a) dnnl_memory_destroy(e->a);
+    if (e->b) dnnl_memory_destroy(e->b);
+    if (e->c) dnnl_memory_destroy(e->c);
+    if (e->bs) dnnl_memory_destroy(e->bs);
+    memset(e, 0, sizeof(*e));
+}
+
+/* logical (r,c) matrix, row stride ld; trans: stored as its transpose (c,r) */
+static dnnl_status_t llmctl_mm_md(dnnl_memory_desc_t* md, int64_t r, int64_t c, int64_t ld,
+                                  int trans, dnnl_data_type_t dt) {
+    dnnl_dims_t dims = {r, c};
+    dnnl_dims_t strides = {trans ? 1 : ld, trans ? ld : 1};
+    return dnnl_memory_desc_create_with_strides(md, 2, dims, dt, strides);
+}
+
+static dnnl_status_t llmctl_mm_build(llmctl_mm_entry* e) {
+    dnnl_memory_desc_t a = NULL, b = NULL, c = NULL, bs = NULL;
+    dnnl_primitive_attr_t attr = NULL;
+    dnnl_post_ops_t po = NULL;
+    dnnl_primitive_desc_t pd = NULL;
+    dnnl_status_t st = dnnl_success;
+    if (!llmctl_mm_engine) {
+        st = dnnl_engine_create(&llmctl_mm_engine, dnnl_cpu, 0);
+        if (st == dnnl_success) st = dnnl_stream_create(&llmctl_mm_stream, llmctl_mm_engine,
+                                                        dnnl_stream_default_flags);
+        if (st != dnnl_success) return st;
+    }
+#define LLMCTL_TRY(x) do { if (st == dnnl_success) st = (x); } while (0)
+    LLMCTL_TRY(llmctl_mm_md(&a, e->M, e->K, e->lda, e->ta, dnnl_bf16));
+    LLMCTL_TRY(llmctl_mm_md(&b, e->K, e->N, e->ldb, e->tb, dnnl_bf16));
+    LLMCTL_TRY(llmctl_mm_md(&c, e->M, e->N, e->ldc, 0, dnnl_f32));
+    if (e->bias) LLMCTL_TRY(llmctl_mm_md(&bs, 1, e->N, e->N, 0, dnnl_f32));
+    LLMCTL_TRY(dnnl_primitive_attr_create(&attr));
+    if (e->acc) {
+        LLMCTL_TRY(dnnl_post_ops_create(&po));
+        LLMCTL_TRY(dnnl_post_ops_append_sum(po, 1.0f, 0, dnnl_data_type_undef));
+        LLMCTL_TRY(dnnl_primitive_attr_set_post_ops(attr, po));
+    }
+    LLMCTL_TRY(dnnl_matmul_primitive_desc_create(&pd, llmctl_mm_engine, a, b, bs, c, attr));
+    LLMCTL_TRY(dnnl_primitive_create(&e->prim, pd));
+    LLMCTL_TRY(dnnl_memory_create(&e->a, a, llmctl_mm_engine, DNNL_MEMORY_NONE));
+    LLMCTL_TRY(dnnl_memory_create(&e->b, b, llmctl_mm_engine, DNNL_MEMORY_NONE));
+    LLMCTL_TRY(dnnl_memory_create(&e->c, c, llmctl_mm_engine, DNNL_MEMORY_NONE));
+    if (e->bias) LLMCTL_TRY(dnnl_memory_create(&e->bs, bs, llmctl_mm_engine, DNNL_MEMORY_NONE));
+#undef LLMCTL_TRY
+    if (pd) dnnl_primitive_desc_destroy(pd);
+    if (po) dnnl_post_ops_destroy(po);
+    if (attr) dnnl_primitive_attr_destroy(attr);
+    if (a) dnnl_memory_desc_destroy(a);
+    if (b) dnnl_memory_desc_destroy(b);
+    if (c) dnnl_memory_desc_destroy(c);
+    if (bs) dnnl_memory_desc_destroy(bs);
+    if (st == dnnl_success) llmctl_mm_builds++;
+    return st;
+}
+
+/* the cache entry for this call, built if missing (lock held); NULL if oneDNN failed */
+static llmctl_mm_entry* llmctl_mm_get(int64_t M, int64_t N, int64_t K, int ta, int tb,
+        int64_t lda, int64_t ldb, int64_t ldc, int bias, int acc, int threads, int* status) {
+    llmctl_mm_entry* victim = &llmctl_mm_cache[0];
+    for (int i = 0; i < LLMCTL_MM_CACHE; i++) {
+        llmctl_mm_entry* e = &llmctl_mm_cache[i];
+        if (e->used && e->M == M && e->N == N && e->K == K && e->ta == ta && e->tb == tb
+                && e->lda == lda && e->ldb == ldb && e->ldc == ldc && e->bias == bias
+                && e->acc == acc && e->threads == threads) {
+            e->used = ++llmctl_mm_clock;
+            return e;
+        }
+        if (e->used < victim->used) victim = e;
+    }
+    llmctl_mm_free(victim);
+    victim->M = M; victim->N = N; victim->K = K; victim->ta = ta; victim->tb = tb;
+    victim->lda = lda; victim->ldb = ldb; victim->ldc = ldc; victim->bias = bias;
+    victim->acc = acc; victim->threads = threads;
+    *status = (int)llmctl_mm_build(victim);
+    if (*status != 0) { llmctl_mm_free(victim); return NULL; }
+    victim->used = ++llmctl_mm_clock;
+    return victim;
+}
+
+/* C (M,N) = op(A) @ op(B) [+ bias] [+ C if beta == 1]; beta is 0 or 1. Returns 0 or oneDNN's status. */
+static inline int llmctl_dnnl_matmul_bf16(char ta, char tb, int64_t M, int64_t N, int64_t K,
+        const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, const float* bias,
+        float beta, float* C, int64_t ldc, int n_threads) {
+    sigset_t old;
+    int st = 0, acc = beta != 0.0f;
+    LLMCTL_DNNL_THREADS(n_threads);
+    llmctl_block_signals(&old, n_threads);
+    pthread_mutex_lock(&llmctl_mm_lock);
+    llmctl_mm_entry* e = llmctl_mm_get(M, N, K, ta == 'T', tb == 'T', lda, ldb, ldc, bias != NULL,
+                                       acc, n_threads, &st);
+    if (e) {
+        dnnl_exec_arg_t args[4] = {{DNNL_ARG_SRC, e->a}, {DNNL_ARG_WEIGHTS, e->b},
+                                   {DNNL_ARG_DST, e->c}, {DNNL_ARG_BIAS, e->bs}};
+        st = (int)dnnl_memory_set_data_handle(e->a, (void*)A);
+        if (!st) st = (int)dnnl_memory_set_data_handle(e->b, (void*)B);
+        if (!st) st = (int)dnnl_memory_set_data_handle(e->c, C);
+        if (!st && bias) st = (int)dnnl_memory_set_data_handle(e->bs, (void*)bias);
+        if (!st) st = (int)dnnl_primitive_execute(e->prim, llmctl_mm_stream, bias ? 4 : 3, args);
+        if (!st) st = (int)dnnl_stream_wait(llmctl_mm_stream);
+    }
+    pthread_mutex_unlock(&llmctl_mm_lock);
+    llmctl_restore_signals(&old);
+    return st;
+}
+
+/* primitives built since load */
+static inline long llmctl_dnnl_matmul_builds(void) { return llmctl_mm_builds; }
+
 static inline void llmctl_dnnl_version(int* v) {
     const dnnl_version_t* d = dnnl_version();
     v[0] = d->major; v[1] = d->minor; v[2] = d->patch;
@@ -131,6 +275,10 @@ static inline int llmctl_dnnl_sgemm(char ta, char tb, int64_t M, int64_t N, int6
 static inline int llmctl_dnnl_gemm_bf16(char ta, char tb, int64_t M, int64_t N, int64_t K,
         const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float beta, float* C,
         int64_t ldc, int n_threads) { return -1; }
+static inline int llmctl_dnnl_matmul_bf16(char ta, char tb, int64_t M, int64_t N, int64_t K,
+        const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, const float* bias,
+        float beta, float* C, int64_t ldc, int n_threads) { return -1; }
+static inline long llmctl_dnnl_matmul_builds(void) { return 0; }
 static inline void llmctl_dnnl_version(int* v) { v[0] = v[1] = v[2] = 0; }
 #endif
 #endif

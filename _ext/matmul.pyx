@@ -18,8 +18,10 @@ For dnnl and blas the bias is written into `out` first and the GEMM runs with be
 bias costs no extra pass.
 
 Mixed precision (`*_bf16`): bf16 inputs (uint16 bit patterns, see bf16.h), fp32 accumulation
-and fp32 outputs. "dnnl" runs `dnnl_gemm_bf16bf16f32`, only on CPUs that multiply bf16 natively
-(AVX512_BF16 or AMX, checked at run time: bf16_native()); "blas" widens the bf16 operands to
+and fp32 outputs. "dnnl" runs oneDNN's matmul primitive (brgemm on AMX/AVX512_BF16; one cached
+primitive per shape, the operands passed at each call, see dnnl_gemm.h) and "dnnl_gemm" the
+BLAS-like `dnnl_gemm_bf16bf16f32` call it replaced (kept for bench/gemm.py), both only on CPUs
+that multiply bf16 natively (AVX512_BF16 or AMX, checked at run time: bf16_native()); "blas" widens the bf16 operands to
 fp32 (exactly; the weight in blocks of rows) and runs sgemm: the same products of the same
 rounded inputs, for CPUs without native bf16 and for tests. The backward casts fp32 dout to bf16 in the pass that sums dbias.
 
@@ -44,6 +46,10 @@ cdef extern from "dnnl_gemm.h" nogil:
     int llmctl_dnnl_gemm_bf16(char ta, char tb, int64_t M, int64_t N, int64_t K, const uint16_t* A,
                               int64_t lda, const uint16_t* B, int64_t ldb, float beta, float* C,
                               int64_t ldc, int n_threads)
+    int llmctl_dnnl_matmul_bf16(char ta, char tb, int64_t M, int64_t N, int64_t K, const uint16_t* A,
+                                int64_t lda, const uint16_t* B, int64_t ldb, const float* bias,
+                                float beta, float* C, int64_t ldc, int n_threads)
+    long llmctl_dnnl_matmul_builds()
     void llmctl_dnnl_version(int* v)
 
 cdef extern from "gemv_bf16.h" nogil:
@@ -186,9 +192,15 @@ def get_backends():
 
 
 def get_bf16_backends():
-    """The engines the *_bf16 kernels accept here; the first is the default ("dnnl" only where
-    bf16_native(); "blas" emulates on fp32 sgemm everywhere)."""
-    return ("dnnl", "blas") if bf16_native() else ("blas",)
+    """The engines the *_bf16 kernels accept here; the first is the default ("dnnl" and
+    "dnnl_gemm" only where bf16_native(); "blas" emulates on fp32 sgemm everywhere)."""
+    return ("dnnl", "dnnl_gemm", "blas") if bf16_native() else ("blas",)
+
+
+def dnnl_matmul_builds():
+    """How many oneDNN matmul primitives the "dnnl" bf16 engine has built since load (each is
+    cached per shape, transposes, bias, accumulation and thread count; see dnnl_gemm.h)."""
+    return llmctl_dnnl_matmul_builds()
 
 
 def default_backend():
@@ -509,6 +521,7 @@ cdef enum:
     BLAS = 0
     TILED = 1
     DNNL = 2
+    DNNL_GEMM = 3      # bf16 only: the BLAS-like dnnl_gemm_bf16bf16f32 call
 
 
 cdef int _check_sizes(str out, Py_ssize_t out_len, Py_ssize_t inp_len, Py_ssize_t weight_len,
@@ -711,13 +724,13 @@ cdef int _bf16_backend_id(backend) except -1:
     if backend is None:
         backend = names[0]
     if backend in names:
-        return DNNL if backend == "dnnl" else BLAS
-    if backend == "dnnl":
+        return {"dnnl": DNNL, "dnnl_gemm": DNNL_GEMM, "blas": BLAS}[backend]
+    if backend in ("dnnl", "dnnl_gemm"):
         feats = cpu_bf16_features()
         why = ("oneDNN is not available: " + ", ".join(get_backends()) + " only") if "dnnl" not in get_backends() \
             else ("this CPU has no native bf16 (AVX512_BF16 or AMX)" if not feats else
                   "oneDNN's bf16 GEMM did not run on this CPU")
-        raise ValueError(f"bf16 matmul backend 'dnnl' is not available: {why}; choose one of {names}")
+        raise ValueError(f"bf16 matmul backend {backend!r} is not available: {why}; choose one of {names}")
     raise ValueError(f"unknown bf16 matmul backend {backend!r}; choose one of {names}")
 
 
@@ -764,7 +777,7 @@ cdef void _gemv_bf16(float* out, const uint16_t* inp, const uint16_t* weight, co
 def matmul_forward_bf16(float[::1] out, const uint16_t[::1] inp, const uint16_t[::1] weight, bias,
                         int BT, int C, int OC, int n_threads=1, backend=None):
     """out (BT,OC) fp32 = inp (BT,C) bf16 @ weight (OC,C)^T bf16 + bias (OC) fp32, accumulated in
-    fp32. Overwrites out. bias may be None. On the dnnl engine, BT <= set_gemv_rows() rows (a
+    fp32. Overwrites out. bias may be None. On the dnnl engines, BT <= set_gemv_rows() rows (a
     decode step) run on gemv_bf16.h where the CPU has AVX512_BF16."""
     cdef int which = _bf16_backend_id(backend)
     cdef const float[::1] bias_mv
@@ -778,11 +791,17 @@ def matmul_forward_bf16(float[::1] out, const uint16_t[::1] inp, const uint16_t[
         check_len("bias", bias_mv.shape[0], OC)
         bias_ptr = &bias_mv[0]
         check_disjoint("out", &out[0], out.shape[0], "bias", bias_ptr, OC)
-    if which == DNNL and _gemv_ok and BT <= _gemv_rows:
+    if (which == DNNL or which == DNNL_GEMM) and _gemv_ok and BT <= _gemv_rows:
         with nogil:
             _gemv_bf16(&out[0], &inp[0], &weight[0], bias_ptr, BT, C, OC, n_threads)
         return
     if which == DNNL:
+        with nogil:
+            st = llmctl_dnnl_matmul_bf16(b'N', b'T', BT, OC, C, &inp[0], C, &weight[0], C, bias_ptr,
+                                         0.0, &out[0], OC, n_threads)
+        _check_dnnl(st, "matmul_forward_bf16")
+        return
+    if which == DNNL_GEMM:
         with nogil:
             if bias_ptr != NULL:
                 _fill_bias_rows(&out[0], bias_ptr, BT, OC, n_threads)
@@ -839,6 +858,17 @@ def matmul_backward_bf16(dinp, float[::1] dweight, dbias, dout, uint16_t[::1] do
         with nogil:
             _bias_grad(dbias_ptr, &dout_bf16[0], &dout_mv[0], BT, OC, n_threads)
     if which == DNNL:
+        with nogil:
+            # dinp (BT,C) += dout (BT,OC) @ weight (OC,C); dweight (OC,C) += dout^T @ inp (BT,C)
+            if dinp_ptr != NULL:
+                st = llmctl_dnnl_matmul_bf16(b'N', b'N', BT, C, OC, &dout_bf16[0], OC, &weight[0], C,
+                                             NULL, 1.0, dinp_ptr, C, n_threads)
+            if st == 0:
+                st = llmctl_dnnl_matmul_bf16(b'T', b'N', OC, C, BT, &dout_bf16[0], OC, &inp[0], C,
+                                             NULL, 1.0, &dweight[0], C, n_threads)
+        _check_dnnl(st, "matmul_backward_bf16")
+        return
+    if which == DNNL_GEMM:
         with nogil:
             if dinp_ptr != NULL:
                 st = llmctl_dnnl_gemm_bf16(b'N', b'N', BT, C, OC, &dout_bf16[0], OC, &weight[0], C,

@@ -110,7 +110,7 @@ def _engine_line(info):
 
 def _precision_line(info):
     if "bf16" in info["precisions"]:
-        return f"precisions: fp32, bf16 (native: {', '.join(info['cpu_bf16'])}; dnnl_gemm_bf16bf16f32)"
+        return f"precisions: fp32, bf16 (native: {', '.join(info['cpu_bf16'])}; oneDNN matmul primitive)"
     why = ("no oneDNN" if info["engine"] != "dnnl" else
            "this CPU has no AVX512_BF16/AMX" if not info["cpu_bf16"] else "oneDNN's bf16 GEMM does not run here")
     return f"precisions: fp32 (bf16: no, {why})"

@@ -80,7 +80,7 @@ PEAK_RECHECKS = 3  # times a run may measure the peak again when a step's FLOP/s
 
 def mfu_roof_precision(precision):
     """The precision whose GEMM roof a run in `precision` is measured against: "bf16" only where
-    the CPU multiplies bf16 natively (oneDNN's dnnl_gemm_bf16bf16f32); emulated bf16
+    the CPU multiplies bf16 natively (oneDNN's matmul primitive); emulated bf16
     (LLMCTL_BF16_EMULATE=1 without native bf16) widens the operands and multiplies in fp32
     sgemm, so its honest roof is fp32's."""
     from llmctl._ext import matmul

@@ -2,9 +2,9 @@
 
 Usage: python signalled_gemms.py SECONDS N_THREADS [N_THREADS ...]
 
-Runs llm.c's matmul forward and backward on the dnnl engine (fp32, and bf16 where the CPU has
-it) with K > 84, where oneDNN's nocopy sgemm kernels run on a heap workspace instead of the
-stack, and checks every result against NumPy. Prints "ready" once the handler is installed, then
+Runs llm.c's matmul forward and backward on the dnnl engine (fp32, and bf16 on both oneDNN
+paths, the matmul primitive and the gemm call, where the CPU has it) with K > 84, where oneDNN's
+nocopy sgemm kernels run on a heap workspace instead of the stack, and checks every result against NumPy. Prints "ready" once the handler is installed, then
 "<gemm calls> <signals handled> <wrong results>" and exits 1 if any result was wrong. A signal
 frame pushed onto that workspace corrupts the heap: the process then aborts or computes garbage.
 """
@@ -41,6 +41,7 @@ def main():
         inp16, w16 = np.empty(BT * C, np.uint16), np.empty(OC * C, np.uint16)
         convert.cast_to_bf16(inp16, inp, 1)
         convert.cast_to_bf16(w16, w, 1)
+        dout16 = np.empty(BT * OC, np.uint16)
     sys.stdout.write("ready\n")
     sys.stdout.flush()
     calls = wrong = 0
@@ -58,11 +59,16 @@ def main():
                   and np.allclose(dinp.reshape(BT, C), want_dinp, rtol=1e-3, atol=1e-2)
                   and np.allclose(dw.reshape(OC, C), want_dw, rtol=1e-3, atol=1e-2)
                   and all((a == 7.0).all() for a in neighbours))
-            if bf16:
+            for engine in ("dnnl", "dnnl_gemm") if bf16 else ():   # matmul primitive, gemm call
                 out16 = np.empty(BT * OC, np.float32)
-                matmul.matmul_forward_bf16(out16, inp16, w16, None, BT, C, OC, n)
-                calls += 1
-                ok = ok and np.allclose(out16.reshape(BT, OC), want_out, rtol=0.05, atol=1.0)
+                matmul.matmul_forward_bf16(out16, inp16, w16, None, BT, C, OC, n, backend=engine)
+                dinp16, dw16 = np.zeros(BT * C, np.float32), np.zeros(OC * C, np.float32)
+                matmul.matmul_backward_bf16(dinp16, dw16, None, dout, dout16, inp16, w16, BT, C, OC, n,
+                                            backend=engine)
+                calls += 3
+                ok = (ok and np.allclose(out16.reshape(BT, OC), want_out, rtol=0.05, atol=1.0)
+                      and np.allclose(dinp16.reshape(BT, C), want_dinp, rtol=0.05, atol=1.0)
+                      and np.allclose(dw16.reshape(OC, C), want_dw, rtol=0.05, atol=1.0))
             wrong += not ok
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the parent may still be sending
     print(calls, handled, wrong, flush=True)

@@ -169,6 +169,74 @@ def test_matmul_backward_bf16_reads_a_precast_dout(backend):
                                     backend=backend)
 
 
+DNNL_ENGINES = [b for b in BF16_BACKENDS if b != "blas"]
+needs_native = pytest.mark.skipif(not DNNL_ENGINES, reason="no native bf16 here: the oneDNN engines "
+                                  "are refused (test_bf16_engines_follow_the_cpu); blas tested above")
+
+
+def _forward_backward(backend, BT, C, OC, n_threads, seed, with_bias=True):
+    """One forward and one accumulating backward on `backend`, each checked against float64
+    products of the bf16-rounded inputs with the float32 dot bound."""
+    rng = np.random.default_rng(seed)
+    ib, wb = to_bf16(_f32(rng, BT, C)), to_bf16(_f32(rng, OC, C))
+    b, d16 = _f32(rng, OC), to_bf16(_f32(rng, BT, OC))
+    x64, w64, d64 = (from_bf16(a).astype(np.float64) for a in (ib, wb, d16))
+    out = np.full(BT * OC, np.nan, np.float32)
+    matmul.matmul_forward_bf16(out, ib.ravel(), wb.ravel(), b if with_bias else None, BT, C, OC,
+                               n_threads=n_threads, backend=backend)
+    want = ref.matmul_forward(x64, w64, b.astype(np.float64) if with_bias else None)
+    terms = np.abs(x64) @ np.abs(w64).T + (np.abs(b) if with_bias else 0.0)
+    _assert_dot_close(out.reshape(BT, OC), want, terms, C, f"forward[{backend}]")
+    dinp0, dw0 = _f32(rng, BT, C), _f32(rng, OC, C)    # accumulate into non-zero gradients
+    dinp, dw = dinp0.ravel().copy(), dw0.ravel().copy()
+    matmul.matmul_backward_bf16(dinp, dw, None, None, d16.ravel(), ib.ravel(), wb.ravel(), BT, C, OC,
+                                n_threads=n_threads, backend=backend)
+    rdx, rdw, _ = ref.matmul_backward(d64, x64, w64)
+    _assert_dot_close(dinp.reshape(BT, C), dinp0 + rdx, np.abs(dinp0) + np.abs(d64) @ np.abs(w64), OC, "dinp")
+    _assert_dot_close(dw.reshape(OC, C), dw0 + rdw, np.abs(dw0) + np.abs(d64).T @ np.abs(x64), BT, "dweight")
+    return out, dinp, dw
+
+
+@needs_native
+@pytest.mark.parametrize("backend", DNNL_ENGINES)
+@pytest.mark.parametrize("n_threads", [1, 2])
+@pytest.mark.parametrize("shape", [(5, 7, 3), (17, 96, 50257), (64, 130, 257), (300, 33, 40)])
+def test_matmul_bf16_dnnl_engines_match_rounded_reference(backend, n_threads, shape):
+    # odd shapes, an lm-head-sized N (the GPT-2 vocabulary), 1 and 2 threads, both oneDNN paths
+    BT, C, OC = shape
+    _forward_backward(backend, BT, C, OC, n_threads, seed=BT + C + OC)
+
+
+@needs_native
+def test_matmul_bf16_primitive_cache_reuses_and_keys_each_call():
+    # "dnnl" builds one oneDNN matmul primitive per (shape, transposes, bias, accumulation,
+    # threads) and passes the operands at each call: a second call with new data reuses the
+    # primitive and must not see the first call's buffers; a new bias/thread/shape key builds one
+    BT, C, OC = 40, 72, 56
+    _forward_backward("dnnl", BT, C, OC, 2, seed=1)
+    built = matmul.dnnl_matmul_builds()
+    for seed in (2, 3):
+        _forward_backward("dnnl", BT, C, OC, 2, seed=seed)
+    assert matmul.dnnl_matmul_builds() == built          # fwd+bias, dX, dW: all reused
+    _forward_backward("dnnl", BT, C, OC, 2, seed=4, with_bias=False)
+    assert matmul.dnnl_matmul_builds() == built + 1      # only the forward without bias is new
+    _forward_backward("dnnl", BT, C, OC, 1, seed=5)
+    assert matmul.dnnl_matmul_builds() == built + 4      # one thread: three more
+
+
+@needs_native
+def test_matmul_bf16_primitive_cache_evicts_and_rebuilds():
+    # more shapes than the cache holds (64): the least recently used are rebuilt, results stay right
+    first = _forward_backward("dnnl", 5, 5, 7, 1, seed=0)   # BT > 4: no GEMV
+    for k in range(30):     # 3 primitives each
+        _forward_backward("dnnl", 6 + k, 5, 7, 1, seed=k)
+    built = matmul.dnnl_matmul_builds()
+    again = _forward_backward("dnnl", 5, 5, 7, 1, seed=0)
+    assert matmul.dnnl_matmul_builds() == built + 3
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(a, b)
+
+
 GEMV_SHAPES = [(1, 1, 1), (1, 768, 67), (1, 130, 5), (1, 33, 130), (2, 31, 9), (3, 128, 70),
                (4, 300, 66), (5, 64, 8)]   # C: tails of 32/128 lanes; OC: ragged 4-row and 64-row blocks
 
@@ -229,7 +297,7 @@ def test_bf16_engines_follow_the_cpu():
         with pytest.raises(ValueError, match="'dnnl' is not available"):
             matmul.matmul_forward_bf16(z32, z16, z16, None, 3, 3, 3, backend="dnnl")
     else:
-        assert feats and matmul.get_bf16_backends()[0] == "dnnl"
+        assert feats and matmul.get_bf16_backends() == ("dnnl", "dnnl_gemm", "blas")
     with pytest.raises(ValueError, match="unknown bf16 matmul backend"):
         matmul.matmul_forward_bf16(np.zeros(9, np.float32), np.zeros(9, np.uint16), np.zeros(9, np.uint16),
                                    None, 3, 3, 3, backend="tiled")
