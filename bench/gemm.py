@@ -1,0 +1,97 @@
+"""Benchmark: llmctl's two oneDNN bf16 GEMM paths side by side, on GPT-2 d12 layer shapes.
+
+What it measures: for each linear layer (qkv, attproj, fc, fcproj, lm head) at B*T rows, the
+GFLOP/s of matmul_forward_bf16 (out = inp @ W^T + bias), of matmul_backward_bf16 with dinp=None
+(dW += dout^T @ inp alone) and of the full matmul_backward_bf16 (dX = dout @ W as well, twice
+the FLOPs), on
+- "dnnl_gemm": oneDNN's BLAS-like dnnl_gemm_bf16bf16f32 (llmctl's bf16 engine until now), and
+- "dnnl": oneDNN's matmul primitive, cached per shape (the default bf16 engine),
+each the best of --repeat timed calls, the two engines alternating call by call so that a busy
+machine disturbs both alike. Prints the ratio new/old of GFLOP/s per product, and the sum of
+the per-step matmul time of both (each layer counted L times, the lm head once).
+
+What it is not: a correctness test (tests/test_bf16.py is), nor a whole step (bench/step.py).
+Needs a CPU with native bf16 (AVX512_BF16 or AMX) and llmctl built with oneDNN.
+
+    python bench/gemm.py                   # B*T = 256 (d12 B=4 T=64), 2 threads
+    python bench/gemm.py --rows 4096 --repeat 5
+"""
+import argparse
+import sys
+import time
+
+import numpy as np
+
+from llmctl import threads as TH
+from llmctl._ext import matmul
+
+C, L, Vp = 768, 12, 50304
+LINEARS = [("qkv", C, 3 * C, L), ("attproj", C, C, L), ("fc", C, 4 * C, L),
+           ("fcproj", 4 * C, C, L), ("lmhead", C, Vp, 1)]   # (name, C_in, OC, count per step)
+ENGINES = ("dnnl_gemm", "dnnl")
+
+
+def best_alternating(fns, repeat):
+    """Best wall time of each of fns, called in turn (one warm-up round first)."""
+    for fn in fns:
+        fn()
+    best = [float("inf")] * len(fns)
+    for _ in range(repeat):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return best
+
+
+def layer_times(BT, Cin, OC, n_threads, repeat):
+    """{product: ([seconds per engine], FLOP multiple)} for fwd, dW and dX+dW of one layer."""
+    rng = np.random.default_rng(0)
+    bits = lambda n: (rng.standard_normal(n, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    inp, w, dout16 = bits(BT * Cin), bits(OC * Cin), bits(BT * OC)
+    bias = rng.standard_normal(OC, dtype=np.float32)
+    out = np.empty(BT * OC, np.float32)
+    dinp, dw = np.zeros(BT * Cin, np.float32), np.zeros(OC * Cin, np.float32)
+
+    def fwd(e):
+        return lambda: matmul.matmul_forward_bf16(out, inp, w, bias, BT, Cin, OC, n_threads, e)
+
+    def bwd(e, with_dinp):
+        return lambda: matmul.matmul_backward_bf16(dinp if with_dinp else None, dw, None, None, dout16,
+                                                   inp, w, BT, Cin, OC, n_threads, e)
+    t_fwd = best_alternating([fwd(e) for e in ENGINES], repeat)
+    t_dw = best_alternating([bwd(e, False) for e in ENGINES], repeat)
+    t_bwd = best_alternating([bwd(e, True) for e in ENGINES], repeat)
+    return {"fwd": (t_fwd, 1), "dW": (t_dw, 1), "bwd": (t_bwd, 2)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, default=256, help="B*T (default 256: d12 B=4 T=64)")
+    ap.add_argument("--threads", type=int, default=2, help="threads (default 2)")
+    ap.add_argument("--repeat", type=int, default=10, help="timed calls per engine (default 10)")
+    args = ap.parse_args(argv)
+    if "dnnl_gemm" not in matmul.get_bf16_backends():
+        sys.exit("Error: no native bf16 oneDNN engine here (needs AVX512_BF16 or AMX and oneDNN)\n"
+                 "Hint: llmctl info shows the CPU's bf16 features and the GEMM engine")
+    TH.configure_threads(args.threads)
+    BT = args.rows
+    print(f"bf16 GEMM GFLOP/s, B*T={BT}, {args.threads} threads, best of {args.repeat} alternating; "
+          f"CPU bf16: {', '.join(matmul.cpu_bf16_features())}")
+    print(f"{'layer':8} {'BT x C x OC':>18} {'prod':4} {'gemm call':>10} {'primitive':>10} {'ratio':>6}")
+    step = [0.0, 0.0]
+    for name, Cin, OC, count in LINEARS:
+        flops = 2.0 * BT * Cin * OC
+        for prod, ((t_old, t_new), mult) in layer_times(BT, Cin, OC, args.threads, args.repeat).items():
+            g_old, g_new = mult * flops / t_old / 1e9, mult * flops / t_new / 1e9
+            if prod != "dW":    # a step runs fwd and the full backward
+                step[0] += count * t_old
+                step[1] += count * t_new
+            print(f"{name:8} {BT:>5} x {Cin:>4} x {OC:>5} {prod:4} {g_old:10.0f} {g_new:10.0f} "
+                  f"{g_new / g_old:5.2f}x")
+    print(f"matmul time of one d12 step (12 layers + lm head): gemm call {step[0] * 1e3:.1f} ms, "
+          f"primitive {step[1] * 1e3:.1f} ms ({step[0] / step[1]:.2f}x faster)")
+
+
+if __name__ == "__main__":
+    main()
