@@ -20,6 +20,7 @@ What it is not: a kernel microbenchmark (bench/kernels.py) or a convergence test
 
     python bench/step.py                              # everything above, 2 threads
     python bench/step.py --runs d6:4x64 --steps 3 --no-rss --no-torch
+    python bench/step.py --runs d12:4x64 --no-rss --no-torch --precisions bf16 --compare-bf16-engine dnnl_gemm
 """
 import argparse
 import json
@@ -289,6 +290,9 @@ def main(argv=None):
     ap.add_argument("--bf16-emulate", action="store_true", help="run llmctl bf16 even without native bf16")
     ap.add_argument("--compare-engine", default=None,
                     help="also run llmctl fp32 on this matmul engine (e.g. blas: the engine before oneDNN)")
+    ap.add_argument("--compare-bf16-engine", default=None,
+                    help="also run llmctl bf16 on this bf16 matmul engine (e.g. dnnl_gemm: oneDNN's gemm call, "
+                         "the engine before the matmul primitive)")
     ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
     ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS child processes")
     ap.add_argument("--rss-seq", type=int, default=1024, help="T for the big RSS run (default 1024)")
@@ -334,6 +338,12 @@ def main(argv=None):
             r["engine"], r["precision"] = a.compare_engine, "fp32 " + a.compare_engine
             out["runs"].append(r)
             progress(f"{desc} {B}x{T} llmctl fp32 {a.compare_engine}", r)
+        if a.compare_bf16_engine and "bf16" in precisions:
+            r = bench_llmctl(desc, B, T, n, steps, a.compare_bf16_engine, "bf16")
+            r["mfu"] = r["flops_per_step"] / r["step_s"] / 1e9 / out["roof"]["bf16"]
+            r["engine"], r["precision"] = a.compare_bf16_engine, "bf16 " + a.compare_bf16_engine
+            out["runs"].append(r)
+            progress(f"{desc} {B}x{T} llmctl bf16 {a.compare_bf16_engine}", r)
         if not a.no_torch:
             for prec in ("fp32", "bf16"):
                 tr = bench_torch(desc, B, T, n, steps, prec)
@@ -383,6 +393,9 @@ def main(argv=None):
         if a.compare_engine and "fp32" in by:
             print(f"{tag:16s} ratios: llmctl fp32 {out['engine']} / llmctl fp32 {a.compare_engine} = "
                   f"{by['fp32'] / by['fp32 ' + a.compare_engine]:.2f}x")
+        if a.compare_bf16_engine and "bf16" in by:
+            print(f"{tag:16s} ratios: llmctl bf16 default / llmctl bf16 {a.compare_bf16_engine} = "
+                  f"{by['bf16'] / by['bf16 ' + a.compare_bf16_engine]:.2f}x")
         if "fp32" in by and "torch fp32" in by:
             print(f"{tag:16s} ratios: torch fp32 / llmctl fp32 = {by['torch fp32'] / by['fp32']:.2f}x"
                   + (f", torch bf16 / llmctl fp32 = {by['torch bf16'] / by['fp32']:.2f}x" if "torch bf16" in by else ""))
