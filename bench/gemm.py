@@ -15,6 +15,7 @@ Needs a CPU with native bf16 (AVX512_BF16 or AMX) and llmctl built with oneDNN.
 
     python bench/gemm.py                   # B*T = 256 (d12 B=4 T=64), 2 threads
     python bench/gemm.py --rows 4096 --repeat 5
+    python bench/gemm.py --threads 1 --cpu-time     # per-core figures on a busy machine
 """
 import argparse
 import sys
@@ -29,6 +30,7 @@ C, L, Vp = 768, 12, 50304
 LINEARS = [("qkv", C, 3 * C, L), ("attproj", C, C, L), ("fc", C, 4 * C, L),
            ("fcproj", 4 * C, C, L), ("lmhead", C, Vp, 1)]   # (name, C_in, OC, count per step)
 ENGINES = ("dnnl_gemm", "dnnl")
+CLOCK = [time.perf_counter]  # --cpu-time swaps in time.thread_time (only meaningful with 1 thread)
 
 
 def best_alternating(fns, repeat):
@@ -36,11 +38,12 @@ def best_alternating(fns, repeat):
     for fn in fns:
         fn()
     best = [float("inf")] * len(fns)
+    clock = CLOCK[0]
     for _ in range(repeat):
         for i, fn in enumerate(fns):
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            best[i] = min(best[i], time.perf_counter() - t0)
+            best[i] = min(best[i], clock() - t0)
     return best
 
 
@@ -70,13 +73,20 @@ def main(argv=None):
     ap.add_argument("--rows", type=int, default=256, help="B*T (default 256: d12 B=4 T=64)")
     ap.add_argument("--threads", type=int, default=2, help="threads (default 2)")
     ap.add_argument("--repeat", type=int, default=10, help="timed calls per engine (default 10)")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time the calling thread's CPU time, not wall time (needs --threads 1; for a busy machine)")
     args = ap.parse_args(argv)
+    if args.cpu_time:
+        if args.threads != 1:
+            sys.exit("Error: --cpu-time measures only the calling thread\nHint: add --threads 1")
+        CLOCK[0] = time.thread_time
     if "dnnl_gemm" not in matmul.get_bf16_backends():
         sys.exit("Error: no native bf16 oneDNN engine here (needs AVX512_BF16 or AMX and oneDNN)\n"
                  "Hint: llmctl info shows the CPU's bf16 features and the GEMM engine")
     TH.configure_threads(args.threads)
     BT = args.rows
-    print(f"bf16 GEMM GFLOP/s, B*T={BT}, {args.threads} threads, best of {args.repeat} alternating; "
+    print(f"bf16 GEMM GFLOP/s, B*T={BT}, {args.threads} threads, best of {args.repeat} alternating"
+          f"{' (thread CPU time)' if args.cpu_time else ''}; "
           f"CPU bf16: {', '.join(matmul.cpu_bf16_features())}")
     print(f"{'layer':8} {'BT x C x OC':>18} {'prod':4} {'gemm call':>10} {'primitive':>10} {'ratio':>6}")
     step = [0.0, 0.0]
