@@ -19,9 +19,11 @@ bias costs no extra pass.
 
 Mixed precision (`*_bf16`): bf16 inputs (uint16 bit patterns, see bf16.h), fp32 accumulation
 and fp32 outputs. "dnnl" runs oneDNN's matmul primitive (brgemm on AMX/AVX512_BF16; one cached
-primitive per shape, the operands passed at each call, see dnnl_gemm.h) and "dnnl_gemm" the
-BLAS-like `dnnl_gemm_bf16bf16f32` call it replaced (kept for bench/gemm.py), both only on CPUs
-that multiply bf16 natively (AVX512_BF16 or AMX, checked at run time: bf16_native()); "blas" widens the bf16 operands to
+primitive per shape, the operands passed at each call, see dnnl_gemm.h) for the forward and for
+the backward products where it was measured faster, the BLAS-like `dnnl_gemm_bf16bf16f32` call
+for the others (set_bf16_primitive_rows); "dnnl_gemm" runs that call for every product (the
+engine before, kept for bench/gemm.py). Both only on CPUs that multiply bf16 natively
+(AVX512_BF16 or AMX, checked at run time: bf16_native()); "blas" widens the bf16 operands to
 fp32 (exactly; the weight in blocks of rows) and runs sgemm: the same products of the same
 rounded inputs, for CPUs without native bf16 and for tests. The backward casts fp32 dout to bf16 in the pass that sums dbias.
 
@@ -748,6 +750,26 @@ cdef enum:
 cdef Py_ssize_t _gemv_grain = 4194304
 
 
+# The "dnnl" bf16 engine runs every forward on oneDNN's matmul primitive, but the backward's
+# products only where that was faster than the gemm call. Measured per product on d12's shapes
+# (bench/gemm.py and docs/performance.md; 1 thread, CPU time, and 2 threads): the forward
+# 1.0-2.2x; dW (K = B*T) 1.1-1.8x up to 512 rows, 0.6-0.95x from 1024 rows, where the gemm
+# call's packing of the transposed dout pays off; dX 0.9-1.25x up to 512 rows, 0.83-0.98x above,
+# and 0.4-0.7x at any size for the lm head (K = 50304).
+cdef int _prim_rows = 512
+cdef enum:
+    PRIM_DX_K_MAX = 8192
+
+
+def set_bf16_primitive_rows(int rows):
+    """Run the "dnnl" engine's backward products on the matmul primitive for at most `rows`
+    rows (B*T), the gemm call above that (0: never). Returns the old value."""
+    global _prim_rows
+    old = _prim_rows
+    _prim_rows = rows
+    return old
+
+
 def set_gemv_rows(int rows):
     """Use the bf16 GEMV for at most `rows` rows (0: never; oneDNN for every shape). Returns the old value."""
     global _gemv_rows
@@ -859,13 +881,20 @@ def matmul_backward_bf16(dinp, float[::1] dweight, dbias, dout, uint16_t[::1] do
             _bias_grad(dbias_ptr, &dout_bf16[0], &dout_mv[0], BT, OC, n_threads)
     if which == DNNL:
         with nogil:
-            # dinp (BT,C) += dout (BT,OC) @ weight (OC,C); dweight (OC,C) += dout^T @ inp (BT,C)
-            if dinp_ptr != NULL:
+            # dinp (BT,C) += dout (BT,OC) @ weight (OC,C); dweight (OC,C) += dout^T @ inp (BT,C);
+            # each on the matmul primitive or the gemm call, whichever is faster (see above)
+            if dinp_ptr != NULL and BT <= _prim_rows and OC <= PRIM_DX_K_MAX:
                 st = llmctl_dnnl_matmul_bf16(b'N', b'N', BT, C, OC, &dout_bf16[0], OC, &weight[0], C,
                                              NULL, 1.0, dinp_ptr, C, n_threads)
-            if st == 0:
+            elif dinp_ptr != NULL:
+                st = llmctl_dnnl_gemm_bf16(b'N', b'N', BT, C, OC, &dout_bf16[0], OC, &weight[0], C,
+                                           1.0, dinp_ptr, C, n_threads)
+            if st == 0 and BT <= _prim_rows:
                 st = llmctl_dnnl_matmul_bf16(b'T', b'N', OC, C, BT, &dout_bf16[0], OC, &inp[0], C,
                                              NULL, 1.0, &dweight[0], C, n_threads)
+            elif st == 0:
+                st = llmctl_dnnl_gemm_bf16(b'T', b'N', OC, C, BT, &dout_bf16[0], OC, &inp[0], C,
+                                           1.0, &dweight[0], C, n_threads)
         _check_dnnl(st, "matmul_backward_bf16")
         return
     if which == DNNL_GEMM:

@@ -237,6 +237,25 @@ def test_matmul_bf16_primitive_cache_evicts_and_rebuilds():
         np.testing.assert_array_equal(a, b)
 
 
+@needs_native
+def test_matmul_bf16_backward_runs_each_product_on_the_faster_path():
+    # the backward's products run on the matmul primitive up to set_bf16_primitive_rows() rows
+    # (and dX not for an lm-head-sized K), on the gemm call otherwise: both right, counted builds
+    built = matmul.dnnl_matmul_builds()
+    _forward_backward("dnnl", 23, 40, 9000, 2, seed=6)     # K = 9000 for dX: the gemm call
+    assert matmul.dnnl_matmul_builds() == built + 2        # forward and dW only
+    old = matmul.set_bf16_primitive_rows(22)
+    try:
+        built = matmul.dnnl_matmul_builds()
+        _forward_backward("dnnl", 23, 41, 19, 2, seed=7)   # 23 rows > 22: backward on the gemm call
+        assert matmul.dnnl_matmul_builds() == built + 1    # the forward only
+    finally:
+        matmul.set_bf16_primitive_rows(old)
+    built = matmul.dnnl_matmul_builds()
+    _forward_backward("dnnl", 23, 41, 19, 2, seed=7)
+    assert matmul.dnnl_matmul_builds() == built + 2        # now dX and dW too
+
+
 GEMV_SHAPES = [(1, 1, 1), (1, 768, 67), (1, 130, 5), (1, 33, 130), (2, 31, 9), (3, 128, 70),
                (4, 300, 66), (5, 64, 8)]   # C: tails of 32/128 lanes; OC: ragged 4-row and 64-row blocks
 
