@@ -5,7 +5,9 @@ GFLOP/s of matmul_forward_bf16 (out = inp @ W^T + bias), of matmul_backward_bf16
 (dW += dout^T @ inp alone) and of the full matmul_backward_bf16 (dX = dout @ W as well, twice
 the FLOPs), on
 - "dnnl_gemm": oneDNN's BLAS-like dnnl_gemm_bf16bf16f32 (llmctl's bf16 engine until now), and
-- "dnnl": oneDNN's matmul primitive, cached per shape (the default bf16 engine),
+- "dnnl": the default bf16 engine: oneDNN's matmul primitive, cached per shape, for the forward
+  and for the backward products where it is faster (set_bf16_primitive_rows), the gemm call
+  for the others,
 each the best of --repeat timed calls, the two engines alternating call by call so that a busy
 machine disturbs both alike. Prints the ratio new/old of GFLOP/s per product, and the sum of
 the per-step matmul time of both (each layer counted L times, the lm head once).
@@ -88,8 +90,9 @@ def main(argv=None):
     print(f"bf16 GEMM GFLOP/s, B*T={BT}, {args.threads} threads, best of {args.repeat} alternating"
           f"{' (thread CPU time)' if args.cpu_time else ''}; "
           f"CPU bf16: {', '.join(matmul.cpu_bf16_features())}")
-    print(f"{'layer':8} {'BT x C x OC':>18} {'prod':4} {'gemm call':>10} {'primitive':>10} {'ratio':>6}")
+    print(f"{'layer':8} {'BT x C x OC':>18} {'prod':4} {'dnnl_gemm':>10} {'dnnl':>10} {'ratio':>6}")
     step = [0.0, 0.0]
+    step_flops = sum(count * 3 * 2.0 * BT * Cin * OC for _, Cin, OC, count in LINEARS)
     for name, Cin, OC, count in LINEARS:
         flops = 2.0 * BT * Cin * OC
         for prod, ((t_old, t_new), mult) in layer_times(BT, Cin, OC, args.threads, args.repeat).items():
@@ -99,8 +102,9 @@ def main(argv=None):
                 step[1] += count * t_new
             print(f"{name:8} {BT:>5} x {Cin:>4} x {OC:>5} {prod:4} {g_old:10.0f} {g_new:10.0f} "
                   f"{g_new / g_old:5.2f}x")
-    print(f"matmul time of one d12 step (12 layers + lm head): gemm call {step[0] * 1e3:.1f} ms, "
-          f"primitive {step[1] * 1e3:.1f} ms ({step[0] / step[1]:.2f}x faster)")
+    print(f"matmul time of one d12 step (12 layers + lm head): dnnl_gemm {step[0] * 1e3:.1f} ms, "
+          f"dnnl {step[1] * 1e3:.1f} ms ({step[0] / step[1]:.2f}x faster); "
+          f"{step_flops / 1e9:.0f} GFLOP: {step_flops / step[0] / 1e9:.0f} vs {step_flops / step[1] / 1e9:.0f} GFLOP/s")
 
 
 if __name__ == "__main__":
