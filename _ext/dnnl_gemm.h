@@ -125,9 +125,10 @@ static inline int llmctl_dnnl_gemm_bf16(char ta, char tb, int64_t M, int64_t N, 
  * implementations), C (M,N) = A (M,K) @ B (K,N) [+ bias (N)] [+ C], both operands in their
  * plain row-major layouts (ta/tb: stored transposed; lda/ldb/ldc the row strides), fp32 C.
  *
- * Why not dnnl_gemm_bf16bf16f32 everywhere: that BLAS-like call chooses its blocking and packs
- * both operands on every call; the primitive reads the operands where they are and, on
- * d12's training shapes on 2 AMX cores, runs 1.0-1.9x faster (docs/performance.md). Packing the
+ * Why: dnnl_gemm_bf16bf16f32, the BLAS-like call, chooses its blocking and packs both operands
+ * on every call; the primitive reads them where they are and, on d12's shapes on 2 AMX cores,
+ * runs the forward 1.1-2.3x faster, the backward's products up to 512 rows 1.1-1.6x, but the
+ * larger backward products slower (matmul.pyx picks per product; docs/performance.md). Packing the
  * weight once into the primitive's preferred layout (format_tag_any + a reorder) did not pay:
  * the reorder costs more than it saves, and GPT-2's weights change every step.
  *
