@@ -12,12 +12,17 @@ each the best of --repeat timed calls, the two engines alternating call by call 
 machine disturbs both alike. Prints the ratio new/old of GFLOP/s per product, and the sum of
 the per-step matmul time of both (each layer counted L times, the lm head once).
 
+With --fresh-shapes: the cost of shapes seen once (sampling without the KV cache grows B*T by
+one per token): the forward of a qkv layer at 95 distinct row counts (5..99), each engine in
+turn, twice: "dnnl" builds a primitive for each new shape (the first round also JITs kernels).
+
 What it is not: a correctness test (tests/test_bf16.py is), nor a whole step (bench/step.py).
 Needs a CPU with native bf16 (AVX512_BF16 or AMX) and llmctl built with oneDNN.
 
     python bench/gemm.py                   # B*T = 256 (d12 B=4 T=64), 2 threads
     python bench/gemm.py --rows 4096 --repeat 5
     python bench/gemm.py --threads 1 --cpu-time     # per-core figures on a busy machine
+    python bench/gemm.py --fresh-shapes
 """
 import argparse
 import sys
@@ -70,6 +75,24 @@ def layer_times(BT, Cin, OC, n_threads, repeat):
     return {"fwd": (t_fwd, 1), "dW": (t_dw, 1), "bwd": (t_bwd, 2)}
 
 
+def fresh_shapes(n_threads, rounds=2):
+    """Seconds per engine for qkv forwards at 95 row counts never seen before, per round."""
+    Cin, OC = C, 3 * C
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal(OC * Cin, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    x = (rng.standard_normal(100 * Cin, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    out = np.empty(100 * OC, np.float32)
+    res = []
+    for r in range(rounds):
+        rows = range(5, 100)
+        for e in ENGINES:
+            b0, t0 = matmul.dnnl_matmul_builds(), time.perf_counter()
+            for BT in rows:
+                matmul.matmul_forward_bf16(out[:BT * OC], x[:BT * Cin], w, None, BT, Cin, OC, n_threads, e)
+            res.append((r, e, time.perf_counter() - t0, matmul.dnnl_matmul_builds() - b0))
+    return res
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=256, help="B*T (default 256: d12 B=4 T=64)")
@@ -77,6 +100,8 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=10, help="timed calls per engine (default 10)")
     ap.add_argument("--cpu-time", action="store_true",
                     help="time the calling thread's CPU time, not wall time (needs --threads 1; for a busy machine)")
+    ap.add_argument("--fresh-shapes", action="store_true",
+                    help="also time forwards at 95 shapes seen once (the primitive's build cost)")
     args = ap.parse_args(argv)
     if args.cpu_time:
         if args.threads != 1:
@@ -105,6 +130,10 @@ def main(argv=None):
     print(f"matmul time of one d12 step (12 layers + lm head): dnnl_gemm {step[0] * 1e3:.1f} ms, "
           f"dnnl {step[1] * 1e3:.1f} ms ({step[0] / step[1]:.2f}x faster); "
           f"{step_flops / 1e9:.0f} GFLOP: {step_flops / step[0] / 1e9:.0f} vs {step_flops / step[1] / 1e9:.0f} GFLOP/s")
+    if args.fresh_shapes:
+        for r, e, t, built in fresh_shapes(args.threads):
+            print(f"round {r + 1}: {e:9} 95 qkv forwards at new row counts 5..99: {t * 1e3:7.1f} ms "
+                  f"({built} primitives built)")
 
 
 if __name__ == "__main__":
