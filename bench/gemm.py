@@ -23,6 +23,7 @@ Needs a CPU with native bf16 (AVX512_BF16 or AMX) and llmctl built with oneDNN.
     python bench/gemm.py --rows 4096 --repeat 5
     python bench/gemm.py --threads 1 --cpu-time     # per-core figures on a busy machine
     python bench/gemm.py --fresh-shapes
+    python bench/gemm.py --rows 4096 --primitive-rows 100000   # the backward on the primitive too
 """
 import argparse
 import sys
@@ -100,6 +101,9 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=10, help="timed calls per engine (default 10)")
     ap.add_argument("--cpu-time", action="store_true",
                     help="time the calling thread's CPU time, not wall time (needs --threads 1; for a busy machine)")
+    ap.add_argument("--primitive-rows", type=int, default=None,
+                    help="run dnnl's backward products on the primitive up to this many rows "
+                         "(default: llmctl's choice, 512; e.g. 100000 to compare the primitive everywhere)")
     ap.add_argument("--fresh-shapes", action="store_true",
                     help="also time forwards at 95 shapes seen once (the primitive's build cost)")
     args = ap.parse_args(argv)
@@ -111,6 +115,8 @@ def main(argv=None):
         sys.exit("Error: no native bf16 oneDNN engine here (needs AVX512_BF16 or AMX and oneDNN)\n"
                  "Hint: llmctl info shows the CPU's bf16 features and the GEMM engine")
     TH.configure_threads(args.threads)
+    if args.primitive_rows is not None:
+        matmul.set_bf16_primitive_rows(args.primitive_rows)
     BT = args.rows
     print(f"bf16 GEMM GFLOP/s, B*T={BT}, {args.threads} threads, best of {args.repeat} alternating"
           f"{' (thread CPU time)' if args.cpu_time else ''}; "
