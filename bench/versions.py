@@ -1,14 +1,15 @@
 """One training step of this tree against another version of llmctl, side by side in one run.
 
-What it does: times zero_grad + forward + backward + grad_norm + AdamW (bench/step.py's step, fp32)
-in two source trees, this one and `--other DIR` (a checkout of an earlier commit with its
+What it does: times zero_grad + forward + backward + grad_norm + AdamW (bench/step.py's step, fp32
+or, with --precision bf16, bf16 in both trees, which must both have it) in two source trees, this one and `--other DIR` (a checkout of an earlier commit with its
 extensions built in place: `git worktree add DIR COMMIT && cd DIR && python setup.py build_ext
 --inplace`), each in its own child process, alternating between the two `--rounds` times so
 that both see the same machine load. Prints the best and median step of each and the ratio.
-What it is not: a breakdown (bench/step.py) or a bf16 benchmark (this tree only has bf16).
+What it is not: a breakdown (bench/step.py).
 
     python bench/versions.py --other ../llmctl-before              # d12 B=4 T=64, 3 rounds x 3 steps
     python bench/versions.py --other ../llmctl-before --model d6 --rounds 4 --json
+    python bench/versions.py --other ../llmctl-before --precision bf16 --rounds 6
 """
 import argparse
 import json
@@ -25,7 +26,8 @@ import numpy as np
 import llmctl
 from llmctl.model import GPT2
 desc, B, T, steps, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-m = GPT2.from_descriptor(desc, n_threads=threads)
+precision = sys.argv[6]
+m = GPT2.from_descriptor(desc, n_threads=threads, **({"precision": precision} if precision != "fp32" else {}))
 x = np.random.default_rng(0).integers(0, m.config.vocab_size, (B, T + 1))
 # the trainer's AdamW call: versions that can clear the gradients in AdamW's pass are asked to
 kw = {"zero_grads": True} if "zero_grads" in inspect.signature(m.update).parameters else {}
@@ -45,7 +47,7 @@ print(json.dumps({"times": times[1:], "file": llmctl.__file__}))
 def run(tree, args):
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
     out = subprocess.run([sys.executable, "-c", CHILD, args.model, str(args.batch_size), str(args.seq_len),
-                          str(args.steps), str(args.threads)],
+                          str(args.steps), str(args.threads), args.precision],
                          env=env, cwd=os.path.abspath(tree), capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(f"the step in {tree} failed (exit {out.returncode}):\n{out.stderr[-2000:]}")
@@ -73,6 +75,8 @@ def main():
     ap.add_argument("--steps", type=int, default=3, help="timed steps per child (after one warm-up)")
     ap.add_argument("--rounds", type=int, default=3, help="alternations of the two trees")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
+                    help="the step's precision in both trees (default fp32)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -90,6 +94,7 @@ def main():
     if os.path.realpath(files["this"]) == os.path.realpath(files["other"]):
         raise SystemExit(f"both trees imported the same llmctl ({files['this']}): is --other a source tree?")
     out = {"model": args.model, "B": args.batch_size, "T": args.seq_len, "threads": args.threads,
+           "precision": args.precision,
            "load_avg": [load0, os.getloadavg()[0]], "llmctl": files,
            **{k: {"best_ms": 1e3 * min(v), "median_ms": 1e3 * statistics.median(v), "steps": len(v)}
               for k, v in times.items()}}
@@ -98,7 +103,7 @@ def main():
     if args.json:
         print(json.dumps(out))
         return
-    print(f"{args.model} B={args.batch_size} T={args.seq_len} fp32, {args.threads} threads, "
+    print(f"{args.model} B={args.batch_size} T={args.seq_len} {args.precision}, {args.threads} threads, "
           f"{args.rounds} alternating rounds x {args.steps} steps; load avg {load0:.2f} -> {os.getloadavg()[0]:.2f}")
     for k in trees:
         print(f"  {k:>5}: best {out[k]['best_ms']:8.1f} ms  median {out[k]['median_ms']:8.1f} ms   ({files[k]})")
