@@ -16,6 +16,10 @@ With --fresh-shapes: the cost of shapes seen once (sampling without the KV cache
 one per token): the forward of a qkv layer at 95 distinct row counts (5..99), each engine in
 turn, twice: "dnnl" builds a primitive for each new shape (the first round also JITs kernels).
 
+With --spread: 1000 back-to-back attproj forwards (256 x 768 x 768) per engine, and the spread
+of their GFLOP/s (max, median, 10th percentile, share below 200, best of the first 8): how much a
+best-of-few figure of a ~0.2 ms GEMM says on a shared machine.
+
 What it is not: a correctness test (tests/test_bf16.py is), nor a whole step (bench/step.py).
 Needs a CPU with native bf16 (AVX512_BF16 or AMX) and llmctl built with oneDNN.
 
@@ -94,6 +98,24 @@ def fresh_shapes(n_threads, rounds=2):
     return res
 
 
+def spread(n_threads, calls=1000):
+    """{engine: per-call GFLOP/s} of `calls` back-to-back attproj forwards at 256 rows."""
+    BT, Cin, OC = 256, C, C
+    rng = np.random.default_rng(0)
+    bits = lambda n: (rng.standard_normal(n, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    x, w, out = bits(BT * Cin), bits(OC * Cin), np.empty(BT * OC, np.float32)
+    res = {}
+    for e in ENGINES:
+        matmul.matmul_forward_bf16(out, x, w, None, BT, Cin, OC, n_threads, e)
+        g = np.empty(calls)
+        for i in range(calls):
+            t0 = time.perf_counter()
+            matmul.matmul_forward_bf16(out, x, w, None, BT, Cin, OC, n_threads, e)
+            g[i] = 2.0 * BT * Cin * OC / (time.perf_counter() - t0) / 1e9
+        res[e] = g
+    return res
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=256, help="B*T (default 256: d12 B=4 T=64)")
@@ -104,6 +126,8 @@ def main(argv=None):
     ap.add_argument("--primitive-rows", type=int, default=None,
                     help="run dnnl's backward products on the primitive up to this many rows "
                          "(default: llmctl's choice, 512; e.g. 100000 to compare the primitive everywhere)")
+    ap.add_argument("--spread", action="store_true",
+                    help="also show the spread of 1000 back-to-back attproj forwards per engine")
     ap.add_argument("--fresh-shapes", action="store_true",
                     help="also time forwards at 95 shapes seen once (the primitive's build cost)")
     args = ap.parse_args(argv)
@@ -136,6 +160,11 @@ def main(argv=None):
     print(f"matmul time of one d12 step (12 layers + lm head): dnnl_gemm {step[0] * 1e3:.1f} ms, "
           f"dnnl {step[1] * 1e3:.1f} ms ({step[0] / step[1]:.2f}x faster); "
           f"{step_flops / 1e9:.0f} GFLOP: {step_flops / step[0] / 1e9:.0f} vs {step_flops / step[1] / 1e9:.0f} GFLOP/s")
+    if args.spread:
+        for e, g in spread(args.threads).items():
+            print(f"spread {e:9} attproj fwd x{g.size}: max {g.max():.0f}, median {np.median(g):.0f}, "
+                  f"p10 {np.percentile(g, 10):.0f} GFLOP/s; below 200: {100 * (g < 200).mean():.0f}%; "
+                  f"best of the first 8: {g[:8].max():.0f}")
     if args.fresh_shapes:
         for r, e, t, built in fresh_shapes(args.threads):
             print(f"round {r + 1}: {e:9} 95 qkv forwards at new row counts 5..99: {t * 1e3:7.1f} ms "
