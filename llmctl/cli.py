@@ -280,15 +280,14 @@ MIN_SHARD_SIZE = 1024
 def _prepro_workers(workers):
     """-w: 0 = the default thread count; negative is an error; more than 4x cores is capped."""
     from llmctl.errors import ConfigError
-    from llmctl.info import default_threads
-    from llmctl.info import usable_cores
-    from llmctl.threads import OVERSUBSCRIBE_LIMIT
+    from llmctl.info import default_threads, usable_cores
+    from llmctl.threads import OVERSUBSCRIBE_LIMIT, oversubscribe_cap
 
     if workers < 0:
         raise ConfigError(f"--workers {workers}: must be >= 0", hint="0 = OMP_NUM_THREADS or all cores")
     if workers == 0:
         return default_threads()
-    cap = OVERSUBSCRIBE_LIMIT * usable_cores()
+    cap = oversubscribe_cap()
     if workers > cap:
         err_console.print(f"[yellow]Warning:[/] --workers {workers} is more than {OVERSUBSCRIBE_LIMIT}x the "
                           f"{usable_cores()} usable cores; using {cap}")
@@ -576,16 +575,6 @@ def _rate_progress(unit):
                     disable=not err_console.is_terminal)
 
 
-def _check_threads(threads, nproc=1):
-    """Per-process threads as the command will use them; ConfigError if nproc x threads is absurd."""
-    from llmctl.info import usable_cores
-    from llmctl.threads import check_oversubscription, resolve_threads
-
-    per = resolve_threads(threads) if threads else (resolve_threads(None) if nproc == 1
-                                                     else max(1, usable_cores() // nproc))
-    check_oversubscription(nproc, per, "--nproc x --threads" if nproc > 1 else "--threads")
-
-
 _THREADS_OPT = typer.Option(0, "--threads", help="Kernel/BLAS threads (0 = OMP_NUM_THREADS or all cores; -1 = all cores). On a busy machine 1 is often fastest.")
 _PRECISION_OPT = typer.Option(DEFAULT_PRECISION, "--precision", help="Matmul precision: fp32, or bf16 (bf16 inputs, fp32 accumulate; needs AVX512_BF16 or AMX, see `llmctl info`).")
 
@@ -618,7 +607,9 @@ def eval_hellaswag_cmd(
     if per_example and nproc > 1:  # before any data is fetched
         raise ConfigError("--per-example needs --nproc 1",
                           hint="drop --nproc (each process keeps only its own examples' results)")
-    _check_threads(threads, nproc)
+    from llmctl.threads import check_threads
+
+    check_threads(threads, nproc)
     from llmctl.model.gpt2 import check_precision
 
     check_precision(precision)  # before any data is fetched or a model read
@@ -670,7 +661,9 @@ def eval_loss_cmd(
     from llmctl.errors import DataError
     from llmctl.evaluate import eval_loss
 
-    _check_threads(threads)
+    from llmctl.threads import check_threads
+
+    check_threads(threads)
     model = _load_model(checkpoint, threads, precision, json_out)
     with _rate_progress("batch") as progress:
         task = progress.add_task("loss", total=None)
@@ -770,7 +763,9 @@ def sample_cmd(
     from llmctl.tokenizer import get_tokenizer
 
     check_sampling(temperature, top_k, top_p, seed)
-    _check_threads(threads)
+    from llmctl.threads import check_threads
+
+    check_threads(threads)
     if prompt is not None and prompt_file is not None:
         raise ConfigError("give --prompt or --prompt-file, not both", hint="drop one of the two")
     if prompt_file is not None:

@@ -43,17 +43,30 @@ def resolve_threads(n=None):
 OVERSUBSCRIBE_LIMIT = 4  # processes x threads beyond this many per usable core is a typo, not a plan
 
 
+def oversubscribe_cap():
+    """The most threads (over all processes) llmctl runs: OVERSUBSCRIBE_LIMIT x the usable cores."""
+    return OVERSUBSCRIBE_LIMIT * usable_cores()
+
+
 def check_oversubscription(nproc, threads, what="--nproc x --threads"):
-    """ConfigError if `nproc` processes of `threads` threads each exceed OVERSUBSCRIBE_LIMIT x
-    the usable cores (e.g. --threads 100000 on 2 cores): such runs crawl or exhaust memory."""
+    """ConfigError if `nproc` processes of `threads` threads each exceed oversubscribe_cap()
+    (e.g. --threads 100000 on 2 cores): such runs crawl or exhaust memory."""
     cores = usable_cores()
     total = int(nproc) * int(threads)
-    if total > OVERSUBSCRIBE_LIMIT * cores:
+    if total > oversubscribe_cap():
         said = f"{what} {threads}" if int(nproc) == 1 else f"{what} = {nproc} x {threads} = {total} threads"
         raise ConfigError(f"{said}: too many for {cores} usable cores "
                           f"(at most {OVERSUBSCRIBE_LIMIT * cores} in total)",
                           hint=f"use at most {cores} in total; 0 picks a good default")
     return total
+
+
+def check_threads(threads, nproc=1):
+    """A command's --threads (0 = the default) for nproc processes on this host, checked:
+    ConfigError if nproc x threads is over oversubscribe_cap()."""
+    per = resolve_threads(threads) if threads else (resolve_threads(None) if nproc == 1
+                                                     else max(1, usable_cores() // nproc))
+    check_oversubscription(nproc, per, "--nproc x --threads" if nproc > 1 else "--threads")
 
 
 def _blas_controllers():

@@ -226,15 +226,11 @@ class TrainConfig:
         return total, total // tokens_per_fwdbwd
 
     def _validate_together(self):
-        from llmctl.info import usable_cores
         from llmctl.schedulers import SCHEDULERS
+        from llmctl.threads import check_oversubscription
 
         if self.threads is not None and self.threads > 0:
-            cores = usable_cores()
-            if self.threads > 4 * cores:
-                raise ConfigError(f"--threads {self.threads} is more than 4x the {cores} usable "
-                                  "core(s) of this machine; each step would mostly wait on "
-                                  "threads", hint=f"use --threads {cores} (or leave it unset)")
+            check_oversubscription(1, self.threads, "--threads")
         if self.sampler not in ("llmc", "windows"):
             raise ConfigError(f"unknown --sampler {self.sampler!r}",
                               hint="pass --sampler llmc or --sampler windows")
