@@ -274,9 +274,6 @@ def _prepro_report(summary, json_out):
         err_console.print(f"[yellow]Warning:[/] {summary['warning']}")
 
 
-MIN_SHARD_SIZE = 1024
-
-
 def _prepro_workers(workers):
     """-w: 0 = the default thread count; negative is an error; more than 4x cores is capped."""
     from llmctl.errors import ConfigError
@@ -296,15 +293,14 @@ def _prepro_workers(workers):
 
 
 def _check_shard_size(shard_size):
-    from llmctl.errors import ConfigError
+    from llmctl.prepro.writer import CLI_MIN_SHARD_SIZE, check_shard_size
 
-    if shard_size < MIN_SHARD_SIZE:
-        raise ConfigError(f"--shard-size {shard_size}: must be at least {MIN_SHARD_SIZE} tokens "
-                          f"(each shard is one file)", hint="llm.c uses 10**8; try e.g. --shard-size 1000000")
+    check_shard_size(shard_size, minimum=CLI_MIN_SHARD_SIZE)
 
 
 _JSON_OPT = typer.Option(False, "--json", help="Print a JSON summary on stdout.")
 _WORKERS_OPT = typer.Option(0, "--workers", "-w", help="Tokenizer threads/processes (0 = OMP_NUM_THREADS or all cores).")
+_SHARD_SIZE_OPT = typer.Option(10**8, "--shard-size", "-s", help="Tokens per shard (llm.c fineweb.py: -s).")
 _BACKEND_OPT = typer.Option("threads", "--backend", help="Parallel tokenization: threads (tiktoken, GIL-free) or processes.")
 
 
@@ -349,7 +345,7 @@ def prepro_text_cmd(
     out_dir: Optional[str] = typer.Option(None, "--out-dir", help="Output directory (default: data/NAME)."),
     name: Optional[str] = typer.Option(None, "--name", help="Shard name prefix (default: the first file's stem)."),
     val_tokens: Optional[int] = typer.Option(None, "--val-tokens", help="Tokens in the val shard 0 (default: a full shard, like fineweb.py)."),
-    shard_size: int = typer.Option(10**8, "--shard-size", "-s", help="Tokens per shard (llm.c fineweb.py: -s)."),
+    shard_size: int = _SHARD_SIZE_OPT,
     workers: int = _WORKERS_OPT,
     backend: str = _BACKEND_OPT,
     json_out: bool = _JSON_OPT,
@@ -397,7 +393,6 @@ def _prepro_fineweb(edu, version, out_dir, source, shard_size, max_shards, worke
 
 _FW_VERSION = typer.Option("10B", "--version", "-v", help="Sample size: 10B or 100B (llm.c fineweb.py: -v).")
 _FW_SOURCE = typer.Option(None, "--source", help="Local jsonl/parquet/text file(s) instead of datasets streaming (repeatable).")
-_FW_SHARD = typer.Option(10**8, "--shard-size", "-s", help="Tokens per shard (llm.c fineweb.py: -s).")
 _FW_MAX = typer.Option(None, "--max-shards", help="Stop after this many full shards (default: all data).")
 
 
@@ -406,7 +401,7 @@ _FW_MAX = typer.Option(None, "--max-shards", help="Stop after this many full sha
 def prepro_fineweb_cmd(
     version: str = _FW_VERSION,
     out_dir: Optional[str] = typer.Option(None, "--out-dir", help="Output directory (default: data/fineweb10B)."),
-    source: Optional[List[str]] = _FW_SOURCE, shard_size: int = _FW_SHARD, max_shards: Optional[int] = _FW_MAX,
+    source: Optional[List[str]] = _FW_SOURCE, shard_size: int = _SHARD_SIZE_OPT, max_shards: Optional[int] = _FW_MAX,
     workers: int = _WORKERS_OPT, backend: str = _BACKEND_OPT, json_out: bool = _JSON_OPT,
 ):
     """FineWeb -> fineweb_{val,train}_%06d.bin (llm.c's dev/data/fineweb.py -t classic)."""
@@ -418,7 +413,7 @@ def prepro_fineweb_cmd(
 def prepro_fineweb_edu_cmd(
     version: str = _FW_VERSION,
     out_dir: Optional[str] = typer.Option(None, "--out-dir", help="Output directory (default: data/edu_fineweb10B)."),
-    source: Optional[List[str]] = _FW_SOURCE, shard_size: int = _FW_SHARD, max_shards: Optional[int] = _FW_MAX,
+    source: Optional[List[str]] = _FW_SOURCE, shard_size: int = _SHARD_SIZE_OPT, max_shards: Optional[int] = _FW_MAX,
     workers: int = _WORKERS_OPT, backend: str = _BACKEND_OPT, json_out: bool = _JSON_OPT,
 ):
     """FineWeb-Edu -> edu_fineweb_{val,train}_%06d.bin (llm.c's dev/data/fineweb.py -t edu)."""

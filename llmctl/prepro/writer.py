@@ -38,6 +38,21 @@ from llmctl.tokenizer import get_tokenizer
 CHUNK_DOCS = 256
 CHUNK_CHARS = 1 << 18
 
+# A shard's token count: llm.c's header stores it as int32. The command line also refuses shards
+# under CLI_MIN_SHARD_SIZE tokens (each shard is one file); the library takes any size >= 1.
+MAX_SHARD_SIZE = 2**31 - 1
+CLI_MIN_SHARD_SIZE = 1024
+
+
+def check_shard_size(shard_size, minimum=1):
+    """ConfigError unless minimum <= shard_size <= MAX_SHARD_SIZE (the one shard-size range)."""
+    if shard_size < minimum and minimum > 1:
+        raise ConfigError(f"--shard-size {shard_size}: must be at least {minimum} tokens "
+                          f"(each shard is one file)", hint="llm.c uses 10**8; try e.g. --shard-size 1000000")
+    if not 1 <= shard_size <= MAX_SHARD_SIZE:
+        raise ConfigError(f"--shard-size {shard_size}: must be in 1..2^31-1",
+                          hint="pass a count in 1..2147483647 (llm.c's header stores it as int32; llm.c uses 10**8)")
+
 
 def check_out_dir(path):
     """DataError unless `path` is a directory or can be created (nothing is created here).
@@ -160,10 +175,8 @@ class ShardWriter:
     """
 
     def __init__(self, out_dir, name_fn, shard_size, val_tokens=None, max_shards=None, kind="gpt2"):
-        if shard_size <= 0 or shard_size >= 2**31:
-            raise ConfigError(f"--shard-size {shard_size}: must be in 1..2^31-1",
-                              hint="pass a count in 1..2147483647 (llm.c's header stores it as int32; llm.c uses 10**8)")
-        if val_tokens is not None and not 0 < val_tokens < 2**31:
+        check_shard_size(shard_size)
+        if val_tokens is not None and not 0 < val_tokens <= MAX_SHARD_SIZE:
             raise ConfigError(f"--val-tokens {val_tokens}: must be in 1..2^31-1",
                               hint="pass a count in 1..2147483647 (llm.c's header stores it as int32)")
         self.out_dir = os.fspath(out_dir)
