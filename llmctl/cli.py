@@ -544,8 +544,8 @@ def inspect_bin_cmd(
 def _load_model(spec, threads, precision, json_out=False):
     """A GPT2 from -e (a checkpoint, descriptor, pretrained name or HF directory; None = llm.c's
     default, llmctl.model.default_init); threads resolved as llmctl.threads does."""
+    from llmctl.info import check_precision
     from llmctl.model import default_init, load
-    from llmctl.model.gpt2 import check_precision
 
     check_precision(precision)  # before a large model is read
     if spec is None:
@@ -605,7 +605,7 @@ def eval_hellaswag_cmd(
     from llmctl.threads import check_threads
 
     check_threads(threads, nproc)
-    from llmctl.model.gpt2 import check_precision
+    from llmctl.info import check_precision
 
     check_precision(precision)  # before any data is fetched or a model read
     log = _prepro_log(json_out)

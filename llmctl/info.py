@@ -4,11 +4,42 @@ import os
 
 from llmctl import __version__
 
-# The matmul precisions (llmctl.model.gpt2 `check_precision`). fp32 is the default: it is llm.c's
-# CPU trainer's arithmetic, runs on every CPU, and bf16 pays only where the CPU multiplies bf16
-# natively (docs/performance.md).
+# The matmul precisions (`check_precision`). fp32 is the default: it is llm.c's CPU trainer's
+# arithmetic, runs on every CPU, and bf16 pays only where the CPU multiplies bf16 natively
+# (docs/performance.md).
 PRECISIONS = ("fp32", "bf16")
 DEFAULT_PRECISION = "fp32"
+BF16_EMULATE_ENV = "LLMCTL_BF16_EMULATE"
+
+
+def bf16_unavailable():
+    """Why this build on this CPU cannot multiply bf16 natively (oneDNN's bf16 GEMM), or None."""
+    from llmctl._ext import matmul
+
+    if matmul.bf16_native():
+        return None
+    return ("llmctl was built without oneDNN" if not matmul.dnnl_built() else
+            "LLMCTL_NO_DNNL is set" if "dnnl" not in matmul.get_backends() else
+            "this CPU has no native bf16 (AVX512_BF16 or AMX)" if not matmul.cpu_bf16_features() else
+            "oneDNN's bf16 GEMM does not run on this CPU")
+
+
+def check_precision(precision):
+    """precision if this machine can run it, else ConfigError: the one precision check. bf16
+    needs a CPU that multiplies bf16 natively (AVX512_BF16 or AMX, through oneDNN);
+    LLMCTL_BF16_EMULATE=1 runs the same bf16 numerics on fp32 GEMMs instead (slower than fp32:
+    for tests and checks on any CPU)."""
+    from llmctl.errors import ConfigError
+
+    if precision not in PRECISIONS:
+        raise ConfigError(f"unknown precision {precision!r}", hint=f"choose one of {', '.join(PRECISIONS)}")
+    if precision == "bf16" and os.environ.get(BF16_EMULATE_ENV, "") in ("", "0"):
+        why = bf16_unavailable()
+        if why:
+            raise ConfigError(f"--precision bf16 is not available: {why}",
+                              hint=f"use --precision fp32 (`llmctl info` lists the precisions); "
+                                   f"{BF16_EMULATE_ENV}=1 emulates bf16 on fp32 GEMMs (slower)")
+    return precision
 
 
 def usable_cores():
@@ -32,7 +63,8 @@ def gemm_info():
 
     engine: the default fp32 GEMM engine ("dnnl" or "blas"); engines: every fp32 engine accepted;
     onednn: oneDNN's version string or None; cpu_bf16: the native bf16 instruction sets found;
-    precisions: ["fp32"] plus "bf16" where the CPU multiplies bf16 natively through oneDNN."""
+    precisions: ["fp32"] plus "bf16" where the CPU multiplies bf16 natively through oneDNN;
+    bf16_unavailable: why not, or None."""
     from llmctl._ext import matmul
 
     v = matmul.dnnl_version()
@@ -43,6 +75,7 @@ def gemm_info():
         "onednn_disabled": bool(v) and "dnnl" not in matmul.get_backends(),
         "cpu_bf16": list(matmul.cpu_bf16_features()),
         "precisions": ["fp32", "bf16"] if matmul.bf16_native() else ["fp32"],
+        "bf16_unavailable": bf16_unavailable(),
     }
 
 
@@ -111,9 +144,7 @@ def _engine_line(info):
 def _precision_line(info):
     if "bf16" in info["precisions"]:
         return f"precisions: fp32, bf16 (native: {', '.join(info['cpu_bf16'])}; oneDNN matmul primitive)"
-    why = ("no oneDNN" if info["engine"] != "dnnl" else
-           "this CPU has no AVX512_BF16/AMX" if not info["cpu_bf16"] else "oneDNN's bf16 GEMM does not run here")
-    return f"precisions: fp32 (bf16: no, {why})"
+    return f"precisions: fp32 (bf16: no, {info['bf16_unavailable']})"
 
 
 def _roof_line(info):

@@ -264,7 +264,7 @@ class TrainConfig:
         if self.resume == 1 and not self.output_dir:
             raise ConfigError("-y 1 resumes from the checkpoints in -o, but no -o was given",
                               hint="pass -o DIR, the output directory of the run to resume")
-        from llmctl.model.gpt2 import check_precision
+        from llmctl.info import check_precision
 
         check_precision(self.precision)   # unknown, or bf16 on a CPU without it: one clear line
         if self.gen_tokens < 1 and self.sample_every > 0:

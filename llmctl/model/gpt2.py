@@ -36,41 +36,18 @@ bf16 by the kernels that produce them (layernorm, GELU, the loss backward) or ca
 attention output, each backward's dout in the pass that sums dbias). Checkpoints stay fp32.
 """
 import math
-import os
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 import numpy as np
 
 from llmctl.errors import ConfigError
-from llmctl.info import DEFAULT_PRECISION, PRECISIONS
+from llmctl.info import DEFAULT_PRECISION, check_precision
 from llmctl.model.config import PARAM_NAMES, GPT2Config, num_parameters, param_offsets
 from llmctl.model.ops import Kernels, ops_for
 
 DECAY_PARAMS = {"wte", "wpe", "qkvw", "attprojw", "fcw", "fcprojw"}
 INIT_SEED = 42
-BF16_EMULATE_ENV = "LLMCTL_BF16_EMULATE"
-
-
-def check_precision(precision):
-    """precision if this machine can run it, else ConfigError. bf16 needs a CPU that multiplies
-    bf16 natively (AVX512_BF16 or AMX, through oneDNN); LLMCTL_BF16_EMULATE=1 runs the same bf16
-    numerics on fp32 GEMMs instead (slower than fp32: for tests and checks on any CPU)."""
-    if precision not in PRECISIONS:
-        raise ConfigError(f"unknown precision {precision!r}", hint=f"choose one of {', '.join(PRECISIONS)}")
-    if precision == "bf16":
-        from llmctl._ext import matmul
-
-        if not matmul.bf16_native() and os.environ.get(BF16_EMULATE_ENV, "") in ("", "0"):
-            feats = matmul.cpu_bf16_features()
-            why = ("llmctl was built without oneDNN" if not matmul.dnnl_built() else
-                   "LLMCTL_NO_DNNL is set" if "dnnl" not in matmul.get_backends() else
-                   "this CPU has no native bf16 (AVX512_BF16 or AMX)" if not feats else
-                   "oneDNN's bf16 GEMM does not run on this CPU")
-            raise ConfigError(f"--precision bf16 is not available: {why}",
-                              hint=f"use --precision fp32 (`llmctl info` lists the precisions); "
-                                   f"{BF16_EMULATE_ENV}=1 emulates bf16 on fp32 GEMMs (slower)")
-    return precision
 
 
 def init_llmc_(p, cfg, seed=INIT_SEED, libm=None, n_threads=1):
