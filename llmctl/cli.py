@@ -17,8 +17,8 @@ from rich.markup import escape
 from llmctl.constants import GPT2_VOCAB_SIZE
 from llmctl.errors import LlmctlError
 from llmctl.info import DEFAULT_PRECISION
-from llmctl.paths import (DATA_DIR, GPT2_124M_CHECKPOINT, HELLASWAG_VAL, PLOT_OUTPUT, PRETRAINED_DEFAULT,
-                          TINYSHAKESPEARE_URL, TINYSHAKESPEARE_VAL)
+from llmctl.options import MODEL_HELP, PRECISION_HELP, THREADS_HELP
+from llmctl.paths import DATA_DIR, HELLASWAG_VAL, PLOT_OUTPUT, TINYSHAKESPEARE_URL, TINYSHAKESPEARE_VAL
 
 err_console = Console(stderr=True, highlight=False)
 out_console = Console(highlight=False)
@@ -172,6 +172,12 @@ prepro_app = typer.Typer(help="Text -> GPT-2 tokens -> llm.c .bin files.")
 eval_app = typer.Typer(help="Evaluate a checkpoint (HellaSwag, loss).")
 app.add_typer(prepro_app, name="prepro")
 app.add_typer(eval_app, name="eval")
+
+
+# The options several commands share, defined once (their help: llmctl/options.py).
+_MODEL_OPT = typer.Option(None, "--checkpoint", "-e", show_default=False, help=MODEL_HELP)
+_THREADS_OPT = typer.Option(0, "--threads", help=THREADS_HELP)
+_PRECISION_OPT = typer.Option(DEFAULT_PRECISION, "--precision", help=PRECISION_HELP)
 
 
 def _version_callback(value: bool):
@@ -541,18 +547,26 @@ def inspect_bin_cmd(
 # --- eval / sample (llmctl/evaluate.py, llmctl/sample.py) ------------------------------------
 
 
-def _load_model(spec, threads, precision, json_out=False):
-    """A GPT2 from -e (a checkpoint, descriptor, pretrained name or HF directory; None = llm.c's
-    default, llmctl.model.default_init); threads resolved as llmctl.threads does."""
+def _resolve_model(spec, precision, json_out=False):
+    """What -e names (a checkpoint, descriptor, pretrained name or HF directory; None = llm.c's
+    default, llmctl.model.resolve_init), after checking --precision: before a large model is
+    read or any data fetched. Says which model a missing -e meant."""
     from llmctl.info import check_precision
-    from llmctl.model import default_init, load
+    from llmctl.model import resolve_init
 
-    check_precision(precision)  # before a large model is read
-    if spec is None:
-        log = _prepro_log(json_out)
-        spec, how = default_init(log=log, progress=not json_out)
-        if log:
-            log(f"model: {spec} (no -e: {how})")
+    check_precision(precision)
+    log = _prepro_log(json_out)
+    spec, note = resolve_init(spec, log=log, progress=not json_out)
+    if note and log:
+        log(f"model: {note}")
+    return spec
+
+
+def _load_model(spec, threads, precision, json_out=False):
+    """A GPT2 from -e (see _resolve_model); threads resolved as llmctl.threads does."""
+    from llmctl.model import load
+
+    spec = _resolve_model(spec, precision, json_out)
     return load(spec, n_threads=threads or None, precision=precision)
 
 
@@ -570,14 +584,12 @@ def _rate_progress(unit):
                     disable=not err_console.is_terminal)
 
 
-_THREADS_OPT = typer.Option(0, "--threads", help="Kernel/BLAS threads (0 = OMP_NUM_THREADS or all cores; -1 = all cores). On a busy machine 1 is often fastest.")
-_PRECISION_OPT = typer.Option(DEFAULT_PRECISION, "--precision", help="Matmul precision: fp32, or bf16 (bf16 inputs, fp32 accumulate; needs AVX512_BF16 or AMX, see `llmctl info`).")
 
 
 @eval_app.command("hellaswag")
 @_interruptible("no result")
 def eval_hellaswag_cmd(
-    checkpoint: Optional[str] = typer.Option(None, "--checkpoint", "-e", show_default=False, help=f"Model: llm.c .bin checkpoint, descriptor (d6, d12, ...), pretrained gpt2|gpt2-medium|gpt2-large|gpt2-xl, or a Hugging Face model DIR (llm.c: -e) (default: {GPT2_124M_CHECKPOINT} if it is in the working directory, else {PRETRAINED_DEFAULT}: GPT-2 124M, llm.c's dev/data/hellaswag.py default)."),
+    checkpoint: Optional[str] = _MODEL_OPT,
     input_file: Optional[str] = typer.Option(None, "--input", "-i", show_default=False, help=f"llm.c eval file (written by `llmctl prepro hellaswag`) (default: {HELLASWAG_VAL}, written first if it is missing)."),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Score only the first N examples (default: all)."),
     norm: str = typer.Option("tokens", "--norm", help="acc_norm normalisation: tokens (llm.c: mean loss per token) or chars (lm-evaluation-harness: per character)."),
@@ -594,7 +606,6 @@ def eval_hellaswag_cmd(
 
     from llmctl.errors import ConfigError
     from llmctl.evaluate import eval_hellaswag, eval_hellaswag_multiproc, hellaswag_file
-    from llmctl.model import default_init
 
     if norm not in ("tokens", "chars"):
         raise ConfigError(f"--norm must be 'tokens' or 'chars', got {norm!r}",
@@ -608,12 +619,8 @@ def eval_hellaswag_cmd(
     from llmctl.info import check_precision
 
     check_precision(precision)  # before any data is fetched or a model read
-    log = _prepro_log(json_out)
-    input_file = hellaswag_file(input_file, log=log)
-    if checkpoint is None:
-        checkpoint, how = default_init(log=log, progress=not json_out)
-        if log:
-            log(f"model: {checkpoint} (no -e: {how})")
+    input_file = hellaswag_file(input_file, log=_prepro_log(json_out))
+    checkpoint = _resolve_model(checkpoint, precision, json_out)
     t0 = time.time()
     if nproc > 1:
         res = eval_hellaswag_multiproc(checkpoint, input_file, nproc, threads=threads or None, limit=limit,
@@ -639,7 +646,7 @@ def eval_hellaswag_cmd(
 @eval_app.command("loss")
 @_interruptible("no result")
 def eval_loss_cmd(
-    checkpoint: Optional[str] = typer.Option(None, "--checkpoint", "-e", show_default=False, help=f"Model: llm.c .bin checkpoint, descriptor (d6, d12, ...), pretrained gpt2|gpt2-medium|gpt2-large|gpt2-xl, or a Hugging Face model DIR (llm.c: -e) (default: {GPT2_124M_CHECKPOINT} if it is in the working directory, else {PRETRAINED_DEFAULT}: GPT-2 124M, as train)."),
+    checkpoint: Optional[str] = _MODEL_OPT,
     pattern: str = typer.Option(TINYSHAKESPEARE_VAL, "--val", "-j", help="Token shard glob, quoted (llm.c: -j)."),
     batch_size: int = typer.Option(4, "--batch-size", "-b", help="Sequences per forward (llm.c: -b)."),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", "-t", help="Sequence length T (default: min(1024, maxT)) (llm.c: -t)."),
@@ -735,7 +742,7 @@ def plot_cmd(
 @app.command("sample")
 @_interruptible("the text above is what was generated")
 def sample_cmd(
-    checkpoint: Optional[str] = typer.Option(None, "--checkpoint", "-e", show_default=False, help=f"Model: llm.c .bin checkpoint, descriptor (d6, d12, ...), pretrained gpt2|gpt2-medium|gpt2-large|gpt2-xl, or a Hugging Face model DIR (llm.c: -e) (default: {GPT2_124M_CHECKPOINT} if it is in the working directory, else {PRETRAINED_DEFAULT}: GPT-2 124M, as train)."),
+    checkpoint: Optional[str] = _MODEL_OPT,
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text (<|endoftext|> is the EOT token). Default: start from EOT like llm.c."),
     prompt_file: Optional[str] = typer.Option(None, "--prompt-file", help="Read the prompt from a UTF-8 file (verbatim; default: none, see --prompt)."),
     num_tokens: int = typer.Option(64, "-n", "--max-new-tokens", min=1, help="Tokens to generate; truncated with a message if prompt + n > maxT (llm.c train: -g)."),

@@ -23,7 +23,7 @@ TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/maste
 GPT2_124M_CHECKPOINT = "gpt2_124M.bin"
 GPT2_TOKENIZER = "gpt2_tokenizer.bin"
 
-# what `-e` is when it is not given (train, eval hellaswag): llm.c's pretrained GPT-2 124M
+# what `-e` is when it is not given (train, eval, sample): llm.c's pretrained GPT-2 124M
 PRETRAINED_DEFAULT = "gpt2"
 
 # the image `llmctl plot` writes when -o is not given (none with --terminal)

@@ -44,7 +44,7 @@ from llmctl.distributed.zero import Zero1, shard_layout
 from llmctl.display import Display
 from llmctl.errors import ConfigError, DataError, FormatError, LlmctlError
 from llmctl.loader import DataLoader
-from llmctl.model import default_init, load as load_model, peek_config
+from llmctl.model import load as load_model, peek_config, resolve_init
 from llmctl.outlier import OutlierDetector, as_float32, skip_update
 from llmctl.paths import TINYSHAKESPEARE_VAL
 from llmctl.roof import best_roof
@@ -219,12 +219,10 @@ class Trainer:
         self.init_note = None
         if self.resume_step >= 0:
             init_spec = self.checkpoints.paths(self.resume_step)[0]
-        elif cfg.init is not None:
-            init_spec = cfg.init
-        else:  # llm.c's train_gpt2.c: gpt2_124M.bin here, else pretrained GPT-2 124M
-            init_spec, how = default_init(log=self.display.message if self.is_master else None,
-                                          progress=self.is_master)
-            self.init_note = f"{init_spec} (no -e: {how})"
+        else:  # no -e: llm.c's train_gpt2.c: gpt2_124M.bin here, else pretrained GPT-2 124M
+            init_spec, self.init_note = resolve_init(
+                cfg.init, log=self.display.message if self.is_master else None,
+                progress=self.is_master)
         self.init_spec = init_spec
         try:
             init_config = peek_config(init_spec)

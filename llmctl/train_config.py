@@ -23,6 +23,7 @@ from typing import NamedTuple, Optional
 from llmctl import paths
 from llmctl.errors import ConfigError
 from llmctl.info import DEFAULT_PRECISION
+from llmctl.options import MODEL_HELP, PRECISION_HELP, THREADS_HELP
 
 
 class Range(NamedTuple):
@@ -81,14 +82,7 @@ class TrainConfig:
     val_data: Optional[str] = flag(None, "-j", "--val-data",
                                    help="Val shards glob (quote it) (default: the *_val* shards "
                                         f"-i matches, else {paths.TINYSHAKESPEARE_VAL}).")
-    init: Optional[str] = flag(None, "-e", "--init",
-                               help="Start from an llm.c checkpoint .bin, a descriptor (d6, d12, "
-                                    "gpt3:c768: random init, seed 42), pretrained gpt2 | "
-                                    "gpt2-medium | gpt2-large | gpt2-xl (Hugging Face Hub, cached) "
-                                    "or a Hugging Face model DIR "
-                                    f"(default: {paths.GPT2_124M_CHECKPOINT} if it is "
-                                    f"in the working directory, else {paths.PRETRAINED_DEFAULT} "
-                                    "(GPT-2 124M), as llm.c's train_gpt2.c).")
+    init: Optional[str] = flag(None, "-e", "--init", help=MODEL_HELP)
     output_dir: Optional[str] = flag(None, "-o", "--output-dir",
                                      help="Directory for main.log, metrics.jsonl and checkpoints: "
                                           "the last step's always, more with -n (default: none).")
@@ -176,13 +170,11 @@ class TrainConfig:
                              "windows (shuffled random windows of -t+1 tokens, "
                              "llmctl.data.TokenWindows; seeded, drop-last, resumable).")
     seed: int = flag(42, "--seed", help="Shuffle seed: rank r uses seed + r (llm.c: 42).")
-    threads: Optional[int] = flag(None, "--threads",
-                                  help="Kernel threads (0 = OMP_NUM_THREADS or all cores).",
-                                  cli_default=0)
+    threads: Optional[int] = flag(None, "--threads", cli_default=0,
+                                  help=THREADS_HELP + " With --nproc N: per process, >= 1 "
+                                                      "(default: cores / N).")
     precision: str = flag(DEFAULT_PRECISION, "--precision",
-                          help="Matmul precision: fp32, or bf16 (bf16 inputs, fp32 accumulate; "
-                               "weights, gradients and AdamW state stay fp32; needs a CPU with "
-                               "AVX512_BF16 or AMX, see `llmctl info`).")
+                          help=PRECISION_HELP + " Weights, gradients and AdamW state stay fp32.")
     recompute: int = flag(-1, "-r", "--recompute",
                           help="Recompute in backward instead of keeping per layer: 0 = none, "
                                "1 = GELU, 2 = GELU and layernorms; the same bits either way, "

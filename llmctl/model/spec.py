@@ -86,3 +86,13 @@ def default_init(log=None, progress=True):
         hint = f"{inner_hint}; or {hint}"
     raise DataError(f"no -e given: there is no {GPT2_124M_CHECKPOINT} here and pretrained "
                     f"{PRETRAINED_DEFAULT} cannot be loaded: {why}", hint=hint)
+
+
+def resolve_init(spec, log=None, progress=True):
+    """The model `-e` names, and a note when it was not given: (spec, None) for a given spec,
+    else (default_init()'s path, "PATH (no -e: how it was found)"). The one place every command
+    (train, eval, sample) turns a missing -e into llm.c's default."""
+    if spec is not None:
+        return spec, None
+    path, how = default_init(log=log, progress=progress)
+    return path, f"{path} (no -e: {how})"
