@@ -5,7 +5,7 @@ import struct
 
 from errcheck import assert_cli_error, raises_error
 
-from llmctl.model import default_init
+from llmctl.model import default_init, resolve_init
 from llmctl.errors import DataError
 
 
@@ -67,3 +67,11 @@ def test_eval_loss_and_sample_without_e_offline_is_one_error_naming_e_d12(tmp_pa
     for args in (("eval", "loss"), ("sample", "-n", "4")):
         r = _llmctl(*args, env_extra=env)
         assert_cli_error(r.stderr, 1, r.returncode, names=["-e", "-e d12"])
+
+
+def test_resolve_init_keeps_a_given_spec_and_names_the_default_it_picks():
+    assert resolve_init("d6") == ("d6", None)
+    with open("gpt2_124M.bin", "wb") as f:
+        f.write(struct.pack("<256i", 20240326, 3, *([0] * 254)))
+    assert resolve_init(None) == ("gpt2_124M.bin",
+                                  "gpt2_124M.bin (no -e: gpt2_124M.bin in the working directory)")
