@@ -96,7 +96,7 @@ def main():
             for backend in backends:
                 out = tmp / f"out-{backend}"
                 c0 = _cpu()
-                r = prepro_text([corpus], out_dir=out, name="bench", workers=args.workers, backend=backend)
+                r = prepro_text([corpus], out_dir=out, name="bench", workers=args.workers, parallelism=backend)
                 assert r["tokens"] == n_base, (r["tokens"], n_base)
                 best[backend] = min(best[backend], r["seconds"])
                 cpu[backend] = min(cpu[backend], _cpu() - c0)

@@ -307,7 +307,7 @@ def _check_shard_size(shard_size):
 _JSON_OPT = typer.Option(False, "--json", help="Print a JSON summary on stdout.")
 _WORKERS_OPT = typer.Option(0, "--workers", "-w", help="Tokenizer threads/processes (0 = OMP_NUM_THREADS or all cores).")
 _SHARD_SIZE_OPT = typer.Option(10**8, "--shard-size", "-s", help="Tokens per shard (llm.c fineweb.py: -s).")
-_BACKEND_OPT = typer.Option("threads", "--backend", help="Parallel tokenization: threads (tiktoken, GIL-free) or processes.")
+_PARALLELISM_OPT = typer.Option("threads", "--parallelism", "--backend", help="How the -w workers tokenize: threads (tiktoken, GIL-free) or processes (--backend is an alias).")
 
 
 @prepro_app.command("tinyshakespeare")
@@ -353,7 +353,7 @@ def prepro_text_cmd(
     val_tokens: Optional[int] = typer.Option(None, "--val-tokens", help="Tokens in the val shard 0 (default: a full shard, like fineweb.py)."),
     shard_size: int = _SHARD_SIZE_OPT,
     workers: int = _WORKERS_OPT,
-    backend: str = _BACKEND_OPT,
+    parallelism: str = _PARALLELISM_OPT,
     json_out: bool = _JSON_OPT,
 ):
     """Your own corpus -> NAME_{val,train}_%06d.bin shards (llm.c's fineweb sharding rule)."""
@@ -366,7 +366,7 @@ def prepro_text_cmd(
     workers = _prepro_workers(workers)
     big = sum(os.path.getsize(f) for f in files if os.path.isfile(f)) >= PROGRESS_MIN_BYTES
     _prepro_report(prepro_text(files, out_dir=out_dir, val_tokens=val_tokens, shard_size=shard_size, name=name,
-                               workers=workers, backend=backend,
+                               workers=workers, parallelism=parallelism,
                                progress=big and not json_out), json_out)
 
 
@@ -377,24 +377,24 @@ def prepro_tinystories_cmd(
     source: Optional[List[str]] = typer.Option(None, "--source", help="Local file(s): TinyStories data*.json, jsonl, or text with <|endoftext|> (repeatable; default: datasets streaming)."),
     val_tokens: int = typer.Option(32768, "--val-tokens", help="With a single --source file: its first N tokens are val."),
     workers: int = _WORKERS_OPT,
-    backend: str = _BACKEND_OPT,
+    parallelism: str = _PARALLELISM_OPT,
     json_out: bool = _JSON_OPT,
 ):
     """TinyStories -> TinyStories_{val,train}.bin (llm.c's dev/data/tinystories.py layout)."""
     from llmctl.prepro import prepro_tinystories
 
     _prepro_report(prepro_tinystories(out_dir=out_dir, source=source or None, val_tokens=val_tokens,
-                                      workers=_prepro_workers(workers), backend=backend,
+                                      workers=_prepro_workers(workers), parallelism=parallelism,
                                       progress=not json_out), json_out)
 
 
-def _prepro_fineweb(edu, version, out_dir, source, shard_size, max_shards, workers, backend, json_out):
+def _prepro_fineweb(edu, version, out_dir, source, shard_size, max_shards, workers, parallelism, json_out):
     from llmctl.prepro import prepro_fineweb
 
     _check_shard_size(shard_size)
     _prepro_report(prepro_fineweb(edu=edu, version=version, out_dir=out_dir, source=source or None,
                                   shard_size=shard_size, max_shards=max_shards, workers=_prepro_workers(workers),
-                                  backend=backend, progress=not json_out), json_out)
+                                  parallelism=parallelism, progress=not json_out), json_out)
 
 
 _FW_VERSION = typer.Option("10B", "--version", "-v", help="Sample size: 10B or 100B (llm.c fineweb.py: -v).")
@@ -408,10 +408,10 @@ def prepro_fineweb_cmd(
     version: str = _FW_VERSION,
     out_dir: Optional[str] = typer.Option(None, "--out-dir", help="Output directory (default: data/fineweb10B)."),
     source: Optional[List[str]] = _FW_SOURCE, shard_size: int = _SHARD_SIZE_OPT, max_shards: Optional[int] = _FW_MAX,
-    workers: int = _WORKERS_OPT, backend: str = _BACKEND_OPT, json_out: bool = _JSON_OPT,
+    workers: int = _WORKERS_OPT, parallelism: str = _PARALLELISM_OPT, json_out: bool = _JSON_OPT,
 ):
     """FineWeb -> fineweb_{val,train}_%06d.bin (llm.c's dev/data/fineweb.py -t classic)."""
-    _prepro_fineweb(False, version, out_dir, source, shard_size, max_shards, workers, backend, json_out)
+    _prepro_fineweb(False, version, out_dir, source, shard_size, max_shards, workers, parallelism, json_out)
 
 
 @prepro_app.command("fineweb-edu")
@@ -420,10 +420,10 @@ def prepro_fineweb_edu_cmd(
     version: str = _FW_VERSION,
     out_dir: Optional[str] = typer.Option(None, "--out-dir", help="Output directory (default: data/edu_fineweb10B)."),
     source: Optional[List[str]] = _FW_SOURCE, shard_size: int = _SHARD_SIZE_OPT, max_shards: Optional[int] = _FW_MAX,
-    workers: int = _WORKERS_OPT, backend: str = _BACKEND_OPT, json_out: bool = _JSON_OPT,
+    workers: int = _WORKERS_OPT, parallelism: str = _PARALLELISM_OPT, json_out: bool = _JSON_OPT,
 ):
     """FineWeb-Edu -> edu_fineweb_{val,train}_%06d.bin (llm.c's dev/data/fineweb.py -t edu)."""
-    _prepro_fineweb(True, version, out_dir, source, shard_size, max_shards, workers, backend, json_out)
+    _prepro_fineweb(True, version, out_dir, source, shard_size, max_shards, workers, parallelism, json_out)
 
 
 @prepro_app.command("tokenizer")
@@ -852,7 +852,7 @@ def _train_launch_options(
     node_rank: Optional[int] = typer.Option(None, "--node-rank", help="This host's index 0..nnodes-1 (default: NODE_RANK / GROUP_RANK / SLURM_NODEID, else 0)."),
     master_addr: Optional[str] = typer.Option(None, "--master-addr", help="Node 0's address, where the rendezvous listens (llm.c -ps; default: MASTER_ADDR, else 127.0.0.1)."),
     bind_addr: Optional[str] = typer.Option(None, "--bind-addr", help="This host's address for ring traffic (default: LLMCTL_BIND_ADDR, else the --master-addr on node 0 and the interface that routes to it elsewhere; never all interfaces unless you pass 0.0.0.0)."),
-    backend: str = typer.Option("auto", "--backend", help="auto, shm, ring or mpi (auto: mpi under mpiexec, shm on one host, ring across hosts; llm.c -pi)."),
+    transport: str = typer.Option("auto", "--transport", "--backend", help="How ranks exchange gradients: auto, shm, ring or mpi (auto: mpi under mpiexec, shm on one host, ring across hosts; llm.c -pi; --backend is an alias)."),
     rdzv_timeout: float = typer.Option(300.0, "--rdzv-timeout", help="Seconds to wait for every host to join the rendezvous."),
 ):
     """The launch options of `llmctl train` (after TrainConfig's settings in --help)."""
@@ -885,6 +885,7 @@ def train_cmd(**options):
     launch = {k: options.pop(k) for k in inspect.signature(_train_launch_options).parameters}
     cfg = TrainConfig.from_cli(**options)
     launch["timeout"] = launch.pop("dist_timeout")
+    launch["backend"] = launch.pop("transport")
     try:
         run_train(cfg, threads=cfg.threads, **launch)
     except TrainInterrupted as e:

@@ -13,7 +13,7 @@ ConfigError (exit 2) naming the flag, and returns (total batch size, grad accumu
 `cli_options()` yields (field, typer keyword arguments) for the CLI, which builds `llmctl train`
 from them. Defaults are llm.c's train_gpt2.cu ones.
 
-What it is not: the loop (llmctl/train.py) or the launch options (--nproc, --backend, ...: those
+What it is not: the loop (llmctl/train.py) or the launch options (--nproc, --transport, ...: those
 belong to llmctl/distributed/run.py's `run_train`).
 """
 import math

@@ -513,10 +513,10 @@ def test_parallel_backends_identical(tmp_path, stories):
     src = tmp_path / "c.txt"
     src.write_text(text * 40, encoding="utf-8")
     outs = {}
-    for backend, workers in (("threads", 1), ("threads", 2), ("processes", 2)):
-        d = tmp_path / f"{backend}{workers}"
-        prepro_text([src], out_dir=d, shard_size=3000, name="c", workers=workers, backend=backend)
-        outs[(backend, workers)] = {n: (d / n).read_bytes() for n in sorted(os.listdir(d))}
+    for parallelism, workers in (("threads", 1), ("threads", 2), ("processes", 2)):
+        d = tmp_path / f"{parallelism}{workers}"
+        prepro_text([src], out_dir=d, shard_size=3000, name="c", workers=workers, parallelism=parallelism)
+        outs[(parallelism, workers)] = {n: (d / n).read_bytes() for n in sorted(os.listdir(d))}
     first = outs[("threads", 1)]
     assert len(first) > 3 and all(o == first for o in outs.values())
 
@@ -648,8 +648,8 @@ def test_bad_options_are_usage_errors(tmp_path, stories):
         prepro_hellaswag(out_dir=tmp_path / "o", split="test")
     with raises_error(ConfigError, names=["--version", "1T"]):
         prepro_fineweb(out_dir=tmp_path / "o", version="1T")
-    with raises_error(ConfigError, names=["--backend", "fibers"]):
-        prepro_text([src], out_dir=tmp_path / "o", workers=2, backend="fibers")
+    with raises_error(ConfigError, names=["--parallelism", "fibers"]):
+        prepro_text([src], out_dir=tmp_path / "o", workers=2, parallelism="fibers")
     assert not (tmp_path / "o").exists()
 
 
@@ -851,6 +851,25 @@ def test_directory_input_says_is_a_directory(tmp_path, capsys):
     assert "no such file" not in err
     with raises_error(DataError, names=["--source", str(d), "is a directory"]):
         prepro_hellaswag(out_dir=tmp_path / "o", source=d)
+
+
+def test_parallelism_and_its_alias_backend_are_one_option(tmp_path, capsys):
+    """--parallelism is the name, --backend (what docs/data.md once said) the same option: the
+    value of either reaches the tokenizer, which names the bad one."""
+    src = tmp_path / "c.txt"
+    src.write_text("hello world\n\nsecond doc\n", encoding="utf-8")
+    for spelling in ("--parallelism", "--backend"):
+        code, out, err = _cli(["prepro", "text", str(src), "--out-dir", str(tmp_path / "o"),
+                               spelling, "fibers"], capsys)
+        assert code == 2 and "Error: --parallelism 'fibers'" in err and "Hint:" in err, err
+    assert not (tmp_path / "o").exists()
+    for spelling in ("--parallelism", "--backend"):
+        d = tmp_path / spelling.strip("-")
+        code, out, err = _cli(["prepro", "text", str(src), "--out-dir", str(d), "-w", "2",
+                               spelling, "threads", "--json"], capsys)
+        assert code in (0, None), err
+    assert ((tmp_path / "parallelism" / "c_val_000000.bin").read_bytes()
+            == (tmp_path / "backend" / "c_val_000000.bin").read_bytes())
 
 
 def test_cli_rejects_bad_workers_and_tiny_shards(tmp_path, capsys, monkeypatch):

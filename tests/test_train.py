@@ -1454,6 +1454,15 @@ def test_absurd_values_are_usage_errors(data, tmp_path, capsys, flag, value):
     assert not out.exists() and stdout == ""
 
 
+def test_transport_and_its_alias_backend_are_one_option(capsys):
+    """--transport is the name, --backend (what the README once said) the same option: either
+    spelling's value reaches the transport check, before any data is read."""
+    for spelling in ("--transport", "--backend"):
+        rc, out, err = run_cli([spelling, "carrier-pigeon"], capsys)
+        assert rc == 2 and out == "", err
+        assert _one_error(err) == "Error: --transport 'carrier-pigeon' is not one of auto, shm, ring, mpi"
+
+
 def test_validation_accepts_the_edges(data, tmp_path):
     """The closed ends of every range run: lr 0 (and betas 0, no clip, no decay) trains a step
     that leaves the weights exactly as they were; betas just below 1 train a normal step."""

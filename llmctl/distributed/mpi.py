@@ -2,7 +2,7 @@
 
 issue 6.
 
-What it is: `MpiComm`, launched as `mpiexec -n N llmctl train --backend mpi ...` (every process
+What it is: `MpiComm`, launched as `mpiexec -n N llmctl train --transport mpi ...` (every process
 is one rank; MPI's launcher, not llmctl's, starts and places them). all_reduce_mean is one
 in-place `Allreduce(MPI.IN_PLACE, buf, MPI.SUM)` on the flat float32 gradient buffer followed by a
 float32 division by N; scalars, broadcasts and barriers are `allreduce` / `Bcast` / `Barrier`.
@@ -36,9 +36,9 @@ def _import_mpi():
     try:
         from mpi4py import MPI
     except ImportError as e:
-        raise ConfigError(f"--backend mpi needs mpi4py, which is not importable ({e})",
+        raise ConfigError(f"--transport mpi needs mpi4py, which is not importable ({e})",
                           hint="pip install 'llmctl[mpi]' (mpi4py + the mpich wheel), then run "
-                               "under `mpiexec -n N llmctl train --backend mpi ...`") from None
+                               "under `mpiexec -n N llmctl train --transport mpi ...`") from None
     return MPI
 
 

@@ -8,7 +8,7 @@ What it is:
   then NNODES/NODE_RANK (or torchrun's GROUP_RANK), then Slurm (SLURM_NNODES/SLURM_NODEID,
   only inside an `srun` step with one task per node). Per-rank identity (RANK, WORLD_SIZE, ...
   OMPI_*, PMI_*, SLURM_PROCID) stays in llmctl/distributed/env.py's `resolve_env`.
-- `choose_backend(...)`: `--backend auto` = mpi under mpiexec (when mpi4py is installed), shm on
+- `choose_backend(...)`: `--transport auto` = mpi under mpiexec (when mpi4py is installed), shm on
   one host, ring across hosts.
 - `resolve_secret()`: the job secret every host must share (LLMCTL_SECRET or LLMCTL_SECRET_FILE;
   never a command-line flag, so it does not show in `ps`).
@@ -152,11 +152,11 @@ def under_mpiexec(environ=None):
 def choose_backend(backend, nnodes=1, environ=None):
     """auto -> mpi under mpiexec, shm on one host, ring across hosts; others are validated."""
     if backend not in ("auto", "shm", "ring", "mpi"):
-        raise ConfigError(f"--backend {backend!r} is not one of auto, shm, ring, mpi")
+        raise ConfigError(f"--transport {backend!r} is not one of auto, shm, ring, mpi")
     if backend != "auto":
         if backend == "shm" and nnodes > 1:
-            raise ConfigError("--backend shm works on one host only, but --nnodes is "
-                              f"{nnodes}", hint="use --backend ring (or auto) across hosts")
+            raise ConfigError("--transport shm works on one host only, but --nnodes is "
+                              f"{nnodes}", hint="use --transport ring (or auto) across hosts")
         return backend
     if under_mpiexec(environ) and _have_mpi4py():
         return "mpi"  # (srun also sets PMI/PMIX variables: without mpi4py, auto keeps the ring)

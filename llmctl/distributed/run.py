@@ -87,8 +87,8 @@ def run_train(cfg, *, nproc=1, nnodes=None, node_rank=None, master_addr=None, ma
     if backend == "mpi" or (backend == "auto" and not launcher_form
                             and choose_backend("auto", 1, env) == "mpi"):
         if launcher_form:
-            raise ConfigError("--backend mpi runs one process per rank under mpiexec; drop --nproc/"
-                              "--nnodes and use `mpiexec -n N llmctl train --backend mpi`")
+            raise ConfigError("--transport mpi runs one process per rank under mpiexec; drop --nproc/"
+                              "--nnodes and use `mpiexec -n N llmctl train --transport mpi`")
         return _train_per_rank(cfg, "mpi", None, json_out, check_params)
     if not launcher_form:
         ident = resolve_env(environ=env)
@@ -98,8 +98,8 @@ def run_train(cfg, *, nproc=1, nnodes=None, node_rank=None, master_addr=None, ma
             return train_rank(cfg, SingleProcessComm(), json_out=json_out)
         if backend == "shm":
             raise ConfigError(f"this process is rank {ident.rank} of {ident.world_size} started by "
-                              f"{ident.source}, but --backend shm needs llmctl's own launcher",
-                              hint="use --backend ring (or auto), or `llmctl train --nproc N`")
+                              f"{ident.source}, but --transport shm needs llmctl's own launcher",
+                              hint="use --transport ring (or auto), or `llmctl train --nproc N`")
         return _train_per_rank(cfg, "ring", dict(master_addr=master_addr, master_port=master_port,
                                                  bind_addr=bind_addr, timeout=timeout,
                                                  rdzv_timeout=rdzv_timeout, environ=env),

@@ -191,7 +191,7 @@ def _safe_name(name):
 
 
 def prepro_text(files, out_dir=None, val_tokens=None, shard_size=DEFAULT_SHARD_SIZE, name=None,
-                workers=1, backend="threads", progress=False):
+                workers=1, parallelism="threads", progress=False):
     """Tokenize a user's corpus into `{name}_{val|train}_{%06d}.bin` shards; return a summary.
 
     name defaults to the first file's stem; out_dir to data/{name}.
@@ -204,7 +204,7 @@ def prepro_text(files, out_dir=None, val_tokens=None, shard_size=DEFAULT_SHARD_S
     name = _safe_name(name or os.path.splitext(os.path.basename(files[0]))[0])
     out_dir = check_out_dir(out_dir or os.path.join(DATA_DIR, name))
     summary = write_sharded(iter_documents(files), out_dir, lambda s, i: f"{name}_{s}_{i:06d}.bin",
-                            shard_size, val_tokens=val_tokens, workers=workers, backend=backend,
+                            shard_size, val_tokens=val_tokens, workers=workers, parallelism=parallelism,
                             progress=progress, description=f"tokenizing {name}")
     if not any(s["split"] == "train" for s in summary["shards"]):
         summary["warning"] = (f"all {summary['tokens']:,} tokens went to the val shard and no train shard "
@@ -229,7 +229,7 @@ def _tokens_to_array(chunks, prog):
 
 
 def prepro_tinystories(out_dir=DATA_DIR, source=None, val_tokens=32768, workers=1,
-                       backend="threads", progress=False):
+                       parallelism="threads", progress=False):
     """Write DIR/TinyStories_{val,train}.bin (llm.c's names; default data/); return a summary.
 
     source: local files (TinyStories json shards with a "story" field, jsonl with "text"/"story",
@@ -256,7 +256,7 @@ def prepro_tinystories(out_dir=DATA_DIR, source=None, val_tokens=32768, workers=
         streams = _load_streams(ds, "tinystories", TINYSTORIES_DATASET, {"split": "validation"}, {"split": "train"})
         split_docs = [_stream_field(st, "text", "tinystories", strip=True) for st in streams]
         origin = "datasets"
-    split_chunks = [tokenize_chunks(d, workers=workers, backend=backend) for d in split_docs]
+    split_chunks = [tokenize_chunks(d, workers=workers, parallelism=parallelism) for d in split_docs]
     with Progress("tokenizing TinyStories", progress) as prog:
         arrays = [_tokens_to_array(c, prog)[0] for c in split_chunks]
         seconds = prog.seconds
@@ -288,7 +288,7 @@ FINEWEB_DATASETS = {False: "HuggingFaceFW/fineweb", True: "HuggingFaceFW/fineweb
 
 
 def prepro_fineweb(edu=False, version="10B", out_dir=None, source=None, shard_size=DEFAULT_SHARD_SIZE,
-                   max_shards=None, workers=1, backend="threads", progress=False):
+                   max_shards=None, workers=1, parallelism="threads", progress=False):
     """llm.c's fineweb.py: shard 0 val, then train shards of exactly `shard_size` tokens.
 
     source: local files (jsonl/parquet with a "text" field, or plain text); otherwise `datasets`
@@ -310,7 +310,7 @@ def prepro_fineweb(edu=False, version="10B", out_dir=None, source=None, shard_si
         docs = _stream_field(stream, "text", what)
         origin = "datasets"
     summary = write_sharded(docs, out_dir, lambda s, i: f"{prefix}_{s}_{i:06d}.bin", shard_size,
-                            workers=workers, backend=backend, progress=progress,
+                            workers=workers, parallelism=parallelism, progress=progress,
                             description=f"tokenizing {prefix}", max_shards=max_shards)
     summary["origin"] = origin
     return summary

@@ -1,11 +1,11 @@
 """Parallel, order-preserving document tokenization and llm.c's fineweb shard-splitting rule.
 
 What it is:
-- `tokenize_chunks(docs, workers, backend)`: yields, per chunk of input documents in order,
+- `tokenize_chunks(docs, workers, parallelism)`: yields, per chunk of input documents in order,
   the uint16 concatenation of [EOT] + encode_ordinary(doc) (what llm.c's fineweb.py and
   tinystories.py emit per document) and the per-document lengths.
   Each chunk is one tiktoken call (Tokenizer.encode_documents_numpy), no Python int lists.
-  Backends: "threads" (tiktoken releases the GIL while encoding; a bounded window of chunk
+  Parallelism (--parallelism): "threads" (tiktoken releases the GIL while encoding; a bounded window of chunk
   futures keeps memory flat and order fixed) or "processes" (a spawn-safe multiprocessing Pool,
   `imap` over chunks, order preserved, like fineweb.py's `pool.imap(tokenize, ..., chunksize=16)`).
 - `ShardWriter`: llm.c `dev/data/fineweb.py`'s rule: shard 0 is "val", later shards
@@ -131,24 +131,24 @@ def _warm_worker():
     get_tokenizer()
 
 
-BACKENDS = ("threads", "processes")
+PARALLELISMS = ("threads", "processes")
 
 
-def tokenize_chunks(docs, workers=1, backend="threads"):
+def tokenize_chunks(docs, workers=1, parallelism="threads"):
     """Yield (tokens, lengths) per chunk of documents, in input order: `tokens` is the uint16
     concatenation of [EOT] + encode_ordinary(doc) for the chunk's docs, `lengths` their sizes.
     Working per chunk, not per document, keeps the single-threaded consumer cheap."""
-    if backend not in BACKENDS:  # checked now, not at the generator's first step
-        raise ConfigError(f"--backend {backend!r}: use threads or processes",
+    if parallelism not in PARALLELISMS:  # checked now, not at the generator's first step
+        raise ConfigError(f"--parallelism {parallelism!r}: use threads or processes",
                           hint="threads (the default) tokenizes GIL-free with tiktoken")
-    return _tokenize_chunks(docs, max(1, int(workers or 1)), backend)
+    return _tokenize_chunks(docs, max(1, int(workers or 1)), parallelism)
 
 
-def _tokenize_chunks(docs, workers, backend):
+def _tokenize_chunks(docs, workers, parallelism):
     if workers == 1:
         for chunk in _chunks(docs):
             yield _encode_docs(chunk)
-    elif backend == "threads":
+    elif parallelism == "threads":
         get_tokenizer()  # build once before the threads race for it
         with ThreadPoolExecutor(workers) as ex:
             window = deque()
@@ -283,11 +283,11 @@ class Progress:
 
 
 def write_sharded(docs, out_dir, name_fn, shard_size, val_tokens=None, workers=1,
-                  backend="threads", progress=False, description="tokenizing", max_shards=None):
+                  parallelism="threads", progress=False, description="tokenizing", max_shards=None):
     """Tokenize `docs` (iterable of str) in parallel and write llm.c shards; return a summary.
     max_shards: stop once that many full shards are written (the partial rest is dropped)."""
     writer = ShardWriter(out_dir, name_fn, shard_size, val_tokens=val_tokens, max_shards=max_shards)
-    chunks = tokenize_chunks(docs, workers=workers, backend=backend)
+    chunks = tokenize_chunks(docs, workers=workers, parallelism=parallelism)
     created = missing_dirs(out_dir)
     make_out_dir(out_dir)
     try:
