@@ -65,7 +65,7 @@ class DataLoader:
         self.total_batch_tokens = num_processes * B * T
         self.local_offset_tokens = process_rank * B * T
 
-        if isinstance(pattern, (list, tuple)):  # files already chosen (llmctl.data.split_inputs)
+        if isinstance(pattern, (list, tuple)):  # files already chosen (llmctl.inputs.split_inputs)
             self.files = [str(p) for p in pattern]
             self.pattern = " ".join(self.files)
         else:

@@ -38,7 +38,8 @@ import numpy as np
 from llmctl.atomic import atomic_write
 from llmctl.checkpoints import OUTPUT_HINT, Checkpoints, os_error
 from llmctl.constants import GPT2_VOCAB_SIZE
-from llmctl.data import TokenWindows, WindowBatches, split_inputs
+from llmctl.inputs import split_inputs
+from llmctl.windows import TokenWindows, WindowBatches
 from llmctl.distributed.base import SingleProcessComm
 from llmctl.distributed.zero import Zero1, shard_layout
 from llmctl.display import Display

@@ -168,7 +168,7 @@ class TrainConfig:
     sampler: str = flag("llmc", "--sampler",
                         help="Train batches: llmc (llm.c's DataLoader, its shuffled order) or "
                              "windows (shuffled random windows of -t+1 tokens, "
-                             "llmctl.data.TokenWindows; seeded, drop-last, resumable).")
+                             "llmctl.windows.TokenWindows; seeded, drop-last, resumable).")
     seed: int = flag(42, "--seed", help="Shuffle seed: rank r uses seed + r (llm.c: 42).")
     threads: Optional[int] = flag(None, "--threads", cli_default=0,
                                   help=THREADS_HELP + " With --nproc N: per process, >= 1 "
