@@ -761,7 +761,7 @@ def sample_cmd(
     import time
 
     from llmctl.errors import ConfigError
-    from llmctl.sample import _escape_controls, check_sample_length, check_sampling, default_start, sample
+    from llmctl.sample import escape_controls, check_sample_length, check_sampling, default_start, sample
     from llmctl.tokenizer import get_tokenizer
 
     check_sampling(temperature, top_k, top_p, seed)
@@ -801,7 +801,7 @@ def sample_cmd(
         if num_samples > 1:
             err_console.print(f"[dim]--- sample {i + 1}/{num_samples} ---[/]")
         if prompt:
-            sys.stdout.write(_escape_controls(prompt) if tty else prompt)
+            sys.stdout.write(escape_controls(prompt) if tty else prompt)
 
     def on_sample_end(i, result):
         if json_out:

@@ -201,7 +201,7 @@ def _full_forward_last_logits(model, seq, V):
 # ----------------------------------------------------------------------------------------------
 # streaming text
 
-def _escape_controls(s):
+def escape_controls(s):
     # keep \n and \t; show any other control character (ESC, CR, DEL, C1 ...) as an escape
     if all(c in "\n\t" or unicodedata.category(c) != "Cc" for c in s):
         return s
@@ -221,11 +221,11 @@ class StreamDecoder:
 
     def feed(self, token_id):
         s = self._dec.decode(self.tokenizer.decode_bytes([int(token_id)]))
-        return _escape_controls(s) if self.escape else s
+        return escape_controls(s) if self.escape else s
 
     def flush(self):
         s = self._dec.decode(b"", final=True)
-        return _escape_controls(s) if self.escape else s
+        return escape_controls(s) if self.escape else s
 
 
 def sample(model, prompt_tokens, num_samples=1, max_new_tokens=64, temperature=1.0, top_k=None,

@@ -52,7 +52,7 @@ def bpe_data_files():
     return None
 
 
-def _read_verified(path, expected_sha256):
+def read_verified(path, expected_sha256):
     with open(path, "rb") as f:
         data = f.read()
     got = hashlib.sha256(data).hexdigest()
@@ -73,8 +73,8 @@ def _byte_decoder():
 
 
 def _mergeable_ranks(vocab_path, encoder_path):
-    vocab = _read_verified(vocab_path, VOCAB_BPE_SHA256).decode("utf-8")
-    encoder = json.loads(_read_verified(encoder_path, ENCODER_JSON_SHA256))
+    vocab = read_verified(vocab_path, VOCAB_BPE_SHA256).decode("utf-8")
+    encoder = json.loads(read_verified(encoder_path, ENCODER_JSON_SHA256))
     dec = _byte_decoder()
     ranks = {bytes(dec[ch] for ch in k): v for k, v in encoder.items() if k != EOT_TEXT}
     # encoder.json ranks are the merge order of vocab.bpe (256 bytes + one rank per merge line);

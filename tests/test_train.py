@@ -1645,8 +1645,8 @@ def test_no_e_without_weights_is_one_error_naming_d12(data, tmp_path, capsys, mo
 
 
 def test_sampler_windows_trains_on_shuffled_windows_and_resumes(data, tmp_path):
-    from llmctl.data import TokenWindows, WindowBatches
     from llmctl.model import load
+    from llmctl.windows import TokenWindows, WindowBatches
 
     kw = dict(max_steps=8, checkpoint_every=8, sampler="windows", val_loss_every=4,
               total_batch_size=2 * 4 * 32, seed=5)

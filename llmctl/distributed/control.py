@@ -129,7 +129,7 @@ class FrameReader:
         return out
 
 
-def _recv_exact(sock, n):
+def recv_exact(sock, n):
     buf = bytearray()
     while len(buf) < n:
         chunk = sock.recv(n - len(buf))
@@ -139,7 +139,7 @@ def _recv_exact(sock, n):
     return bytes(buf)
 
 
-def _mac(secret, *parts):
+def auth_mac(secret, *parts):
     return hmac.new(secret, b"".join(parts), hashlib.sha256).digest()
 
 
@@ -391,7 +391,7 @@ class Hub:
         rank_b = hello[8:12]
         nonce_c = hello[12:12 + NONCE]
         mac = hello[12 + NONCE:]
-        if not hmac.compare_digest(mac, _mac(self.secret, b"client", c.nonce, nonce_c, rank_b)):
+        if not hmac.compare_digest(mac, auth_mac(self.secret, b"client", c.nonce, nonce_c, rank_b)):
             self._drop(c, "wrong job secret (HMAC mismatch)")
             return
         (rank,) = struct.unpack(">I", rank_b)
@@ -402,7 +402,7 @@ class Hub:
             self._drop(c, f"a second connection for rank {rank}")
             return
         try:
-            c.sock.sendall(_mac(self.secret, b"hub", nonce_c, c.nonce, rank_b))
+            c.sock.sendall(auth_mac(self.secret, b"hub", nonce_c, c.nonce, rank_b))
         except OSError:
             self._drop(c)
             return
@@ -539,18 +539,18 @@ def handshake_connect(sock, secret, rank, peer="the control hub"):
     """Client side of the mutual HMAC handshake on a connected blocking socket."""
     sock.settimeout(HANDSHAKE_TIMEOUT)
     try:
-        hello = _recv_exact(sock, HELLO_HUB)
+        hello = recv_exact(sock, HELLO_HUB)
         if hello[:len(MAGIC)] != MAGIC:
             raise DistError(f"rank {rank}: {peer} is not an llmctl endpoint (wrong greeting)")
         nonce_h = hello[len(MAGIC):]
         nonce_c = os.urandom(NONCE)
         rank_b = struct.pack(">I", rank)
-        sock.sendall(MAGIC + rank_b + nonce_c + _mac(secret, b"client", nonce_h, nonce_c, rank_b))
-        proof = _recv_exact(sock, MAC)
+        sock.sendall(MAGIC + rank_b + nonce_c + auth_mac(secret, b"client", nonce_h, nonce_c, rank_b))
+        proof = recv_exact(sock, MAC)
     except (OSError, ConnectionError) as e:
         raise DistError(f"rank {rank}: handshake with {peer} failed: {e}",
                         hint="the peer rejected this process's credentials or went away") from None
-    if not hmac.compare_digest(proof, _mac(secret, b"hub", nonce_c, nonce_h, rank_b)):
+    if not hmac.compare_digest(proof, auth_mac(secret, b"hub", nonce_c, nonce_h, rank_b)):
         raise DistError(f"rank {rank}: {peer} failed to prove it knows the job secret")
 
 

@@ -120,9 +120,9 @@ class HierComm(Comm):
 
 def run_entry(args, shm):
     """Launcher target on each node: join the cross-host ring, then call args["target"]."""
-    from llmctl.distributed.launcher import _stderr_log
+    from llmctl.distributed.launcher import stderr_log
     from llmctl.distributed.ring import init_ring
-    from llmctl.distributed.worker import _import_target
+    from llmctl.distributed.worker import import_target
 
     node = args["node"]
     key = os.environ.pop(_SECRET_VAR, None)
@@ -135,10 +135,10 @@ def run_entry(args, shm):
                      secret=bytes.fromhex(key), timeout=shm.timeout,
                      collective_timeout=shm.collective_timeout, rdzv_timeout=node["rdzv_timeout"],
                      ring_key=shm.rank, node=node["node_rank"], local_rank=shm.rank,
-                     local_world_size=lw, label=f"rank {rank} (node {node['node_rank']})", log=_stderr_log)
+                     local_world_size=lw, label=f"rank {rank} (node {node['node_rank']})", log=stderr_log)
     comm = HierComm(shm, ring, node["node_rank"], node["nnodes"])
     try:
-        return _import_target(args["target"])(args["args"], comm)
+        return import_target(args["target"])(args["args"], comm)
     except LlmctlError as e:
         if e.exit_code == 130 and comm.stop_requested:
             shm.stop_requested = True  # a stop agreed by every node: not a failure (worker.py)

@@ -59,7 +59,7 @@ def _describe_exit(rc):
     return f"exited with code {rc}"
 
 
-def _stderr_log(msg):
+def stderr_log(msg):
     sys.stderr.write(f"llmctl dist: {msg}\n")
     sys.stderr.flush()
 
@@ -96,7 +96,7 @@ def launch(target, args, nproc, *, threads=None, timeout=30.0, collective_timeou
     collective_timeout = (check_seconds("collective timeout", collective_timeout) if collective_timeout
                           else max(300.0, 10 * timeout))
     startup_timeout = max(60.0, 2 * timeout)
-    log = log or _stderr_log
+    log = log or stderr_log
     threads = threads_per_rank(nproc, threads)
     try:
         body = json.dumps(args)

@@ -36,7 +36,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from llmctl.distributed.control import MAC, NONCE, ProtocolError, _mac, _recv_exact
+from llmctl.distributed.control import MAC, NONCE, ProtocolError, auth_mac, recv_exact
 from llmctl.distributed.env import parse_int
 from llmctl.errors import ConfigError, DistError
 
@@ -216,19 +216,19 @@ def auth_client(sock, secret, tag, rank, peer, world, who):
     sock.settimeout(HANDSHAKE_TIMEOUT)
     ident = _IDENT.pack(rank, peer, world, 0)
     try:
-        hello = _recv_exact(sock, len(MAGIC) + NONCE)
+        hello = recv_exact(sock, len(MAGIC) + NONCE)
         if hello[:len(MAGIC)] != MAGIC:
             raise DistError(f"rank {rank}: {who} is not an llmctl rendezvous/ring endpoint "
                             "(wrong greeting)")
         nonce_s = hello[len(MAGIC):]
         nonce_c = os.urandom(NONCE)
-        sock.sendall(MAGIC + ident + nonce_c + _mac(secret, tag, b"c", nonce_s, nonce_c, ident))
-        proof = _recv_exact(sock, MAC)
+        sock.sendall(MAGIC + ident + nonce_c + auth_mac(secret, tag, b"c", nonce_s, nonce_c, ident))
+        proof = recv_exact(sock, MAC)
     except (OSError, ConnectionError) as e:
         raise DistError(f"rank {rank}: {who} rejected this rank's credentials or went away "
                         f"during the handshake ({e})",
                         hint="every node must use the same LLMCTL_SECRET") from None
-    if not hmac_eq(proof, _mac(secret, tag, b"s", nonce_c, nonce_s, ident)):
+    if not hmac_eq(proof, auth_mac(secret, tag, b"s", nonce_c, nonce_s, ident)):
         raise DistError(f"rank {rank}: {who} failed to prove it knows the job secret",
                         hint="every node must use the same LLMCTL_SECRET")
 
@@ -239,7 +239,7 @@ def auth_server(sock, secret, tag):
     nonce_s = os.urandom(NONCE)
     try:
         sock.sendall(MAGIC + nonce_s)
-        hello = _recv_exact(sock, _HELLO_C)
+        hello = recv_exact(sock, _HELLO_C)
     except socket.timeout:
         raise ProtocolError("sent nothing valid within the handshake timeout") from None
     except (OSError, ConnectionError):
@@ -249,10 +249,10 @@ def auth_server(sock, secret, tag):
     ident = hello[8:8 + _IDENT.size]
     nonce_c = hello[8 + _IDENT.size:8 + _IDENT.size + NONCE]
     mac = hello[8 + _IDENT.size + NONCE:]
-    if not hmac_eq(mac, _mac(secret, tag, b"c", nonce_s, nonce_c, ident)):
+    if not hmac_eq(mac, auth_mac(secret, tag, b"c", nonce_s, nonce_c, ident)):
         raise ProtocolError("wrong job secret (HMAC mismatch)")
     try:
-        sock.sendall(_mac(secret, tag, b"s", nonce_c, nonce_s, ident))
+        sock.sendall(auth_mac(secret, tag, b"s", nonce_c, nonce_s, ident))
     except OSError:
         raise ProtocolError("closed during the handshake") from None
     rank, peer, world, _ = _IDENT.unpack(ident)
@@ -330,7 +330,7 @@ def check_record(rec, world):
 # ---------------------------------------------------------------------------------------------
 # the exchange
 
-def _fmt(addr, port):
+def host_port(addr, port):
     return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
 
 
@@ -364,7 +364,7 @@ def rendezvous(rank, world, master_addr, master_port, secret, record, timeout, l
 
 
 def _join(rank, world, addr, port, secret, record, deadline, timeout):
-    where = f"the rendezvous at {_fmt(addr, port)}"
+    where = f"the rendezvous at {host_port(addr, port)}"
     last = None
     while True:
         try:
@@ -411,7 +411,7 @@ def _serve(world, addr, port, secret, record, deadline, timeout, log):
     joined = {}            # rank -> (sock, record)
     refused = []           # "host:port (why)", in arrival order
     events = queue.Queue()
-    where = f"the rendezvous at {_fmt(addr, port)}"
+    where = f"the rendezvous at {host_port(addr, port)}"
 
     def handshake(s, peer):
         try:
@@ -453,7 +453,7 @@ def _serve(world, addr, port, secret, record, deadline, timeout, log):
                     kind, s, peer, x = events.get_nowait()
                 except queue.Empty:
                     break
-                who = _fmt(peer[0], peer[1])
+                who = host_port(peer[0], peer[1])
                 why = x if kind == "bad" else None
                 if kind == "ok" and (x["rank"] in joined or x["rank"] == 0):
                     why = f"a second JOIN for rank {x['rank']}"

@@ -40,7 +40,7 @@ import numpy as np
 
 from llmctl.distributed.base import Comm
 from llmctl.distributed.control import ProtocolError
-from llmctl.distributed.rendezvous import (_fmt, auth_client, auth_server, bind_listener, local_addr_for,
+from llmctl.distributed.rendezvous import (host_port, auth_client, auth_server, bind_listener, local_addr_for,
                                     rendezvous, resolve_addr)
 from llmctl.errors import DistError
 
@@ -97,13 +97,13 @@ def ring_connect(members, pos, listener, secret, timeout, connect_timeout):
                 got["in"] = s
                 return
             except ProtocolError as e:
-                rejected.append(f"{_fmt(*peer[:2])}: {e}")
+                rejected.append(f"{host_port(*peer[:2])}: {e}")
                 s.close()
 
     t = threading.Thread(target=accept, name="llmctl-ring-accept", daemon=True)
     t.start()
     out = None
-    who = f"rank {nxt['rank']} ({nxt['host']} {_fmt(nxt['addr'], nxt['port'])})"
+    who = f"rank {nxt['rank']} ({nxt['host']} {host_port(nxt['addr'], nxt['port'])})"
     try:
         while out is None:
             try:
@@ -118,7 +118,7 @@ def ring_connect(members, pos, listener, secret, timeout, connect_timeout):
         if "in" not in got:
             why = f" (rejected: {'; '.join(rejected[:3])})" if rejected else ""
             raise DistError(f"rank {me['rank']}: the previous ring member rank {prv['rank']} "
-                            f"({prv['host']} {_fmt(prv['addr'], prv['port'])}) did not connect "
+                            f"({prv['host']} {host_port(prv['addr'], prv['port'])}) did not connect "
                             f"within {connect_timeout:.0f} s{why}")
     except BaseException:
         if out is not None:
@@ -160,8 +160,8 @@ class RingComm(Comm):
         self._scratch = {}
         self._watch = []
         nxt, prv = members[(pos + 1) % self.size], members[(pos - 1) % self.size]
-        self._next_name = f"rank {nxt['rank']} ({nxt['host']} {_fmt(nxt['addr'], nxt['port'])})"
-        self._prev_name = f"rank {prv['rank']} ({prv['host']} {_fmt(prv['addr'], prv['port'])})"
+        self._next_name = f"rank {nxt['rank']} ({nxt['host']} {host_port(nxt['addr'], nxt['port'])})"
+        self._prev_name = f"rank {prv['rank']} ({prv['host']} {host_port(prv['addr'], prv['port'])})"
         self._op = ""
         self.allreduce_calls = 0
         self.allreduce_seconds = 0.0

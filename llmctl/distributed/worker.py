@@ -23,7 +23,7 @@ from llmctl.errors import DistError, LlmctlError
 ENV_PREFIX = "LLMCTL_DIST_"
 
 
-def _import_target(spec):
+def import_target(spec):
     mod, _, fn = spec.partition(":")
     if not mod or not fn:
         raise DistError(f"bad worker target {spec!r} (expected package.module:function)")
@@ -79,7 +79,7 @@ def main():
                    local_rank=int(env.get("LOCAL_RANK", rank)),
                    local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)))
     try:
-        fn = _import_target(target)
+        fn = import_target(target)
         with open(args_path) as f:
             args = json.load(f)
         result = fn(args, comm)

