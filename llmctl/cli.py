@@ -757,41 +757,77 @@ def sample_cmd(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object per sample (prompt_tokens, tokens, text) on stdout."),
 ):
     """Generate text with a KV cache, streaming it as it is produced; stops at -n tokens or EOT."""
-    import json
     import time
 
-    from llmctl.errors import ConfigError
-    from llmctl.sample import escape_controls, check_sample_length, check_sampling, default_start, sample
+    from llmctl.sample import check_sample_length, check_sampling, sample
+    from llmctl.threads import check_threads
     from llmctl.tokenizer import get_tokenizer
 
     check_sampling(temperature, top_k, top_p, seed)
-    from llmctl.threads import check_threads
-
     check_threads(threads)
-    if prompt is not None and prompt_file is not None:
-        raise ConfigError("give --prompt or --prompt-file, not both", hint="drop one of the two")
-    if prompt_file is not None:
-        try:
-            with open(prompt_file, encoding="utf-8") as f:
-                prompt = f.read()
-        except OSError as e:
-            raise ConfigError(f"--prompt-file {prompt_file}: cannot read it ({e.strerror or e})",
-                              hint="pass a UTF-8 text file, or the prompt itself with -p") from None
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"--prompt-file {prompt_file}: not UTF-8 text (byte {e.start}: {e.reason})",
-                              hint="pass a UTF-8 text file, or the prompt itself with -p") from None
+    prompt = _read_prompt(prompt, prompt_file)
     tok = get_tokenizer()
     prompt_tokens = tok.encoding.encode(prompt, allowed_special={"<|endoftext|>"}) if prompt else []
     model = _load_model(checkpoint, threads, precision, json_out)
-    if not prompt_tokens:  # llm.c starts from EOT; a model whose vocabulary lacks it starts from 0
-        start, note = default_start(model.config.vocab_size, tok.eot)
-        if note:
-            err_console.print(f"[dim]{escape(note)}[/]", soft_wrap=True)
-        prompt_tokens = [start]
+    prompt_tokens = prompt_tokens or [_start_token(model, tok)]
     n, msg = check_sample_length(model.config, len(prompt_tokens), num_tokens)
     if msg:
         err_console.print(f"[yellow]Warning:[/] {msg}")
     tty = sys.stdout.isatty()
+    t0 = time.time()
+    try:
+        results = sample(model, prompt_tokens, num_samples=num_samples, max_new_tokens=n,
+                         temperature=temperature, top_k=top_k or None,
+                         top_p=top_p if top_p < 1.0 else None, seed=seed, use_cache=not no_cache,
+                         tokenizer=tok, escape=tty, **_sample_printers(prompt, num_samples, tty, json_out))
+    except KeyboardInterrupt as e:  # --json prints whole samples only: say so (@_interruptible)
+        if json_out:
+            e.kept = "each JSON line above is a complete sample; the one being generated was dropped"
+        raise
+    if not json_out:
+        dt = time.time() - t0
+        ntok = sum(len(r["tokens"]) for r in results)
+        err_console.print(f"[dim]{ntok} tokens in {dt:.2f} s ({ntok / max(dt, 1e-9):.1f} tokens/s)"
+                          f"{escape(_eot_note(results, n))}[/]", soft_wrap=True)
+
+
+def _read_prompt(prompt, prompt_file):
+    """The prompt text of -p or --prompt-file (None: neither); ConfigError for both, or for a
+    file that cannot be read as UTF-8."""
+    from llmctl.errors import ConfigError
+
+    if prompt is not None and prompt_file is not None:
+        raise ConfigError("give --prompt or --prompt-file, not both", hint="drop one of the two")
+    if prompt_file is None:
+        return prompt
+    try:
+        with open(prompt_file, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise ConfigError(f"--prompt-file {prompt_file}: cannot read it ({e.strerror or e})",
+                          hint="pass a UTF-8 text file, or the prompt itself with -p") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--prompt-file {prompt_file}: not UTF-8 text (byte {e.start}: {e.reason})",
+                          hint="pass a UTF-8 text file, or the prompt itself with -p") from None
+
+
+def _start_token(model, tok):
+    """The token a sample without a prompt starts from: llm.c starts from EOT; a model whose
+    vocabulary lacks it starts from 0 (said on stderr)."""
+    from llmctl.sample import default_start
+
+    start, note = default_start(model.config.vocab_size, tok.eot)
+    if note:
+        err_console.print(f"[dim]{escape(note)}[/]", soft_wrap=True)
+    return start
+
+
+def _sample_printers(prompt, num_samples, tty, json_out):
+    """sample()'s callbacks: stream the text to stdout (the prompt first, control characters
+    escaped on a terminal), or with --json one JSON line per finished sample."""
+    import json
+
+    from llmctl.sample import escape_controls
 
     def on_text(i, piece):
         sys.stdout.write(piece)
@@ -810,24 +846,8 @@ def sample_cmd(
             sys.stdout.write("\n")
         sys.stdout.flush()
 
-    t0 = time.time()
-    try:
-        results = sample(model, prompt_tokens, num_samples=num_samples, max_new_tokens=n,
-                         temperature=temperature, top_k=top_k or None,
-                         top_p=top_p if top_p < 1.0 else None, seed=seed, use_cache=not no_cache,
-                         tokenizer=tok, escape=tty,
-                         on_text=None if json_out else on_text,
-                         on_sample_start=None if json_out else on_sample_start,
-                         on_sample_end=on_sample_end)
-    except KeyboardInterrupt as e:  # --json prints whole samples only: say so (@_interruptible)
-        if json_out:
-            e.kept = "each JSON line above is a complete sample; the one being generated was dropped"
-        raise
-    if not json_out:
-        dt = time.time() - t0
-        ntok = sum(len(r["tokens"]) for r in results)
-        err_console.print(f"[dim]{ntok} tokens in {dt:.2f} s ({ntok / max(dt, 1e-9):.1f} tokens/s)"
-                          f"{escape(_eot_note(results, n))}[/]", soft_wrap=True)
+    return {"on_text": None if json_out else on_text,
+            "on_sample_start": None if json_out else on_sample_start, "on_sample_end": on_sample_end}
 
 
 def _eot_note(results, n):
