@@ -108,38 +108,58 @@ def chart(curves, width=60, height=10, logy=False, hlines=(), title: Optional[st
     rows = height - 2 - (title is not None)
     if width < 12 or rows < 2:
         raise ValueError(f"chart of {width}x{height} cells is too small")
+    pts, hl = _finite_points(curves, hlines, logy)
+    box = _extent(pts, hl, xrange)
+    ylabels = _y_labels(box[2], box[3], rows, logy)
+    gutter = max(len(s) for s in ylabels.values()) + 1
+    cv = _Canvas(width - gutter - 1, rows)
+    _draw(cv, pts, hl, box)
+    return _render(cv, ylabels, gutter, width, title, box[0], box[1])
 
-    def ty(y):
-        y = np.asarray(y, dtype=np.float64)
-        if logy:
-            with np.errstate(divide="ignore", invalid="ignore"):
-                return np.where(y > 0, np.log10(np.where(y > 0, y, 1.0)), np.nan)
-        return y
 
+def _to_y(y, logy):
+    """y as plotted: log10 y on a log axis (NaN where y <= 0)."""
+    y = np.asarray(y, dtype=np.float64)
+    if logy:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(y > 0, np.log10(np.where(y > 0, y, 1.0)), np.nan)
+    return y
+
+
+def _finite_points(curves, hlines, logy):
+    """Per curve (x, y as plotted, curve) without non-finite points; [(y, hline)] likewise."""
     pts = []
     for c in curves:
-        x, y = np.asarray(c.x, dtype=np.float64), ty(c.y)
+        x, y = np.asarray(c.x, dtype=np.float64), _to_y(c.y, logy)
         ok = np.isfinite(x) & np.isfinite(y)
         pts.append((x[ok], y[ok], c))
-    hl = [(float(ty([h.y])[0]), h) for h in hlines]
-    hl = [(y, h) for y, h in hl if np.isfinite(y)]
+    hl = [(float(_to_y([h.y], logy)[0]), h) for h in hlines]
+    return pts, [(y, h) for y, h in hl if np.isfinite(y)]
+
+
+def _extent(pts, hl, xrange):
+    """(x0, x1, y0, y1): the axes' ranges over every point and line (x: xrange if given)."""
     allx = np.concatenate([p[0] for p in pts] + [np.zeros(0)])
     ally = np.concatenate([p[1] for p in pts] + [np.array([y for y, _ in hl])])
     x0, x1 = _range(*(xrange or ((allx.min(), allx.max()) if len(allx) else (np.nan, np.nan))))
     y0, y1 = _range(*((ally.min(), ally.max()) if len(ally) else (np.nan, np.nan)))
+    return x0, x1, y0, y1
 
+
+def _y_labels(y0, y1, rows, logy):
+    """{row: label}: the top and bottom rows, and the middle one from 5 rows up."""
     def label(v):
         return fmt_num(10 ** v if logy else v)
 
     ylabels = {0: label(y1), rows - 1: label(y0)}
     if rows >= 5:
         ylabels[(rows - 1) // 2] = label(y1 - (y1 - y0) * ((rows - 1) // 2) / (rows - 1))
-    gutter = max(len(s) for s in ylabels.values()) + 1
-    cols = width - gutter - 1
-    cv = _Canvas(cols, rows)
+    return ylabels
 
-    def to_px(x):
-        return np.rint((x - x0) / (x1 - x0) * (cv.W - 1)).astype(np.int64)
+
+def _draw(cv, pts, hl, box):
+    """The dotted horizontal lines, then each curve (band and mean line per dot column)."""
+    x0, x1, y0, y1 = box
 
     def to_py(y):
         return (y1 - y) / (y1 - y0) * (cv.H - 1)
@@ -152,21 +172,29 @@ def chart(curves, width=60, height=10, logy=False, hlines=(), title: Optional[st
         if not len(x):
             continue
         order = np.argsort(x, kind="stable")
-        px, py = to_px(x[order]), to_py(y[order])
+        px = np.rint((x[order] - x0) / (x1 - x0) * (cv.W - 1)).astype(np.int64)
+        py = to_py(y[order])
         keep = (px >= 0) & (px < cv.W)
-        if not keep.any():
-            continue
-        bx, mean, lo, hi = _bins(px[keep], py[keep])
-        mean = np.rint(mean).astype(np.int64)
-        if c.band:
-            for i, xx in enumerate(bx):
-                cv.vline(int(xx), int(round(lo[i])), int(round(hi[i])), c.style)
-        for i in range(len(bx)):
-            if i == 0:
-                cv.dot(int(bx[0]), int(mean[0]), c.style)
-            else:
-                cv.line(int(bx[i - 1]), int(mean[i - 1]), int(bx[i]), int(mean[i]), c.style)
+        if keep.any():
+            _draw_curve(cv, *_bins(px[keep], py[keep]), c)
 
+
+def _draw_curve(cv, bx, mean, lo, hi, c):
+    """One binned curve: its min..max span per column if c.band, then the line through the means."""
+    mean = np.rint(mean).astype(np.int64)
+    if c.band:
+        for i, xx in enumerate(bx):
+            cv.vline(int(xx), int(round(lo[i])), int(round(hi[i])), c.style)
+    for i in range(len(bx)):
+        if i == 0:
+            cv.dot(int(bx[0]), int(mean[0]), c.style)
+        else:
+            cv.line(int(bx[i - 1]), int(mean[i - 1]), int(bx[i]), int(mean[i]), c.style)
+
+
+def _render(cv, ylabels, gutter, width, title, x0, x1):
+    """The canvas as Text: title, rows with their y labels, the axis, the x labels."""
+    rows, cols = cv.bits.shape
     out = Text(no_wrap=True, overflow="crop")
     if title is not None:
         out.append(title[:width].ljust(width), style="bold")
@@ -174,18 +202,23 @@ def chart(curves, width=60, height=10, logy=False, hlines=(), title: Optional[st
     for r in range(rows):
         out.append(ylabels.get(r, "").rjust(gutter - 1) + " ", style="dim")
         out.append("┤" if r in ylabels else "│", style="dim")
-        run, run_style = [], None
-        for c in range(cols):
-            ch, st = chr(_BLANK + int(cv.bits[r, c])), cv.style[r][c]
-            if st != run_style and run:
-                out.append("".join(run), style=run_style or "")
-                run = []
-            run.append(ch)
-            run_style = st
-        out.append("".join(run), style=run_style or "")
+        _append_row(out, cv, r)
         out.append("\n")
     out.append(" " * gutter + "└" + "─" * cols, style="dim")
     out.append("\n")
     xl, xr = fmt_num(x0), fmt_num(x1)
     out.append((" " * (gutter + 1) + xl + xr.rjust(cols - len(xl))).ljust(width)[:width], style="dim")
     return out
+
+
+def _append_row(out, cv, r):
+    """Canvas row r's braille characters, one append per run of one style."""
+    run, run_style = [], None
+    for c in range(cv.bits.shape[1]):
+        ch, st = chr(_BLANK + int(cv.bits[r, c])), cv.style[r][c]
+        if st != run_style and run:
+            out.append("".join(run), style=run_style or "")
+            run = []
+        run.append(ch)
+        run_style = st
+    out.append("".join(run), style=run_style or "")
