@@ -319,11 +319,13 @@ def eval_hellaswag_multiproc(checkpoint, path, nproc, threads=None, limit=None, 
 # eval loss
 
 def eval_loss(model, pattern, B=4, T=None, max_batches=-1, on_progress=None, on_start=None):
-    """Mean next-token loss over token shards matching `pattern` (sorted), read like llm.c's
-    unshuffled loader: each shard gives (N-1) // (B*T) windows of B*T inputs + shifted targets.
+    """Mean next-token loss over token shards matching `pattern` (sorted), read by llm.c's
+    unshuffled loader (llmctl.loader.DataLoader, shuffle=False): each shard gives (N-1) // (B*T)
+    windows of B*T inputs + shifted targets; shards with fewer than B*T+1 tokens are skipped.
     max_batches >= 1 stops early (llm.c's -m; -1 = all). The forward keeps no activations (one layer of buffers,
     not L). -> dict(loss, perplexity, num_batches, num_tokens, files)."""
     from llmctl.formats import open_shard
+    from llmctl.loader import DataLoader
 
     cfg = model.config
     T = int(min(1024, cfg.max_seq_len) if T is None else T)  # -t 0 is an error, not "the default"
@@ -338,32 +340,26 @@ def eval_loss(model, pattern, B=4, T=None, max_batches=-1, on_progress=None, on_
     files = sorted(_glob.glob(pattern))
     if not files:
         raise DataError(f"no files match {pattern!r}", hint="check the -j pattern (quote it in the shell)")
-    plan = []
-    for f in files:
-        toks = open_shard(f)
-        n = (toks.shape[0] - 1) // (B * T)
-        plan.extend((f, s) for s in range(n))
-    if not plan:
+    files_used = [f for f in files if open_shard(f).shape[0] >= B * T + 1]  # others give no batch
+    if not files_used:
         raise DataError(f"{pattern}: no shard holds B*T+1 = {B * T + 1} tokens",
                         hint="lower -b or -t")
+    loader = DataLoader(files_used, B, T, shuffle=False)  # llm.c's val loader: shards in order
+    num_batches = loader.batches_per_epoch()
     if max_batches > 0:
-        plan = plan[:max_batches]
+        num_batches = min(num_batches, max_batches)
     if on_start is not None:
-        on_start(len(plan))
+        on_start(num_batches)
     total = 0.0
-    cur, toks = None, None
-    for i, (f, s) in enumerate(plan):
-        if f != cur:
-            cur, toks = f, open_shard(f)
-        buf = np.asarray(toks[s * B * T: s * B * T + B * T + 1], dtype=np.int64)
-        if int(buf.max()) >= cfg.vocab_size:
-            raise FormatError(f"{f}: token id {int(buf.max())} >= vocab size {cfg.vocab_size}",
+    for i in range(num_batches):
+        x, y = loader.next_batch()
+        top = max(int(x.max()), int(y.max()))
+        if top >= cfg.vocab_size:
+            raise FormatError(f"{loader.current_file}: token id {top} >= vocab size {cfg.vocab_size}",
                               hint="is this a llama-3 shard? llmctl models are GPT-2")
-        x = buf[:-1].reshape(B, T).astype(np.int32)
-        y = buf[1:].reshape(B, T).astype(np.int32)
         total += float(model.forward(x, y, keep_activations=False))
         if on_progress is not None:
             on_progress(i + 1)
-    loss = total / len(plan)
-    return {"loss": loss, "perplexity": float(np.exp(loss)), "num_batches": len(plan),
-            "num_tokens": len(plan) * B * T, "B": B, "T": T, "files": files, "precision": model.precision}
+    loss = total / num_batches
+    return {"loss": loss, "perplexity": float(np.exp(loss)), "num_batches": num_batches,
+            "num_tokens": num_batches * B * T, "B": B, "T": T, "files": files, "precision": model.precision}

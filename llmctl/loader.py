@@ -119,6 +119,15 @@ class DataLoader:
                                 hint="tokenize with the model's tokenizer, or train a model "
                                      "with a larger V")
 
+    def batches_per_epoch(self):
+        """Batches this rank reads before the loader starts over: every shard's samples."""
+        return sum(self._samples_in(i) for i in range(self.num_shards))
+
+    @property
+    def current_file(self):
+        """The shard the last batch came from."""
+        return self.files[self._loaded_file]
+
     # -- llm.c's functions ---------------------------------------------------------------------
 
     def _file_index(self, shard_idx):
