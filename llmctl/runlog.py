@@ -7,7 +7,8 @@ val loss and HellaSwag acc_norm. A run still being written is read up to its las
 A restarted run that re-logs older steps (llm.c appends to main.log on resume) is handled as
 dev/vislog.ipynb's `parse_logfile` intends: later records replace earlier ones, here by rewinding
 the series to the repeated step. Also `ema()`, the smoothing the plots and the live panel share.
-What it is not: drawing (llmctl/plot.py, llmctl/termchart.py) or writing logs (llmctl/train.py).
+`RunLogWriter` writes both files for `llmctl train -o`, with the same keys (FIELDS).
+What it is not: drawing (llmctl/plot.py, llmctl/termchart.py) or the training loop (llmctl/train.py).
 """
 import bisect
 import json
@@ -21,9 +22,15 @@ from llmctl.errors import DataError
 
 SERIES = ("train", "val", "hellaswag")
 SERIES_TITLES = {"train": "train loss", "val": "val loss", "hellaswag": "HellaSwag acc_norm"}
-# llmc/logger.h writes HellaSwag as `eval:`; `hsa:` is the key of other llm.c-style loggers
-MAINLOG_KEYS = {"trl": "train", "tel": "val", "eval": "hellaswag", "hsa": "hellaswag"}
-METRICS_KEYS = {"train_loss": "train", "val_loss": "val", "hellaswag_acc_norm": "hellaswag"}
+MAIN_LOG, METRICS = "main.log", "metrics.jsonl"
+# What a run logs, written and read by this one table: metrics.jsonl key -> (the series it is,
+# its main.log key, the format llmc/logger.h prints it with). llm.c writes HellaSwag as `eval:`.
+FIELDS = {"train_loss": ("train", "trl", ".4f"), "lr": (None, "lr", ".6f"),
+          "grad_norm": (None, "norm", ".2f"), "val_loss": ("val", "tel", ".4f"),
+          "hellaswag_acc_norm": ("hellaswag", "eval", ".4f")}
+METRICS_KEYS = {k: series for k, (series, _, _) in FIELDS.items() if series}
+# `hsa:` is the HellaSwag key of other llm.c-style loggers
+MAINLOG_KEYS = {**{key: series for series, key, _ in FIELDS.values() if series}, "hsa": "hellaswag"}
 EMA_ALPHA = 0.9  # weight of the past in the smoothed train loss (0 = no smoothing)
 
 _HINT = ("pass an `llmctl train -o DIR` output directory, its metrics.jsonl, or an llm.c main.log "
@@ -144,7 +151,7 @@ def _parse_metrics(path, lines, streams):
 def _resolve(path):
     """A directory -> its metrics.jsonl (full precision) else its main.log; a file -> itself."""
     if os.path.isdir(path):
-        for name in ("metrics.jsonl", "main.log"):
+        for name in (METRICS, MAIN_LOG):
             p = os.path.join(path, name)
             if os.path.isfile(p):
                 return p
@@ -220,3 +227,66 @@ def finite(step, value):
     ok = np.isfinite(value)
     return step[ok], value[ok]
 
+
+
+class RunLogWriter:
+    """main.log and metrics.jsonl of an `llmctl train -o DIR` run (nothing without a directory).
+
+    main.log: llm.c's lines (`s:%d trl:%.4f lr:%.6f norm:%.2f`, `s:%d tel:%.4f`, `s:%d eval:%.4f`),
+    truncated unless resuming, as llm.c does. metrics.jsonl: one JSON record per step; on a
+    resume the entries at or after `start_step` are dropped, so a resumed run's file equals an
+    uninterrupted one."""
+
+    def __init__(self, out_dir=None, resume=False, start_step=0):
+        self.main_log = self.metrics = None
+        if not out_dir:
+            return
+        from llmctl.checkpoints import os_error
+
+        log_path = os.path.join(out_dir, MAIN_LOG)
+        try:
+            self.main_log = open(log_path, "a" if resume else "w")
+        except OSError as e:
+            raise os_error(log_path, e) from None
+        try:
+            self._open_metrics(os.path.join(out_dir, METRICS), start_step)
+        except BaseException:
+            self.main_log.close()
+            raise
+
+    def _open_metrics(self, mpath, start_step):
+        from llmctl.atomic import atomic_write
+        from llmctl.checkpoints import OUTPUT_HINT, os_error
+
+        keep = []
+        if start_step > 0 and os.path.isfile(mpath):
+            with open(mpath) as f:
+                for line in f:
+                    try:
+                        if json.loads(line)["step"] < start_step:
+                            keep.append(line if line.endswith("\n") else line + "\n")
+                    except (ValueError, KeyError, TypeError):
+                        continue
+        atomic_write(mpath, "".join(keep), hint=OUTPUT_HINT)
+        try:
+            self.metrics = open(mpath, "a")
+        except OSError as e:
+            raise os_error(mpath, e) from None
+
+    def log(self, step, **values):
+        """One main.log line of `values` (FIELDS keys, in the order given)."""
+        if self.main_log is not None:
+            items = " ".join(f"{FIELDS[k][1]}:{v:{FIELDS[k][2]}}" for k, v in values.items())
+            self.main_log.write(f"s:{step} {items}\n")
+            self.main_log.flush()
+
+    def record(self, rec):
+        """One metrics.jsonl record."""
+        if self.metrics is not None:
+            self.metrics.write(json.dumps(rec) + "\n")
+            self.metrics.flush()
+
+    def close(self):
+        for f in (self.main_log, self.metrics):
+            if f is not None:
+                f.close()

@@ -24,7 +24,6 @@ Reference: llm.c train_gpt2.cu (`main`: the loop and its flags; `write_checkpoin
 """
 import contextlib
 import glob
-import json
 import math
 import os
 import re
@@ -35,8 +34,7 @@ import time
 
 import numpy as np
 
-from llmctl.atomic import atomic_write
-from llmctl.checkpoints import OUTPUT_HINT, Checkpoints, os_error
+from llmctl.checkpoints import Checkpoints
 from llmctl.constants import GPT2_VOCAB_SIZE
 from llmctl.inputs import split_inputs
 from llmctl.windows import TokenWindows, WindowBatches
@@ -49,6 +47,7 @@ from llmctl.model import load as load_model, peek_config, resolve_init
 from llmctl.outlier import OutlierDetector, as_float32, skip_update
 from llmctl.paths import TINYSHAKESPEARE_VAL
 from llmctl.roof import best_roof
+from llmctl.runlog import RunLogWriter
 from llmctl.schedulers import LRScheduler
 from llmctl.threads import resolve_threads
 from llmctl.train_config import TrainConfig
@@ -551,53 +550,8 @@ class Trainer:
         return info
 
     def _open_logs(self):
-        """main.log (llm.c: truncated unless -y 1) and metrics.jsonl (entries at or after the
-        resumed step are dropped, so a resumed run's file equals an uninterrupted one)."""
-        self.main_log = self.metrics = None
-        if not (self.out and self.is_master):
-            return
-        log_path = os.path.join(self.out, "main.log")
-        try:
-            self.main_log = open(log_path, "a" if self.cfg.resume == 1 else "w")
-        except OSError as e:
-            raise os_error(log_path, e) from None
-        try:
-            self._open_metrics()
-        except BaseException:
-            self.main_log.close()
-            raise
-
-    def _open_metrics(self):
-        mpath = os.path.join(self.out, "metrics.jsonl")
-        keep = []
-        if self.start_step > 0 and os.path.isfile(mpath):
-            with open(mpath) as f:
-                for line in f:
-                    try:
-                        if json.loads(line)["step"] < self.start_step:
-                            keep.append(line if line.endswith("\n") else line + "\n")
-                    except (ValueError, KeyError, TypeError):
-                        continue
-        atomic_write(mpath, "".join(keep), hint=OUTPUT_HINT)
-        try:
-            self.metrics = open(mpath, "a")
-        except OSError as e:
-            raise os_error(mpath, e) from None
-
-    def _close_logs(self):
-        for f in (self.main_log, self.metrics):
-            if f is not None:
-                f.close()
-
-    def _log(self, line):
-        if self.main_log is not None:
-            self.main_log.write(line + "\n")
-            self.main_log.flush()
-
-    def _record(self, rec):
-        if self.metrics is not None:
-            self.metrics.write(json.dumps(rec) + "\n")
-            self.metrics.flush()
+        self.logs = RunLogWriter(self.out if self.is_master else None, self.cfg.resume == 1,
+                                 self.start_step)
 
     def _stop_requested(self, sigint, launcher=True):
         stop = sigint.requested
@@ -668,7 +622,7 @@ class Trainer:
                         if self._stop_requested(sigint, launcher=False):  # Ctrl-C in val
                             self._interrupt(step, N, summary, resuming)
                         rec["val_loss"] = summary["val_loss"] = val
-                        self._log(f"s:{step} tel:{val:.4f}")
+                        self.logs.log(step, val_loss=val)
                         if self.is_master:
                             self.display.val(step, val)
                     if cfg.hellaswag and ((cfg.val_loss_every > 0 and step > 0
@@ -676,7 +630,7 @@ class Trainer:
                         hs = self.evaluate_hellaswag()  # every rank: a collective
                         acc = hs["acc_norm"]
                         rec["hellaswag_acc_norm"] = summary["hellaswag_acc_norm"] = acc
-                        self._log(f"s:{step} eval:{acc:.4f}")
+                        self.logs.log(step, hellaswag_acc_norm=acc)
                         if self.is_master:
                             self.display.message(f"HellaSwag: {hs['correct_norm']}/"
                                                  f"{hs['num_examples']} = {acc:f}")
@@ -692,7 +646,7 @@ class Trainer:
                     resuming = False
                     if last:
                         if len(rec) > 1:
-                            self._record(rec)
+                            self.logs.record(rec)
                         break
 
                     t0 = time.perf_counter()
@@ -712,8 +666,8 @@ class Trainer:
                     if self.P > 1:
                         rec["allreduce_ms"] = self.allreduce_ms
                         rec["adamw_ms"] = self.adamw_ms
-                    self._log(f"s:{step} trl:{loss:.4f} lr:{lr:.6f} norm:{norm:.2f}")
-                    self._record(rec)
+                    self.logs.log(step, train_loss=loss, lr=lr, grad_norm=norm)
+                    self.logs.record(rec)
                     summary.update(steps_run=summary["steps_run"] + 1, train_loss=loss)
                     if self.is_master:
                         self.display.step({**rec, "num_steps": N})
@@ -726,7 +680,7 @@ class Trainer:
             raise TrainInterrupted(f"aborted by a second Ctrl-C ({self.checkpoints.last_good_text()})",
                                    summary) from None
         finally:
-            self._close_logs()
+            self.logs.close()
             summary["checkpoint"] = self.last_checkpoint
             if times:
                 summary["avg_ms"] = (sum(times[1:]) / len(times[1:]) if len(times) > 1

@@ -501,3 +501,32 @@ def test_live_loss_chart_grows_each_step():
     assert d.chart.train[-1] == (39, 4.2 - 39 / 20 + 0.05 * math.sin(39))
     assert [s for s, _ in d.chart.val] == [0, 10, 20, 30]
     assert list(LossChart().__rich_console__(None, None)) == []  # nothing before the first step
+
+
+def test_run_log_writer_writes_llm_c_lines_and_records_that_read_run_reads_back(tmp_path):
+    """The writer of `train -o` and the reader share one key table: main.log lines are llm.c's
+    logger.h format byte for byte (printf, independent of llmctl), and a resume drops the
+    metrics at or after the resumed step."""
+    from llmctl.runlog import RunLogWriter
+
+    w = RunLogWriter(tmp_path)
+    w.log(0, val_loss=4.25)
+    w.log(0, train_loss=4.123456, lr=3e-4, grad_norm=1.234)
+    w.log(1, hellaswag_acc_norm=0.25)
+    for s in range(3):
+        w.record({"step": s, "train_loss": 4.0 - s, "val_loss": 5.0 - s})
+    w.close()
+    want = ["s:%d tel:%.4f" % (0, 4.25), "s:%d trl:%.4f lr:%.6f norm:%.2f" % (0, 4.123456, 3e-4, 1.234),
+            "s:%d eval:%.4f" % (1, 0.25)]
+    assert (tmp_path / "main.log").read_text() == "\n".join(want) + "\n"
+    def points(run, name):
+        return run.series[name].step.tolist(), run.series[name].value.tolist()
+
+    main = read_run(str(tmp_path / "main.log"))
+    assert points(main, "train") == ([0], [4.1235]) and points(main, "val") == ([0], [4.25])
+    assert points(main, "hellaswag") == ([1], [0.25])
+    w = RunLogWriter(tmp_path, resume=True, start_step=2)
+    w.record({"step": 2, "train_loss": 9.0})
+    w.close()
+    assert points(read_run(str(tmp_path)), "train") == ([0, 1, 2], [4.0, 3.0, 9.0])
+    assert (tmp_path / "main.log").read_text().count("\n") == 3  # a resume appends to main.log
