@@ -1,5 +1,5 @@
 """`llmctl.data`: another name of llmctl.windows (TokenWindows, WindowBatches), for code that
-imports it from here (README.md's example did). What it is not: a module of its own."""
+imports them from here. What it is not: a module of its own."""
 from llmctl.windows import TokenWindows, WindowBatches
 
 __all__ = ["TokenWindows", "WindowBatches"]

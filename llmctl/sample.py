@@ -25,8 +25,8 @@ from llmctl.constants import GPT2_EOT as EOT
 from llmctl.model.gpt2 import KVCache
 
 # Temperatures below this are greedy (argmax, no coin drawn). Any logit gap above ~1e-4 already
-# gives the runner-up < exp(-100) at T = 1e-6, and a subnormal T (1e-320) made z / T overflow
-# to inf - inf = NaN, which used to sample the last id (EOT) instead of the best one.
+# gives the runner-up < exp(-100) at T = 1e-6, and a subnormal T (1e-320) would make z / T
+# overflow to inf - inf = NaN, which samples the last id (EOT) instead of the best one.
 GREEDY_BELOW = 1e-6
 
 

@@ -4,7 +4,7 @@ What it is: the next-token-prediction samples of a sliding window, read from mem
 llm.c shards (`llmctl prepro` output, or llm.c's own). Window i of a shard with N tokens starts
 at token i*stride; x is the window's block_size tokens and y the same window shifted by one.
 The window starts are `range(0, N - block_size - 1, stride)`, so with stride 1 a shard has
-N - block_size - 1 windows (as the `TextDataset` of a plain token list that this replaces:
+N - block_size - 1 windows (as a `TextDataset` over a plain token list:
 `len = len(tokens) - block_size - 1`), and with stride=block_size the x's do not overlap. No
 window crosses from one shard into the next. It has only `__len__` and `__getitem__`, so it
 works unchanged as a `torch.utils.data.Dataset` (no torch import here):

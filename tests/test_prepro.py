@@ -854,8 +854,8 @@ def test_directory_input_says_is_a_directory(tmp_path, capsys):
 
 
 def test_parallelism_and_its_alias_backend_are_one_option(tmp_path, capsys):
-    """--parallelism is the name, --backend (what docs/data.md once said) the same option: the
-    value of either reaches the tokenizer, which names the bad one."""
+    """--backend is an alias of --parallelism: the value of either spelling reaches the
+    tokenizer, which names a bad one, and both write the same shards."""
     src = tmp_path / "c.txt"
     src.write_text("hello world\n\nsecond doc\n", encoding="utf-8")
     for spelling in ("--parallelism", "--backend"):

@@ -1455,8 +1455,8 @@ def test_absurd_values_are_usage_errors(data, tmp_path, capsys, flag, value):
 
 
 def test_transport_and_its_alias_backend_are_one_option(capsys):
-    """--transport is the name, --backend (what the README once said) the same option: either
-    spelling's value reaches the transport check, before any data is read."""
+    """--backend is an alias of --transport: either spelling's value reaches the transport
+    check, before any data is read."""
     for spelling in ("--transport", "--backend"):
         rc, out, err = run_cli([spelling, "carrier-pigeon"], capsys)
         assert rc == 2 and out == "", err
