@@ -175,6 +175,11 @@ app.add_typer(eval_app, name="eval")
 
 
 # The options several commands share, defined once (their help: llmctl/options.py).
+def _json_opt(prints):
+    """--json: machine output only on stdout (`prints` says what); messages stay on stderr."""
+    return typer.Option(False, "--json", help=f"Print {prints} on stdout.")
+
+
 _MODEL_OPT = typer.Option(None, "--checkpoint", "-e", show_default=False, help=MODEL_HELP)
 _THREADS_OPT = typer.Option(0, "--threads", help=THREADS_HELP)
 _PRECISION_OPT = typer.Option(DEFAULT_PRECISION, "--precision", help=PRECISION_HELP)
@@ -231,7 +236,7 @@ _PREPRO_KEPT = "every file is written under a temp name and renamed, so no parti
 
 @app.command()
 @_interruptible()
-def info(json_out: bool = typer.Option(False, "--json", help="Print one JSON object.")):
+def info(json_out: bool = _json_opt("one JSON object")):
     """Version, OpenMP build, thread count and BLAS in use."""
     import json
 
@@ -255,8 +260,7 @@ def info(json_out: bool = typer.Option(False, "--json", help="Print one JSON obj
 
 
 def _prepro_log(json_out):
-    from rich.markup import escape
-
+    """Progress notes, dim on stderr; none with --json."""
     return None if json_out else (lambda msg: err_console.print(f"[dim]{escape(msg)}[/]", soft_wrap=True))
 
 
@@ -304,7 +308,7 @@ def _check_shard_size(shard_size):
     check_shard_size(shard_size, minimum=CLI_MIN_SHARD_SIZE)
 
 
-_JSON_OPT = typer.Option(False, "--json", help="Print a JSON summary on stdout.")
+_JSON_OPT = _json_opt("a JSON summary")
 _WORKERS_OPT = typer.Option(0, "--workers", "-w", help="Tokenizer threads/processes (0 = OMP_NUM_THREADS or all cores).")
 _SHARD_SIZE_OPT = typer.Option(10**8, "--shard-size", "-s", help="Tokens per shard (llm.c fineweb.py: -s).")
 _PARALLELISM_OPT = typer.Option("threads", "--parallelism", "--backend", help="How the -w workers tokenize: threads (tiktoken, GIL-free) or processes (--backend is an alias).")
@@ -441,10 +445,6 @@ def prepro_tokenizer_cmd(
 # --- pretrained GPT-2 in and out (llmctl/hf/, llmctl/prepro/gpt2.py) --------------------------
 
 
-def _pretrained_log(json_out):
-    return None if json_out else (lambda msg: err_console.print(f"[dim]{escape(msg)}[/]", soft_wrap=True))
-
-
 @prepro_app.command("gpt2")
 @_interruptible(_PREPRO_KEPT)
 def prepro_gpt2_cmd(
@@ -463,7 +463,7 @@ def prepro_gpt2_cmd(
 
     _prepro_report(prepro_gpt2(model=model, out_dir=out_dir, debug_state=debug_state, input_bin=input_bin,
                                batch_size=batch_size, seq_len=seq_len, local_files_only=True if offline else None,
-                               progress=not json_out, threads=threads or None, log=_pretrained_log(json_out)),
+                               progress=not json_out, threads=threads or None, log=_prepro_log(json_out)),
                    json_out)
 
 
@@ -473,7 +473,7 @@ def export_cmd(
     checkpoint: str = typer.Argument(..., help="llm.c checkpoint .bin (v3 fp32 or v5 bf16)."),
     out_dir: str = typer.Argument(..., help="New Hugging Face model directory to write."),
     force: bool = typer.Option(False, "--force", help="Replace OUT_DIR if it holds an earlier export (and nothing else)."),
-    json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
+    json_out: bool = _JSON_OPT,
 ):
     """An llm.c checkpoint -> a Hugging Face GPT-2 directory (config.json, model.safetensors, tokenizer files) that transformers loads."""
     import json
@@ -498,7 +498,7 @@ def inspect_bin_cmd(
         None, show_default=False, metavar="FILES",
         help=f"llm.c .bin files: token shards, eval files, checkpoints, tokenizer and state files "
              f"(default: every .bin under {DATA_DIR}/)."),
-    json_out: bool = typer.Option(False, "--json", help="Print a JSON list, one object per file, on stdout."),
+    json_out: bool = _json_opt("a JSON list, one object per file"),
     decode: int = typer.Option(
         0, "--decode", min=0, metavar="N",
         help="Also print the first N tokens of each shard (or of the first eval example) as text."),
@@ -598,7 +598,7 @@ def eval_hellaswag_cmd(
     nproc: int = typer.Option(1, "--nproc", min=1, help="Processes on this host, each scoring a contiguous slice as llm.c's ranks do (llm.c -pn); threads per process = cores / N unless --threads. No --per-example or progress bar with N > 1."),
     threads: int = _THREADS_OPT,
     precision: str = _PRECISION_OPT,
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    json_out: bool = _json_opt("one JSON object"),
 ):
     """Multiple-choice accuracy (HellaSwag) scored exactly as llm.c's EvalLoader: acc_norm, acc, correct/total."""
     import json
@@ -653,7 +653,7 @@ def eval_loss_cmd(
     max_batches: int = typer.Option(-1, "--max-batches", "-m", help="Stop after N batches; -1 = every full batch of every shard (llm.c: -m)."),
     threads: int = _THREADS_OPT,
     precision: str = _PRECISION_OPT,
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    json_out: bool = _json_opt("one JSON object"),
 ):
     """Mean next-token loss and perplexity of a checkpoint over token shards (llm.c's val loss)."""
     import json
@@ -702,7 +702,7 @@ def plot_cmd(
     terminal: bool = typer.Option(False, "--terminal", help="Draw the panels in the terminal (braille characters; no matplotlib needed)."),
     width: int = typer.Option(0, "--width", min=0, help="--terminal: chart width in columns (0 = the terminal's)."),
     height: int = typer.Option(14, "--height", min=6, help="--terminal: lines per panel."),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object (the image written, per run its series' points, last/min/max)."),
+    json_out: bool = _json_opt("one JSON object (the image written, per run its series' points, last/min/max)"),
 ):
     """Plot training curves: train loss (raw + EMA), val loss, HellaSwag acc_norm; runs overlaid (as llm.c's dev/vislog.ipynb)."""
     import json
@@ -754,7 +754,7 @@ def sample_cmd(
     no_cache: bool = typer.Option(False, "--no-cache", help="Recompute the full forward every token (llm.c's way; slow)."),
     threads: int = _THREADS_OPT,
     precision: str = _PRECISION_OPT,
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object per sample (prompt_tokens, tokens, text) on stdout."),
+    json_out: bool = _json_opt("one JSON object per sample (prompt_tokens, tokens, text)"),
 ):
     """Generate text with a KV cache, streaming it as it is produced; stops at -n tokens or EOT."""
     import time
@@ -864,7 +864,7 @@ def _eot_note(results, n):
 
 
 def _train_launch_options(
-    json_out: bool = typer.Option(False, "--json", help="Machine output: one JSON object per event on stdout."),
+    json_out: bool = _json_opt("one JSON object per event"),
     nproc: int = typer.Option(1, "--nproc", help="Data-parallel processes on this host (llm.c -pn); threads per process = cores / N unless --threads."),
     dist_timeout: float = typer.Option(30.0, "--dist-timeout", help="Seconds without a heartbeat before a rank counts as dead or hung and the job stops (--nproc > 1)."),
     master_port: int = typer.Option(0, "--master-port", help="Loopback TCP port of the --nproc control hub (0 = pick a free one). Across hosts: the rendezvous port on --master-addr (0 = MASTER_PORT or 29500)."),
