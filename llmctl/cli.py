@@ -185,6 +185,28 @@ _THREADS_OPT = typer.Option(0, "--threads", help=THREADS_HELP)
 _PRECISION_OPT = typer.Option(DEFAULT_PRECISION, "--precision", help=PRECISION_HELP)
 
 
+def _command_signature(*groups):
+    """A command's parameters, group by group: a config dataclass gives one option per field
+    (its flags, default and help live in its `flag(...)` metadata: llmctl/train_config.py,
+    llmctl/sample_config.py), a function its own typer options."""
+    import dataclasses
+    import inspect
+
+    from llmctl.train_config import cli_options
+
+    params = []
+    for group in groups:
+        if not dataclasses.is_dataclass(group):
+            params += [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+                       for p in inspect.signature(group).parameters.values()]
+            continue
+        for f, opt in cli_options(group):
+            option = typer.Option(opt.pop("default"), *opt.pop("param_decls"), **opt)
+            params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option,
+                                            annotation=f.type))
+    return inspect.Signature(params)
+
+
 def _version_callback(value: bool):
     if value:
         from llmctl.info import runtime_info, format_info
@@ -739,33 +761,40 @@ def plot_cmd(
                           f"{len(loaded)} run{'s' if len(loaded) != 1 else ''})")
 
 
-@app.command("sample")
-@_interruptible("the text above is what was generated")
-def sample_cmd(
-    checkpoint: Optional[str] = _MODEL_OPT,
-    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Prompt text (<|endoftext|> is the EOT token). Default: start from EOT like llm.c."),
-    prompt_file: Optional[str] = typer.Option(None, "--prompt-file", help="Read the prompt from a UTF-8 file (verbatim; default: none, see --prompt)."),
-    num_tokens: int = typer.Option(64, "-n", "--max-new-tokens", min=1, help="Tokens to generate; truncated with a message if prompt + n > maxT (llm.c train: -g)."),
-    temperature: float = typer.Option(1.0, "--temperature", min=0.0, help="Softmax temperature; 0 = greedy."),
-    top_k: int = typer.Option(0, "--top-k", min=0, help="Sample among the K most likely tokens (0 = off)."),
-    top_p: float = typer.Option(1.0, "--top-p", min=0.0, max=1.0, help="Nucleus sampling: smallest set with probability >= P (1 = off)."),
-    seed: int = typer.Option(1337, "--seed", help="Sampler seed, 1..2^64-1 (llm.c's xorshift64*; same seed -> same text)."),
-    num_samples: int = typer.Option(1, "--num-samples", min=1, help="Samples to draw, one after another from one RNG stream."),
-    no_cache: bool = typer.Option(False, "--no-cache", help="Recompute the full forward every token (llm.c's way; slow)."),
+def _sample_model_option(checkpoint: Optional[str] = _MODEL_OPT):
+    """`llmctl sample`'s -e, first in its --help."""
+
+
+def _sample_run_options(
     threads: int = _THREADS_OPT,
     precision: str = _PRECISION_OPT,
     json_out: bool = _json_opt("one JSON object per sample (prompt_tokens, tokens, text)"),
 ):
+    """`llmctl sample`'s shared options after SampleConfig's settings in --help."""
+
+
+def sample_cmd(**options):
     """Generate text with a KV cache, streaming it as it is produced; stops at -n tokens or EOT."""
+    from dataclasses import fields
+
+    from llmctl.sample_config import SampleConfig
+
+    cfg = SampleConfig(**{f.name: options.pop(f.name) for f in fields(SampleConfig)})
+    _sample(cfg, **options)
+
+
+def _sample(cfg, checkpoint, threads, precision, json_out):
+    """`llmctl sample` with its settings parsed: check them, load the model, sample, report."""
     import time
 
-    from llmctl.sample import check_sample_length, check_sampling, sample
+    from llmctl.sample import check_sample_length, sample
     from llmctl.threads import check_threads
     from llmctl.tokenizer import get_tokenizer
 
-    check_sampling(temperature, top_k, top_p, seed)
+    cfg.validate()
     check_threads(threads)
-    prompt = _read_prompt(prompt, prompt_file)
+    prompt = _read_prompt(cfg)
+    num_tokens, num_samples = cfg.num_tokens, cfg.num_samples
     tok = get_tokenizer()
     prompt_tokens = tok.encoding.encode(prompt, allowed_special={"<|endoftext|>"}) if prompt else []
     model = _load_model(checkpoint, threads, precision, json_out)
@@ -777,8 +806,9 @@ def sample_cmd(
     t0 = time.time()
     try:
         results = sample(model, prompt_tokens, num_samples=num_samples, max_new_tokens=n,
-                         temperature=temperature, top_k=top_k or None,
-                         top_p=top_p if top_p < 1.0 else None, seed=seed, use_cache=not no_cache,
+                         temperature=cfg.temperature, top_k=cfg.top_k or None,
+                         top_p=cfg.top_p if cfg.top_p < 1.0 else None, seed=cfg.seed,
+                         use_cache=not cfg.no_cache,
                          tokenizer=tok, escape=tty, **_sample_printers(prompt, num_samples, tty, json_out))
     except KeyboardInterrupt as e:  # --json prints whole samples only: say so (@_interruptible)
         if json_out:
@@ -791,15 +821,15 @@ def sample_cmd(
                           f"{escape(_eot_note(results, n))}[/]", soft_wrap=True)
 
 
-def _read_prompt(prompt, prompt_file):
+def _read_prompt(cfg):
     """The prompt text of -p or --prompt-file (None: neither); ConfigError for both, or for a
     file that cannot be read as UTF-8."""
     from llmctl.errors import ConfigError
 
-    if prompt is not None and prompt_file is not None:
-        raise ConfigError("give --prompt or --prompt-file, not both", hint="drop one of the two")
+    cfg.check_prompt_source()
+    prompt_file = cfg.prompt_file
     if prompt_file is None:
-        return prompt
+        return cfg.prompt
     try:
         with open(prompt_file, encoding="utf-8") as f:
             return f.read()
@@ -850,6 +880,17 @@ def _sample_printers(prompt, num_samples, tty, json_out):
             "on_sample_start": None if json_out else on_sample_start, "on_sample_end": on_sample_end}
 
 
+def _sample_signature():
+    """`llmctl sample`'s parameters: -e, one option per SampleConfig field, the shared options."""
+    from llmctl.sample_config import SampleConfig
+
+    return _command_signature(_sample_model_option, SampleConfig, _sample_run_options)
+
+
+sample_cmd.__signature__ = _sample_signature()
+app.command("sample")(_interruptible("the text above is what was generated")(sample_cmd))
+
+
 def _eot_note(results, n):
     """Says which samples ended at <|endoftext|> instead of after -n tokens ('' for none)."""
     k = sum(r["stopped_at_eot"] for r in results)
@@ -878,23 +919,6 @@ def _train_launch_options(
     """The launch options of `llmctl train` (after TrainConfig's settings in --help)."""
 
 
-def _train_signature():
-    """`llmctl train`'s parameters: one option per TrainConfig field (its flags, default and help
-    live in llmctl/train_config.py), then the launch options above."""
-    import inspect
-
-    from llmctl.train_config import cli_options
-
-    params = []
-    for f, opt in cli_options():
-        option = typer.Option(opt.pop("default"), *opt.pop("param_decls"), **opt)
-        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option,
-                                        annotation=f.type))
-    params += [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
-               for p in inspect.signature(_train_launch_options).parameters.values()]
-    return inspect.Signature(params)
-
-
 def train_cmd(**options):
     """Train GPT-2 with llm.c's loop (train_gpt2.cu flags); checkpoints llm.c can load; -y 1 resumes bit-exactly."""
     import inspect
@@ -911,6 +935,13 @@ def train_cmd(**options):
     except TrainInterrupted as e:
         err_console.print(f"Interrupted: {e.message}", soft_wrap=True, highlight=False, markup=False)
         raise typer.Exit(130) from None
+
+
+def _train_signature():
+    """`llmctl train`'s parameters: one option per TrainConfig field, then the launch options."""
+    from llmctl.train_config import TrainConfig
+
+    return _command_signature(TrainConfig, _train_launch_options)
 
 
 train_cmd.__signature__ = _train_signature()

@@ -282,14 +282,16 @@ def _short(f):
     return m["flags"][0] if m["flags"] else m.get("long", f.name)
 
 
-def cli_options():
-    """(field, typer.Option keyword arguments) for each TrainConfig field the CLI exposes."""
-    for f in fields(TrainConfig):
+def cli_options(config=None):
+    """(field, typer.Option keyword arguments) for each field the CLI exposes of `config`, a
+    dataclass of `flag(...)` fields (default: TrainConfig; llmctl/sample_config.py is another)."""
+    for f in fields(config or TrainConfig):
         m = f.metadata
         if not m["flags"]:
             continue
         opt = {"default": m.get("cli_default", f.default), "param_decls": m["flags"],
                "help": m["help"]}
-        if "min" in m:
-            opt["min"] = m["min"]
+        for limit in ("min", "max"):
+            if limit in m:
+                opt[limit] = m[limit]
         yield f, opt
