@@ -57,7 +57,8 @@ def check_oversubscription(nproc, threads, what="--nproc x --threads"):
         said = f"{what} {threads}" if int(nproc) == 1 else f"{what} = {nproc} x {threads} = {total} threads"
         raise ConfigError(f"{said}: too many for {cores} usable cores "
                           f"(at most {OVERSUBSCRIBE_LIMIT * cores} in total)",
-                          hint=f"use at most {cores} in total; 0 picks a good default")
+                          hint=f"use --threads 0 (the default: a good count) or at most {cores} "
+                               "threads in total")
     return total
 
 
