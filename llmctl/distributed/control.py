@@ -446,7 +446,7 @@ class Hub:
             if self.failure is None:
                 self.failed_rank = rank
                 self.failed_hint = m["hint"] or None
-            self._fail(f"{self.name(rank)} failed{self._at(rank)}: {m['msg']}")
+            self._fail(f"{self.name(rank)} failed{self.at_step(rank)}: {m['msg']}")
             return
         # t == "coll"
         seq = m["seq"]
@@ -471,7 +471,7 @@ class Hub:
         if len(digests) != 1:
             op = next(iter(kinds))[0]
             detail = ", ".join(f"rank {r}: {d[:16]}" for r, (_, _, d) in sorted(arr.items()))
-            self._fail(f"ranks disagree on {op}{self._at(0)} (collective #{seq}): {detail}")
+            self._fail(f"ranks disagree on {op}{self.at_step(0)} (collective #{seq}): {detail}")
             return
         del self.arrivals[seq]
         del self.first_arrival[seq]
@@ -479,7 +479,8 @@ class Hub:
         for r in range(self.world_size):
             self._send(r, {"t": "go", "seq": seq, "stop": bool(self.stop)})
 
-    def _at(self, rank, last_seen=False):
+    def at_step(self, rank, last_seen=False):
+        """Where rank was, for messages: ' at step S', ' (last seen at step S)', or '' if unknown."""
         s = self.step.get(rank)
         if s is None:
             return ""
@@ -505,7 +506,7 @@ class Hub:
             quiet = now - self.last_seen[rank]
             if quiet > self.timeout:
                 self._fail(f"{self.name(rank)} sent no heartbeat for {quiet:.1f} s: hung or "
-                           f"stopped{self._at(rank, True)}")
+                           f"stopped{self.at_step(rank, True)}")
                 return
         for seq, t0 in self.first_arrival.items():
             arr = self.arrivals[seq]
@@ -517,7 +518,7 @@ class Hub:
                 return
             if now - t0 > self.collective_timeout:
                 self._fail(f"{self.name(waiting[0])} did not reach collective #{seq} "
-                           f"({next(iter(arr.values()))[0]}){self._at(waiting[0], True)} within "
+                           f"({next(iter(arr.values()))[0]}){self.at_step(waiting[0], True)} within "
                            f"{self.collective_timeout:.0f} s while ranks {sorted(arr)} waited")
                 return
 

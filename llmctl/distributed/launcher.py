@@ -238,7 +238,7 @@ def _run(hub, procs, state, log, timeout):
             if r in hub.errors:  # prefer the rank's own one-line error over its exit code
                 state["usage_error"] = rc == 2
                 return hub.failure or f"{hub.name(r)} failed: {hub.errors[r]}"
-            return f"{hub.name(r)} {_describe_exit(rc)}{hub._at(r, True)}"
+            return f"{hub.name(r)} {_describe_exit(rc)}{hub.at_step(r, True)}"
         if hub.failure is not None:
             r = hub.failed_rank
             if r is not None:  # it reported an error and is exiting: its exit code says which kind
@@ -249,7 +249,7 @@ def _run(hub, procs, state, log, timeout):
             return hub.failure
         for r, t_lost in hub.lost.items():
             if r not in exited and now - t_lost > 2.0:
-                return f"{hub.name(r)} closed its control connection{hub._at(r, True)}"
+                return f"{hub.name(r)} closed its control connection{hub.at_step(r, True)}"
         if len(exited) == len(procs):
             return None
         if state["sigterm"]:
