@@ -18,7 +18,7 @@ from llmctl.constants import GPT2_VOCAB_SIZE
 from llmctl.errors import LlmctlError
 from llmctl.info import DEFAULT_PRECISION
 from llmctl.options import MODEL_HELP, PRECISION_HELP, THREADS_HELP
-from llmctl.paths import DATA_DIR, HELLASWAG_VAL, PLOT_OUTPUT, TINYSHAKESPEARE_URL, TINYSHAKESPEARE_VAL
+from llmctl.paths import DATA_DIR, PLOT_OUTPUT, TINYSHAKESPEARE_URL
 
 err_console = Console(stderr=True, highlight=False)
 out_console = Console(highlight=False)
@@ -608,39 +608,46 @@ def _rate_progress(unit):
 
 
 
-@eval_app.command("hellaswag")
-@_interruptible("no result")
-def eval_hellaswag_cmd(
-    checkpoint: Optional[str] = _MODEL_OPT,
-    input_file: Optional[str] = typer.Option(None, "--input", "-i", show_default=False, help=f"llm.c eval file (written by `llmctl prepro hellaswag`) (default: {HELLASWAG_VAL}, written first if it is missing)."),
-    limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Score only the first N examples (default: all)."),
-    norm: str = typer.Option("tokens", "--norm", help="acc_norm normalisation: tokens (llm.c: mean loss per token) or chars (lm-evaluation-harness: per character)."),
-    per_example: bool = typer.Option(False, "--per-example", help="With --json: include every example's losses and choices."),
-    batch_tokens: int = typer.Option(2048, "--batch-tokens", min=64, help="Padded positions per forward batch (memory vs. speed)."),
-    nproc: int = typer.Option(1, "--nproc", min=1, help="Processes on this host, each scoring a contiguous slice as llm.c's ranks do (llm.c -pn); threads per process = cores / N unless --threads. No --per-example or progress bar with N > 1."),
+def _eval_model_option(checkpoint: Optional[str] = _MODEL_OPT):
+    """An eval command's -e, first in its --help."""
+
+
+def _eval_run_options(
     threads: int = _THREADS_OPT,
     precision: str = _PRECISION_OPT,
     json_out: bool = _json_opt("one JSON object"),
 ):
+    """An eval command's shared options, after its own settings in --help."""
+
+
+def _config_of(cls, options):
+    """An instance of the config dataclass cls from a generated command's options, which lose
+    those fields (the rest are the shared options)."""
+    from dataclasses import fields
+
+    return cls(**{f.name: options.pop(f.name) for f in fields(cls)})
+
+
+def eval_hellaswag_cmd(**options):
     """Multiple-choice accuracy (HellaSwag) scored exactly as llm.c's EvalLoader: acc_norm, acc, correct/total."""
+    from llmctl.eval_config import HellaswagConfig
+
+    _eval_hellaswag(_config_of(HellaswagConfig, options), **options)
+
+
+def _eval_hellaswag(cfg, checkpoint, threads, precision, json_out):
     import json
     import time
 
-    from llmctl.errors import ConfigError
     from llmctl.evaluate import eval_hellaswag, eval_hellaswag_multiproc, hellaswag_file
-
-    if norm not in ("tokens", "chars"):
-        raise ConfigError(f"--norm must be 'tokens' or 'chars', got {norm!r}",
-                          hint="tokens is llm.c's acc_norm, chars lm-evaluation-harness's")
-    if per_example and nproc > 1:  # before any data is fetched
-        raise ConfigError("--per-example needs --nproc 1",
-                          hint="drop --nproc (each process keeps only its own examples' results)")
+    from llmctl.info import check_precision
     from llmctl.threads import check_threads
 
+    cfg.validate()  # before any data is fetched
+    nproc, limit, norm, batch_tokens = cfg.nproc, cfg.limit, cfg.norm, cfg.batch_tokens
     check_threads(threads, nproc)
-    from llmctl.info import check_precision
-
     check_precision(precision)  # before any data is fetched or a model read
+    input_file = cfg.input_file
     input_file = hellaswag_file(input_file, log=_prepro_log(json_out))
     checkpoint = _resolve_model(checkpoint, precision, json_out)
     t0 = time.time()
@@ -651,7 +658,7 @@ def eval_hellaswag_cmd(
         model = _load_model(checkpoint, threads, precision)
         with _rate_progress("ex") as progress:
             task = progress.add_task("hellaswag", total=None)
-            res = eval_hellaswag(model, input_file, limit=limit, norm=norm, per_example=per_example,
+            res = eval_hellaswag(model, input_file, limit=limit, norm=norm, per_example=cfg.per_example,
                                  batch_tokens=batch_tokens,
                                  on_start=lambda n: progress.update(task, total=n),
                                  on_progress=lambda d: progress.update(task, completed=d))
@@ -665,33 +672,27 @@ def eval_hellaswag_cmd(
     err_console.print(f"[dim]{n} examples in {res['seconds']:.1f} s ({n / max(res['seconds'], 1e-9):.2f} examples/s)[/]")
 
 
-@eval_app.command("loss")
-@_interruptible("no result")
-def eval_loss_cmd(
-    checkpoint: Optional[str] = _MODEL_OPT,
-    pattern: str = typer.Option(TINYSHAKESPEARE_VAL, "--val", "-j", help="Token shard glob, quoted (llm.c: -j)."),
-    batch_size: int = typer.Option(4, "--batch-size", "-b", help="Sequences per forward (llm.c: -b)."),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len", "-t", help="Sequence length T (default: min(1024, maxT)) (llm.c: -t)."),
-    max_batches: int = typer.Option(-1, "--max-batches", "-m", help="Stop after N batches; -1 = every full batch of every shard (llm.c: -m)."),
-    threads: int = _THREADS_OPT,
-    precision: str = _PRECISION_OPT,
-    json_out: bool = _json_opt("one JSON object"),
-):
+def eval_loss_cmd(**options):
     """Mean next-token loss and perplexity of a checkpoint over token shards (llm.c's val loss)."""
-    import json
+    from llmctl.eval_config import EvalLossConfig
 
+    _eval_loss(_config_of(EvalLossConfig, options), **options)
+
+
+def _eval_loss(cfg, checkpoint, threads, precision, json_out):
+    import json
     import math
 
     from llmctl.errors import DataError
     from llmctl.evaluate import eval_loss
-
     from llmctl.threads import check_threads
 
+    pattern = cfg.pattern
     check_threads(threads)
     model = _load_model(checkpoint, threads, precision, json_out)
     with _rate_progress("batch") as progress:
         task = progress.add_task("loss", total=None)
-        res = eval_loss(model, pattern, B=batch_size, T=seq_len, max_batches=max_batches,
+        res = eval_loss(model, pattern, B=cfg.batch_size, T=cfg.seq_len, max_batches=cfg.max_batches,
                         on_start=lambda n: progress.update(task, total=n),
                         on_progress=lambda d: progress.update(task, completed=d))
     if not math.isfinite(res["loss"]):
@@ -703,6 +704,19 @@ def eval_loss_cmd(
     print(f"loss: {res['loss']:.4f}  perplexity: {res['perplexity']:.2f}")
     err_console.print(f"[dim]{res['num_batches']} batches x {res['B']}x{res['T']} tokens "
                       f"from {len(res['files'])} file(s)[/]")
+
+
+def _eval_signatures():
+    """The eval commands' parameters: -e, one option per field of their config, the shared ones."""
+    from llmctl.eval_config import EvalLossConfig, HellaswagConfig
+
+    for cmd, config in ((eval_hellaswag_cmd, HellaswagConfig), (eval_loss_cmd, EvalLossConfig)):
+        cmd.__signature__ = _command_signature(_eval_model_option, config, _eval_run_options)
+
+
+_eval_signatures()
+eval_app.command("hellaswag")(_interruptible("no result")(eval_hellaswag_cmd))
+eval_app.command("loss")(_interruptible("no result")(eval_loss_cmd))
 
 
 # runlog.EMA_ALPHA, written out: the CLI builds its help without importing NumPy (runlog does);

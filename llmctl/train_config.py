@@ -291,7 +291,7 @@ def cli_options(config=None):
             continue
         opt = {"default": m.get("cli_default", f.default), "param_decls": m["flags"],
                "help": m["help"]}
-        for limit in ("min", "max"):
-            if limit in m:
-                opt[limit] = m[limit]
+        for key in ("min", "max", "show_default"):
+            if key in m:
+                opt[key] = m[key]
         yield f, opt

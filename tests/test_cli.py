@@ -340,3 +340,29 @@ def test_train_nproc_2_rejects_bad_settings_before_spawning_a_rank(tmp_path, cap
     assert out == ""
     error, _ = assert_cli_error(err, 2, e.value.code, names=names)
     assert err.splitlines()[0] == error and all(n in error for n in names) and "rank 0" not in err
+
+
+@pytest.mark.parametrize("path, config", [(("sample",), "sample_config.SampleConfig"),
+                                          (("eval", "hellaswag"), "eval_config.HellaswagConfig"),
+                                          (("eval", "loss"), "eval_config.EvalLossConfig")])
+def test_model_commands_are_generated_from_their_config_plus_the_shared_options(path, config):
+    """sample and eval are generated from a config dataclass as train is from TrainConfig: each
+    field's flags, default and help are its option's; then -e, --threads, --precision, --json."""
+    import importlib
+    from dataclasses import fields
+
+    import typer.main
+
+    from llmctl.cli import app
+
+    module, name = config.split(".")
+    cls = getattr(importlib.import_module(f"llmctl.{module}"), name)
+    cmd = typer.main.get_command(app)
+    for word in path:
+        cmd = cmd.commands[word]
+    params = {p.name: p for p in cmd.params}
+    for f in fields(cls):
+        p = params.pop(f.name)
+        assert sorted(p.opts + p.secondary_opts) == sorted(f.metadata["flags"]), f.name
+        assert p.default == f.default and p.help == f.metadata["help"], f.name
+    assert set(params) == {"checkpoint", "threads", "precision", "json_out"}

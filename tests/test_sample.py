@@ -474,20 +474,3 @@ def test_cli_sample_top_k_keeps_the_k_most_likely(fixed_next_token, capsys):
                            "--temperature", "0.8", "--top-k", "3"], capsys)
     assert "tokens/s" in err and "endoftext" not in err  # ran to -n: no note
 
-
-def test_sample_options_are_sample_config_fields_plus_the_shared_ones():
-    """`llmctl sample` is generated from SampleConfig as train is from TrainConfig: each field's
-    flags, default and help are its option's; then -e, --threads, --precision, --json."""
-    from dataclasses import fields
-
-    import typer.main
-
-    from llmctl.cli import app
-    from llmctl.sample_config import SampleConfig
-
-    params = {p.name: p for p in typer.main.get_command(app).commands["sample"].params}
-    for f in fields(SampleConfig):
-        p = params.pop(f.name)
-        assert tuple(sorted(p.opts + p.secondary_opts)) == tuple(sorted(f.metadata["flags"]))
-        assert p.default == f.default and p.help == f.metadata["help"]
-    assert set(params) == {"checkpoint", "threads", "precision", "json_out"}
