@@ -29,7 +29,7 @@ D12_PARAMS = 124_475_904
 
 
 def bench_allreduce(n, nproc, repeat, threads, shared):
-    from llmctl.distributed.launcher import launch
+    from llmctl.jobs.launcher import launch
 
     with tempfile.TemporaryDirectory() as d:
         launch("llmctl.distributed.selftest:bench_allreduce",

@@ -937,7 +937,7 @@ def train_cmd(**options):
     """Train GPT-2 with llm.c's loop (train_gpt2.cu flags); checkpoints llm.c can load; -y 1 resumes bit-exactly."""
     import inspect
 
-    from llmctl.distributed.run import run_train
+    from llmctl.jobs.run import run_train
     from llmctl.train import TrainConfig, TrainInterrupted
 
     launch = {k: options.pop(k) for k in inspect.signature(_train_launch_options).parameters}

@@ -291,7 +291,7 @@ def eval_hellaswag(model, path, limit=None, norm="tokens", per_example=False, ba
 
 
 def hellaswag_entry(args, comm):
-    """One rank of `llmctl eval hellaswag --nproc N` (run by llmctl.distributed.launcher): loads the
+    """One rank of `llmctl eval hellaswag --nproc N` (run by llmctl.jobs.launcher): loads the
     model with the rank's thread count, scores its slice, returns the summed result (rank 0's
     return value is what the launcher hands back)."""
     from llmctl.model import load
@@ -303,8 +303,8 @@ def hellaswag_entry(args, comm):
 
 def eval_hellaswag_multiproc(checkpoint, path, nproc, threads=None, limit=None, norm="tokens",
                              batch_tokens=2048, timeout=30.0, precision=DEFAULT_PRECISION):
-    """eval_hellaswag split over `nproc` local processes (llmctl.distributed.launcher); -> the result dict."""
-    from llmctl.distributed.launcher import launch
+    """eval_hellaswag split over `nproc` local processes (llmctl.jobs.launcher); -> the result dict."""
+    from llmctl.jobs.launcher import launch
 
     _check_eval_file(path)  # fail before spawning anything
     out = launch("llmctl.evaluate:hellaswag_entry",

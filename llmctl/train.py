@@ -16,7 +16,7 @@ resumes from the newest DONE and continues bit for bit (fixed thread count). Als
 `metrics.jsonl`.
 What it is not: the settings and their checks (llmctl/train_config.py), the checkpoint files
 (llmctl/checkpoints.py), the model math (llmctl/model/), the data pipeline (llmctl/loader.py),
-building the comm and launching ranks (llmctl/distributed/run.py), HellaSwag scoring
+building the comm and launching ranks (llmctl/jobs/run.py), HellaSwag scoring
 (llmctl/evaluate.py) or the rendering (llmctl/display.py). Differences from llm.c are listed in
 docs/training.md.
 Reference: llm.c train_gpt2.cu (`main`: the loop and its flags; `write_checkpoint`,
@@ -67,6 +67,12 @@ class TrainInterrupted(LlmctlError):
 
 class TrainingDiverged(LlmctlError):
     """The loss (or gradient norm) became NaN/Inf; no update was applied."""
+
+
+# what a failed or stopped multi-process job means for a run, said by the launcher (llmctl/jobs/)
+FAILED_JOB_HINT = ("every rank was stopped; the last complete checkpoint (DONE_* in -o) is intact: "
+                   "rerun with -y 1 to resume")
+STOP_NOTE = "checkpointing if -o is set"
 
 
 

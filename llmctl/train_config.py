@@ -14,7 +14,7 @@ ConfigError (exit 2) naming the flag, and returns (total batch size, grad accumu
 from them. Defaults are llm.c's train_gpt2.cu ones.
 
 What it is not: the loop (llmctl/train.py) or the launch options (--nproc, --transport, ...: those
-belong to llmctl/distributed/run.py's `run_train`).
+belong to llmctl/jobs/run.py's `run_train`).
 """
 import math
 from dataclasses import dataclass, field, fields

@@ -21,7 +21,7 @@ from errcheck import assert_cli_error, raises_error
 from llmctl._ext import reduce  # part of the build: a missing extension fails, never skips
 from llmctl.distributed import control
 from llmctl.distributed.env import parse_int, resolve_env, threads_per_rank
-from llmctl.distributed.launcher import launch
+from llmctl.jobs.launcher import launch
 from llmctl.distributed.shm import PREFIX, SHM_DIR, sweep_segments
 from llmctl.errors import ConfigError, DistError
 from tinyrun import (OVERFIT_TOKENS, assert_overfit_losses_match, bf16_env, overfit_args, tiny_train_args,
@@ -377,7 +377,7 @@ def test_stale_segment_of_a_dead_launcher_is_swept(dist_clean):
 
 _LAUNCH_SCRIPT = """
 import json, sys
-from llmctl.distributed.launcher import launch
+from llmctl.jobs.launcher import launch
 from llmctl.errors import DistError
 args = json.loads(sys.argv[1]); kw = json.loads(sys.argv[2])
 try:
@@ -711,8 +711,8 @@ def test_bad_input_under_nproc_is_one_line_with_the_ranks_hint(tiny_run):
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, 0.0])
 def test_non_finite_or_non_positive_timeouts_are_config_errors(bad):
     # NaN passes a plain `<= 0` check; each entry point must reject it before spawning/joining.
-    from llmctl.distributed.hier import launch_multinode
-    from llmctl.distributed.run import run_train
+    from llmctl.jobs.multinode import launch_multinode
+    from llmctl.jobs.run import run_train
     from llmctl.distributed.rendezvous import NodeEnv, rendezvous
 
     with raises_error(ConfigError, names=["--dist-timeout", str(bad)]):

@@ -114,3 +114,18 @@ def test_gpt2s_vocabulary_numbers_are_written_once_in_constants():
              if isinstance(node, ast.Constant) and type(node.value) is int and node.value in numbers]
     assert found == []
     assert imports("llmctl.constants") == set()
+
+
+def test_the_transports_import_neither_the_training_nor_job_control():
+    below = {m: imports(m) for m in MODULES if m.startswith("llmctl.distributed")}
+    assert len(below) > 5
+    assert {m: sorted(i for i in deps if i.startswith(("llmctl.train", "llmctl.jobs")))
+            for m, deps in below.items()} == {m: [] for m in below}
+    loaded = _loaded_after("import llmctl.distributed.hier, llmctl.distributed.ring, llmctl.distributed.shm")
+    assert not {m for m in loaded if m.startswith(("llmctl.train", "llmctl.jobs"))}
+
+
+def test_the_launchers_training_hints_come_from_the_training_side():
+    """The launcher's hints for a training run come from the training side, not the launcher."""
+    assert "-y 1" not in MODULES["llmctl.jobs.launcher"].read_text()
+    assert "llmctl.train" in imports("llmctl.jobs.run")

@@ -418,7 +418,7 @@ def test_peer_sending_garbage_after_authenticating():
 
 _NODE = """
 import json, sys
-from llmctl.distributed.hier import launch_multinode
+from llmctl.jobs.multinode import launch_multinode
 from llmctl.distributed.rendezvous import NodeEnv, resolve_secret
 from llmctl.errors import DistError
 a = json.loads(sys.argv[1])

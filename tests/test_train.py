@@ -1213,7 +1213,7 @@ def test_two_ranks_skip_the_same_step(data, tmp_path):
     same decision and stay identical (checked after every step); each rank writes its sidecar."""
     from dataclasses import asdict
 
-    from llmctl.distributed.launcher import launch
+    from llmctl.jobs.launcher import launch
 
     out = tmp_path / "p2"
     cfg = cfg_for(data, out, batch_size=2, max_steps=132, checkpoint_every=132,
@@ -1308,7 +1308,7 @@ def test_fused_zero_grad_two_ranks_over_shm(data, tmp_path):
     and the run equals the always-fill one byte for byte."""
     from dataclasses import asdict
 
-    from llmctl.distributed.launcher import launch
+    from llmctl.jobs.launcher import launch
 
     path = [str(Path(__file__).resolve().parent)] + [
         p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]

@@ -10,7 +10,7 @@ objects, at most MAX_MSG bytes, checked against a strict schema (known type, exa
 fields, right JSON types). Nothing received is ever unpickled, evaluated or used as a path.
 
 What it is not: no data plane (gradients go through shared memory, llmctl/distributed/shm.py) and no
-process management (llmctl/distributed/launcher.py). It plays the part of llm.c's NCCL-id exchange over
+process management (llmctl/jobs/launcher.py). It plays the part of llm.c's NCCL-id exchange over
 a socket (`-pi tcp`) plus NCCL's own error propagation.
 
 Handshake (fixed-size binary, so unauthenticated bytes are never parsed as JSON):

@@ -1,6 +1,4 @@
-"""Training across hosts: shm inside each host + TCP rings across hosts, and the `train` routing.
-
-issue 6.
+"""Across hosts: shm inside each host + TCP rings across hosts, as one Comm.
 
 What it is:
 - `HierComm`: the Comm of one rank of a K-node x N-process job. all_reduce_mean(buf):
@@ -13,16 +11,11 @@ What it is:
   A mean of equal-sized node means is the global mean. Scalars: local sum, then a ring sum that
   also carries each node's "stop requested" flag, so a Ctrl-C on one node stops every node at
   the same step. Broadcast: ring from the root's node, then the local shm broadcast.
-- `launch_multinode(...)`: the node launcher: `launch` (llmctl/distributed/launcher.py) starts the
-  N local ranks with their control hub; each rank then runs `run_entry`, which joins the
-  cross-host rendezvous (rendezvous.py), builds its HierComm and calls the real target.
-(`llmctl train --nnodes K` gets here through llmctl/distributed/run.py's `run_train`.)
+- `check_collectives`: a toy target for tests and bench/ that checks the collectives of any Comm.
+Starting the ranks of each host and joining them into rings is job control
+(llmctl/jobs/multinode.py).
 
-Faults: a ring error on any rank is reported to its node's hub, the launcher kills that node's
-ranks, their ring sockets close, and every other node's ranks fail within a few hops, each
-launcher exiting 1 with a message naming the peer's rank, host and address.
-
-What it is not: no new transport (ring.py, shm.py) and no process management (launcher.py).
+What it is not: no new transport (ring.py, shm.py) and no process management (llmctl/jobs/).
 It plays the role of NCCL's hierarchical (intra-node + inter-node ring) all-reduce in llm.c.
 """
 import os
@@ -30,9 +23,7 @@ import os
 import numpy as np
 
 from llmctl.distributed.base import Comm
-from llmctl.errors import DistError, LlmctlError
-
-_SECRET_VAR = "LLMCTL_RING_KEY"
+from llmctl.errors import DistError
 
 
 class HierComm(Comm):
@@ -115,38 +106,6 @@ class HierComm(Comm):
         self.ring.close()  # the worker closes the ShmComm itself
 
 
-# ---------------------------------------------------------------------------------------------
-# worker side
-
-def run_entry(args, shm):
-    """Launcher target on each node: join the cross-host ring, then call args["target"]."""
-    from llmctl.distributed.launcher import stderr_log
-    from llmctl.distributed.ring import init_ring
-    from llmctl.distributed.worker import import_target
-
-    node = args["node"]
-    key = os.environ.pop(_SECRET_VAR, None)
-    if not key:
-        raise DistError(f"{_SECRET_VAR} is missing: this target is started by launch_multinode")
-    lw = shm.world_size
-    rank = node["node_rank"] * lw + shm.rank
-    ring = init_ring(rank, node["nnodes"] * lw, master_addr=node["master_addr"],
-                     master_port=node["master_port"], bind_addr=node["bind_addr"],
-                     secret=bytes.fromhex(key), timeout=shm.timeout,
-                     collective_timeout=shm.collective_timeout, rdzv_timeout=node["rdzv_timeout"],
-                     ring_key=shm.rank, node=node["node_rank"], local_rank=shm.rank,
-                     local_world_size=lw, label=f"rank {rank} (node {node['node_rank']})", log=stderr_log)
-    comm = HierComm(shm, ring, node["node_rank"], node["nnodes"])
-    try:
-        return import_target(args["target"])(args["args"], comm)
-    except LlmctlError as e:
-        if e.exit_code == 130 and comm.stop_requested:
-            shm.stop_requested = True  # a stop agreed by every node: not a failure (worker.py)
-        raise
-    finally:
-        comm.close()
-
-
 def check_collectives(args, comm):
     """Toy target for tests/bench: all-reduce known vectors, save what every rank got.
 
@@ -175,27 +134,3 @@ def check_collectives(args, comm):
         comm.barrier()
     with open(os.path.join(d, f"result_{comm.rank}.txt"), "w") as f:
         f.write(f"{comm.rank} {comm.world_size} {comm.local_rank} {comm.local_world_size}\n")
-
-
-# ---------------------------------------------------------------------------------------------
-# launcher side
-
-def launch_multinode(target, args, nproc, node, secret, *, threads=None, timeout=30.0,
-                     collective_timeout=None, rdzv_timeout=300.0, log=None, grace=3.0):
-    """Run `target(args, comm)` in `nproc` ranks on this node of a `node.nnodes`-node job.
-
-    node: a rendezvous.NodeEnv; secret: 32 key bytes (rendezvous.resolve_secret()), handed to
-    the ranks through their environment. Returns launch()'s info (rank 0's result on node 0).
-    """
-    from llmctl.distributed.launcher import launch
-    from llmctl.distributed.rendezvous import check_seconds
-
-    rdzv_timeout = check_seconds("--rdzv-timeout", rdzv_timeout)
-    check_seconds("--dist-timeout", timeout)
-    wrapped = {"node": {"nnodes": node.nnodes, "node_rank": node.node_rank,
-                        "master_addr": node.master_addr, "master_port": node.master_port,
-                        "bind_addr": node.bind_addr, "rdzv_timeout": float(rdzv_timeout)},
-               "target": target, "args": args}
-    return launch("llmctl.distributed.hier:run_entry", wrapped, nproc, threads=threads, timeout=timeout,
-                  collective_timeout=collective_timeout, log=log, grace=grace,
-                  extra_env={_SECRET_VAR: secret.hex()})

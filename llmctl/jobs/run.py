@@ -6,14 +6,17 @@ rank its thread count and its display and runs llmctl.train's `train` once:
 - one process (no flags, no launcher variables): a SingleProcessComm, here;
 - `--nproc N` on one host: llmctl's launcher (launcher.py) starts N workers; each worker builds
   its ShmComm (worker.py) and calls `train_entry`;
-- `--nnodes K > 1`: the node launcher (hier.py `launch_multinode`) starts N workers per host; each
+- `--nnodes K > 1`: the node launcher (multinode.py `launch_multinode`) starts N workers per host; each
   joins the cross-host ring, builds its HierComm and calls `train_entry`;
 - one rank of an external launcher (torchrun, srun: RANK/WORLD_SIZE; mpiexec): this process
   builds its comm (one flat ring, or MpiComm) and trains here.
 Only rank 0 renders progress; `run_train` returns rank 0's summary where it has it (None on the
 launchers of nodes > 0 and on ranks > 0).
 
-What it is not: a transport (shm.py, ring.py, mpi.py) or process management (launcher.py).
+The launchers are told what a failed or stopped job means for a training run (the checkpoint
+to resume from: llmctl.train's FAILED_JOB_HINT and STOP_NOTE).
+
+What it is not: a transport (llmctl/distributed/) or process management (launcher.py).
 """
 import os
 import sys
@@ -21,7 +24,7 @@ from dataclasses import asdict
 
 from llmctl.errors import ConfigError, LlmctlError
 
-TRAIN_TARGET = "llmctl.distributed.run:train_entry"
+TRAIN_TARGET = "llmctl.jobs.run:train_entry"
 
 
 def _log(msg):
@@ -104,21 +107,24 @@ def run_train(cfg, *, nproc=1, nnodes=None, node_rank=None, master_addr=None, ma
                                                  bind_addr=bind_addr, timeout=timeout,
                                                  rdzv_timeout=rdzv_timeout, environ=env),
                                json_out, check_params)
+    from llmctl.train import FAILED_JOB_HINT, STOP_NOTE
+
     args = {"config": asdict(cfg), "json_out": bool(json_out), "check_params": check_params}
+    hints = {"failure_hint": FAILED_JOB_HINT, "stop_note": STOP_NOTE}
     threads = threads or cfg.threads
     node = resolve_node(nnodes, node_rank, master_addr, master_port, bind_addr, environ=env)
     if choose_backend(backend, node.nnodes, env) == "shm" or node.nnodes == 1:
-        from llmctl.distributed.launcher import launch  # one host
+        from llmctl.jobs.launcher import launch  # one host
 
         return launch(TRAIN_TARGET, args, int(nproc), threads=threads, timeout=timeout,
-                      master_port=master_port)["result"]
-    from llmctl.distributed.hier import launch_multinode
+                      master_port=master_port, **hints)["result"]
+    from llmctl.jobs.multinode import launch_multinode
 
     secret = resolve_secret(env)
     _log(f"node {node.node_rank} of {node.nnodes}: {nproc} rank(s), ring on {node.bind_addr}, "
          f"rendezvous at {node.master_addr}:{node.master_port}")
     return launch_multinode(TRAIN_TARGET, args, int(nproc), node, secret, threads=threads,
-                            timeout=timeout, rdzv_timeout=rdzv_timeout)["result"]
+                            timeout=timeout, rdzv_timeout=rdzv_timeout, **hints)["result"]
 
 
 def _train_per_rank(cfg, backend, ring_kw, json_out, check_params):

@@ -1,6 +1,6 @@
 """Start N ranks on this host, run their control hub, and make sure none outlives a failure.
 
-What it is: `launch(target, args, nproc, ...)` spawns N `python -m llmctl.distributed.worker`
+What it is: `launch(target, args, nproc, ...)` spawns N `llmctl.jobs.worker`
 processes (rank 0..N-1, threads per rank = cores // N unless given), serves their
 authenticated control hub (llmctl/distributed/control.py) from its own single-threaded select loop,
 and watches them. The first failure -- a rank that exits non-zero or is killed by a signal,
@@ -9,11 +9,13 @@ sends no heartbeat for `timeout` s (hung or SIGSTOPped), does not reach a collec
 job: the others are told, then SIGTERM'd and SIGKILL'd (each rank is its own process group,
 and dies with the launcher through PR_SET_PDEATHSIG), the job's shared memory is swept, and
 DistError names the rank and what happened. Ctrl-C (SIGINT) asks every rank to stop at the
-same collective (Comm.stop_requested) so the training loop can checkpoint; a second Ctrl-C
+same collective (Comm.stop_requested) so the target can finish cleanly; a second Ctrl-C
 or no progress within the grace period kills them. Returns normally only if every rank
 exited 0; raises KeyboardInterrupt after a requested stop (the CLI exits 130).
 
-What it is not: no multi-host rendezvous (ring.py) and no training logic. It is the role
+What it is not: no multi-host rendezvous (llmctl/distributed/rendezvous.py) and no training
+logic: what a failed or stopped job means for the work (a checkpoint to resume from) is the
+caller's `failure_hint` / `stop_note`. It is the role
 torchrun / mpirun play for llm.c, for one host.
 """
 import json
@@ -33,6 +35,7 @@ from llmctl.distributed.shm import SHM_DIR, sweep_segments
 from llmctl.errors import ConfigError, DistError
 
 _PR_SET_PDEATHSIG = 1
+STOPPED_HINT = "every rank was stopped"
 try:  # loaded before any fork so the child's preexec_fn does no dlopen
     import ctypes
 
@@ -64,26 +67,27 @@ def stderr_log(msg):
     sys.stderr.flush()
 
 
-
 def _worker_command():
     """argv for one rank, importing the same llmctl this launcher runs.
 
-    `python -m llmctl.distributed.worker` would put the working directory first on sys.path, so a run
+    `python -m llmctl.jobs.worker` would put the working directory first on sys.path, so a run
     started from a source checkout (next to an installed llmctl) would import the unbuilt tree.
     """
     import llmctl
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(llmctl.__file__)))
-    code = ("import sys; sys.path[0] = %r; from llmctl.distributed.worker import main; sys.exit(main())" % root)
+    code = ("import sys; sys.path[0] = %r; from llmctl.jobs.worker import main; sys.exit(main())" % root)
     return [sys.executable, "-c", code]
 
 
 def launch(target, args, nproc, *, threads=None, timeout=30.0, collective_timeout=None,
            master_addr="127.0.0.1", master_port=0, grace=3.0, log=None, extra_env=None,
-           shm_dir=SHM_DIR):
+           shm_dir=SHM_DIR, failure_hint=None, stop_note=None):
     """Run `target(args, comm)` ("package.module:function") in `nproc` ranks; see the module doc.
 
-    args must be JSON-serialisable. Returns {"nproc", "threads", "seconds", "result"}, where
+    args must be JSON-serialisable. failure_hint: the hint of a crash, hang or protocol failure
+    (default: every rank was stopped); stop_note: what the ranks do when a Ctrl-C asks them to
+    stop, said in the log line (e.g. "checkpointing if -o is set"). Returns {"nproc", "threads", "seconds", "result"}, where
     result is rank 0's return value if JSON-serialisable (else None). Raises DistError naming the
     failed rank, ConfigError for bad arguments, KeyboardInterrupt after a Ctrl-C stop.
     """
@@ -157,7 +161,7 @@ def launch(target, args, nproc, *, threads=None, timeout=30.0, collective_timeou
         listener = None  # the hub owns and closes it
         pidfds = _watch_exits(hub, procs)
 
-        failure = _run(hub, procs, state, log, timeout)
+        failure = _run(hub, procs, state, log, timeout, stop_note)
         if failure is not None:
             _shutdown(hub, procs, failure, grace)
             if failure == "interrupted":
@@ -165,8 +169,7 @@ def launch(target, args, nproc, *, threads=None, timeout=30.0, collective_timeou
             if hub.failed_rank is not None:  # a rank's own error (bad input, a bug): its hint
                 err = DistError(failure, hint=hub.failed_hint)
             else:  # a crash, hang or protocol failure
-                err = DistError(failure, hint="every rank was stopped; the last complete checkpoint "
-                                              "(DONE_* in -o) is intact: rerun with -y 1 to resume")
+                err = DistError(failure, hint=failure_hint or STOPPED_HINT)
             if state.get("usage_error"):
                 err.exit_code = 2
             raise err
@@ -216,7 +219,7 @@ def _watch_exits(hub, procs):
     return fds
 
 
-def _run(hub, procs, state, log, timeout):
+def _run(hub, procs, state, log, timeout, stop_note=None):
     """The watch loop: returns None when every rank exited 0, else the failure message."""
     exited = {}
     stop_at = None
@@ -260,8 +263,9 @@ def _run(hub, procs, state, log, timeout):
         if state["sigint"] == 1 and stop_at is None:
             stop_at = now
             hub.stop = True
-            log("interrupt: asking every rank to stop after its current step "
-                "(checkpointing if -o is set); press Ctrl-C again to kill them")
+            note = f" ({stop_note})" if stop_note else ""
+            log(f"interrupt: asking every rank to stop after its current step{note}; "
+                "press Ctrl-C again to kill them")
         if stop_at is not None and now - stop_at > max(60.0, 2 * timeout):
             log("the ranks did not stop in time: killing them")
             return "interrupted"

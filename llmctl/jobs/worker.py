@@ -1,4 +1,4 @@
-"""One rank of a `--nproc N` job: `python -m llmctl.distributed.worker`, started only by launcher.py.
+"""One rank of a `--nproc N` job: `python -m llmctl.jobs.worker`, started only by launcher.py.
 
 What it is: reads its identity and the job's connection details from LLMCTL_DIST_* variables
 set by the launcher (the job secret comes through the environment, never argv, and is removed
@@ -62,7 +62,7 @@ def main():
         target = env[ENV_PREFIX + "TARGET"]
         args_path = env[ENV_PREFIX + "ARGS"]
     except (KeyError, ValueError) as e:
-        sys.stderr.write(f"llmctl.distributed.worker: missing or bad launcher variable {e}; this module is "
+        sys.stderr.write(f"llmctl.jobs.worker: missing or bad launcher variable {e}; this module is "
                          "started by `llmctl train --nproc N`, not by hand\n")
         return 2
 
