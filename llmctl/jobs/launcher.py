@@ -87,121 +87,172 @@ def launch(target, args, nproc, *, threads=None, timeout=30.0, collective_timeou
 
     args must be JSON-serialisable. failure_hint: the hint of a crash, hang or protocol failure
     (default: every rank was stopped); stop_note: what the ranks do when a Ctrl-C asks them to
-    stop, said in the log line (e.g. "checkpointing if -o is set"). Returns {"nproc", "threads", "seconds", "result"}, where
-    result is rank 0's return value if JSON-serialisable (else None). Raises DistError naming the
-    failed rank, ConfigError for bad arguments, KeyboardInterrupt after a Ctrl-C stop.
+    stop, said in the log line (e.g. "checkpointing if -o is set"). Returns {"nproc", "threads",
+    "seconds", "result"}, where result is rank 0's return value if JSON-serialisable (else None).
+    Raises DistError naming the failed rank, ConfigError for bad arguments, KeyboardInterrupt
+    after a Ctrl-C stop.
     """
-    if int(nproc) < 1:
-        raise ConfigError(f"--nproc {nproc} must be >= 1", hint="pass --nproc 1 (the default) or more")
-    from llmctl.distributed.rendezvous import check_seconds
-
-    timeout = check_seconds("--dist-timeout", timeout)
-    nproc = int(nproc)
-    collective_timeout = (check_seconds("collective timeout", collective_timeout) if collective_timeout
-                          else max(300.0, 10 * timeout))
-    startup_timeout = max(60.0, 2 * timeout)
+    nproc, timeout, collective_timeout = _check_arguments(nproc, timeout, collective_timeout)
     log = log or stderr_log
     threads = threads_per_rank(nproc, threads)
-    try:
-        body = json.dumps(args)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"worker arguments are not JSON-serialisable: {e}") from None
-
-    stale = sweep_segments(shm_dir)  # segments of launchers that died without cleaning up
-    if stale:
-        log(f"removed {len(stale)} stale shared-memory segment(s) of crashed runs: {', '.join(stale)}")
+    body = _as_json(args)
+    _sweep_stale(shm_dir, log)
 
     listener = bind_listener(master_addr, int(master_port))
-    port = listener.getsockname()[1]
     secret = secrets.token_bytes(32)
     job = secrets.token_hex(6)
     me = os.getpid()
     tmpdir = tempfile.mkdtemp(prefix=f"llmctl-job-{job}-")
-    procs = []
-    pidfds = []
-    hub = None
+    procs, pidfds, hub = [], [], None
     state = {"sigint": 0, "sigterm": False}
     old_handlers = {}
     t_start = time.monotonic()
     try:
-        args_path = os.path.join(tmpdir, "args.json")
-        with open(os.open(args_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
-            f.write(body)
-
-        if threading.current_thread() is threading.main_thread():
-            def on_sigint(signum, frame):
-                state["sigint"] += 1
-
-            def on_sigterm(signum, frame):
-                state["sigterm"] = True
-
-            old_handlers[signal.SIGINT] = signal.signal(signal.SIGINT, on_sigint)
-            old_handlers[signal.SIGTERM] = signal.signal(signal.SIGTERM, on_sigterm)
-
-        base_env = dict(os.environ)
-        base_env.update(extra_env or {})
-        base_env.update({
-            "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
-            "LLMCTL_DIST_ADDR": master_addr, "LLMCTL_DIST_PORT": str(port),
-            "LLMCTL_DIST_SECRET": secret.hex(), "LLMCTL_DIST_JOB": job,
-            "LLMCTL_DIST_LAUNCHER_PID": str(me), "LLMCTL_DIST_TIMEOUT": str(timeout),
-            "LLMCTL_DIST_COLLECTIVE_TIMEOUT": str(collective_timeout),
-            "LLMCTL_DIST_THREADS": str(threads), "LLMCTL_DIST_TARGET": target,
-            "LLMCTL_DIST_ARGS": args_path,
-            "OMP_NUM_THREADS": str(threads), "OPENBLAS_NUM_THREADS": str(threads),
-            "MKL_NUM_THREADS": str(threads),
-        })
-        for r in range(nproc):
-            env = dict(base_env, RANK=str(r), LOCAL_RANK=str(r))
-            procs.append(subprocess.Popen(
-                _worker_command(), env=env, stdin=subprocess.DEVNULL,
-                start_new_session=True, preexec_fn=_child_setup(me), close_fds=True))
+        args_path = _write_private(os.path.join(tmpdir, "args.json"), body)
+        old_handlers = _catch_signals(state)
+        env = _job_env(extra_env, nproc=nproc, addr=master_addr, port=listener.getsockname()[1],
+                       secret=secret, job=job, me=me, timeout=timeout,
+                       collective_timeout=collective_timeout, threads=threads, target=target,
+                       args_path=args_path)
+        _spawn(procs, nproc, env, me)
         names = {r: f"rank {r} (pid {p.pid})" for r, p in enumerate(procs)}
-        hub = Hub(listener, secret, nproc, timeout, collective_timeout, startup_timeout, log, names)
+        hub = Hub(listener, secret, nproc, timeout, collective_timeout, max(60.0, 2 * timeout),
+                  log, names)
         listener = None  # the hub owns and closes it
         pidfds = _watch_exits(hub, procs)
 
         failure = _run(hub, procs, state, log, timeout, stop_note)
         if failure is not None:
             _shutdown(hub, procs, failure, grace)
-            if failure == "interrupted":
-                raise KeyboardInterrupt
-            if hub.failed_rank is not None:  # a rank's own error (bad input, a bug): its hint
-                err = DistError(failure, hint=hub.failed_hint)
-            else:  # a crash, hang or protocol failure
-                err = DistError(failure, hint=failure_hint or STOPPED_HINT)
-            if state.get("usage_error"):
-                err.exit_code = 2
-            raise err
+            raise _failure_error(failure, hub, state, failure_hint)
         if state["sigint"]:
             raise KeyboardInterrupt
-        result = None
-        try:
-            with open(os.path.join(tmpdir, "result.json")) as f:
-                result = json.load(f)
-        except (OSError, ValueError):
-            pass
         return {"nproc": nproc, "threads": threads, "seconds": time.monotonic() - t_start,
-                "result": result}
+                "result": _read_result(os.path.join(tmpdir, "result.json"))}
     finally:
-        for p in procs:
-            if p.poll() is None:
-                _signal_group(p, signal.SIGKILL)
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-        if hub is not None:
-            hub.close()
+        _reap(procs)
+        for closable in (hub, listener):  # the hub closes the listener it took over
+            if closable is not None:
+                closable.close()
         for fd in pidfds:
             os.close(fd)
-        if listener is not None:
-            listener.close()
         sweep_segments(shm_dir, job=job, launcher_pid=me)
         shutil.rmtree(tmpdir, ignore_errors=True)
         for sig, h in old_handlers.items():
             signal.signal(sig, h)
+
+
+def _check_arguments(nproc, timeout, collective_timeout):
+    """-> (nproc, timeout, collective_timeout), or ConfigError before anything starts."""
+    if int(nproc) < 1:
+        raise ConfigError(f"--nproc {nproc} must be >= 1", hint="pass --nproc 1 (the default) or more")
+    from llmctl.distributed.rendezvous import check_seconds
+
+    timeout = check_seconds("--dist-timeout", timeout)
+    collective_timeout = (check_seconds("collective timeout", collective_timeout) if collective_timeout
+                          else max(300.0, 10 * timeout))
+    return int(nproc), timeout, collective_timeout
+
+
+def _as_json(args):
+    try:
+        return json.dumps(args)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"worker arguments are not JSON-serialisable: {e}") from None
+
+
+def _sweep_stale(shm_dir, log):
+    """Remove the segments of launchers that died without cleaning up."""
+    stale = sweep_segments(shm_dir)
+    if stale:
+        log(f"removed {len(stale)} stale shared-memory segment(s) of crashed runs: {', '.join(stale)}")
+
+
+def _write_private(path, body):
+    """Write a new file only this user can read (the job's arguments); -> path."""
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(body)
+    return path
+
+
+def _catch_signals(state):
+    """Count Ctrl-Cs in state["sigint"] and note a SIGTERM, for the watch loop; -> the handlers
+    to restore (none off the main thread, where Python cannot install any)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def on_sigint(signum, frame):
+        state["sigint"] += 1
+
+    def on_sigterm(signum, frame):
+        state["sigterm"] = True
+
+    return {signal.SIGINT: signal.signal(signal.SIGINT, on_sigint),
+            signal.SIGTERM: signal.signal(signal.SIGTERM, on_sigterm)}
+
+
+def _job_env(extra_env, *, nproc, addr, port, secret, job, me, timeout, collective_timeout,
+             threads, target, args_path):
+    """The environment every rank starts with (worker.py reads the LLMCTL_DIST_* variables)."""
+    env = dict(os.environ)
+    env.update(extra_env or {})
+    env.update({
+        "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+        "LLMCTL_DIST_ADDR": addr, "LLMCTL_DIST_PORT": str(port),
+        "LLMCTL_DIST_SECRET": secret.hex(), "LLMCTL_DIST_JOB": job,
+        "LLMCTL_DIST_LAUNCHER_PID": str(me), "LLMCTL_DIST_TIMEOUT": str(timeout),
+        "LLMCTL_DIST_COLLECTIVE_TIMEOUT": str(collective_timeout),
+        "LLMCTL_DIST_THREADS": str(threads), "LLMCTL_DIST_TARGET": target,
+        "LLMCTL_DIST_ARGS": args_path,
+        "OMP_NUM_THREADS": str(threads), "OPENBLAS_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+    })
+    return env
+
+
+def _spawn(procs, nproc, env, me):
+    """Start ranks 0..nproc-1 into `procs` (so that a failed start still kills the ones started),
+    each in its own session, dying with this process."""
+    for r in range(nproc):
+        procs.append(subprocess.Popen(
+            _worker_command(), env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdin=subprocess.DEVNULL,
+            start_new_session=True, preexec_fn=_child_setup(me), close_fds=True))
+
+
+def _failure_error(failure, hub, state, failure_hint):
+    """The exception a failed job ends with: KeyboardInterrupt for a Ctrl-C kill, else DistError
+    with the failed rank's own hint (bad input, a bug) or the caller's (a crash, hang or protocol
+    failure); a rank's usage error keeps exit code 2."""
+    if failure == "interrupted":
+        return KeyboardInterrupt()
+    if hub.failed_rank is not None:
+        err = DistError(failure, hint=hub.failed_hint)
+    else:
+        err = DistError(failure, hint=failure_hint or STOPPED_HINT)
+    if state.get("usage_error"):
+        err.exit_code = 2
+    return err
+
+
+def _read_result(path):
+    """Rank 0's return value as its worker wrote it, or None."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _reap(procs):
+    """Kill the ranks still running and wait for all of them."""
+    for p in procs:
+        if p.poll() is None:
+            _signal_group(p, signal.SIGKILL)
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def _watch_exits(hub, procs):
