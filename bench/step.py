@@ -85,7 +85,7 @@ def gemm_peak_gflops(n_threads, size=1024, reps=20):
 
 def flops_per_step(cfg, B, T, num_params):
     """llm.c's gpt2_estimate_mfu count, the one `llmctl train` reports MFU with."""
-    from llmctl.train import flops_per_token
+    from llmctl.mfu import flops_per_token
 
     return flops_per_token(num_params, cfg.num_layers, cfg.channels, T) * B * T
 
@@ -304,7 +304,7 @@ def main(argv=None):
 
     from llmctl._ext import matmul as K
     from llmctl.threads import configure_threads
-    from llmctl.train import mfu_roof_precision
+    from llmctl.mfu import mfu_roof_precision
 
     if a.bf16_emulate:
         os.environ["LLMCTL_BF16_EMULATE"] = "1"

@@ -1,6 +1,6 @@
 """The MFU roof: the best GEMM FLOP/s ever measured on this CPU, kept in the llmctl cache.
 
-What it is: a run times a 1024^3 GEMM at start-up (llmctl.train.measure_peak_flops); one timing
+What it is: a run times a 1024^3 GEMM at start-up (llmctl.mfu.measure_peak_flops); one timing
 reads whatever the other processes left of the cores (151 to 379 GFLOP/s on one machine), so
 MFU against it jumped between runs of the same speed. `best_roof` merges each measurement into
 `$LLMCTL_CACHE/mfu_roofs.json` and returns the best one seen for the same key: CPU model, a hash
@@ -8,7 +8,7 @@ of its feature flags, thread count, llmctl's GEMM engine and the roof's precisio
 rewritten atomically (temp file, then rename); a cache that cannot be read or written costs only
 the stability (the run uses its own measurement and says so). `cached_roofs` lists this CPU's
 entries for `llmctl info` without measuring anything.
-What it is not: the measurement (llmctl.train.measure_peak_flops) or the MFU arithmetic (the
+What it is not: the measurement (llmctl.mfu.measure_peak_flops) or the MFU arithmetic (the
 train loop: llm.c's FLOP count over step time over the roof).
 """
 import hashlib

@@ -846,7 +846,7 @@ def _spy_bf16_matmul(monkeypatch):
 @pytest.mark.skipif(_NATIVE_BF16, reason="this CPU multiplies bf16 natively: bf16 is not emulated")
 def test_peak_flops_of_emulated_bf16_is_the_fp32_roof(monkeypatch):
     # emulated bf16 multiplies widened operands in fp32 sgemm: the fp32 roof is its denominator
-    import llmctl.train as tr
+    import llmctl.mfu as tr
 
     monkeypatch.setenv("LLMCTL_BF16_EMULATE", "1")
     monkeypatch.setattr(tr, "_PEAK_CACHE", {})
@@ -861,7 +861,7 @@ def test_peak_flops_of_emulated_bf16_is_the_fp32_roof(monkeypatch):
 @pytest.mark.skipif(not _NATIVE_BF16, reason="no native bf16 on this CPU (AVX512_BF16/AMX): "
                                              "oneDNN's bf16 GEMM cannot run, so there is no bf16 roof")
 def test_peak_flops_of_native_bf16_times_llmctls_bf16_matmul(monkeypatch):
-    import llmctl.train as tr
+    import llmctl.mfu as tr
 
     monkeypatch.setattr(tr, "_PEAK_CACHE", {})
     calls = _spy_bf16_matmul(monkeypatch)
@@ -901,7 +901,7 @@ def test_a_step_faster_than_the_peak_measures_the_peak_again_and_keeps_the_best(
 
 
 def test_measure_peak_flops_again_keeps_the_best_measurement(monkeypatch):
-    import llmctl.train as tr
+    import llmctl.mfu as tr
 
     monkeypatch.setattr(tr, "_PEAK_CACHE", {(1, "fp32"): 1e18})   # an earlier, better reading
     assert tr.measure_peak_flops(1, "fp32") == 1e18                # cached
