@@ -821,6 +821,31 @@ def read_state_file(path, num_parameters=None):
     located from the end of the file and must be exact permutations.
     """
     h, raw, size = _read_header(path, "state file")
+    nproc, rank, master_flag, shuffle_flag, step = _check_state_header(path, h)
+    rng, rng_last = struct.unpack_from("<QQ", raw, 20 * 4)
+    shard_idx, sample_idx = struct.unpack_from("<QQ", raw, 30 * 4)
+    k = 3 if master_flag else 2  # float arrays: m, v (, master)
+    payload = size - HEADER_BYTES
+    if payload % 4:
+        _fail(path, f"payload is {_n(payload)} bytes, not a multiple of 4: file truncated?")
+    shard_indices = intra = mt_state = None
+    if not shuffle_flag:
+        P = _unshuffled_parameters(path, payload, k, num_parameters)
+    else:
+        P, shard_indices, intra, mt_state = _shuffled_tail(path, size, payload, k, num_parameters)
+    if P <= 0:
+        _fail(path, "optimizer state holds 0 parameters")
+    m = _memmap(path, "<f4", HEADER_BYTES, P)
+    v = _memmap(path, "<f4", HEADER_BYTES + 4 * P, P)
+    master = _memmap(path, "<f4", HEADER_BYTES + 8 * P, P) if master_flag else None
+    return StateFile(num_processes=nproc, process_rank=rank, use_master_weights=bool(master_flag),
+                     should_shuffle=bool(shuffle_flag), step=step, rng_state=rng, rng_state_last_update=rng_last,
+                     current_shard_idx=shard_idx, current_sample_idx=sample_idx, m=m, v=v, master=master,
+                     shard_indices=shard_indices, intra_shard_indices=intra, mt_state=mt_state)
+
+
+def _check_state_header(path, h):
+    """The state header's fields that must hold; -> (nproc, rank, master, shuffle, step)."""
     if h[0] != STATE_MAGIC:
         _fail(path, f"bad magic {h[0]}: not a state file (expected {STATE_MAGIC})")
     if h[1] != STATE_VERSION:
@@ -836,80 +861,77 @@ def read_state_file(path, num_parameters=None):
         _fail(path, f"should_shuffle is {shuffle_flag}; must be 0 or 1")
     if step < 0:
         _fail(path, f"step is {step}; must be >= 0")
-    rng, rng_last = struct.unpack_from("<QQ", raw, 20 * 4)
-    shard_idx, sample_idx = struct.unpack_from("<QQ", raw, 30 * 4)
-    k = 3 if master_flag else 2  # float arrays: m, v (, master)
-    payload = size - HEADER_BYTES
-    if payload % 4:
-        _fail(path, f"payload is {_n(payload)} bytes, not a multiple of 4: file truncated?")
-    shard_indices = intra = mt_state = None
+    return nproc, rank, master_flag, shuffle_flag, step
 
-    if not shuffle_flag:
-        if num_parameters is None:
-            if payload == 0 or payload % (4 * k):
-                _fail(path, f"payload of {_n(payload)} bytes is not {k} equal float32 arrays (m, v"
-                            f"{', master' if k == 3 else ''}): file truncated?")
-            P = payload // (4 * k)
-        else:
-            P = int(num_parameters)
-            if 4 * k * P != payload:
-                _fail(path, f"expected {_n(4 * k * P)} bytes of optimizer state for {_n(P)} parameters, "
-                            f"found {_n(payload)}")
+
+def _unshuffled_parameters(path, payload, k, num_parameters):
+    """Without shuffling the payload is k float32 arrays only; -> their length P."""
+    if num_parameters is None:
+        if payload == 0 or payload % (4 * k):
+            _fail(path, f"payload of {_n(payload)} bytes is not {k} equal float32 arrays (m, v"
+                        f"{', master' if k == 3 else ''}): file truncated?")
+        return payload // (4 * k)
+    P = int(num_parameters)
+    if 4 * k * P != payload:
+        _fail(path, f"expected {_n(4 * k * P)} bytes of optimizer state for {_n(P)} parameters, "
+                    f"found {_n(payload)}")
+    return P
+
+
+def _shuffled_tail(path, size, payload, k, num_parameters):
+    """With shuffling, k float32 arrays of P, then the counted shard and sample index arrays and the
+    mt19937 state; -> (P, shard_indices, intra_shard_indices, mt_state), all checked."""
+    tail = MT19937_STATE_BYTES + 16  # two size_t counts + the RNG blob, at least
+    if payload < tail:
+        _fail(path, f"payload is {_n(payload)} bytes, too small for a shuffled dataloader state: file truncated?")
+    u = _memmap(path, "<u4", HEADER_BYTES, (payload - MT19937_STATE_BYTES) // 4)
+    end = u.size  # u32 index where the RNG blob starts
+    if num_parameters is not None:
+        P = int(num_parameters)
+        ns, nsamp, j, js = _counted_tail(path, u, end, k * P, P, size, tail)
     else:
-        tail = MT19937_STATE_BYTES + 16  # two size_t counts + the RNG blob, at least
-        if payload < tail:
-            _fail(path, f"payload is {_n(payload)} bytes, too small for a shuffled dataloader state: file truncated?")
-        u = _memmap(path, "<u4", HEADER_BYTES, (payload - MT19937_STATE_BYTES) // 4)
-        end = u.size  # u32 index where the RNG blob starts
-        if num_parameters is not None:
-            P = int(num_parameters)
-            j = k * P
-            min_size = HEADER_BYTES + 4 * j + tail
-            if size < min_size:
-                _fail(path, f"expected at least {_n(min_size)} bytes for {_n(P)} parameters and a shuffled "
-                            f"dataloader state, found {_n(size)}: file truncated?")
-            ns = int(u[j]) | (int(u[j + 1]) << 32)
-            if ns == 0 or j + 2 + ns + 2 > end:
-                _fail(path, f"shard count {_n(ns)} at byte {_n(HEADER_BYTES + 4 * j)} does not fit the file")
-            js = j + 2 + ns
-            nsamp = int(u[js]) | (int(u[js + 1]) << 32)
-            if js + 2 + nsamp != end:
-                _fail(path, f"expected {_n(4 * (js + 2 + nsamp) + MT19937_STATE_BYTES + HEADER_BYTES)} bytes for "
-                            f"{_n(P)} parameters, {_n(ns)} shards and {_n(nsamp)} samples, found {_n(size)}")
-        else:
-            found = None
-            for nsamp, js in _find_counted_tail(u, end, 2):
-                for ns, j in _find_counted_tail(u, js, 0):
-                    if ns == 0 or j % k or j == 0:
-                        continue
-                    si = np.asarray(u[j + 2:j + 2 + ns]).view(np.int32)
-                    ii = np.asarray(u[js + 2:end]).view(np.int32)
-                    if _is_perm(si) and _is_perm(ii):
-                        found = (j // k, ns, nsamp, j, js)
-                        break
-                if found:
-                    break
-            if not found:
-                _fail(path, "cannot locate the shuffled dataloader state (shard and sample index arrays) "
-                            "in the file: truncated or corrupt?",
-                      "pass num_parameters to read_state_file to check the layout exactly")
-            P, ns, nsamp, j, js = found
-        shard_indices = np.array(np.asarray(u[j + 2:j + 2 + ns]).view("<i4"), dtype=np.int32)
-        intra = np.array(np.asarray(u[js + 2:end]).view("<i4"), dtype=np.int32)
-        for what, a in (("shard_indices", shard_indices), ("intra_shard_indices", intra)):
-            if not _is_perm(a):
-                _fail(path, f"{what} ({_n(a.size)} values) is not a permutation of 0..{_n(a.size - 1)}")
-        mt_state = _read_bytes(path, size - MT19937_STATE_BYTES, MT19937_STATE_BYTES)
-        _check_mt_state(path, mt_state)
-    if P <= 0:
-        _fail(path, "optimizer state holds 0 parameters")
-    m = _memmap(path, "<f4", HEADER_BYTES, P)
-    v = _memmap(path, "<f4", HEADER_BYTES + 4 * P, P)
-    master = _memmap(path, "<f4", HEADER_BYTES + 8 * P, P) if master_flag else None
-    return StateFile(num_processes=nproc, process_rank=rank, use_master_weights=bool(master_flag),
-                     should_shuffle=bool(shuffle_flag), step=step, rng_state=rng, rng_state_last_update=rng_last,
-                     current_shard_idx=shard_idx, current_sample_idx=sample_idx, m=m, v=v, master=master,
-                     shard_indices=shard_indices, intra_shard_indices=intra, mt_state=mt_state)
+        P, ns, nsamp, j, js = _find_shuffled_tail(path, u, end, k)
+    shard_indices = np.array(np.asarray(u[j + 2:j + 2 + ns]).view("<i4"), dtype=np.int32)
+    intra = np.array(np.asarray(u[js + 2:end]).view("<i4"), dtype=np.int32)
+    for what, a in (("shard_indices", shard_indices), ("intra_shard_indices", intra)):
+        if not _is_perm(a):
+            _fail(path, f"{what} ({_n(a.size)} values) is not a permutation of 0..{_n(a.size - 1)}")
+    mt_state = _read_bytes(path, size - MT19937_STATE_BYTES, MT19937_STATE_BYTES)
+    _check_mt_state(path, mt_state)
+    return P, shard_indices, intra, mt_state
+
+
+def _counted_tail(path, u, end, j, P, size, tail):
+    """The index arrays' counts when the float arrays end at u32 index j; -> (ns, nsamp, j, js)."""
+    min_size = HEADER_BYTES + 4 * j + tail
+    if size < min_size:
+        _fail(path, f"expected at least {_n(min_size)} bytes for {_n(P)} parameters and a shuffled "
+                    f"dataloader state, found {_n(size)}: file truncated?")
+    ns = int(u[j]) | (int(u[j + 1]) << 32)
+    if ns == 0 or j + 2 + ns + 2 > end:
+        _fail(path, f"shard count {_n(ns)} at byte {_n(HEADER_BYTES + 4 * j)} does not fit the file")
+    js = j + 2 + ns
+    nsamp = int(u[js]) | (int(u[js + 1]) << 32)
+    if js + 2 + nsamp != end:
+        _fail(path, f"expected {_n(4 * (js + 2 + nsamp) + MT19937_STATE_BYTES + HEADER_BYTES)} bytes for "
+                    f"{_n(P)} parameters, {_n(ns)} shards and {_n(nsamp)} samples, found {_n(size)}")
+    return ns, nsamp, j, js
+
+
+def _find_shuffled_tail(path, u, end, k):
+    """Without a parameter count: the one split, searched from the end, whose two counted arrays
+    are permutations; -> (P, ns, nsamp, j, js)."""
+    for nsamp, js in _find_counted_tail(u, end, 2):
+        for ns, j in _find_counted_tail(u, js, 0):
+            if ns == 0 or j % k or j == 0:
+                continue
+            si = np.asarray(u[j + 2:j + 2 + ns]).view(np.int32)
+            ii = np.asarray(u[js + 2:end]).view(np.int32)
+            if _is_perm(si) and _is_perm(ii):
+                return j // k, ns, nsamp, j, js
+    _fail(path, "cannot locate the shuffled dataloader state (shard and sample index arrays) "
+                "in the file: truncated or corrupt?",
+          "pass num_parameters to read_state_file to check the layout exactly")
 
 
 # ---------------------------------------------------------------------------------------------
