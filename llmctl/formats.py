@@ -373,50 +373,9 @@ def read_evalfile(path):
     pos = 0
     longest = 0
     for idx in range(hdr.num_examples):
-        where = f"example {idx} (byte {_n(HEADER_BYTES + 2 * pos)})"
-        if pos + 6 > count:
-            _fail(path, f"{where}: file ends inside the example header; header says {_n(hdr.num_examples)} "
-                        f"examples but only {idx} fit: file truncated?")
-        delim, nbytes, index, label, ncomp, nctx = vals[pos:pos + 6]
-        if delim != EVAL_DELIMITER:
-            _fail(path, f"{where}: expected START_EXAMPLE delimiter 65535, found {delim}")
-        if nbytes % 2 or nbytes < 2 * 6:
-            _fail(path, f"{where}: EXAMPLE_BYTES is {nbytes}, not a valid example size")
-        end = pos + nbytes // 2
-        if end > count:
-            _fail(path, f"{where}: example is {_n(nbytes)} bytes but only {_n(2 * (count - pos))} remain: "
-                        "file truncated?")
-        if index != idx:
-            _fail(path, f"{where}: EXAMPLE_INDEX is {index}, expected the running index {idx}")
-        if label >= EVAL_NUM_COMPLETIONS:
-            _fail(path, f"{where}: label is {label}, expected 0..3")
-        if ncomp != EVAL_NUM_COMPLETIONS:
-            _fail(path, f"{where}: NUM_COMPLETIONS is {ncomp}, expected 4")
-        if nctx == 0:
-            _fail(path, f"{where}: context is empty (llm.c's EvalLoader asserts n_ctx > 0)")
-        p = pos + 6
-        if p + nctx > end:
-            _fail(path, f"{where}: context length {nctx} runs past the example's {_n(nbytes)} bytes")
-        ctx = data[p:p + nctx]
-        p += nctx
-        endings = []
-        for c in range(EVAL_NUM_COMPLETIONS):
-            if p >= end:
-                _fail(path, f"{where}: completion {c} starts past the example's {_n(nbytes)} bytes")
-            nc = vals[p]
-            if nc == 0:
-                _fail(path, f"{where}: completion {c} is empty (llm.c's EvalLoader asserts each length > 0)")
-            if p + 1 + nc > end:
-                _fail(path, f"{where}: completion {c} length {nc} runs past the example's {_n(nbytes)} bytes")
-            endings.append(data[p + 1:p + 1 + nc])
-            p += 1 + nc
-        if p != end:
-            _fail(path, f"{where}: EXAMPLE_BYTES is {_n(nbytes)} but the fields take {_n(2 * (p - pos))}")
-        body = data[pos + 6:end]
-        if body.size and int(body.max()) == EVAL_DELIMITER:
-            _fail(path, f"{where}: token id 65535 (the delimiter) inside the example")
+        example, end, nbytes = _read_example(path, data, vals, pos, count, idx, hdr.num_examples)
         longest = max(longest, nbytes)
-        out.append(EvalExample(index=idx, label=label, context=ctx, endings=endings))
+        out.append(example)
         pos = end
     if pos != count:
         _fail(path, f"{_n(2 * (count - pos))} trailing bytes after the {_n(hdr.num_examples)} examples "
@@ -425,6 +384,53 @@ def read_evalfile(path):
         _fail(path, f"header says the longest example is {_n(hdr.longest_example_bytes)} bytes, "
                     f"but it is {_n(longest)}")
     return out
+
+
+def _read_example(path, data, vals, pos, count, idx, num_examples):
+    """Example `idx`, starting at u16 index `pos` of `count`; -> (EvalExample, its end, its bytes)."""
+    where = f"example {idx} (byte {_n(HEADER_BYTES + 2 * pos)})"
+    if pos + 6 > count:
+        _fail(path, f"{where}: file ends inside the example header; header says {_n(num_examples)} "
+                    f"examples but only {idx} fit: file truncated?")
+    delim, nbytes, index, label, ncomp, nctx = vals[pos:pos + 6]
+    if delim != EVAL_DELIMITER:
+        _fail(path, f"{where}: expected START_EXAMPLE delimiter 65535, found {delim}")
+    if nbytes % 2 or nbytes < 2 * 6:
+        _fail(path, f"{where}: EXAMPLE_BYTES is {nbytes}, not a valid example size")
+    end = pos + nbytes // 2
+    if end > count:
+        _fail(path, f"{where}: example is {_n(nbytes)} bytes but only {_n(2 * (count - pos))} remain: "
+                    "file truncated?")
+    if index != idx:
+        _fail(path, f"{where}: EXAMPLE_INDEX is {index}, expected the running index {idx}")
+    if label >= EVAL_NUM_COMPLETIONS:
+        _fail(path, f"{where}: label is {label}, expected 0..3")
+    if ncomp != EVAL_NUM_COMPLETIONS:
+        _fail(path, f"{where}: NUM_COMPLETIONS is {ncomp}, expected 4")
+    if nctx == 0:
+        _fail(path, f"{where}: context is empty (llm.c's EvalLoader asserts n_ctx > 0)")
+    p = pos + 6
+    if p + nctx > end:
+        _fail(path, f"{where}: context length {nctx} runs past the example's {_n(nbytes)} bytes")
+    ctx = data[p:p + nctx]
+    p += nctx
+    endings = []
+    for c in range(EVAL_NUM_COMPLETIONS):
+        if p >= end:
+            _fail(path, f"{where}: completion {c} starts past the example's {_n(nbytes)} bytes")
+        nc = vals[p]
+        if nc == 0:
+            _fail(path, f"{where}: completion {c} is empty (llm.c's EvalLoader asserts each length > 0)")
+        if p + 1 + nc > end:
+            _fail(path, f"{where}: completion {c} length {nc} runs past the example's {_n(nbytes)} bytes")
+        endings.append(data[p + 1:p + 1 + nc])
+        p += 1 + nc
+    if p != end:
+        _fail(path, f"{where}: EXAMPLE_BYTES is {_n(nbytes)} but the fields take {_n(2 * (p - pos))}")
+    body = data[pos + 6:end]
+    if body.size and int(body.max()) == EVAL_DELIMITER:
+        _fail(path, f"{where}: token id 65535 (the delimiter) inside the example")
+    return EvalExample(index=idx, label=label, context=ctx, endings=endings), end, nbytes
 
 
 # ---------------------------------------------------------------------------------------------
