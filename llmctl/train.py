@@ -527,36 +527,15 @@ class Trainer:
         raise TrainInterrupted(f"interrupted after step {step}/{N}{where}", summary)
 
     def run(self):
-        cfg, N = self.cfg, self.num_steps
+        """The loop of train_gpt2.cu's main (see the module doc); -> the run's summary dict."""
+        N = self.num_steps
         self._open_logs()
         if self.is_master:
-            self.display.start(self._info())
-            if cfg.resume == 1:
-                self.display.message(
-                    f"resuming from the checkpoint at step {self.start_step} in {self.out}"
-                    if self.resume_step >= 0 else
-                    f"no complete checkpoint in {self.out}: starting from {self.init_note or cfg.init}")
-            for note in self.resume_notes:
-                self.display.message(note)
-            if cfg.zero_stage == 1 and self.P == 1:
-                self.display.message("Note: -z 1 with one process: its one shard is the whole "
-                                     "model, so it runs as -z 0 (as llm.c does)")
-            if cfg.checkpoint_every > 0 and not self.out:  # llm.c says nothing and writes nothing
-                self.display.message(f"Note: -n {cfg.checkpoint_every} writes no checkpoint without "
-                                     "-o DIR (checkpoints go into the output directory)")
-            if self.shared_files:
-                self.display.message(
-                    f"Warning: -i and -j both name {_files_text(self.shared_files)}: the val loss "
-                    "is measured on tokens the model trains on")
-            if self.left_out:
-                self.display.message(
-                    f"-i {self.cfg.train_data!r} also matched {len(self.left_out)} file(s) that are "
-                    "not token shards, left out: "
-                    + ", ".join(f"{p} ({what})" for p, what in self.left_out))
+            self._announce()
         summary = {"start_step": self.start_step, "num_steps": N, "steps_run": 0,
                    "train_loss": None, "val_loss": None, "checkpoint": None,
                    "output_dir": self.out}
-        if cfg.hellaswag:
+        if self.cfg.hellaswag:
             summary["hellaswag_acc_norm"] = None
         resuming = self.resume_step >= 0
         times = []
@@ -566,61 +545,17 @@ class Trainer:
                     last = step == N
                     self.comm.step = step  # the backends name it in heartbeats and errors
                     rec = {"step": step}
-                    if self.val_loader is not None and (step % cfg.val_loss_every == 0 or last):
-                        val = self.evaluate_val(stop=lambda: sigint.requested)
-                        if self._stop_requested(sigint, launcher=False):  # Ctrl-C in val
-                            self._interrupt(step, N, summary, resuming)
-                        rec["val_loss"] = summary["val_loss"] = val
-                        self.logs.log(step, val_loss=val)
-                        if self.is_master:
-                            self.display.val(step, val)
-                    if cfg.hellaswag and ((cfg.val_loss_every > 0 and step > 0
-                                           and step % cfg.val_loss_every == 0) or last):
-                        hs = self.evaluate_hellaswag()  # every rank: a collective
-                        acc = hs["acc_norm"]
-                        rec["hellaswag_acc_norm"] = summary["hellaswag_acc_norm"] = acc
-                        self.logs.log(step, hellaswag_acc_norm=acc)
-                        if self.is_master:
-                            self.display.message(f"HellaSwag: {hs['correct_norm']}/"
-                                                 f"{hs['num_examples']} = {acc:f}")
-                    if (self.is_master and cfg.sample_every > 0
-                            and ((step > 0 and step % cfg.sample_every == 0) or last)):
-                        self.display.sample(step, self.generate_sample())
-                    # -o: the last step always (llm.c: only with -n), and every -n steps
-                    if self.out and not resuming and (last or (
-                            cfg.checkpoint_every > 0 and step > 0 and step % cfg.checkpoint_every == 0)):
+                    self._evaluate(step, last, rec, summary, sigint, resuming)
+                    if self.out and not resuming and self._checkpoint_due(step, last):
                         self.write_checkpoint(step)
-                        if cfg.checkpoint_every > 0:
+                        if self.cfg.checkpoint_every > 0:
                             self.rotate_checkpoints(step)
                     resuming = False
                     if last:
                         if len(rec) > 1:
                             self.logs.record(rec)
                         break
-
-                    t0 = time.perf_counter()
-                    loss, lr, norm, outlier = self.train_step(step)
-                    ms = (time.perf_counter() - t0) * 1000.0
-                    times.append(ms)
-                    tokens = self.P * self.B * self.T * self.grad_accum_steps
-                    if (self.flops_per_step / (ms / 1000.0) > self.peak_flops and self.P == 1
-                            and self.peak_rechecks < PEAK_RECHECKS):
-                        # a step beat the peak: it was measured while the cores were busier
-                        self.peak_rechecks += 1
-                        self._measure_roof(again=True)
-                    rec.update(train_loss=loss, lr=lr, grad_norm=norm, ms=ms,
-                               tokens_per_s=tokens / (ms / 1000.0),
-                               mfu=self.flops_per_step / (ms / 1000.0) / self.peak_flops,
-                               **outlier)
-                    if self.P > 1:
-                        rec["allreduce_ms"] = self.allreduce_ms
-                        rec["adamw_ms"] = self.adamw_ms
-                    self.logs.log(step, train_loss=loss, lr=lr, grad_norm=norm)
-                    self.logs.record(rec)
-                    summary.update(steps_run=summary["steps_run"] + 1, train_loss=loss)
-                    if self.is_master:
-                        self.display.step({**rec, "num_steps": N})
-
+                    self._timed_step(step, rec, summary, times)
                     if self._stop_requested(sigint):
                         self._interrupt(step + 1, N, summary, False)
         except KeyboardInterrupt:
@@ -629,14 +564,100 @@ class Trainer:
             raise TrainInterrupted(f"aborted by a second Ctrl-C ({self.checkpoints.last_good_text()})",
                                    summary) from None
         finally:
-            self.logs.close()
-            summary["checkpoint"] = self.last_checkpoint
-            if times:
-                summary["avg_ms"] = (sum(times[1:]) / len(times[1:]) if len(times) > 1
-                                     else times[0])
-            if self.is_master:
-                self.display.finish(summary)
+            self._finish(summary, times)
         return summary
+
+    def _announce(self):
+        """Rank 0's header and the notes about how this run was set up."""
+        cfg = self.cfg
+        self.display.start(self._info())
+        if cfg.resume == 1:
+            self.display.message(
+                f"resuming from the checkpoint at step {self.start_step} in {self.out}"
+                if self.resume_step >= 0 else
+                f"no complete checkpoint in {self.out}: starting from {self.init_note or cfg.init}")
+        for note in self.resume_notes:
+            self.display.message(note)
+        if cfg.zero_stage == 1 and self.P == 1:
+            self.display.message("Note: -z 1 with one process: its one shard is the whole "
+                                 "model, so it runs as -z 0 (as llm.c does)")
+        if cfg.checkpoint_every > 0 and not self.out:  # llm.c says nothing and writes nothing
+            self.display.message(f"Note: -n {cfg.checkpoint_every} writes no checkpoint without "
+                                 "-o DIR (checkpoints go into the output directory)")
+        if self.shared_files:
+            self.display.message(
+                f"Warning: -i and -j both name {_files_text(self.shared_files)}: the val loss "
+                "is measured on tokens the model trains on")
+        if self.left_out:
+            self.display.message(
+                f"-i {self.cfg.train_data!r} also matched {len(self.left_out)} file(s) that are "
+                "not token shards, left out: "
+                + ", ".join(f"{p} ({what})" for p, what in self.left_out))
+
+    def _evaluate(self, step, last, rec, summary, sigint, resuming):
+        """What llm.c does before a step's update: val loss every -v steps, HellaSwag (-h 1) and a
+        sample every -s steps, and each at the last step. Ctrl-C during the val loss stops here."""
+        cfg, N = self.cfg, self.num_steps
+        if self.val_loader is not None and (step % cfg.val_loss_every == 0 or last):
+            val = self.evaluate_val(stop=lambda: sigint.requested)
+            if self._stop_requested(sigint, launcher=False):  # Ctrl-C in val
+                self._interrupt(step, N, summary, resuming)
+            rec["val_loss"] = summary["val_loss"] = val
+            self.logs.log(step, val_loss=val)
+            if self.is_master:
+                self.display.val(step, val)
+        if cfg.hellaswag and ((cfg.val_loss_every > 0 and step > 0
+                               and step % cfg.val_loss_every == 0) or last):
+            hs = self.evaluate_hellaswag()  # every rank: a collective
+            acc = hs["acc_norm"]
+            rec["hellaswag_acc_norm"] = summary["hellaswag_acc_norm"] = acc
+            self.logs.log(step, hellaswag_acc_norm=acc)
+            if self.is_master:
+                self.display.message(f"HellaSwag: {hs['correct_norm']}/"
+                                     f"{hs['num_examples']} = {acc:f}")
+        if (self.is_master and cfg.sample_every > 0
+                and ((step > 0 and step % cfg.sample_every == 0) or last)):
+            self.display.sample(step, self.generate_sample())
+
+    def _checkpoint_due(self, step, last):
+        """-o: the last step always (llm.c: only with -n), and every -n steps."""
+        every = self.cfg.checkpoint_every
+        return last or (every > 0 and step > 0 and step % every == 0)
+
+    def _timed_step(self, step, rec, summary, times):
+        """One update, timed (into `times`), logged and shown."""
+        t0 = time.perf_counter()
+        loss, lr, norm, outlier = self.train_step(step)
+        ms = (time.perf_counter() - t0) * 1000.0
+        times.append(ms)
+        tokens = self.P * self.B * self.T * self.grad_accum_steps
+        if (self.flops_per_step / (ms / 1000.0) > self.peak_flops and self.P == 1
+                and self.peak_rechecks < PEAK_RECHECKS):
+            # a step beat the peak: it was measured while the cores were busier
+            self.peak_rechecks += 1
+            self._measure_roof(again=True)
+        rec.update(train_loss=loss, lr=lr, grad_norm=norm, ms=ms,
+                   tokens_per_s=tokens / (ms / 1000.0),
+                   mfu=self.flops_per_step / (ms / 1000.0) / self.peak_flops,
+                   **outlier)
+        if self.P > 1:
+            rec["allreduce_ms"] = self.allreduce_ms
+            rec["adamw_ms"] = self.adamw_ms
+        self.logs.log(step, train_loss=loss, lr=lr, grad_norm=norm)
+        self.logs.record(rec)
+        summary.update(steps_run=summary["steps_run"] + 1, train_loss=loss)
+        if self.is_master:
+            self.display.step({**rec, "num_steps": self.num_steps})
+
+    def _finish(self, summary, times):
+        """However the loop ended: close the logs, complete the summary, show it (rank 0)."""
+        self.logs.close()
+        summary["checkpoint"] = self.last_checkpoint
+        if times:
+            summary["avg_ms"] = (sum(times[1:]) / len(times[1:]) if len(times) > 1
+                                 else times[0])
+        if self.is_master:
+            self.display.finish(summary)
 
 
 def train(cfg, comm=None, display=None, *, check_params=False):
