@@ -5,11 +5,13 @@ import sys
 def run():
     """llmctl.cli.main, with Ctrl-C while the CLI's modules load (typer, rich: about half a
     second) ending like any other interrupt: one line and exit 130, not an import traceback."""
+    from llmctl import interrupt
+
     try:
         from llmctl.cli import main
     except KeyboardInterrupt:
-        sys.stderr.write("Interrupted: nothing was written.\n")
-        sys.exit(130)
+        interrupt.say("nothing was written.")
+        sys.exit(interrupt.EXIT_CODE)
     main()
 
 

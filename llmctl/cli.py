@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from llmctl.constants import GPT2_VOCAB_SIZE
+from llmctl import interrupt
 from llmctl.errors import LlmctlError
 from llmctl.info import DEFAULT_PRECISION
 from llmctl.options import MODEL_HELP, PRECISION_HELP, THREADS_HELP
@@ -242,15 +243,9 @@ def _interruptible(kept="nothing was written"):
 
 
 def _interrupted(kept):
-    """The one "Interrupted: <what was kept>." line on stderr, then exit 130."""
-    try:
-        sys.stdout.flush()
-    except (BrokenPipeError, ValueError):
-        pass
-    lead = "\n" if sys.stderr.isatty() else ""  # ^C leaves the cursor mid-line
-    sys.stderr.write(f"{lead}Interrupted: {kept}.\n")
-    sys.stderr.flush()
-    raise typer.Exit(130) from None
+    """The one "Interrupted: <what was kept>." line on stderr, then exit 130 (llmctl/interrupt.py)."""
+    interrupt.say(f"{kept}.", lead=True)
+    raise typer.Exit(interrupt.EXIT_CODE) from None
 
 
 _PREPRO_KEPT = "every file is written under a temp name and renamed, so no partial .bin was left"
@@ -947,8 +942,8 @@ def train_cmd(**options):
     try:
         run_train(cfg, threads=cfg.threads, **launch)
     except TrainInterrupted as e:
-        err_console.print(f"Interrupted: {e.message}", soft_wrap=True, highlight=False, markup=False)
-        raise typer.Exit(130) from None
+        interrupt.say(e.message)
+        raise typer.Exit(interrupt.EXIT_CODE) from None
 
 
 def _train_signature():
@@ -972,8 +967,8 @@ def main(argv: Optional[List[str]] = None):
         _print_error(e.message, e.hint)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:  # while typer builds the commands, before any runs
-        err_console.print("Interrupted: nothing was written.")
-        sys.exit(130)
+        interrupt.say("nothing was written.")
+        sys.exit(interrupt.EXIT_CODE)
     except BrokenPipeError:
         sys.exit(1)
 

@@ -22,14 +22,10 @@ docs/training.md.
 Reference: llm.c train_gpt2.cu (`main`: the loop and its flags; `write_checkpoint`,
 `find_max_step`), llmc/dataloader.h (the loader state a checkpoint carries), docs/formats.md.
 """
-import contextlib
 import glob
 import math
 import os
 import re
-import signal
-import sys
-import threading
 import time
 
 import numpy as np
@@ -42,6 +38,7 @@ from llmctl.distributed.base import SingleProcessComm
 from llmctl.distributed.zero import Zero1, shard_layout
 from llmctl.display import Display
 from llmctl.errors import ConfigError, DataError, FormatError, LlmctlError
+from llmctl.interrupt import EXIT_CODE, StopRequest
 from llmctl.loader import DataLoader
 from llmctl.mfu import flops_per_token, measure_peak_flops, mfu_roof_precision
 from llmctl.model import load as load_model, peek_config, resolve_init
@@ -59,7 +56,7 @@ __all__ = ["TrainConfig", "Trainer", "TrainInterrupted", "TrainingDiverged", "tr
 class TrainInterrupted(LlmctlError):
     """Ctrl-C: the current step finished, a checkpoint was written if -o was set."""
 
-    exit_code = 130
+    exit_code = EXIT_CODE
 
     def __init__(self, message, summary=None):
         super().__init__(message)
@@ -82,34 +79,6 @@ STOP_NOTE = "checkpointing if -o is set"
 
 
 PEAK_RECHECKS = 3  # times a run may measure the peak again when a step's FLOP/s exceeds it
-
-
-class _SigintGuard:
-    """First Ctrl-C asks the loop to stop after the current step; a second one stops at once."""
-
-    def __init__(self):
-        self.requested = False
-        self._prev = None
-        self._installed = False
-
-    def _handler(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        with contextlib.suppress(Exception):
-            sys.stderr.write("stopping after this step (Ctrl-C again to abort)...\n")
-            sys.stderr.flush()
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self._prev = signal.signal(signal.SIGINT, self._handler)
-            self._installed = True
-        return self
-
-    def __exit__(self, *exc):
-        if self._installed:
-            signal.signal(signal.SIGINT, self._prev)
-        return False
 
 
 def _check_hellaswag(cfg, model_config):
@@ -540,7 +509,7 @@ class Trainer:
         resuming = self.resume_step >= 0
         times = []
         try:
-            with _SigintGuard() as sigint:
+            with StopRequest("stopping after this step (Ctrl-C again to abort)...") as sigint:
                 for step in range(self.start_step, N + 1):
                     last = step == N
                     self.comm.step = step  # the backends name it in heartbeats and errors

@@ -28,14 +28,13 @@ import errno
 import hashlib
 import mmap
 import os
-import signal
-import threading
 import time
 
 import numpy as np
 
 from llmctl.distributed.base import Comm
 from llmctl.errors import DistError
+from llmctl.interrupt import deliver_stop
 
 SHM_DIR = "/dev/shm"
 PREFIX = "llmctl-"
@@ -179,20 +178,6 @@ class Segment:
             pass  # a caller still holds a view; the mapping goes with the process
 
 
-def _deliver_stop():
-    """Hand the launcher's stop request to a loop that watches Ctrl-C: raise SIGINT in this
-    process if (and only if) a Python SIGINT handler is installed -- never the default one,
-    which would throw KeyboardInterrupt out of the middle of a collective. Every rank does this
-    at the same collective, so a loop that agrees on stopping with an all-reduce stops together.
-    """
-    h = signal.getsignal(signal.SIGINT)
-    if callable(h) and h is not signal.default_int_handler \
-            and threading.current_thread() is threading.main_thread():
-        signal.raise_signal(signal.SIGINT)
-        return True
-    return False
-
-
 def _as_float32_1d(buf, what):
     if not isinstance(buf, np.ndarray) or buf.dtype != np.float32 or buf.ndim != 1 \
             or not buf.flags.c_contiguous or not buf.flags.writeable:
@@ -246,7 +231,7 @@ class HubComm(Comm):
         if msg["stop"]:
             self.stop_requested = True
             if not self._stop_delivered:
-                self._stop_delivered = _deliver_stop()
+                self._stop_delivered = deliver_stop()  # at the same collective on every rank
 
     def barrier(self):
         if self.world_size > 1:

@@ -26,13 +26,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 from llmctl.distributed.control import Hub, bind_listener
 from llmctl.distributed.env import threads_per_rank
 from llmctl.distributed.shm import SHM_DIR, sweep_segments
 from llmctl.errors import ConfigError, DistError
+from llmctl.interrupt import StopRequest
 
 _PR_SET_PDEATHSIG = 1
 STOPPED_HINT = "every rank was stopped"
@@ -104,12 +104,12 @@ def launch(target, args, nproc, *, threads=None, timeout=30.0, collective_timeou
     me = os.getpid()
     tmpdir = tempfile.mkdtemp(prefix=f"llmctl-job-{job}-")
     procs, pidfds, hub = [], [], None
-    state = {"sigint": 0, "sigterm": False}
-    old_handlers = {}
+    state = {}
+    signals = StopRequest(second_raises=False, catch_sigterm=True)  # counted; _run decides
     t_start = time.monotonic()
     try:
         args_path = _write_private(os.path.join(tmpdir, "args.json"), body)
-        old_handlers = _catch_signals(state)
+        signals.install()
         env = _job_env(extra_env, nproc=nproc, addr=master_addr, port=listener.getsockname()[1],
                        secret=secret, job=job, me=me, timeout=timeout,
                        collective_timeout=collective_timeout, threads=threads, target=target,
@@ -121,11 +121,11 @@ def launch(target, args, nproc, *, threads=None, timeout=30.0, collective_timeou
         listener = None  # the hub owns and closes it
         pidfds = _watch_exits(hub, procs)
 
-        failure = _run(hub, procs, state, log, timeout, stop_note)
+        failure = _run(hub, procs, state, signals, log, timeout, stop_note)
         if failure is not None:
             _shutdown(hub, procs, failure, grace)
             raise _failure_error(failure, hub, state, failure_hint)
-        if state["sigint"]:
+        if signals.requested:
             raise KeyboardInterrupt
         return {"nproc": nproc, "threads": threads, "seconds": time.monotonic() - t_start,
                 "result": _read_result(os.path.join(tmpdir, "result.json"))}
@@ -138,8 +138,7 @@ def launch(target, args, nproc, *, threads=None, timeout=30.0, collective_timeou
             os.close(fd)
         sweep_segments(shm_dir, job=job, launcher_pid=me)
         shutil.rmtree(tmpdir, ignore_errors=True)
-        for sig, h in old_handlers.items():
-            signal.signal(sig, h)
+        signals.restore()  # last: a Ctrl-C during the clean-up only counts
 
 
 def _check_arguments(nproc, timeout, collective_timeout):
@@ -173,22 +172,6 @@ def _write_private(path, body):
     with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
         f.write(body)
     return path
-
-
-def _catch_signals(state):
-    """Count Ctrl-Cs in state["sigint"] and note a SIGTERM, for the watch loop; -> the handlers
-    to restore (none off the main thread, where Python cannot install any)."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-
-    def on_sigint(signum, frame):
-        state["sigint"] += 1
-
-    def on_sigterm(signum, frame):
-        state["sigterm"] = True
-
-    return {signal.SIGINT: signal.signal(signal.SIGINT, on_sigint),
-            signal.SIGTERM: signal.signal(signal.SIGTERM, on_sigterm)}
 
 
 def _job_env(extra_env, *, nproc, addr, port, secret, job, me, timeout, collective_timeout,
@@ -270,8 +253,9 @@ def _watch_exits(hub, procs):
     return fds
 
 
-def _run(hub, procs, state, log, timeout, stop_note=None):
-    """The watch loop: returns None when every rank exited 0, else the failure message."""
+def _run(hub, procs, state, signals, log, timeout, stop_note=None):
+    """The watch loop: returns None when every rank exited 0, else the failure message.
+    signals: the launcher's StopRequest (Ctrl-Cs counted, SIGTERM noted)."""
     exited = {}
     stop_at = None
     while True:
@@ -306,12 +290,12 @@ def _run(hub, procs, state, log, timeout, stop_note=None):
                 return f"{hub.name(r)} closed its control connection{hub.at_step(r, True)}"
         if len(exited) == len(procs):
             return None
-        if state["sigterm"]:
+        if signals.sigterm:
             return "the launcher received SIGTERM"
-        if state["sigint"] >= 2:
+        if signals.count >= 2:
             log("second interrupt: killing all ranks")
             return "interrupted"
-        if state["sigint"] == 1 and stop_at is None:
+        if signals.count == 1 and stop_at is None:
             stop_at = now
             hub.stop = True
             note = f" ({stop_note})" if stop_note else ""

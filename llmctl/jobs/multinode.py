@@ -16,6 +16,7 @@ import os
 
 from llmctl.distributed.hier import HierComm
 from llmctl.errors import DistError, LlmctlError
+from llmctl.interrupt import EXIT_CODE
 
 _SECRET_VAR = "LLMCTL_RING_KEY"
 
@@ -42,7 +43,7 @@ def run_entry(args, shm):
     try:
         return import_target(args["target"])(args["args"], comm)
     except LlmctlError as e:
-        if e.exit_code == 130 and comm.stop_requested:
+        if e.exit_code == EXIT_CODE and comm.stop_requested:
             shm.stop_requested = True  # a stop agreed by every node: not a failure (worker.py)
         raise
     finally:

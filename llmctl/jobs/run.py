@@ -23,6 +23,7 @@ import sys
 from dataclasses import asdict
 
 from llmctl.errors import ConfigError, LlmctlError
+from llmctl.interrupt import EXIT_CODE
 
 TRAIN_TARGET = "llmctl.jobs.run:train_entry"
 
@@ -143,7 +144,7 @@ def _train_per_rank(cfg, backend, ring_kw, json_out, check_params):
     try:
         return train_rank(cfg, comm, json_out=json_out, check_params=check_params)
     except BaseException as e:
-        stop = isinstance(e, KeyboardInterrupt) or getattr(e, "exit_code", 1) == 130
+        stop = isinstance(e, KeyboardInterrupt) or getattr(e, "exit_code", 1) == EXIT_CODE
         if backend == "mpi" and not stop and comm.world_size > 1:
             # the other ranks would wait in the next Allreduce forever: end the MPI job
             if not isinstance(e, LlmctlError):

@@ -13,12 +13,12 @@ because the launcher turns Ctrl-C into a coordinated stop (Comm.stop_requested).
 import importlib
 import json
 import os
-import signal
 import sys
 import traceback
 
 from llmctl.atomic import atomic_write
 from llmctl.errors import DistError, LlmctlError
+from llmctl.interrupt import EXIT_CODE, ignore_in_child, say
 
 ENV_PREFIX = "LLMCTL_DIST_"
 
@@ -46,7 +46,7 @@ def _report(client, msg, step, hint=None):
 
 
 def main():
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ignore_in_child()
     env = os.environ
     try:
         rank = int(env["RANK"])
@@ -91,10 +91,10 @@ def main():
         client.close(bye=False)
         return 1
     except LlmctlError as e:
-        if e.exit_code == 130 and comm.stop_requested:
+        if e.exit_code == EXIT_CODE and comm.stop_requested:
             # a stop the launcher asked for (Ctrl-C), completed on every rank: not a failure
             if rank == 0:
-                sys.stderr.write(f"Interrupted: {e.message}\n")
+                say(e.message)
             comm.close()
             return 0
         _report(client, e.message, comm.step, e.hint)

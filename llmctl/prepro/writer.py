@@ -123,11 +123,9 @@ def _chunks(docs):
 
 
 def _warm_worker():
-    import signal
+    from llmctl.interrupt import ignore_in_child
 
-    # Ctrl-C reaches the whole process group: let the parent stop the pool (its `with` block
-    # terminates the workers) instead of every worker printing a KeyboardInterrupt traceback
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ignore_in_child()  # the parent's `with` block terminates the pool on Ctrl-C
     get_tokenizer()
 
 
