@@ -74,8 +74,7 @@ def run_train(cfg, *, nproc=1, nnodes=None, node_rank=None, master_addr=None, ma
     step that all ranks hold bit-identical parameters. -> rank 0's summary dict, or None here if
     rank 0 runs elsewhere."""
     from llmctl.distributed.env import resolve_env
-    from llmctl.distributed.rendezvous import (check_seconds, choose_backend, resolve_node,
-                                               resolve_secret)
+    from llmctl.distributed.rendezvous import check_seconds, choose_backend, resolve_node
 
     env = os.environ if environ is None else environ
     check_params = _check_params(check_params)
@@ -108,23 +107,31 @@ def run_train(cfg, *, nproc=1, nnodes=None, node_rank=None, master_addr=None, ma
                                                  bind_addr=bind_addr, timeout=timeout,
                                                  rdzv_timeout=rdzv_timeout, environ=env),
                                json_out, check_params)
+    node = resolve_node(nnodes, node_rank, master_addr, master_port, bind_addr, environ=env)
+    return _launch_ranks(cfg, int(nproc), node, backend, threads or cfg.threads, timeout,
+                         rdzv_timeout, master_port, json_out, check_params, env)
+
+
+def _launch_ranks(cfg, nproc, node, backend, threads, timeout, rdzv_timeout, master_port,
+                  json_out, check_params, env):
+    """The launcher form: this host's `nproc` ranks, by llmctl's launcher (one host) or its node
+    launcher (`node.nnodes` hosts); -> rank 0's summary, or None on the hosts without it."""
+    from llmctl.distributed.rendezvous import choose_backend, resolve_secret
     from llmctl.train import FAILED_JOB_HINT, STOP_NOTE
 
     args = {"config": asdict(cfg), "json_out": bool(json_out), "check_params": check_params}
     hints = {"failure_hint": FAILED_JOB_HINT, "stop_note": STOP_NOTE}
-    threads = threads or cfg.threads
-    node = resolve_node(nnodes, node_rank, master_addr, master_port, bind_addr, environ=env)
     if choose_backend(backend, node.nnodes, env) == "shm" or node.nnodes == 1:
         from llmctl.jobs.launcher import launch  # one host
 
-        return launch(TRAIN_TARGET, args, int(nproc), threads=threads, timeout=timeout,
+        return launch(TRAIN_TARGET, args, nproc, threads=threads, timeout=timeout,
                       master_port=master_port, **hints)["result"]
     from llmctl.jobs.multinode import launch_multinode
 
     secret = resolve_secret(env)
     _log(f"node {node.node_rank} of {node.nnodes}: {nproc} rank(s), ring on {node.bind_addr}, "
          f"rendezvous at {node.master_addr}:{node.master_port}")
-    return launch_multinode(TRAIN_TARGET, args, int(nproc), node, secret, threads=threads,
+    return launch_multinode(TRAIN_TARGET, args, nproc, node, secret, threads=threads,
                             timeout=timeout, rdzv_timeout=rdzv_timeout, **hints)["result"]
 
 

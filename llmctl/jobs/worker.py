@@ -78,6 +78,11 @@ def main():
                    collective_timeout=coll_timeout,
                    local_rank=int(env.get("LOCAL_RANK", rank)),
                    local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)))
+    return _run_target(client, comm, rank, target, args_path)
+
+
+def _run_target(client, comm, rank, target, args_path):
+    """Call the target with the launcher's arguments; -> this rank's exit code (see the module doc)."""
     try:
         fn = import_target(target)
         with open(args_path) as f:
