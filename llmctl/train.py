@@ -131,6 +131,34 @@ class Trainer:
 
         # 3. the model's shape (header or descriptor only), then the output directory: all
         # cheap checks happen before anything is written or a large model is initialised
+        self._claim_output()
+
+        # 4. model, optimizer schedule, -sl/-sg's outlier detectors over loss and grad norm
+        self.model = load_model(self.init_spec, n_threads=self.n_threads, precision=cfg.precision,
+                                recompute=None if cfg.recompute == -1 else cfg.recompute)
+        mc = self.model.config
+        self.gen_tokens = min(cfg.gen_tokens, mc.max_seq_len)
+        self.detect_outliers = cfg.skip_update_lossz != 0 or cfg.skip_update_gradz != 0
+        self.loss_detector, self.grad_detector = OutlierDetector(), OutlierDetector()
+        self.zero = Zero1(self.model, self.comm) if cfg.zero_stage == 1 and self.P > 1 else None
+        self.scheduler = LRScheduler(cfg.lr_scheduler, cfg.learning_rate, cfg.warmup_iters,
+                                     self.num_steps, cfg.final_lr_frac)
+
+        # 5. -y 1: optimizer, loader and detector state from the newest complete checkpoint
+        self._resume()
+
+        self.flops_per_step = flops_per_token(self.model.num_parameters, mc.num_layers,
+                                              mc.channels, T) * B * T * self.grad_accum_steps
+        self.mfu_roof = mfu_roof_precision(cfg.precision)
+        self._measure_roof()
+        self.peak_rechecks = 0
+        self.allreduce_ms = 0.0
+        self.adamw_ms = 0.0   # the last step's AdamW (-z 1: on this rank's shard)
+
+    def _claim_output(self):
+        """Which weights the run starts from (-y 1's checkpoint, -e, or the default), their shape
+        checked against the flags, then -o claimed (llmctl/checkpoints.py)."""
+        cfg = self.cfg
         self.out = cfg.output_dir
         self.checkpoints = Checkpoints(self.out, self.comm)
         self.resume_step = self.checkpoints.newest() if cfg.resume == 1 else -1
@@ -154,18 +182,9 @@ class Trainer:
             self._check_init_survives_overwrite()
         self.checkpoints.claim(cfg.resume, cfg.overwrite)
 
-        # 4. model, optimizer schedule, -sl/-sg's outlier detectors over loss and grad norm
-        self.model = load_model(init_spec, n_threads=self.n_threads, precision=cfg.precision,
-                                recompute=None if cfg.recompute == -1 else cfg.recompute)
-        mc = self.model.config
-        self.gen_tokens = min(cfg.gen_tokens, mc.max_seq_len)
-        self.detect_outliers = cfg.skip_update_lossz != 0 or cfg.skip_update_gradz != 0
-        self.loss_detector, self.grad_detector = OutlierDetector(), OutlierDetector()
-        self.zero = Zero1(self.model, self.comm) if cfg.zero_stage == 1 and self.P > 1 else None
-        self.scheduler = LRScheduler(cfg.lr_scheduler, cfg.learning_rate, cfg.warmup_iters,
-                                     self.num_steps, cfg.final_lr_frac)
-
-        # 5. -y 1: optimizer, loader and detector state from the newest complete checkpoint
+    def _resume(self):
+        """-y 1: load the newest complete checkpoint's state into the model, loader, detectors."""
+        cfg = self.cfg
         self.start_step = 0
         self.resume_notes = []
         if self.resume_step >= 0:
@@ -177,14 +196,6 @@ class Trainer:
                 raise ConfigError(f"the checkpoint in {self.out} is at step {self.start_step}, "
                                   f"beyond the {self.num_steps} steps of this run",
                                   hint="pass the -x of the original run")
-
-        self.flops_per_step = flops_per_token(self.model.num_parameters, mc.num_layers,
-                                              mc.channels, T) * B * T * self.grad_accum_steps
-        self.mfu_roof = mfu_roof_precision(cfg.precision)
-        self._measure_roof()
-        self.peak_rechecks = 0
-        self.allreduce_ms = 0.0
-        self.adamw_ms = 0.0   # the last step's AdamW (-z 1: on this rank's shard)
 
     def _measure_roof(self, again=False):
         """MFU's denominator: this run's GEMM measurement merged into the best one cached for
@@ -387,24 +398,8 @@ class Trainer:
         grad_norm = float(model.grad_norm() if self.zero is None else self.zero.grad_norm())
         zgrad = self.grad_detector.update(as_float32(grad_norm))
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            what = "loss" if not math.isfinite(loss) else "gradient norm"
-            value = loss if not math.isfinite(loss) else grad_norm
-            # checkpoint `step` holds the weights that just produced the NaN: not good
-            self.checkpoints.discard(step)
-            raise TrainingDiverged(
-                f"{what} is {value} at step {step + 1}/{self.num_steps}: training stopped "
-                f"before the update ({self.checkpoints.last_good_text()})",
-                hint="lower the learning rate (-l), add warmup (-u) or keep --grad-clip on")
-        outlier = {}
-        skipped = None
-        if self.detect_outliers:
-            if skip_update(zloss, self.cfg.skip_update_lossz):
-                skipped = f"skipping update due to loss z-score of {as_float32(zloss):f}"
-            elif skip_update(zgrad, self.cfg.skip_update_gradz):
-                skipped = f"skipping update due to grad z-score of {as_float32(zgrad):f}"
-            outlier = {"loss_z": None if math.isnan(zloss) else as_float32(zloss),
-                       "grad_z": None if math.isnan(zgrad) else as_float32(zgrad),
-                       "skipped": skipped is not None}
+            self._diverged(step, loss, grad_norm)
+        outlier, skipped = self._outliers(zloss, zgrad)
         if skipped is not None:
             if self.is_master:
                 self.display.message(skipped)  # llm.c prints it before the step line
@@ -429,6 +424,29 @@ class Trainer:
                          grad_scale, step + 1, zero_grads=True)
             self.adamw_ms = (time.perf_counter() - t0) * 1000.0
         return loss, lr, grad_norm, outlier
+
+    def _diverged(self, step, loss, grad_norm):
+        """A NaN/Inf loss or gradient norm: drop checkpoint `step` (its weights produced it), raise."""
+        what = "loss" if not math.isfinite(loss) else "gradient norm"
+        value = loss if not math.isfinite(loss) else grad_norm
+        self.checkpoints.discard(step)
+        raise TrainingDiverged(
+            f"{what} is {value} at step {step + 1}/{self.num_steps}: training stopped "
+            f"before the update ({self.checkpoints.last_good_text()})",
+            hint="lower the learning rate (-l), add warmup (-u) or keep --grad-clip on")
+
+    def _outliers(self, zloss, zgrad):
+        """-sl/-sg: -> (the step's outlier fields, llm.c's "skipping update" line or None)."""
+        if not self.detect_outliers:
+            return {}, None
+        skipped = None
+        if skip_update(zloss, self.cfg.skip_update_lossz):
+            skipped = f"skipping update due to loss z-score of {as_float32(zloss):f}"
+        elif skip_update(zgrad, self.cfg.skip_update_gradz):
+            skipped = f"skipping update due to grad z-score of {as_float32(zgrad):f}"
+        return ({"loss_z": None if math.isnan(zloss) else as_float32(zloss),
+                 "grad_z": None if math.isnan(zgrad) else as_float32(zgrad),
+                 "skipped": skipped is not None}, skipped)
 
     # -- the loop -------------------------------------------------------------------------------
 
