@@ -406,64 +406,25 @@ def _join(rank, world, addr, port, secret, record, deadline, timeout):
 
 
 def _serve(world, addr, port, secret, record, deadline, timeout, log):
+    """Rank 0: accept every other rank's JOIN (each handshake on its own thread, so a stalled
+    stranger cannot hold the others up), then send all of them the table; -> the table."""
     lis = bind_listener(addr, port, "rendezvous")
     lis.settimeout(0.2)
     joined = {}            # rank -> (sock, record)
     refused = []           # "host:port (why)", in arrival order
     events = queue.Queue()
     where = f"the rendezvous at {host_port(addr, port)}"
-
-    def handshake(s, peer):
-        try:
-            r, _, w = auth_server(s, secret, b"rdzv")
-            if w != world:
-                raise ProtocolError(f"rank {r} was started with world size {w}, not {world}")
-            msg = recv_msg(s, time.monotonic() + HANDSHAKE_TIMEOUT)
-            if not (isinstance(msg, dict) and set(msg) == {"t", "world", "rec"} and msg["t"] == "join"
-                    and msg["world"] == world):
-                raise ProtocolError("not a JOIN message for this world")
-            rec = check_record(msg["rec"], world)
-            if rec["rank"] != r:
-                raise ProtocolError(f"authenticated as rank {r} but joins as {rec['rank']}")
-            events.put(("ok", s, peer, rec))
-        except Exception as e:  # anything a stranger can provoke (bad JSON nesting too) -> rejected
-            events.put(("bad", s, peer, str(e)[:200] or e.__class__.__name__))
-
     try:
         while len(joined) < world - 1:
             if time.monotonic() > deadline:
-                missing = [r for r in range(1, world) if r not in joined]
-                msg = f"ranks {missing} did not join {where} within {timeout:.0f} s"
-                if refused:
-                    more = f" and {len(refused) - 8} more" if len(refused) > 8 else ""
-                    msg += f"; refused {len(refused)} peer(s): {'; '.join(refused[:8])}{more}"
-                for s, _ in joined.values():
-                    try:
-                        send_msg(s, {"t": "fail", "msg": msg})
-                    except OSError:
-                        pass
-                raise DistError(f"rank 0: {msg}", hint=JOIN_HINT)
+                _fail_late(world, joined, refused, where, timeout)
             try:
                 s, peer = lis.accept()
-                threading.Thread(target=handshake, args=(s, peer), daemon=True).start()
+                threading.Thread(target=_handshake_joiner, args=(s, peer, secret, world, events),
+                                 daemon=True).start()
             except socket.timeout:
                 pass
-            while True:
-                try:
-                    kind, s, peer, x = events.get_nowait()
-                except queue.Empty:
-                    break
-                who = host_port(peer[0], peer[1])
-                why = x if kind == "bad" else None
-                if kind == "ok" and (x["rank"] in joined or x["rank"] == 0):
-                    why = f"a second JOIN for rank {x['rank']}"
-                if why is None:
-                    joined[x["rank"]] = (s, x)
-                    continue
-                refused.append(f"{who} ({why})")
-                if log:
-                    log(f"rank 0: refused a peer at {where} from {who}: {why}")
-                s.close()
+            _take_joins(events, joined, refused, where, log)
         peers = [record] + [joined[r][1] for r in range(1, world)]
         for s, _ in joined.values():
             try:
@@ -483,3 +444,57 @@ def _serve(world, addr, port, secret, record, deadline, timeout, log):
                 break
             if all(s is not js for js, _ in joined.values()):
                 s.close()
+
+
+def _handshake_joiner(s, peer, secret, world, events):
+    """One peer's authentication and JOIN, on its own thread; -> ("ok", s, peer, record) or
+    ("bad", s, peer, why) on `events`."""
+    try:
+        r, _, w = auth_server(s, secret, b"rdzv")
+        if w != world:
+            raise ProtocolError(f"rank {r} was started with world size {w}, not {world}")
+        msg = recv_msg(s, time.monotonic() + HANDSHAKE_TIMEOUT)
+        if not (isinstance(msg, dict) and set(msg) == {"t", "world", "rec"} and msg["t"] == "join"
+                and msg["world"] == world):
+            raise ProtocolError("not a JOIN message for this world")
+        rec = check_record(msg["rec"], world)
+        if rec["rank"] != r:
+            raise ProtocolError(f"authenticated as rank {r} but joins as {rec['rank']}")
+        events.put(("ok", s, peer, rec))
+    except Exception as e:  # anything a stranger can provoke (bad JSON nesting too) -> rejected
+        events.put(("bad", s, peer, str(e)[:200] or e.__class__.__name__))
+
+
+def _take_joins(events, joined, refused, where, log):
+    """Move the finished handshakes into `joined`, or close and note them in `refused`."""
+    while True:
+        try:
+            kind, s, peer, x = events.get_nowait()
+        except queue.Empty:
+            return
+        who = host_port(peer[0], peer[1])
+        why = x if kind == "bad" else None
+        if kind == "ok" and (x["rank"] in joined or x["rank"] == 0):
+            why = f"a second JOIN for rank {x['rank']}"
+        if why is None:
+            joined[x["rank"]] = (s, x)
+            continue
+        refused.append(f"{who} ({why})")
+        if log:
+            log(f"rank 0: refused a peer at {where} from {who}: {why}")
+        s.close()
+
+
+def _fail_late(world, joined, refused, where, timeout):
+    """The deadline passed: tell the ranks that joined, raise naming the missing and the refused."""
+    missing = [r for r in range(1, world) if r not in joined]
+    msg = f"ranks {missing} did not join {where} within {timeout:.0f} s"
+    if refused:
+        more = f" and {len(refused) - 8} more" if len(refused) > 8 else ""
+        msg += f"; refused {len(refused)} peer(s): {'; '.join(refused[:8])}{more}"
+    for s, _ in joined.values():
+        try:
+            send_msg(s, {"t": "fail", "msg": msg})
+        except OSError:
+            pass
+    raise DistError(f"rank 0: {msg}", hint=JOIN_HINT)

@@ -78,29 +78,8 @@ def ring_connect(members, pos, listener, secret, timeout, connect_timeout):
     deadline = time.monotonic() + connect_timeout
     got = {}
     rejected = []
-
-    def accept():
-        listener.settimeout(0.2)
-        while time.monotonic() < deadline:
-            try:
-                s, peer = listener.accept()
-            except socket.timeout:
-                continue
-            except OSError as e:
-                got["err"] = e
-                return
-            try:
-                r, to, _ = auth_server(s, secret, b"ring")
-                if r != prv["rank"] or to != me["rank"]:
-                    raise ProtocolError(f"authenticated as rank {r} -> {to}, but this ring expects "
-                                        f"rank {prv['rank']} -> {me['rank']}")
-                got["in"] = s
-                return
-            except ProtocolError as e:
-                rejected.append(f"{host_port(*peer[:2])}: {e}")
-                s.close()
-
-    t = threading.Thread(target=accept, name="llmctl-ring-accept", daemon=True)
+    t = threading.Thread(target=_accept_previous, name="llmctl-ring-accept", daemon=True,
+                         args=(listener, secret, me, prv, deadline, got, rejected))
     t.start()
     out = None
     who = f"rank {nxt['rank']} ({nxt['host']} {host_port(nxt['addr'], nxt['port'])})"
@@ -129,6 +108,30 @@ def ring_connect(members, pos, listener, secret, timeout, connect_timeout):
     for s in (out, got["in"]):
         _set_keepalive(s, timeout)
     return out, got["in"]
+
+
+def _accept_previous(listener, secret, me, prv, deadline, got, rejected):
+    """ring_connect's accepting side: got["in"] = the previous member's authenticated socket
+    (got["err"] if the listener fails); strangers are closed and named in `rejected`."""
+    listener.settimeout(0.2)
+    while time.monotonic() < deadline:
+        try:
+            s, peer = listener.accept()
+        except socket.timeout:
+            continue
+        except OSError as e:
+            got["err"] = e
+            return
+        try:
+            r, to, _ = auth_server(s, secret, b"ring")
+            if r != prv["rank"] or to != me["rank"]:
+                raise ProtocolError(f"authenticated as rank {r} -> {to}, but this ring expects "
+                                    f"rank {prv['rank']} -> {me['rank']}")
+            got["in"] = s
+            return
+        except ProtocolError as e:
+            rejected.append(f"{host_port(*peer[:2])}: {e}")
+            s.close()
 
 
 class RingComm(Comm):

@@ -58,28 +58,14 @@ def collectives(args, comm):
                 shared[:] = buf  # the zero-copy path: data already in this rank's shared row
                 buf = shared
             comm.all_reduce_mean(buf)
-            want = rank_data(0, it, n)
-            for r in range(1, comm.world_size):
-                want = want + rank_data(r, it, n)  # float32, rank order 0..N-1, as the kernel does
-            want = want / np.float32(comm.world_size)
+            want = _reference_mean(comm, it, n)
             if not np.array_equal(buf, want):
                 raise DataError(f"rank {comm.rank}: all_reduce_mean(n={n}) differs from the reference "
                                 f"(max |diff| {np.max(np.abs(buf - want)):.3g})")
             checked += 1
             if args.get("zero"):
                 _check_zero(args, comm, it, n, shared, want)
-        s = comm.all_reduce_sum_scalar(comm.rank + 0.5)
-        if s != sum(r + 0.5 for r in range(comm.world_size)):
-            raise DataError(f"rank {comm.rank}: all_reduce_sum_scalar gave {s}")
-        b = np.full(7, comm.rank, dtype=np.int64)
-        comm.broadcast(b, root=comm.world_size - 1)
-        if not np.all(b == comm.world_size - 1):
-            raise DataError(f"rank {comm.rank}: broadcast gave {b}")
-        same = np.arange(10, dtype=np.float32)
-        if args.get("fail") == "mismatch" and args.get("fail_rank") == comm.rank:
-            same[3] += 1
-        comm.assert_identical(same, "parameters")
-        comm.barrier()
+        _check_small_collectives(args, comm)
         it += 1
         if comm.stop_requested:
             break
@@ -90,6 +76,30 @@ def collectives(args, comm):
     _write(args, f"result_{comm.rank}.json",
            {"rank": comm.rank, "world_size": comm.world_size, "iters": it, "checked": checked,
             "stopped": bool(comm.stop_requested), "threads": os.environ.get("OMP_NUM_THREADS")})
+
+
+def _reference_mean(comm, it, n):
+    """The all-reduce's expected bits: float32 sums in rank order 0..N-1, as the kernel adds."""
+    want = rank_data(0, it, n)
+    for r in range(1, comm.world_size):
+        want = want + rank_data(r, it, n)
+    return want / np.float32(comm.world_size)
+
+
+def _check_small_collectives(args, comm):
+    """The scalar sum, a broadcast, assert_identical ({"fail": "mismatch"}: made to differ), a barrier."""
+    s = comm.all_reduce_sum_scalar(comm.rank + 0.5)
+    if s != sum(r + 0.5 for r in range(comm.world_size)):
+        raise DataError(f"rank {comm.rank}: all_reduce_sum_scalar gave {s}")
+    b = np.full(7, comm.rank, dtype=np.int64)
+    comm.broadcast(b, root=comm.world_size - 1)
+    if not np.all(b == comm.world_size - 1):
+        raise DataError(f"rank {comm.rank}: broadcast gave {b}")
+    same = np.arange(10, dtype=np.float32)
+    if args.get("fail") == "mismatch" and args.get("fail_rank") == comm.rank:
+        same[3] += 1
+    comm.assert_identical(same, "parameters")
+    comm.barrier()
 
 
 def _fail(args, comm):
