@@ -164,6 +164,36 @@ def expected_hf_shapes(hdr):
     return shapes
 
 
+def _open_shards(paths):
+    """safetensors handles of every shard, and {key: (shape, dtype, shard index)}; FormatError for
+    a missing or unreadable file, or a tensor in two shards."""
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        raise missing_dependency("safetensors") from None
+    files, info = [], {}
+    for i, path in enumerate(paths):
+        if not os.path.isfile(path):
+            raise FormatError(f"{path}: no such file",
+                              "llmctl reads model.safetensors (no PyTorch); pytorch_model.bin cannot be read")
+        try:
+            f = safe_open(path, framework="np")
+            for k in f.keys():
+                if k in info:
+                    raise FormatError(f"{path}: tensor {k!r} is also in {paths[info[k][2]]}",
+                                      "the shards of one model must not overlap")
+                sl = f.get_slice(k)
+                info[k] = (tuple(sl.get_shape()), sl.get_dtype(), i)
+        except FormatError:
+            raise
+        except Exception as e:  # safetensors raises its own SafetensorError (not exported stably)
+            raise FormatError(f"{path}: not a valid safetensors file ({e})",
+                              "the download may be truncated: delete it from the Hugging Face cache "
+                              "and fetch it again") from None
+        files.append(f)
+    return files, info
+
+
 class SafetensorsGPT2:
     """A GPT-2 model.safetensors (or the shards a model.safetensors.index.json names) opened for
     reading: checks every key and shape up front, then hands out float32 tensors by bare HF name.
@@ -177,33 +207,22 @@ class SafetensorsGPT2:
         self.path = paths[0] if len(paths) == 1 else os.path.dirname(paths[0])  # what errors name
         self.paths = paths
         self.hdr = hdr
-        try:
-            from safetensors import safe_open
-        except ImportError:
-            raise missing_dependency("safetensors") from None
-        self._f, info = [], {}
-        for i, path in enumerate(paths):
-            if not os.path.isfile(path):
-                raise FormatError(f"{path}: no such file",
-                                  "llmctl reads model.safetensors (no PyTorch); pytorch_model.bin cannot be read")
-            try:
-                f = safe_open(path, framework="np")
-                for k in f.keys():
-                    if k in info:
-                        raise FormatError(f"{path}: tensor {k!r} is also in {paths[info[k][2]]}",
-                                          "the shards of one model must not overlap")
-                    sl = f.get_slice(k)
-                    info[k] = (tuple(sl.get_shape()), sl.get_dtype(), i)
-            except FormatError:
-                raise
-            except Exception as e:  # safetensors raises its own SafetensorError (not exported stably)
-                raise FormatError(f"{path}: not a valid safetensors file ({e})",
-                                  "the download may be truncated: delete it from the Hugging Face cache "
-                                  "and fetch it again") from None
-            self._f.append(f)
-        keys = list(info)
+        self._f, info = _open_shards(paths)
+        want = expected_hf_shapes(hdr)
+        self._names = self._gpt2_names(list(info), want)
+        self._check_tensors(info, want)
+        self._raw = {}
+        self.lm_head = "lm_head.weight" if "lm_head.weight" in info else None
+        if self.lm_head and info["lm_head.weight"][0] != want["wte.weight"]:
+            raise FormatError(f"{self.path}: lm_head.weight has shape {list(info['lm_head.weight'][0])}, "
+                              f"not wte's {list(want['wte.weight'])}", NOT_GPT2_HINT)
+        self._info = info
+
+    def _gpt2_names(self, keys, want):
+        """{GPT-2 tensor name: its key in the file} (with or without "transformer."), exactly
+        the tensors `want` names, else FormatError naming a missing or an unexpected one."""
         prefixed = any(k.startswith("transformer.") for k in keys)
-        self._names = {}
+        names = {}
         extra = []
         for k in keys:
             bare = k[len("transformer."):] if k.startswith("transformer.") else k
@@ -212,17 +231,20 @@ class SafetensorsGPT2:
             if prefixed and bare == k:
                 extra.append(k)
                 continue
-            self._names[bare] = k
-        want = expected_hf_shapes(hdr)
-        missing = [k for k in want if k not in self._names]
+            names[bare] = k
+        missing = [k for k in want if k not in names]
         if missing:
             raise FormatError(f"{self.path}: {len(missing)} GPT-2 tensor(s) missing, e.g. {missing[0]!r} "
-                              f"(config.json says n_layer = {hdr.num_layers})",
+                              f"(config.json says n_layer = {self.hdr.num_layers})",
                               "the file does not match its config.json, or is not a GPT2LMHeadModel")
-        extra += [self._names[k] for k in self._names if k not in want]
+        extra += [names[k] for k in names if k not in want]
         if extra:
             raise FormatError(f"{self.path}: not llm.c's GPT-2: unexpected tensor(s) {', '.join(sorted(extra)[:3])}"
                               + (" ..." if len(extra) > 3 else ""), NOT_GPT2_HINT)
+        return names
+
+    def _check_tensors(self, info, want):
+        """Every GPT-2 tensor has the shape config.json implies and a float type llmctl reads."""
         for bare, shape in want.items():
             got, dt, _ = info[self._names[bare]]
             if got != shape:
@@ -232,12 +254,6 @@ class SafetensorsGPT2:
             if dt not in self.READABLE:
                 raise FormatError(f"{self.path}: tensor {self._names[bare]!r} is {dt}; llmctl reads float "
                                   f"tensors ({', '.join(self.READABLE)})")
-        self._raw = {}
-        self.lm_head = "lm_head.weight" if "lm_head.weight" in info else None
-        if self.lm_head and info["lm_head.weight"][0] != want["wte.weight"]:
-            raise FormatError(f"{self.path}: lm_head.weight has shape {list(info['lm_head.weight'][0])}, "
-                              f"not wte's {list(want['wte.weight'])}", NOT_GPT2_HINT)
-        self._info = info
 
     def _bf16(self, key, i):
         """A BF16 tensor widened to fp32 from the file's bytes (safetensors' layout: u64 header
