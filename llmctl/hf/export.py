@@ -88,6 +88,28 @@ def _replaceable(out):
     return names <= set(MODEL_FILES + TOKENIZER_FILES)
 
 
+def _check_out_dir(out, force):
+    """OUT_DIR must not exist, or be empty, or (force) hold only an earlier export."""
+    if out.exists():
+        if not out.is_dir():
+            raise DataError(f"{out}: exists and is not a directory", "choose a new OUT_DIR")
+        if os.listdir(out) and not (force and _replaceable(out)):
+            hint = ("it holds files an export does not write, so --force will not remove it" if force
+                    else "choose a new OUT_DIR, or pass --force to replace an earlier export")
+            raise DataError(f"{out}: directory is not empty", hint)
+
+
+def _move_into_place(tmp, out, parent):
+    """The finished export replaces OUT_DIR by renames (an earlier export is removed after)."""
+    if out.exists():
+        old = parent / f".{out.name}.old-{os.getpid()}"
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
+
+
 def export_checkpoint(checkpoint, out_dir, force=False):
     """Write the Hugging Face directory for an llm.c checkpoint (v3 or v5). OUT_DIR must not
     exist or be empty; force=True replaces an earlier export (a directory holding only these
@@ -103,13 +125,7 @@ def export_checkpoint(checkpoint, out_dir, force=False):
         raise FormatError(e.message, e.hint or "CHECKPOINT must be an llm.c GPT-2 checkpoint .bin (v3 fp32 or "
                                                "v5 bf16), as `llmctl train -o` or llm.c write it") from None
     out = Path(out_dir)
-    if out.exists():
-        if not out.is_dir():
-            raise DataError(f"{out}: exists and is not a directory", "choose a new OUT_DIR")
-        if os.listdir(out) and not (force and _replaceable(out)):
-            hint = ("it holds files an export does not write, so --force will not remove it" if force
-                    else "choose a new OUT_DIR, or pass --force to replace an earlier export")
-            raise DataError(f"{out}: directory is not empty", hint)
+    _check_out_dir(out, force)
     parent = out.resolve().parent
     tmp = parent / f".{out.name}.tmp-{os.getpid()}"
     try:
@@ -131,13 +147,7 @@ def export_checkpoint(checkpoint, out_dir, force=False):
         mode = stat.S_IMODE(os.stat(tmp / "config.json").st_mode)
         for name in os.listdir(tmp):
             os.chmod(tmp / name, mode)
-        if out.exists():
-            old = parent / f".{out.name}.old-{os.getpid()}"
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+        _move_into_place(tmp, out, parent)
     except BaseException as e:
         with contextlib.suppress(OSError):
             shutil.rmtree(tmp)

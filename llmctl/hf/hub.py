@@ -162,12 +162,32 @@ def _check_reachable(repo_id, filename, revision, where):
         raise _unreachable(repo_id, filename, where, err)
 
 
+def _download(repo_id, filename, revision, cache_dir, offline, where):
+    """hf_hub_download, falling back on the cached copy after a connection reset or protocol
+    error, which huggingface_hub does not fall back on (it does on a refused connection or a
+    timeout); -> the file's path."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.utils import LocalEntryNotFoundError
+
+    try:
+        return Path(hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir,
+                                    local_files_only=offline))
+    except _transport_errors() as e:
+        if offline:
+            raise
+        try:
+            return Path(hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir,
+                                        local_files_only=True))
+        except LocalEntryNotFoundError:
+            raise _unreachable(repo_id, filename, where, e) from None
+
+
 def hub_file(repo_id, filename, *, revision=None, local_files_only=None, cache_dir=None, progress=True):
     """Path of one file of a hub repo via hf_hub_download (cache first; downloads unless offline).
     A Hub that cannot be reached costs one request: the cached copy is used if there is one
     (as huggingface_hub does), else one NotCached error at once (_check_reachable)."""
     try:
-        from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
+        from huggingface_hub import constants, try_to_load_from_cache
         from huggingface_hub.utils import (EntryNotFoundError, HfHubHTTPError, HFValidationError,
                                            LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError,
                                            are_progress_bars_disabled, disable_progress_bars,
@@ -187,19 +207,7 @@ def hub_file(repo_id, filename, *, revision=None, local_files_only=None, cache_d
                 cached = None  # hf_hub_download reports it below
             if not isinstance(cached, str):
                 _check_reachable(repo_id, filename, revision, where)
-        try:
-            return Path(hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir,
-                                        local_files_only=offline))
-        except _transport_errors() as e:
-            # a connection reset or protocol error, which huggingface_hub does not fall back on
-            # (it does on a refused connection or a timeout): the cached copy, as it would
-            if offline:
-                raise
-            try:
-                return Path(hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir,
-                                            local_files_only=True))
-            except LocalEntryNotFoundError:
-                raise _unreachable(repo_id, filename, where, e) from None
+        return _download(repo_id, filename, revision, cache_dir, offline, where)
     except HFValidationError as e:
         raise ConfigError(f"{repo_id}: not a valid Hugging Face repo id or revision ({e})",
                           "a repo id is ORG/NAME of letters, digits, '-', '_' and '.'") from None

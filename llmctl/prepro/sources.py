@@ -93,43 +93,15 @@ def obtain(what, *, source=None, cache_path, url=None, from_datasets=None, hub_d
     note = notes.append
 
     if source is not None:
-        source = os.fspath(source)
-        if not os.path.exists(source):
-            raise DataError(f"--source {source}: no such file", hint=f"pass the path of a local copy of {what}")
-        if os.path.isdir(source):
-            raise DataError(f"--source {source}: is a directory, not a file",
-                            hint=f"pass the path of a local copy of {what}")
-        if not _usable_file(source):
-            raise DataError(f"--source {source}: not a regular non-empty file",
-                            hint=f"pass the path of a local copy of {what}")
-        return {"path": source, "origin": "source", "notes": notes}
+        return {"path": _check_source(what, source), "origin": "source", "notes": notes}
 
     cache_path = os.fspath(cache_path)
     if _usable_file(cache_path):
         return {"path": cache_path, "origin": "cache", "notes": notes}
     note(f"cache: {cache_path} not found")
 
-    if from_datasets is not None:
-        try:
-            import datasets as ds  # optional dependency: pip install 'llmctl[datasets]'
-        except ImportError:
-            note("datasets: not installed (pip install datasets)")
-        else:
-            unreachable = None
-            try:
-                with datasets_reachable(ds, hub_dataset) as unreachable:
-                    data = from_datasets(ds)
-                if not data:
-                    raise ValueError("it returned no data")
-                os.makedirs(os.path.dirname(os.path.abspath(cache_path)), exist_ok=True)
-                atomic_write(cache_path, data)
-                return {"path": cache_path, "origin": "datasets", "notes": notes}
-            except Exception as e:  # datasets raises many types (ConnectionError, FileNotFoundError, ...)
-                if unreachable is not None and isinstance(e, ConnectionError):  # offline, not cached
-                    note(f"datasets: the Hub cannot be reached ({type(unreachable).__name__}: "
-                         f"{first_line(unreachable)}) and datasets' cache has no copy")
-                else:
-                    note(f"datasets: failed ({type(e).__name__}: {first_line(e)})")
+    if from_datasets is not None and _via_datasets(from_datasets, hub_dataset, cache_path, note):
+        return {"path": cache_path, "origin": "datasets", "notes": notes}
 
     if url:
         if log:
@@ -142,6 +114,45 @@ def obtain(what, *, source=None, cache_path, url=None, from_datasets=None, hub_d
 
     raise DataError(f"could not get {what}: " + "; ".join(notes),
                     hint=f"download it yourself and pass it with --source PATH (or put it at {cache_path})")
+
+
+def _check_source(what, source):
+    """--source PATH must be a regular non-empty file (an explicit path never falls back); -> it."""
+    source = os.fspath(source)
+    if not os.path.exists(source):
+        raise DataError(f"--source {source}: no such file", hint=f"pass the path of a local copy of {what}")
+    if os.path.isdir(source):
+        raise DataError(f"--source {source}: is a directory, not a file",
+                        hint=f"pass the path of a local copy of {what}")
+    if not _usable_file(source):
+        raise DataError(f"--source {source}: not a regular non-empty file",
+                        hint=f"pass the path of a local copy of {what}")
+    return source
+
+
+def _via_datasets(from_datasets, hub_dataset, cache_path, note):
+    """Write from_datasets(datasets)'s bytes to the cache; -> True, or False with a note why not."""
+    try:
+        import datasets as ds  # optional dependency: pip install 'llmctl[datasets]'
+    except ImportError:
+        note("datasets: not installed (pip install datasets)")
+        return False
+    unreachable = None
+    try:
+        with datasets_reachable(ds, hub_dataset) as unreachable:
+            data = from_datasets(ds)
+        if not data:
+            raise ValueError("it returned no data")
+        os.makedirs(os.path.dirname(os.path.abspath(cache_path)), exist_ok=True)
+        atomic_write(cache_path, data)
+        return True
+    except Exception as e:  # datasets raises many types (ConnectionError, FileNotFoundError, ...)
+        if unreachable is not None and isinstance(e, ConnectionError):  # offline, not cached
+            note(f"datasets: the Hub cannot be reached ({type(unreachable).__name__}: "
+                 f"{first_line(unreachable)}) and datasets' cache has no copy")
+        else:
+            note(f"datasets: failed ({type(e).__name__}: {first_line(e)})")
+        return False
 
 
 @contextlib.contextmanager
