@@ -71,6 +71,7 @@ class TrainingDiverged(LlmctlError):
 FAILED_JOB_HINT = ("every rank was stopped; the last complete checkpoint (DONE_* in -o) is intact: "
                    "rerun with -y 1 to resume")
 STOP_NOTE = "checkpointing if -o is set"
+RING_FAILURE_HINT = "the other ranks stop too; rerun with -y 1 to resume from the last checkpoint"
 
 
 

@@ -126,6 +126,8 @@ def test_the_transports_import_neither_the_training_nor_job_control():
 
 
 def test_the_launchers_training_hints_come_from_the_training_side():
-    """The launcher's hints for a training run come from the training side, not the launcher."""
-    assert "-y 1" not in MODULES["llmctl.jobs.launcher"].read_text()
+    """The hints for a training run (resume with -y 1) come from the training side, not from the
+    launcher or a transport."""
+    for name in ("llmctl.jobs.launcher", "llmctl.jobs.multinode", *(m for m in MODULES if m.startswith("llmctl.distributed"))):
+        assert "-y 1" not in MODULES[name].read_text(), name
     assert "llmctl.train" in imports("llmctl.jobs.run")

@@ -134,13 +134,18 @@ def _accept_previous(listener, secret, me, prv, deadline, got, rejected):
             s.close()
 
 
+RING_FAILURE_HINT = "the other ranks stop too"
+
+
 class RingComm(Comm):
     """Members of one TCP ring. See the module docstring for the algorithm and fault model."""
 
     def __init__(self, members, pos, out_sock, in_sock, *, rank=None, world_size=None,
                  local_rank=0, local_world_size=1, timeout=30.0, collective_timeout=300.0,
-                 chunk_bytes=CHUNK_BYTES, n_threads=1, label=None):
+                 chunk_bytes=CHUNK_BYTES, n_threads=1, label=None, failure_hint=None):
         self.members = members
+        # what a failed collective means for the caller's work (training: the checkpoint to resume from)
+        self.failure_hint = failure_hint or RING_FAILURE_HINT
         self.pos = pos
         self.size = len(members)
         self.rank = members[pos]["rank"] if rank is None else rank
@@ -209,8 +214,7 @@ class RingComm(Comm):
         if self._failed is None:
             self._failed = msg
         self._shutdown()
-        raise DistError(f"{self.label}: {self._failed}", hint=hint or
-                        "the other ranks stop too; rerun with -y 1 to resume from the last checkpoint")
+        raise DistError(f"{self.label}: {self._failed}", hint=hint or self.failure_hint)
 
     def _send_failure(self):
         e = self._send_err
@@ -497,10 +501,11 @@ class RingComm(Comm):
 
 def init_ring(rank, world_size, *, master_addr, master_port, bind_addr, secret, timeout=30.0,
               collective_timeout=None, rdzv_timeout=300.0, ring_key=0, node=0, host=None,
-              local_rank=0, local_world_size=1, chunk_bytes=CHUNK_BYTES, log=None, label=None):
+              local_rank=0, local_world_size=1, chunk_bytes=CHUNK_BYTES, log=None, label=None,
+              failure_hint=None):
     """Rendezvous, then connect the ring of all ranks with the same `ring_key` (in rank order).
 
-    Returns a RingComm whose rank is the global rank; its world_size is the ring's size (for the
+    failure_hint: the hint of a failed collective (default: the other ranks stop too). Returns a RingComm whose rank is the global rank; its world_size is the ring's size (for the
     flat backend, every rank; inside hier.py, one member per node).
     """
     collective_timeout = float(collective_timeout) if collective_timeout else max(300.0, 10 * timeout)
@@ -524,6 +529,6 @@ def init_ring(rank, world_size, *, master_addr, master_port, bind_addr, secret, 
         lis.close()  # nothing stays listening once the ring is connected
     comm = RingComm(members, pos, out, inn, timeout=timeout, collective_timeout=collective_timeout,
                     chunk_bytes=chunk_bytes, local_rank=local_rank,
-                    local_world_size=local_world_size, label=label)
+                    local_world_size=local_world_size, label=label, failure_hint=failure_hint)
     comm.table = table
     return comm

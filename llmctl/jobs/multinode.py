@@ -38,7 +38,8 @@ def run_entry(args, shm):
                      secret=bytes.fromhex(key), timeout=shm.timeout,
                      collective_timeout=shm.collective_timeout, rdzv_timeout=node["rdzv_timeout"],
                      ring_key=shm.rank, node=node["node_rank"], local_rank=shm.rank,
-                     local_world_size=lw, label=f"rank {rank} (node {node['node_rank']})", log=stderr_log)
+                     local_world_size=lw, label=f"rank {rank} (node {node['node_rank']})", log=stderr_log,
+                     failure_hint=args.get("ring_hint"))
     comm = HierComm(shm, ring, node["node_rank"], node["nnodes"])
     try:
         return import_target(args["target"])(args["args"], comm)
@@ -52,11 +53,12 @@ def run_entry(args, shm):
 
 def launch_multinode(target, args, nproc, node, secret, *, threads=None, timeout=30.0,
                      collective_timeout=None, rdzv_timeout=300.0, log=None, grace=3.0,
-                     failure_hint=None, stop_note=None):
+                     failure_hint=None, stop_note=None, ring_hint=None):
     """Run `target(args, comm)` in `nproc` ranks on this node of a `node.nnodes`-node job.
 
     node: a rendezvous.NodeEnv; secret: 32 key bytes (rendezvous.resolve_secret()), handed to
-    the ranks through their environment; failure_hint, stop_note: as for launch(). Returns
+    the ranks through their environment; failure_hint, stop_note: as for launch(); ring_hint:
+    the hint of a failed collective on the cross-host ring (RingComm's failure_hint). Returns
     launch()'s info (rank 0's result on node 0).
     """
     from llmctl.distributed.rendezvous import check_seconds
@@ -67,7 +69,7 @@ def launch_multinode(target, args, nproc, node, secret, *, threads=None, timeout
     wrapped = {"node": {"nnodes": node.nnodes, "node_rank": node.node_rank,
                         "master_addr": node.master_addr, "master_port": node.master_port,
                         "bind_addr": node.bind_addr, "rdzv_timeout": float(rdzv_timeout)},
-               "target": target, "args": args}
+               "target": target, "args": args, "ring_hint": ring_hint}
     return launch("llmctl.jobs.multinode:run_entry", wrapped, nproc, threads=threads, timeout=timeout,
                   collective_timeout=collective_timeout, log=log, grace=grace,
                   extra_env={_SECRET_VAR: secret.hex()}, failure_hint=failure_hint,

@@ -14,7 +14,7 @@ Only rank 0 renders progress; `run_train` returns rank 0's summary where it has 
 launchers of nodes > 0 and on ranks > 0).
 
 The launchers are told what a failed or stopped job means for a training run (the checkpoint
-to resume from: llmctl.train's FAILED_JOB_HINT and STOP_NOTE).
+to resume from: llmctl.train's FAILED_JOB_HINT, STOP_NOTE and RING_FAILURE_HINT).
 
 What it is not: a transport (llmctl/distributed/) or process management (launcher.py).
 """
@@ -117,7 +117,7 @@ def _launch_ranks(cfg, nproc, node, backend, threads, timeout, rdzv_timeout, mas
     """The launcher form: this host's `nproc` ranks, by llmctl's launcher (one host) or its node
     launcher (`node.nnodes` hosts); -> rank 0's summary, or None on the hosts without it."""
     from llmctl.distributed.rendezvous import choose_backend, resolve_secret
-    from llmctl.train import FAILED_JOB_HINT, STOP_NOTE
+    from llmctl.train import FAILED_JOB_HINT, RING_FAILURE_HINT, STOP_NOTE
 
     args = {"config": asdict(cfg), "json_out": bool(json_out), "check_params": check_params}
     hints = {"failure_hint": FAILED_JOB_HINT, "stop_note": STOP_NOTE}
@@ -132,7 +132,8 @@ def _launch_ranks(cfg, nproc, node, backend, threads, timeout, rdzv_timeout, mas
     _log(f"node {node.node_rank} of {node.nnodes}: {nproc} rank(s), ring on {node.bind_addr}, "
          f"rendezvous at {node.master_addr}:{node.master_port}")
     return launch_multinode(TRAIN_TARGET, args, nproc, node, secret, threads=threads,
-                            timeout=timeout, rdzv_timeout=rdzv_timeout, **hints)["result"]
+                            timeout=timeout, rdzv_timeout=rdzv_timeout, ring_hint=RING_FAILURE_HINT,
+                            **hints)["result"]
 
 
 def _train_per_rank(cfg, backend, ring_kw, json_out, check_params):
@@ -173,6 +174,7 @@ def _flat_ring(master_addr, master_port, bind_addr, timeout, rdzv_timeout, envir
     from llmctl.distributed.rendezvous import (DEFAULT_PORT, local_addr_for, resolve_addr,
                                                resolve_secret)
     from llmctl.distributed.ring import init_ring
+    from llmctl.train import RING_FAILURE_HINT
 
     ident = resolve_env(environ=environ)
     addr = master_addr or environ.get("MASTER_ADDR", "127.0.0.1")
@@ -182,4 +184,4 @@ def _flat_ring(master_addr, master_port, bind_addr, timeout, rdzv_timeout, envir
     return init_ring(ident.rank, ident.world_size, master_addr=addr, master_port=port,
                      bind_addr=resolve_addr(bind), secret=resolve_secret(environ), timeout=timeout,
                      rdzv_timeout=rdzv_timeout, local_rank=ident.local_rank,
-                     local_world_size=ident.local_world_size, log=_log)
+                     local_world_size=ident.local_world_size, log=_log, failure_hint=RING_FAILURE_HINT)
