@@ -634,8 +634,9 @@ def _eval_hellaswag(cfg, checkpoint, threads, precision, json_out):
     import json
     import time
 
-    from llmctl.evaluate import eval_hellaswag, eval_hellaswag_multiproc, hellaswag_file
+    from llmctl.evaluate import eval_hellaswag, hellaswag_file
     from llmctl.info import check_precision
+    from llmctl.jobs.eval import eval_hellaswag_multiproc
     from llmctl.threads import check_threads
 
     cfg.validate()  # before any data is fetched

@@ -25,7 +25,6 @@ from typing import List, Optional
 import numpy as np
 
 from llmctl.errors import ConfigError, DataError, FormatError
-from llmctl.info import DEFAULT_PRECISION
 
 NUM_COMPLETIONS = 4
 
@@ -225,7 +224,7 @@ def summarize(scores, norm="tokens", per_example=False):
     return out
 
 
-def _check_eval_file(path):
+def check_eval_file(path):
     if os.path.isdir(path):
         raise DataError(f"{path}: is a directory, not an eval file",
                         hint="pass the .bin inside it, e.g. -i DIR/hellaswag_val.bin")
@@ -265,7 +264,7 @@ def eval_hellaswag(model, path, limit=None, norm="tokens", per_example=False, ba
     local ones. Called from training, log `s:%d eval:%.4f` with the returned acc_norm."""
     from llmctl.formats import read_evalfile
 
-    _check_eval_file(path)
+    check_eval_file(path)
     examples = read_evalfile(path)
     if limit is not None:
         if limit < 1:
@@ -287,31 +286,6 @@ def eval_hellaswag(model, path, limit=None, norm="tokens", per_example=False, ba
         res["acc_norm"] = res["correct_norm"] / n_total
     res["file"] = str(path)
     res["precision"] = model.precision
-    return res
-
-
-def hellaswag_entry(args, comm):
-    """One rank of `llmctl eval hellaswag --nproc N` (run by llmctl.jobs.launcher): loads the
-    model with the rank's thread count, scores its slice, returns the summed result (rank 0's
-    return value is what the launcher hands back)."""
-    from llmctl.model import load
-
-    model = load(args["checkpoint"], n_threads=comm.n_threads, precision=args.get("precision", DEFAULT_PRECISION))
-    return eval_hellaswag(model, args["path"], limit=args.get("limit"), norm=args.get("norm", "tokens"),
-                          per_example=False, batch_tokens=args.get("batch_tokens", 2048), comm=comm)
-
-
-def eval_hellaswag_multiproc(checkpoint, path, nproc, threads=None, limit=None, norm="tokens",
-                             batch_tokens=2048, timeout=30.0, precision=DEFAULT_PRECISION):
-    """eval_hellaswag split over `nproc` local processes (llmctl.jobs.launcher); -> the result dict."""
-    from llmctl.jobs.launcher import launch
-
-    _check_eval_file(path)  # fail before spawning anything
-    out = launch("llmctl.evaluate:hellaswag_entry",
-                 {"checkpoint": str(checkpoint), "path": str(path), "limit": limit, "norm": norm,
-                  "batch_tokens": batch_tokens, "precision": precision}, nproc, threads=threads, timeout=timeout)
-    res = out["result"]
-    res["nproc"], res["threads_per_process"] = out["nproc"], out["threads"]
     return res
 
 

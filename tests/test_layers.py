@@ -131,3 +131,11 @@ def test_the_launchers_training_hints_come_from_the_training_side():
     for name in ("llmctl.jobs.launcher", "llmctl.jobs.multinode", *(m for m in MODULES if m.startswith("llmctl.distributed"))):
         assert "-y 1" not in MODULES[name].read_text(), name
     assert "llmctl.train" in imports("llmctl.jobs.run")
+
+
+def test_only_the_cli_starts_jobs():
+    """Job control sits above the training and the evaluation: nothing below it imports it."""
+    above = {"llmctl.cli"} | {m for m in MODULES if m.startswith("llmctl.jobs")}
+    importers = {m for m in MODULES if m not in above
+                 and any(i.startswith("llmctl.jobs") for i in imports(m))}
+    assert importers == set()
