@@ -19,7 +19,7 @@ from llmctl import interrupt
 from llmctl.errors import LlmctlError
 from llmctl.info import DEFAULT_PRECISION
 from llmctl.options import MODEL_HELP, PRECISION_HELP, THREADS_HELP
-from llmctl.paths import DATA_DIR, PLOT_OUTPUT, TINYSHAKESPEARE_URL
+from llmctl.paths import DATA_DIR, PLOT_OUTPUT
 
 err_console = Console(stderr=True, highlight=False)
 out_console = Console(highlight=False)
@@ -187,9 +187,10 @@ _PRECISION_OPT = typer.Option(DEFAULT_PRECISION, "--precision", help=PRECISION_H
 
 
 def _command_signature(*groups):
-    """A command's parameters, group by group: a config dataclass gives one option per field
-    (its flags, default and help live in its `flag(...)` metadata: llmctl/train_config.py,
-    llmctl/sample_config.py), a function its own typer options."""
+    """A command's parameters, group by group: a config dataclass gives one option (or
+    argument) per field (its flags, default and help live in its `flag(...)` / `arg(...)`
+    metadata: llmctl/train_config.py, llmctl/sample_config.py), a (config, names) pair those
+    fields only, a function its own typer options."""
     import dataclasses
     import inspect
 
@@ -197,15 +198,27 @@ def _command_signature(*groups):
 
     params = []
     for group in groups:
-        if not dataclasses.is_dataclass(group):
+        config, names = group if isinstance(group, tuple) else (group, None)
+        if not dataclasses.is_dataclass(config):
             params += [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
-                       for p in inspect.signature(group).parameters.values()]
+                       for p in inspect.signature(config).parameters.values()]
             continue
-        for f, opt in cli_options(group):
-            option = typer.Option(opt.pop("default"), *opt.pop("param_decls"), **opt)
-            params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option,
+        for f, opt in cli_options(config):
+            if names is not None and f.name not in names:
+                continue
+            make = typer.Argument if opt.pop("argument", False) else typer.Option
+            param = make(opt.pop("default"), *opt.pop("param_decls"), **opt)
+            params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=param,
                                             annotation=f.type))
     return inspect.Signature(params)
+
+
+def _config_of(cls, options):
+    """An instance of the config dataclass cls from a generated command's options, which lose
+    those fields (the rest are the shared options)."""
+    from dataclasses import fields
+
+    return cls(**{f.name: options.pop(f.name) for f in fields(cls)})
 
 
 def _version_callback(value: bool):
@@ -302,13 +315,10 @@ def _prepro_report(summary, json_out):
 
 
 def _prepro_workers(workers):
-    """-w: 0 = the default thread count; negative is an error; more than 4x cores is capped."""
-    from llmctl.errors import ConfigError
+    """-w (checked >= 0 by the config): 0 = the default thread count; more than 4x cores is capped."""
     from llmctl.info import default_threads, usable_cores
     from llmctl.threads import OVERSUBSCRIBE_LIMIT, oversubscribe_cap
 
-    if workers < 0:
-        raise ConfigError(f"--workers {workers}: must be >= 0", hint="0 = OMP_NUM_THREADS or all cores")
     if workers == 0:
         return default_threads()
     cap = oversubscribe_cap()
@@ -319,169 +329,135 @@ def _prepro_workers(workers):
     return workers
 
 
-def _check_shard_size(shard_size):
-    from llmctl.prepro.writer import CLI_MIN_SHARD_SIZE, check_shard_size
-
-    check_shard_size(shard_size, minimum=CLI_MIN_SHARD_SIZE)
-
-
 _JSON_OPT = _json_opt("a JSON summary")
-_WORKERS_OPT = typer.Option(0, "--workers", "-w", help="Tokenizer threads/processes (0 = OMP_NUM_THREADS or all cores).")
-_SHARD_SIZE_OPT = typer.Option(10**8, "--shard-size", "-s", help="Tokens per shard (llm.c fineweb.py: -s).")
-_PARALLELISM_OPT = typer.Option("threads", "--parallelism", "--backend", help="How the -w workers tokenize: threads (tiktoken, GIL-free) or processes (--backend is an alias).")
 
 
-@prepro_app.command("tinyshakespeare")
-@_interruptible(_PREPRO_KEPT)
-def prepro_tinyshakespeare_cmd(
-    out_dir: str = typer.Option(DATA_DIR, "--out-dir", help="Output directory; the text is cached there as tiny_shakespeare.txt (a copy put there by hand is used)."),
-    source: Optional[str] = typer.Option(None, "--source", help="Local input.txt to use instead of cache/datasets/download."),
-    url: str = typer.Option(TINYSHAKESPEARE_URL, "--url", help="Download URL (used only if there is no source or cached copy)."),
-    timeout: float = typer.Option(30.0, "--timeout", help="Download timeout in seconds."),
-    workers: int = _WORKERS_OPT,
-    json_out: bool = _JSON_OPT,
-):
+def _prepro_json_option(json_out: bool = _JSON_OPT):
+    """A prepro command's --json, after its own settings in --help."""
+
+
+def prepro_tinyshakespeare_cmd(**options):
     """Tiny Shakespeare -> tiny_shakespeare_{val,train}.bin, byte-identical to llm.c's dev/data/tinyshakespeare.py."""
     from llmctl.prepro import prepro_tinyshakespeare
+    from llmctl.prepro_config import TinyShakespeareConfig
 
-    _prepro_report(prepro_tinyshakespeare(out_dir=out_dir, source=source, url=url, timeout=timeout,
-                                          workers=_prepro_workers(workers), log=_prepro_log(json_out)), json_out)
+    cfg, json_out = _config_of(TinyShakespeareConfig, options), options["json_out"]
+    cfg.validate()
+    _prepro_report(prepro_tinyshakespeare(out_dir=cfg.out_dir, source=cfg.source, url=cfg.url, timeout=cfg.timeout,
+                                          workers=_prepro_workers(cfg.workers), log=_prepro_log(json_out)), json_out)
 
 
-@prepro_app.command("hellaswag")
-@_interruptible(_PREPRO_KEPT)
-def prepro_hellaswag_cmd(
-    out_dir: str = typer.Option(DATA_DIR, "--out-dir", help="Output directory; the jsonl is cached there as hellaswag_{split}.jsonl."),
-    source: Optional[str] = typer.Option(None, "--source", help="Local hellaswag_{split}.jsonl to use (default: the cached copy in --out-dir, else datasets, else the download)."),
-    split: str = typer.Option("val", "--split", help="val (what llm.c writes) or train."),
-    url: Optional[str] = typer.Option(None, "--url", help="Download URL (default: rowanz/hellaswag on GitHub)."),
-    timeout: float = typer.Option(30.0, "--timeout", help="Download timeout in seconds."),
-    json_out: bool = _JSON_OPT,
-):
+def prepro_hellaswag_cmd(**options):
     """HellaSwag jsonl -> hellaswag_val.bin (llm.c eval format), byte-identical to llm.c's dev/data/hellaswag.py."""
     from llmctl.prepro import prepro_hellaswag
+    from llmctl.prepro_config import HellaswagPreproConfig
 
-    _prepro_report(prepro_hellaswag(out_dir=out_dir, source=source, split=split, url=url, timeout=timeout,
-                                    log=_prepro_log(json_out)), json_out)
+    cfg, json_out = _config_of(HellaswagPreproConfig, options), options["json_out"]
+    cfg.validate()
+    _prepro_report(prepro_hellaswag(out_dir=cfg.out_dir, source=cfg.source, split=cfg.split, url=cfg.url,
+                                    timeout=cfg.timeout, log=_prepro_log(json_out)), json_out)
 
 
-@prepro_app.command("text")
-@_interruptible(_PREPRO_KEPT)
-def prepro_text_cmd(
-    files: List[str] = typer.Argument(..., help="UTF-8 text (docs separated by blank lines or <|endoftext|>), .jsonl/.parquet with a 'text' field."),
-    out_dir: Optional[str] = typer.Option(None, "--out-dir", help="Output directory (default: data/NAME)."),
-    name: Optional[str] = typer.Option(None, "--name", help="Shard name prefix (default: the first file's stem)."),
-    val_tokens: Optional[int] = typer.Option(None, "--val-tokens", help="Tokens in the val shard 0 (default: a full shard, like fineweb.py)."),
-    shard_size: int = _SHARD_SIZE_OPT,
-    workers: int = _WORKERS_OPT,
-    parallelism: str = _PARALLELISM_OPT,
-    json_out: bool = _JSON_OPT,
-):
+def prepro_text_cmd(**options):
     """Your own corpus -> NAME_{val,train}_%06d.bin shards (llm.c's fineweb sharding rule)."""
     import os
 
     from llmctl.prepro import prepro_text
     from llmctl.prepro.text import PROGRESS_MIN_BYTES
+    from llmctl.prepro_config import TextConfig
 
-    _check_shard_size(shard_size)
-    workers = _prepro_workers(workers)
-    big = sum(os.path.getsize(f) for f in files if os.path.isfile(f)) >= PROGRESS_MIN_BYTES
-    _prepro_report(prepro_text(files, out_dir=out_dir, val_tokens=val_tokens, shard_size=shard_size, name=name,
-                               workers=workers, parallelism=parallelism,
+    cfg, json_out = _config_of(TextConfig, options), options["json_out"]
+    cfg.validate()
+    workers = _prepro_workers(cfg.workers)
+    big = sum(os.path.getsize(f) for f in cfg.files if os.path.isfile(f)) >= PROGRESS_MIN_BYTES
+    _prepro_report(prepro_text(cfg.files, out_dir=cfg.out_dir, val_tokens=cfg.val_tokens, shard_size=cfg.shard_size,
+                               name=cfg.name, workers=workers, parallelism=cfg.parallelism,
                                progress=big and not json_out), json_out)
 
 
-@prepro_app.command("tinystories")
-@_interruptible(_PREPRO_KEPT)
-def prepro_tinystories_cmd(
-    out_dir: str = typer.Option(DATA_DIR, "--out-dir", help="Output directory."),
-    source: Optional[List[str]] = typer.Option(None, "--source", help="Local file(s): TinyStories data*.json, jsonl, or text with <|endoftext|> (repeatable; default: datasets streaming)."),
-    val_tokens: int = typer.Option(32768, "--val-tokens", help="With a single --source file: its first N tokens are val."),
-    workers: int = _WORKERS_OPT,
-    parallelism: str = _PARALLELISM_OPT,
-    json_out: bool = _JSON_OPT,
-):
+def prepro_tinystories_cmd(**options):
     """TinyStories -> TinyStories_{val,train}.bin (llm.c's dev/data/tinystories.py layout)."""
     from llmctl.prepro import prepro_tinystories
+    from llmctl.prepro_config import TinyStoriesConfig
 
-    _prepro_report(prepro_tinystories(out_dir=out_dir, source=source or None, val_tokens=val_tokens,
-                                      workers=_prepro_workers(workers), parallelism=parallelism,
+    cfg, json_out = _config_of(TinyStoriesConfig, options), options["json_out"]
+    cfg.validate()
+    _prepro_report(prepro_tinystories(out_dir=cfg.out_dir, source=cfg.source or None, val_tokens=cfg.val_tokens,
+                                      workers=_prepro_workers(cfg.workers), parallelism=cfg.parallelism,
                                       progress=not json_out), json_out)
 
 
-def _prepro_fineweb(edu, version, out_dir, source, shard_size, max_shards, workers, parallelism, json_out):
+def _prepro_fineweb(edu, options):
     from llmctl.prepro import prepro_fineweb
+    from llmctl.prepro_config import FinewebConfig, FinewebEduConfig
 
-    _check_shard_size(shard_size)
-    _prepro_report(prepro_fineweb(edu=edu, version=version, out_dir=out_dir, source=source or None,
-                                  shard_size=shard_size, max_shards=max_shards, workers=_prepro_workers(workers),
-                                  parallelism=parallelism, progress=not json_out), json_out)
-
-
-_FW_VERSION = typer.Option("10B", "--version", "-v", help="Sample size: 10B or 100B (llm.c fineweb.py: -v).")
-_FW_SOURCE = typer.Option(None, "--source", help="Local jsonl/parquet/text file(s) instead of datasets streaming (repeatable).")
-_FW_MAX = typer.Option(None, "--max-shards", help="Stop after this many full shards (default: all data).")
+    cfg, json_out = _config_of(FinewebEduConfig if edu else FinewebConfig, options), options["json_out"]
+    cfg.validate()
+    _prepro_report(prepro_fineweb(edu=edu, version=cfg.version, out_dir=cfg.out_dir, source=cfg.source or None,
+                                  shard_size=cfg.shard_size, max_shards=cfg.max_shards,
+                                  workers=_prepro_workers(cfg.workers), parallelism=cfg.parallelism,
+                                  progress=not json_out), json_out)
 
 
-@prepro_app.command("fineweb")
-@_interruptible(_PREPRO_KEPT)
-def prepro_fineweb_cmd(
-    version: str = _FW_VERSION,
-    out_dir: Optional[str] = typer.Option(None, "--out-dir", help="Output directory (default: data/fineweb10B)."),
-    source: Optional[List[str]] = _FW_SOURCE, shard_size: int = _SHARD_SIZE_OPT, max_shards: Optional[int] = _FW_MAX,
-    workers: int = _WORKERS_OPT, parallelism: str = _PARALLELISM_OPT, json_out: bool = _JSON_OPT,
-):
+def prepro_fineweb_cmd(**options):
     """FineWeb -> fineweb_{val,train}_%06d.bin (llm.c's dev/data/fineweb.py -t classic)."""
-    _prepro_fineweb(False, version, out_dir, source, shard_size, max_shards, workers, parallelism, json_out)
+    _prepro_fineweb(False, options)
 
 
-@prepro_app.command("fineweb-edu")
-@_interruptible(_PREPRO_KEPT)
-def prepro_fineweb_edu_cmd(
-    version: str = _FW_VERSION,
-    out_dir: Optional[str] = typer.Option(None, "--out-dir", help="Output directory (default: data/edu_fineweb10B)."),
-    source: Optional[List[str]] = _FW_SOURCE, shard_size: int = _SHARD_SIZE_OPT, max_shards: Optional[int] = _FW_MAX,
-    workers: int = _WORKERS_OPT, parallelism: str = _PARALLELISM_OPT, json_out: bool = _JSON_OPT,
-):
+def prepro_fineweb_edu_cmd(**options):
     """FineWeb-Edu -> edu_fineweb_{val,train}_%06d.bin (llm.c's dev/data/fineweb.py -t edu)."""
-    _prepro_fineweb(True, version, out_dir, source, shard_size, max_shards, workers, parallelism, json_out)
+    _prepro_fineweb(True, options)
 
 
-@prepro_app.command("tokenizer")
-@_interruptible(_PREPRO_KEPT)
-def prepro_tokenizer_cmd(
-    out: str = typer.Option("gpt2_tokenizer.bin", "--out", help="Where to write llm.c's tokenizer file."),
-    json_out: bool = _JSON_OPT,
-):
+def prepro_tokenizer_cmd(**options):
     """Write llm.c's gpt2_tokenizer.bin (version 2, 372,108 bytes) from the offline GPT-2 tokenizer."""
+    from llmctl.prepro_config import TokenizerConfig
     from llmctl.tokenizer import write_gpt2_tokenizer_bin
 
-    _prepro_report(write_gpt2_tokenizer_bin(out), json_out)
+    cfg = _config_of(TokenizerConfig, options)
+    _prepro_report(write_gpt2_tokenizer_bin(cfg.out), options["json_out"])
 
 
 # --- pretrained GPT-2 in and out (llmctl/hf/, llmctl/prepro/gpt2.py) --------------------------
 
 
-@prepro_app.command("gpt2")
-@_interruptible(_PREPRO_KEPT)
-def prepro_gpt2_cmd(
-    model: str = typer.Option("gpt2", "--model", help="gpt2, gpt2-medium, gpt2-large, gpt2-xl (Hugging Face Hub, cached), or a directory with config.json + model.safetensors (llm.c train_gpt2.py: --model)."),
-    out_dir: str = typer.Option(".", "--out-dir", help="Output directory (llm.c writes into the working directory, where train_gpt2.c looks)."),
-    debug_state: bool = typer.Option(False, "--debug-state", help="Also write gpt2_<size>_debug_state.bin for llm.c's test_gpt2.c."),
-    input_bin: str = typer.Option("data/tiny_shakespeare_val.bin", "--input-bin", "-i", help="With --debug-state: token shard whose first B*T+1 tokens are the batch (llm.c: --input_bin)."),
-    batch_size: int = typer.Option(4, "--batch-size", "-b", help="With --debug-state: B (llm.c: --batch_size)."),
-    seq_len: int = typer.Option(64, "--seq-len", "-t", help="With --debug-state: T (llm.c: --sequence_length)."),
-    offline: bool = typer.Option(False, "--offline", help="Use only the Hugging Face cache (as HF_HUB_OFFLINE=1)."),
-    threads: int = typer.Option(0, "--threads", help="Kernel threads for --debug-state (0 = OMP_NUM_THREADS or all cores)."),
-    json_out: bool = _JSON_OPT,
-):
+def prepro_gpt2_cmd(**options):
     """Pretrained GPT-2 -> gpt2_<size>.bin (fp32), gpt2_<size>_bf16.bin, gpt2_tokenizer.bin: llm.c's train_gpt2.py files, no PyTorch."""
     from llmctl.prepro.gpt2 import prepro_gpt2
+    from llmctl.prepro_config import Gpt2Config
 
-    _prepro_report(prepro_gpt2(model=model, out_dir=out_dir, debug_state=debug_state, input_bin=input_bin,
-                               batch_size=batch_size, seq_len=seq_len, local_files_only=True if offline else None,
-                               progress=not json_out, threads=threads or None, log=_prepro_log(json_out)),
+    cfg, json_out = _config_of(Gpt2Config, options), options["json_out"]
+    cfg.validate()
+    _prepro_report(prepro_gpt2(model=cfg.model, out_dir=cfg.out_dir, debug_state=cfg.debug_state,
+                               input_bin=cfg.input_bin, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                               local_files_only=True if cfg.offline else None, progress=not json_out,
+                               threads=cfg.threads or None, log=_prepro_log(json_out)),
                    json_out)
+
+
+# name, command, its config (llmctl/prepro_config.py), in `llmctl prepro --help`'s order
+PREPRO_COMMANDS = (
+    ("tinyshakespeare", prepro_tinyshakespeare_cmd, "TinyShakespeareConfig"),
+    ("hellaswag", prepro_hellaswag_cmd, "HellaswagPreproConfig"),
+    ("text", prepro_text_cmd, "TextConfig"),
+    ("tinystories", prepro_tinystories_cmd, "TinyStoriesConfig"),
+    ("fineweb", prepro_fineweb_cmd, "FinewebConfig"),
+    ("fineweb-edu", prepro_fineweb_edu_cmd, "FinewebEduConfig"),
+    ("tokenizer", prepro_tokenizer_cmd, "TokenizerConfig"),
+    ("gpt2", prepro_gpt2_cmd, "Gpt2Config"),
+)
+
+
+def _prepro_commands():
+    """Each prepro command's parameters (its config's fields, then --json), then the command."""
+    from llmctl import prepro_config
+
+    for name, cmd, config in PREPRO_COMMANDS:
+        cmd.__signature__ = _command_signature(getattr(prepro_config, config), _prepro_json_option)
+        prepro_app.command(name)(_interruptible(_PREPRO_KEPT)(cmd))
+
+
+_prepro_commands()
 
 
 @app.command("export")
@@ -613,14 +589,6 @@ def _eval_run_options(
     json_out: bool = _json_opt("one JSON object"),
 ):
     """An eval command's shared options, after its own settings in --help."""
-
-
-def _config_of(cls, options):
-    """An instance of the config dataclass cls from a generated command's options, which lose
-    those fields (the rest are the shared options)."""
-    from dataclasses import fields
-
-    return cls(**{f.name: options.pop(f.name) for f in fields(cls)})
 
 
 def eval_hellaswag_cmd(**options):

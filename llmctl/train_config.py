@@ -8,6 +8,7 @@ Each field's metadata (`flag(...)`) holds what the CLI and the checks need:
   "name"     how error messages call it ("micro batch size")
   "check"    its own range, one of CHECKS or a `Range` (None: checked with the others)
   "cli_default", "min"   where the CLI's option differs from the field (--threads 0 = unset)
+  "argument"  a positional argument, not an option (`arg(...)`: other commands' file lists)
 `validate(P)` checks every field and the settings that depend on each other, raising
 ConfigError (exit 2) naming the flag, and returns (total batch size, grad accumulation steps).
 `cli_options()` yields (field, typer keyword arguments) for the CLI, which builds `llmctl train`
@@ -17,7 +18,7 @@ What it is not: the loop (llmctl/train.py) or the launch options (--nproc, --tra
 belong to llmctl/jobs/run.py's `run_train`).
 """
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import NamedTuple, Optional
 
 from llmctl import paths
@@ -69,6 +70,11 @@ def flag(default, *flags, help, name=None, check=None, **cli):
     """A TrainConfig field: `flags` as on the command line, llm.c's short flag first."""
     return field(default=default, metadata={"flags": flags, "help": help, "name": name,
                                             "check": check, **cli})
+
+
+def arg(default=MISSING, *, help, **cli):
+    """A positional argument of a command's config (no default: a required one)."""
+    return field(default=default, metadata={"flags": (), "argument": True, "help": help, **cli})
 
 
 @dataclass
@@ -283,15 +289,17 @@ def _short(f):
 
 
 def cli_options(config=None):
-    """(field, typer.Option keyword arguments) for each field the CLI exposes of `config`, a
-    dataclass of `flag(...)` fields (default: TrainConfig; llmctl/sample_config.py is another)."""
+    """(field, typer.Option or typer.Argument keyword arguments) for each field the CLI exposes
+    of `config`, a dataclass of `flag(...)` and `arg(...)` fields (default: TrainConfig;
+    llmctl/sample_config.py is another). A required argument's default is `...`."""
     for f in fields(config or TrainConfig):
         m = f.metadata
-        if not m["flags"]:
+        if not m["flags"] and not m.get("argument"):
             continue
-        opt = {"default": m.get("cli_default", f.default), "param_decls": m["flags"],
+        default = m.get("cli_default", f.default)
+        opt = {"default": ... if default is MISSING else default, "param_decls": m["flags"],
                "help": m["help"]}
-        for key in ("min", "max", "show_default"):
+        for key in ("min", "max", "show_default", "metavar", "argument"):
             if key in m:
                 opt[key] = m[key]
         yield f, opt

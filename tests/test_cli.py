@@ -342,14 +342,28 @@ def test_train_nproc_2_rejects_bad_settings_before_spawning_a_rank(tmp_path, cap
     assert err.splitlines()[0] == error and all(n in error for n in names) and "rank 0" not in err
 
 
-@pytest.mark.parametrize("path, config", [(("sample",), "sample_config.SampleConfig"),
-                                          (("eval", "hellaswag"), "eval_config.HellaswagConfig"),
-                                          (("eval", "loss"), "eval_config.EvalLossConfig")])
-def test_model_commands_are_generated_from_their_config_plus_the_shared_options(path, config):
-    """sample and eval are generated from a config dataclass as train is from TrainConfig: each
-    field's flags, default and help are its option's; then -e, --threads, --precision, --json."""
+_MODEL_SHARED = {"checkpoint", "threads", "precision", "json_out"}
+
+
+@pytest.mark.parametrize("path, config, shared", [
+    (("sample",), "sample_config.SampleConfig", _MODEL_SHARED),
+    (("eval", "hellaswag"), "eval_config.HellaswagConfig", _MODEL_SHARED),
+    (("eval", "loss"), "eval_config.EvalLossConfig", _MODEL_SHARED),
+    (("prepro", "tinyshakespeare"), "prepro_config.TinyShakespeareConfig", {"json_out"}),
+    (("prepro", "hellaswag"), "prepro_config.HellaswagPreproConfig", {"json_out"}),
+    (("prepro", "text"), "prepro_config.TextConfig", {"json_out"}),
+    (("prepro", "tinystories"), "prepro_config.TinyStoriesConfig", {"json_out"}),
+    (("prepro", "fineweb"), "prepro_config.FinewebConfig", {"json_out"}),
+    (("prepro", "fineweb-edu"), "prepro_config.FinewebEduConfig", {"json_out"}),
+    (("prepro", "tokenizer"), "prepro_config.TokenizerConfig", {"json_out"}),
+    (("prepro", "gpt2"), "prepro_config.Gpt2Config", {"json_out"}),
+])
+def test_commands_are_generated_from_their_config_plus_the_shared_options(path, config, shared):
+    """Each command is generated from a config dataclass as train is from TrainConfig: each
+    field's flags (or, for an `arg` field, its argument), default and help are its parameter's;
+    the rest are the shared options (model commands: -e, --threads, --precision, --json)."""
     import importlib
-    from dataclasses import fields
+    from dataclasses import MISSING, fields
 
     import typer.main
 
@@ -363,6 +377,10 @@ def test_model_commands_are_generated_from_their_config_plus_the_shared_options(
     params = {p.name: p for p in cmd.params}
     for f in fields(cls):
         p = params.pop(f.name)
-        assert sorted(p.opts + p.secondary_opts) == sorted(f.metadata["flags"]), f.name
-        assert p.default == f.default and p.help == f.metadata["help"], f.name
-    assert set(params) == {"checkpoint", "threads", "precision", "json_out"}
+        if f.metadata.get("argument"):
+            assert p.param_type_name == "argument" and p.required == (f.default is MISSING), f.name
+        else:
+            assert sorted(p.opts + p.secondary_opts) == sorted(f.metadata["flags"]), f.name
+        assert p.help == f.metadata["help"], f.name
+        assert f.default is MISSING or p.default == f.default, f.name
+    assert set(params) == shared

@@ -209,6 +209,15 @@ def test_cli_offline_not_cached_error_and_hint_exit_1(tmp_path):
     assert " -e " not in hint and not (tmp_path / "out").exists()  # prepro gpt2 has no -e
 
 
+@pytest.mark.parametrize("bad, flag", [(["-b", "0"], "--batch-size 0"), (["-t", "-1"], "--seq-len -1")])
+def test_cli_prepro_gpt2_debug_state_rejects_bad_b_t_before_the_model_is_fetched(tmp_path, bad, flag):
+    # the model is not cached: the usage error comes before it is looked for
+    r = run_cli(["prepro", "gpt2", "--model", "gpt2-medium", "--out-dir", "out", "--debug-state", *bad],
+                {"HF_HOME": str(tmp_path / "empty")}, tmp_path)
+    assert_cli_error(r.stderr, 2, r.returncode, names=[flag])
+    assert not (tmp_path / "out").exists()
+
+
 def test_cli_prepro_gpt2_unreachable_hub_hint_speaks_of_its_own_flags(dead_hub, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     env.update(HF_HOME=str(tmp_path / "empty"), HF_ENDPOINT=dead_hub.url, LLMCTL_CACHE=str(tmp_path / "c"))

@@ -93,6 +93,13 @@ def _first_line(e):
     return s[0] if s else type(e).__name__
 
 
+def check_split(split):
+    """ConfigError unless --split is one with labels (val or train)."""
+    if split not in URLS:
+        raise ConfigError(f"--split {split!r}: only 'val' and 'train' have labels",
+                          hint="use --split val (what llm.c writes)")
+
+
 def prepro_hellaswag(out_dir=DATA_DIR, source=None, split="val", cache_dir=None, url=None,
                      timeout=sources.DEFAULT_TIMEOUT, log=None):
     """Write DIR/hellaswag_{split}.bin (default data/); return a summary dict.
@@ -102,9 +109,7 @@ def prepro_hellaswag(out_dir=DATA_DIR, source=None, split="val", cache_dir=None,
     """
     from llmctl.formats import write_evalfile
 
-    if split not in URLS:
-        raise ConfigError(f"--split {split!r}: only 'val' and 'train' have labels",
-                        hint="use --split val (what llm.c writes)")
+    check_split(split)
     out_dir = check_out_dir(out_dir)
     cache_dir = os.fspath(cache_dir) if cache_dir is not None else out_dir
     got = sources.obtain(f"HellaSwag {split}", source=source,

@@ -26,9 +26,9 @@ from llmctl.errors import ConfigError, DataError
 from llmctl.paths import DATA_DIR
 from llmctl.prepro.sources import datasets_reachable, first_line
 from llmctl.prepro.writer import Progress, check_out_dir, make_out_dir, tokenize_chunks, write_sharded
+from llmctl.prepro_config import DEFAULT_SHARD_SIZE, check_fineweb_version
 from llmctl.tokenizer import EOT_TEXT
 
-DEFAULT_SHARD_SIZE = 10**8
 READ_CHUNK = 1 << 20  # small: the main thread holds the GIL while decoding + splitting a chunk
 _BLANK_LINES = re.compile(r"\n[ \t\r\f\v]*\n\s*")
 # Inputs at least this big get a progress bar from the CLI (smaller ones finish in ~1 s).
@@ -294,9 +294,7 @@ def prepro_fineweb(edu=False, version="10B", out_dir=None, source=None, shard_si
     source: local files (jsonl/parquet with a "text" field, or plain text); otherwise `datasets`
     streams HuggingFaceFW/fineweb[-edu] config sample-{version}T. max_shards stops early.
     """
-    if version not in ("10B", "100B"):
-        raise ConfigError(f"--version {version!r}: use 10B or 100B",
-                          hint="the FineWeb samples llm.c's fineweb.py offers: sample-10BT, sample-100BT")
+    check_fineweb_version(version)
     prefix = "edu_fineweb" if edu else "fineweb"
     out_dir = check_out_dir(out_dir or os.path.join(DATA_DIR, f"{prefix}{version}"))
     if source:

@@ -132,13 +132,18 @@ def _warm_worker():
 PARALLELISMS = ("threads", "processes")
 
 
+def check_parallelism(parallelism):
+    """ConfigError unless --parallelism is threads or processes."""
+    if parallelism not in PARALLELISMS:
+        raise ConfigError(f"--parallelism {parallelism!r}: use threads or processes",
+                          hint="threads (the default) tokenizes GIL-free with tiktoken")
+
+
 def tokenize_chunks(docs, workers=1, parallelism="threads"):
     """Yield (tokens, lengths) per chunk of documents, in input order: `tokens` is the uint16
     concatenation of [EOT] + encode_ordinary(doc) for the chunk's docs, `lengths` their sizes.
     Working per chunk, not per document, keeps the single-threaded consumer cheap."""
-    if parallelism not in PARALLELISMS:  # checked now, not at the generator's first step
-        raise ConfigError(f"--parallelism {parallelism!r}: use threads or processes",
-                          hint="threads (the default) tokenizes GIL-free with tiktoken")
+    check_parallelism(parallelism)  # now, not at the generator's first step
     return _tokenize_chunks(docs, max(1, int(workers or 1)), parallelism)
 
 
