@@ -332,8 +332,8 @@ def _prepro_workers(workers):
 _JSON_OPT = _json_opt("a JSON summary")
 
 
-def _prepro_json_option(json_out: bool = _JSON_OPT):
-    """A prepro command's --json, after its own settings in --help."""
+def _summary_json_option(json_out: bool = _JSON_OPT):
+    """--json of prepro and export (a JSON summary), after their own settings in --help."""
 
 
 def prepro_tinyshakespeare_cmd(**options):
@@ -453,27 +453,22 @@ def _prepro_commands():
     from llmctl import prepro_config
 
     for name, cmd, config in PREPRO_COMMANDS:
-        cmd.__signature__ = _command_signature(getattr(prepro_config, config), _prepro_json_option)
+        cmd.__signature__ = _command_signature(getattr(prepro_config, config), _summary_json_option)
         prepro_app.command(name)(_interruptible(_PREPRO_KEPT)(cmd))
 
 
 _prepro_commands()
 
 
-@app.command("export")
-@_interruptible("the output directory was not created (the export is written under a temp name)")
-def export_cmd(
-    checkpoint: str = typer.Argument(..., help="llm.c checkpoint .bin (v3 fp32 or v5 bf16)."),
-    out_dir: str = typer.Argument(..., help="New Hugging Face model directory to write."),
-    force: bool = typer.Option(False, "--force", help="Replace OUT_DIR if it holds an earlier export (and nothing else)."),
-    json_out: bool = _JSON_OPT,
-):
+def export_cmd(**options):
     """An llm.c checkpoint -> a Hugging Face GPT-2 directory (config.json, model.safetensors, tokenizer files) that transformers loads."""
     import json
 
+    from llmctl.export_config import ExportConfig
     from llmctl.hf import export_checkpoint
 
-    res = export_checkpoint(checkpoint, out_dir, force=force)
+    cfg, json_out = _config_of(ExportConfig, options), options["json_out"]
+    res = export_checkpoint(cfg.checkpoint, cfg.out_dir, force=cfg.force)
     if json_out:
         print(json.dumps(res))
         return
@@ -482,6 +477,18 @@ def export_cmd(
     if not res["tokenizer"]:
         err_console.print(f"[yellow]Warning:[/] vocab_size {res['config']['vocab_size']} is not GPT-2's {GPT2_VOCAB_SIZE}: "
                           "no tokenizer files written")
+
+
+def _export_signature():
+    """`llmctl export`'s parameters: ExportConfig's fields, then --json."""
+    from llmctl.export_config import ExportConfig
+
+    return _command_signature(ExportConfig, _summary_json_option)
+
+
+export_cmd.__signature__ = _export_signature()
+app.command("export")(
+    _interruptible("the output directory was not created (the export is written under a temp name)")(export_cmd))
 
 
 @app.command("inspect-bin")
