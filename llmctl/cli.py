@@ -491,30 +491,34 @@ app.command("export")(
     _interruptible("the output directory was not created (the export is written under a temp name)")(export_cmd))
 
 
-@app.command("inspect-bin")
-@_interruptible()
-def inspect_bin_cmd(
-    files: Optional[List[str]] = typer.Argument(
-        None, show_default=False, metavar="FILES",
-        help=f"llm.c .bin files: token shards, eval files, checkpoints, tokenizer and state files "
-             f"(default: every .bin under {DATA_DIR}/)."),
-    json_out: bool = _json_opt("a JSON list, one object per file"),
-    decode: int = typer.Option(
-        0, "--decode", min=0, metavar="N",
-        help="Also print the first N tokens of each shard (or of the first eval example) as text."),
-):
+def _inspect_json_option(json_out: bool = _json_opt("a JSON list, one object per file")):
+    """`llmctl inspect-bin`'s --json, between FILES and --decode in --help."""
+
+
+def inspect_bin_cmd(**options):
     """Identify llm.c binaries by their magic and validate them fully. Exit 1 if any is invalid."""
-    import json
+    from llmctl.inspect_bin import data_dir_files, inspect_files
+    from llmctl.inspect_bin_config import InspectBinConfig
 
-    from rich.markup import escape
-    from rich.table import Table
-
-    from llmctl.inspect_bin import data_dir_files, inspect_files, summary_line
-
+    cfg, json_out = _config_of(InspectBinConfig, options), options["json_out"]
+    files, decode = cfg.files, cfg.decode
     if not files:
         files = data_dir_files()
         err_console.print(f"checking the {len(files)} .bin file(s) under {escape(DATA_DIR)}/")
     results = inspect_files(files, decode=decode)
+    _inspect_report(results, decode, json_out)
+    raise typer.Exit(0 if all(r["valid"] for r in results) else 1)
+
+
+def _inspect_report(results, decode, json_out):
+    """inspect-bin's output: --json, a table on a terminal or a line per valid file when piped,
+    the decoded tokens, then each bad file's problem and hint on stderr."""
+    import json
+
+    from rich.table import Table
+
+    from llmctl.inspect_bin import summary_line
+
     if json_out:
         print(json.dumps(results))
     elif out_console.is_terminal:
@@ -541,7 +545,18 @@ def inspect_bin_cmd(
     for r in results:  # per bad file its problem and hint, plain text (paths may contain rich markup)
         if not r["valid"]:
             sys.stderr.write(f"{r['path']}: {r['problem']}\n" + (f"Hint: {r['hint']}\n" if r["hint"] else ""))
-    raise typer.Exit(0 if all(r["valid"] for r in results) else 1)
+
+
+def _inspect_bin_signature():
+    """`llmctl inspect-bin`'s parameters: FILES, --json, --decode (InspectBinConfig's fields)."""
+    from llmctl.inspect_bin_config import InspectBinConfig
+
+    return _command_signature((InspectBinConfig, ("files",)), _inspect_json_option,
+                              (InspectBinConfig, ("decode",)))
+
+
+inspect_bin_cmd.__signature__ = _inspect_bin_signature()
+app.command("inspect-bin")(_interruptible()(inspect_bin_cmd))
 
 
 # --- eval / sample (llmctl/evaluate.py, llmctl/sample.py) ------------------------------------
