@@ -19,7 +19,7 @@ from llmctl import interrupt
 from llmctl.errors import LlmctlError
 from llmctl.info import DEFAULT_PRECISION
 from llmctl.options import MODEL_HELP, PRECISION_HELP, THREADS_HELP
-from llmctl.paths import DATA_DIR, PLOT_OUTPUT
+from llmctl.paths import DATA_DIR
 
 err_console = Console(stderr=True, highlight=False)
 out_console = Console(highlight=False)
@@ -705,38 +705,28 @@ eval_app.command("hellaswag")(_interruptible("no result")(eval_hellaswag_cmd))
 eval_app.command("loss")(_interruptible("no result")(eval_loss_cmd))
 
 
-# runlog.EMA_ALPHA, written out: the CLI builds its help without importing NumPy (runlog does);
-# tests/test_plot.py checks that the two agree
-_PLOT_SMOOTH = 0.9
+def _plot_context(ctx: typer.Context):
+    """`llmctl plot`'s click context (whether -o was given)."""
 
 
-@app.command("plot")
-@_interruptible()
-def plot_cmd(
-    ctx: typer.Context,
-    runs: List[str] = typer.Argument(..., help="Runs: `llmctl train -o` directories (metrics.jsonl, else main.log), metrics.jsonl or llm.c main.log files; NAME=PATH names a run in the legend (default: its directory)."),
-    output: str = typer.Option(PLOT_OUTPUT, "--output", "-o", help="Image file, type by extension: .png, .svg or .pdf (with --terminal: only when -o is given)."),
-    x: str = typer.Option("step", "--x", help="x axis: step, or tokens (tokens seen = step x tokens per step)."),
-    tokens_per_step: Optional[int] = typer.Option(None, "--tokens-per-step", min=1, help="For --x tokens, the tokens per step of runs that do not record it (an llm.c main.log): llm.c's -d total batch size (default: none; such runs need it for --x tokens)."),
-    logy: bool = typer.Option(False, "--logy", help="Log-scale y axis on the loss panels."),
-    baseline: Optional[List[str]] = typer.Option(None, "--baseline", help="[PANEL:]NAME=VALUE: a dashed horizontal line on panel train, val or hellaswag (no PANEL: both loss panels), e.g. 'hellaswag:GPT-2 124M=0.2955'. Repeatable (default: none)."),
-    smooth: float = typer.Option(_PLOT_SMOOTH, "--smooth", min=0.0, max=0.999, help="EMA weight of the past for the smoothed train-loss line; 0 = off."),
-    terminal: bool = typer.Option(False, "--terminal", help="Draw the panels in the terminal (braille characters; no matplotlib needed)."),
-    width: int = typer.Option(0, "--width", min=0, help="--terminal: chart width in columns (0 = the terminal's)."),
-    height: int = typer.Option(14, "--height", min=6, help="--terminal: lines per panel."),
+def _plot_json_option(
     json_out: bool = _json_opt("one JSON object (the image written, per run its series' points, last/min/max)"),
 ):
+    """`llmctl plot`'s --json, after PlotConfig's settings in --help."""
+
+
+def plot_cmd(**options):
     """Plot training curves: train loss (raw + EMA), val loss, HellaSwag acc_norm; runs overlaid (as llm.c's dev/vislog.ipynb)."""
     import json
 
-    from llmctl.errors import ConfigError
-    from llmctl.plot import panels_of, parse_baseline, save_plot, terminal_panels
+    from llmctl.plot import panels_of, save_plot, terminal_panels
+    from llmctl.plot_config import PlotConfig
     from llmctl.runlog import SERIES_TITLES, read_runs
 
-    if terminal and json_out:
-        raise ConfigError("--terminal and --json both print to stdout", hint="use one of them")
-    baselines = [parse_baseline(b) for b in baseline or []]
-    loaded = read_runs(runs)
+    cfg, json_out, ctx = _config_of(PlotConfig, options), options["json_out"], options["ctx"]
+    cfg.validate(json_out)
+    baselines = cfg.baselines()
+    loaded = read_runs(cfg.runs)
     for r in loaded:
         if r.partial_line:
             err_console.print(f"[dim]{escape(r.path)}: last line unfinished (run still writing?): "
@@ -746,19 +736,31 @@ def plot_cmd(
         if not any(p in shown for p in b.panel):
             err_console.print(f"Note: no {' or '.join(SERIES_TITLES[p] for p in b.panel)} points: "
                               f"baseline {escape(b.name)!r} is not drawn")
-    kw = dict(x=x, logy=logy, baselines=baselines, tokens_per_step=tokens_per_step, smooth=smooth)
-    if terminal:
-        w = width or out_console.width
-        for block in terminal_panels(loaded, width=w, height=height, **kw):
+    kw = dict(x=cfg.x, logy=cfg.logy, baselines=baselines, tokens_per_step=cfg.tokens_per_step,
+              smooth=cfg.smooth)
+    if cfg.terminal:
+        w = cfg.width or out_console.width
+        for block in terminal_panels(loaded, width=w, height=cfg.height, **kw):
             out_console.print(block, no_wrap=True, crop=True)
         if ctx.get_parameter_source("output").name.startswith("DEFAULT"):  # no -o: no image
             return
-    res = save_plot(loaded, output, **kw)
+    res = save_plot(loaded, cfg.output, **kw)
     if json_out:
         print(json.dumps(res))
     else:
         err_console.print(f"wrote {escape(res['output'])} ({', '.join(res['panels'])}; "
                           f"{len(loaded)} run{'s' if len(loaded) != 1 else ''})")
+
+
+def _plot_signature():
+    """`llmctl plot`'s parameters: the context, PlotConfig's fields, then --json."""
+    from llmctl.plot_config import PlotConfig
+
+    return _command_signature(_plot_context, PlotConfig, _plot_json_option)
+
+
+plot_cmd.__signature__ = _plot_signature()
+app.command("plot")(_interruptible()(plot_cmd))
 
 
 def _sample_model_option(checkpoint: Optional[str] = _MODEL_OPT):

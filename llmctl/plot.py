@@ -72,14 +72,19 @@ def _tokens_per_step(run, tokens_per_step):
     return tps
 
 
+def check_x(x):
+    """ConfigError unless --x is one of X_AXES."""
+    if x not in X_AXES:
+        raise ConfigError(f"--x must be one of {', '.join(X_AXES)}, got {x!r}",
+                          hint="step, or tokens for tokens seen (step x tokens per step)")
+
+
 def curves(runs, x="step", tokens_per_step=None, smooth=EMA_ALPHA):
     """Per panel, per run: (run, xs, ys, ys_ema or None) with non-finite points left out.
 
     x: "step" or "tokens" (tokens seen before the step's update: step x tokens per step; a
     metrics.jsonl records it, a main.log needs tokens_per_step)."""
-    if x not in X_AXES:
-        raise ConfigError(f"--x must be one of {', '.join(X_AXES)}, got {x!r}",
-                          hint="step, or tokens for tokens seen (step x tokens per step)")
+    check_x(x)
     out = {}
     for k in panels_of(runs):
         out[k] = []

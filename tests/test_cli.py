@@ -359,6 +359,7 @@ _MODEL_SHARED = {"checkpoint", "threads", "precision", "json_out"}
     (("prepro", "gpt2"), "prepro_config.Gpt2Config", {"json_out"}),
     (("export",), "export_config.ExportConfig", {"json_out"}),
     (("inspect-bin",), "inspect_bin_config.InspectBinConfig", {"json_out"}),
+    (("plot",), "plot_config.PlotConfig", {"json_out"}),  # and its click context (not a parameter)
 ])
 def test_commands_are_generated_from_their_config_plus_the_shared_options(path, config, shared):
     """Each command is generated from a config dataclass as train is from TrainConfig: each

@@ -530,3 +530,11 @@ def test_run_log_writer_writes_llm_c_lines_and_records_that_read_run_reads_back(
     w.close()
     assert points(read_run(str(tmp_path)), "train") == ([0, 1, 2], [4.0, 3.0, 9.0])
     assert (tmp_path / "main.log").read_text().count("\n") == 3  # a resume appends to main.log
+
+
+@pytest.mark.parametrize("bad, flag", [(["--x", "time"], "--x"), (["--baseline", "GPT-2"], "--baseline"),
+                                       (["--terminal", "--json"], "--terminal")])
+def test_cli_bad_setting_is_a_usage_error_before_any_run_is_read(tmp_path, bad, flag):
+    p = _llmctl(["plot", "no_such_run", *bad], tmp_path)  # the run is missing: the setting is named first
+    assert_cli_error(p.stderr, 2, p.returncode, names=[flag])
+    assert "no_such_run" not in p.stderr and not list(tmp_path.iterdir())
