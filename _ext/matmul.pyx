@@ -1,7 +1,7 @@
 """Matrix multiply for GPT-2's linear layers: out = inp @ weight^T + bias, and its backward.
 
 Mirrors llm.c train_gpt2.c `matmul_forward` / `matmul_backward` (same shapes, same argument
-order, backward accumulates). Three interchangeable fp32 engines ("backends"):
+order, backward accumulates). Three interchangeable fp32 engines:
 
 - "dnnl" (the default where it was built): oneDNN's `dnnl_sgemm`, row-major, called without the
   GIL. The OpenMP build of oneDNN shares libgomp's thread team with llmctl's prange loops, so
@@ -174,7 +174,7 @@ def bf16_native():
     cdef uint16_t a[4]
     cdef float c[4]
     cdef int st, i
-    if "dnnl" not in get_backends() or not cpu_bf16_features():
+    if "dnnl" not in get_engines() or not cpu_bf16_features():
         return False
     if _bf16_native < 0:
         for i in range(4):          # A = B = [[1, 2], [3, 4]] (exact in bf16)
@@ -185,7 +185,7 @@ def bf16_native():
     return _bf16_native == 1
 
 
-def get_backends():
+def get_engines():
     """The fp32 engines matmul_forward/matmul_backward accept here; the first is the default.
     "dnnl" is listed only when built with oneDNN and LLMCTL_NO_DNNL is not set."""
     if LLMCTL_DNNL_BUILD and not _env_flag("LLMCTL_NO_DNNL"):
@@ -193,7 +193,7 @@ def get_backends():
     return ("blas", "tiled")
 
 
-def get_bf16_backends():
+def get_bf16_engines():
     """The engines the *_bf16 kernels accept here; the first is the default ("dnnl" and
     "dnnl_gemm" only where bf16_native(); "blas" emulates on fp32 sgemm everywhere)."""
     return ("dnnl", "dnnl_gemm", "blas") if bf16_native() else ("blas",)
@@ -205,12 +205,12 @@ def dnnl_matmul_builds():
     return llmctl_dnnl_matmul_builds()
 
 
-def default_backend():
-    return get_backends()[0]
+def default_engine():
+    return get_engines()[0]
 
 
 # ---------------------------------------------------------------------------------------------
-# Bias epilogues (shared by both backends)
+# Bias epilogues (shared by both engines)
 
 cdef enum:
     BIAS_CHUNK = 64      # output channels per dbias task (double accumulators on the stack)
@@ -270,7 +270,7 @@ cdef void _bias_grad(float* dbias, uint16_t* dst, const float* dout, int BT, int
 
 
 # ---------------------------------------------------------------------------------------------
-# BLAS backend. Row-major X (r,c) is column-major X^T (c,r); every product below is written
+# BLAS engine. Row-major X (r,c) is column-major X^T (c,r); every product below is written
 # for column-major sgemm on the transposes.
 
 cdef void _matmul_forward_blas(float* out, const float* inp, const float* weight, const float* bias,
@@ -303,7 +303,7 @@ cdef void _matmul_backward_blas(float* dinp, float* dweight, float* dbias, const
 
 
 # ---------------------------------------------------------------------------------------------
-# oneDNN backend: row-major GEMMs, so the products are written as they read.
+# oneDNN engine: row-major GEMMs, so the products are written as they read.
 
 cdef int _matmul_forward_dnnl(float* out, const float* inp, const float* weight, const float* bias,
                               int BT, int C, int OC, int n_threads) noexcept nogil:
@@ -337,7 +337,7 @@ cdef int _check_dnnl(int status, str what) except -1:
 
 
 # ---------------------------------------------------------------------------------------------
-# Tiled backend (GotoBLAS layout, in Cython). One micro-kernel computes a tile of up to MR x NR
+# Tiled engine (GotoBLAS layout, in Cython). One micro-kernel computes a tile of up to MR x NR
 # outputs,  Ct[r, j] (+)= sum_k Ap[k*a_ks + r] * Bp[k*b_ks + j],  where both operands are laid
 # out so that each k step reads MR contiguous A values and NR contiguous B values: row-major
 # A operands are first packed into (K, MR) panels, the forward weight into (KC, NR) panels.
@@ -537,22 +537,22 @@ cdef int _check_sizes(str out, Py_ssize_t out_len, Py_ssize_t inp_len, Py_ssize_
     return 0
 
 
-cdef int _backend_id(backend) except -1:
-    names = get_backends()
-    if backend is None:
-        backend = names[0]
-    if backend in names:
-        return {"blas": BLAS, "tiled": TILED, "dnnl": DNNL}[backend]
-    if backend == "dnnl":
+cdef int _engine_id(engine) except -1:
+    names = get_engines()
+    if engine is None:
+        engine = names[0]
+    if engine in names:
+        return {"blas": BLAS, "tiled": TILED, "dnnl": DNNL}[engine]
+    if engine == "dnnl":
         why = "LLMCTL_NO_DNNL is set" if LLMCTL_DNNL_BUILD else "llmctl was built without oneDNN"
-        raise ValueError(f"matmul backend 'dnnl' is not available ({why}); choose one of {names}")
-    raise ValueError(f"unknown matmul backend {backend!r}; choose one of {names}")
+        raise ValueError(f"matmul engine 'dnnl' is not available ({why}); choose one of {names}")
+    raise ValueError(f"unknown matmul engine {engine!r}; choose one of {names}")
 
 
 def matmul_forward(float[::1] out, const float[::1] inp, const float[::1] weight, bias,
-                   int BT, int C, int OC, int n_threads=1, backend=None):
+                   int BT, int C, int OC, int n_threads=1, engine=None):
     """out (BT,OC) = inp (BT,C) @ weight (OC,C)^T + bias (OC). Overwrites out. bias may be None."""
-    cdef int which = _backend_id(backend)
+    cdef int which = _engine_id(engine)
     cdef const float[::1] bias_mv
     cdef const float* bias_ptr = NULL
     _check_sizes("out", out.shape[0], inp.shape[0], weight.shape[0], BT, C, OC, n_threads)
@@ -604,10 +604,10 @@ cdef int _check_backward_disjoint(float* dinp, float* dweight, float* dbias, con
 
 def matmul_backward(dinp, float[::1] dweight, dbias, const float[::1] dout,
                     const float[::1] inp, const float[::1] weight,
-                    int BT, int C, int OC, int n_threads=1, backend=None):
+                    int BT, int C, int OC, int n_threads=1, engine=None):
     """Accumulate: dinp (BT,C) += dout @ weight; dweight (OC,C) += dout^T @ inp;
     dbias (OC) += sum over BT of dout. dinp and dbias may be None (skipped)."""
-    cdef int which = _backend_id(backend)
+    cdef int which = _engine_id(engine)
     cdef float[::1] dinp_mv, dbias_mv
     cdef float* dinp_ptr = NULL
     cdef float* dbias_ptr = NULL
@@ -721,19 +721,19 @@ cdef void _backward_widened(float* dinp, float* dweight, const float* wdout, con
         o0 = o0 + ob
 
 
-cdef int _bf16_backend_id(backend) except -1:
-    names = get_bf16_backends()
-    if backend is None:
-        backend = names[0]
-    if backend in names:
-        return {"dnnl": DNNL, "dnnl_gemm": DNNL_GEMM, "blas": BLAS}[backend]
-    if backend in ("dnnl", "dnnl_gemm"):
+cdef int _bf16_engine_id(engine) except -1:
+    names = get_bf16_engines()
+    if engine is None:
+        engine = names[0]
+    if engine in names:
+        return {"dnnl": DNNL, "dnnl_gemm": DNNL_GEMM, "blas": BLAS}[engine]
+    if engine in ("dnnl", "dnnl_gemm"):
         feats = cpu_bf16_features()
-        why = ("oneDNN is not available: " + ", ".join(get_backends()) + " only") if "dnnl" not in get_backends() \
+        why = ("oneDNN is not available: " + ", ".join(get_engines()) + " only") if "dnnl" not in get_engines() \
             else ("this CPU has no native bf16 (AVX512_BF16 or AMX)" if not feats else
                   "oneDNN's bf16 GEMM did not run on this CPU")
-        raise ValueError(f"bf16 matmul backend {backend!r} is not available: {why}; choose one of {names}")
-    raise ValueError(f"unknown bf16 matmul backend {backend!r}; choose one of {names}")
+        raise ValueError(f"bf16 matmul engine {engine!r} is not available: {why}; choose one of {names}")
+    raise ValueError(f"unknown bf16 matmul engine {engine!r}; choose one of {names}")
 
 
 # decoding: at most this many rows go through gemv_bf16.h instead of oneDNN's bf16 GEMM (which
@@ -797,11 +797,11 @@ cdef void _gemv_bf16(float* out, const uint16_t* inp, const uint16_t* weight, co
 
 
 def matmul_forward_bf16(float[::1] out, const uint16_t[::1] inp, const uint16_t[::1] weight, bias,
-                        int BT, int C, int OC, int n_threads=1, backend=None):
+                        int BT, int C, int OC, int n_threads=1, engine=None):
     """out (BT,OC) fp32 = inp (BT,C) bf16 @ weight (OC,C)^T bf16 + bias (OC) fp32, accumulated in
     fp32. Overwrites out. bias may be None. On the dnnl engines, BT <= set_gemv_rows() rows (a
     decode step) run on gemv_bf16.h where the CPU has AVX512_BF16."""
-    cdef int which = _bf16_backend_id(backend)
+    cdef int which = _bf16_engine_id(engine)
     cdef const float[::1] bias_mv
     cdef const float* bias_ptr = NULL
     cdef float* winp = NULL
@@ -845,14 +845,14 @@ def matmul_forward_bf16(float[::1] out, const uint16_t[::1] inp, const uint16_t[
 
 def matmul_backward_bf16(dinp, float[::1] dweight, dbias, dout, uint16_t[::1] dout_bf16,
                          const uint16_t[::1] inp, const uint16_t[::1] weight,
-                         int BT, int C, int OC, int n_threads=1, backend=None):
+                         int BT, int C, int OC, int n_threads=1, engine=None):
     """Accumulate in fp32: dinp (BT,C) += dout @ weight; dweight (OC,C) += dout^T @ inp;
     dbias (OC) += sum over BT of dout. inp, weight and the GEMMs' dout are bf16.
 
     dout (BT,OC) fp32 given: this call first writes dout_bf16 = bf16(dout), in the same pass that
     sums dbias (from the fp32 values). dout None: dout_bf16 already holds the gradient (written
     by the kernel that produced it) and dbias must be None. dinp and dbias may be None (skipped)."""
-    cdef int which = _bf16_backend_id(backend)
+    cdef int which = _bf16_engine_id(engine)
     cdef float[::1] dinp_mv, dbias_mv
     cdef const float[::1] dout_mv
     cdef float* dinp_ptr = NULL

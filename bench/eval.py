@@ -99,7 +99,7 @@ def main(argv=None):
             dt = time.perf_counter() - t0
             eps = res["num_examples"] / dt
             runs.append({"precision": prec,
-                         "gemm": f"fp32 ({matmul.default_backend()})" if prec == "fp32" else
+                         "gemm": f"fp32 ({matmul.default_engine()})" if prec == "fp32" else
                                  ("bf16 (dnnl)" if matmul.bf16_native() else "bf16 emulated on fp32"),
                          "examples": res["num_examples"], "seconds": round(dt, 2),
                          "examples_per_s": round(eps, 3),

@@ -135,7 +135,7 @@ def main(argv=None):
         if args.threads != 1:
             sys.exit("Error: --cpu-time measures only the calling thread\nHint: add --threads 1")
         CLOCK[0] = time.thread_time
-    if "dnnl_gemm" not in matmul.get_bf16_backends():
+    if "dnnl_gemm" not in matmul.get_bf16_engines():
         sys.exit("Error: no native bf16 oneDNN engine here (needs AVX512_BF16 or AMX and oneDNN)\n"
                  "Hint: llmctl info shows the CPU's bf16 features and the GEMM engine")
     TH.configure_threads(args.threads)

@@ -4,7 +4,7 @@ What it measures (best wall time of --repeat runs, threads pinned with llmctl.th
 - NumPy's fp32 GEMM peak on this machine in this run (a square-ish 1024^3 float32 matmul, BLAS
   limited to the same thread count): the yardstick for MFU,
 - matmul forward and backward for each d12 linear layer (qkv, attproj, fc, fcproj, lm head),
-  backend "blas" vs "tiled" vs the same products done with NumPy float32 `@`,
+  engine "blas" vs "tiled" vs the same products done with NumPy float32 `@`,
 - every other kernel (encoder, layernorm, GELU, residual, softmax+CE, attention if built); on
   an AVX2 / AVX-512 CPU GELU also with its baseline x86-64 loop (layers.set_simd(False)), side by side,
 - AdamW over 124,475,904 floats (the d12 parameter count) and the global grad norm,
@@ -68,7 +68,7 @@ def numpy_peak(n_threads, repeat):
     return 2 * 1024 ** 3 / t / 1e9
 
 
-def bench_matmuls(n, repeat, backends):
+def bench_matmuls(n, repeat, engines):
     rng = np.random.default_rng(1)
     rows = []
     for name, Cin, OC, count in LINEARS:
@@ -82,7 +82,7 @@ def bench_matmuls(n, repeat, backends):
         db = None if bias is None else np.zeros(OC, np.float32)
         flops_f = 2.0 * BT * Cin * OC
         row = {"layer": name, "C": Cin, "OC": OC, "count": count, "fwd_gflop": flops_f / 1e9}
-        for be in backends:
+        for be in engines:
             r = repeat if (be == "blas" or name != "lmhead") else 1
             row[f"{be}_fwd_ms"] = 1e3 * timeit(
                 lambda: matmul.matmul_forward(out, inp, w, bias, BT, Cin, OC, n, be), r)
@@ -162,9 +162,9 @@ def bench_adamw(n, repeat):
             "adamw_GBps": 7 * 4 * NUM_PARAMS / t / 1e9}
 
 
-def step_estimate(mm, lay, opt, peak, backend="blas"):
+def step_estimate(mm, lay, opt, peak, engine="blas"):
     """One forward+backward+update of d12 at B=4,T=64 assembled from the kernel timings."""
-    matmul_ms = sum(r["count"] * (r[f"{backend}_fwd_ms"] + r[f"{backend}_bwd_ms"]) for r in mm)
+    matmul_ms = sum(r["count"] * (r[f"{engine}_fwd_ms"] + r[f"{engine}_bwd_ms"]) for r in mm)
     per_layer = (2 * (lay["layernorm_fwd"] + lay["layernorm_bwd"] + lay["residual_fwd"] + lay["residual_bwd"])
                  + lay["gelu_fwd"] + lay["gelu_bwd"]
                  + lay.get("attention_fwd", 0.0) + lay.get("attention_bwd", 0.0))
@@ -181,7 +181,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2, help="threads for kernels and BLAS (default 2)")
     ap.add_argument("--repeat", type=int, default=5, help="timed runs per measurement (best is kept; default 5)")
-    ap.add_argument("--skip-tiled", action="store_true", help="do not time the tiled GEMM backend")
+    ap.add_argument("--skip-tiled", action="store_true", help="do not time the tiled GEMM engine")
     ap.add_argument("--cpu-time", action="store_true",
                     help="time with this thread's CPU time instead of wall time (needs --threads 1): "
                          "robust on a shared, overloaded machine")
@@ -192,10 +192,10 @@ def main(argv=None):
             ap.error("--cpu-time only measures the calling thread; use it with --threads 1")
         CLOCK[0] = time.thread_time
     n = TH.configure_threads(a.threads)
-    backends = ["blas"] if a.skip_tiled else ["blas", "tiled"]
+    engines = ["blas"] if a.skip_tiled else ["blas", "tiled"]
     peak = numpy_peak(n, a.repeat)
     TH.configure_threads(n)
-    mm = bench_matmuls(n, a.repeat, backends)
+    mm = bench_matmuls(n, a.repeat, engines)
     lay = bench_layers(n, a.repeat)
     opt = bench_adamw(n, max(2, a.repeat // 2))
     est = step_estimate(mm, lay, opt, peak)
@@ -208,12 +208,12 @@ def main(argv=None):
     p(f"threads {n}, {'CPU' if a.cpu_time else 'wall'} time, best of {a.repeat}; "
       f"NumPy fp32 GEMM peak {peak:.1f} GFLOP/s")
     p(f"{'layer':8s} {'shape':>11s} | {'blas f/b ms':>14s} {'GF/s':>6s} | {'numpy f/b ms':>14s} | "
-      + ("tiled f/b ms    blas/tiled" if "tiled" in backends else ""))
+      + ("tiled f/b ms    blas/tiled" if "tiled" in engines else ""))
     for r in mm:
         gf = 3 * r["fwd_gflop"] / ((r["blas_fwd_ms"] + r["blas_bwd_ms"]) / 1e3)
         line = (f"{r['layer']:8s} {r['C']:>5d}x{r['OC']:<5d} | {r['blas_fwd_ms']:6.2f}/{r['blas_bwd_ms']:6.2f} "
                 f"{gf:6.1f} | {r['numpy_fwd_ms']:6.2f}/{r['numpy_bwd_ms']:6.2f} |")
-        if "tiled" in backends:
+        if "tiled" in engines:
             ratio = (r["tiled_fwd_ms"] + r["tiled_bwd_ms"]) / (r["blas_fwd_ms"] + r["blas_bwd_ms"])
             line += f" {r['tiled_fwd_ms']:6.1f}/{r['tiled_bwd_ms']:6.1f}  {ratio:5.1f}x"
         p(line)

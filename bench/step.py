@@ -130,7 +130,7 @@ def _step(m, x, y, t):
 def bench_llmctl(desc, B, T, n_threads, steps, matmul, precision):
     from llmctl.model import GPT2
 
-    m = GPT2.from_descriptor(desc, n_threads=n_threads, matmul=matmul, precision=precision)
+    m = GPT2.from_descriptor(desc, n_threads=n_threads, engine=matmul, precision=precision)
     x, y = _batch(m.config, B, T)
     _step(m, x, y, 1)  # warm-up: allocates activations, grads' scratch and AdamW state
     times, cpu = [], []
@@ -163,7 +163,7 @@ def bench_llmctl(desc, B, T, n_threads, steps, matmul, precision):
             g = "grad_norm"
         groups[g] += v
     groups["python+numpy"] = total - sum(acc.values())
-    return {"model": desc, "B": B, "T": T, "precision": precision, "engine": kern.matmul.default_backend(),
+    return {"model": desc, "B": B, "T": T, "precision": precision, "engine": kern.matmul.default_engine(),
             "threads": n_threads, "num_params": m.num_parameters,
             "non_matmul_share": 1.0 - groups.get("matmul", 0.0) / total,
             "step_s": min(times), "median_s": statistics.median(times), "all_steps_s": times,
@@ -262,7 +262,7 @@ def rss_child(desc, B, T, n_threads, matmul, precision):
 def _rss_child_main(desc, B, T, n_threads, matmul, precision):
     from llmctl.model import GPT2
 
-    m = GPT2.from_descriptor(desc, n_threads=int(n_threads), matmul=None if matmul == "default" else matmul,
+    m = GPT2.from_descriptor(desc, n_threads=int(n_threads), engine=None if matmul == "default" else matmul,
                              precision=precision)
     x, y = _batch(m.config, int(B), int(T))
     _step(m, x, y, 1)
@@ -318,7 +318,7 @@ def main(argv=None):
     roof_of = {p: mfu_roof_precision(p) for p in {"fp32", *precisions}}
     roofs = {p: gemm_roof_gflops(n, p) for p in sorted(set(roof_of.values()), reverse=True)}
     peak_np = gemm_peak_gflops(n)
-    out = {"threads": n, "engine": K.default_backend(), "bf16_native": K.bf16_native(),
+    out = {"threads": n, "engine": K.default_engine(), "bf16_native": K.bf16_native(),
            "cpu_bf16": list(K.cpu_bf16_features()), "gemm_roof_gflops": roofs, "mfu_roof": roof_of,
            "roof": {p: max(roofs[q].values()) for p, q in roof_of.items()}, "numpy_1024_gflops": peak_np,
            "load_avg_start": os.getloadavg(), "runs": [], "torch": [], "rss": [], "skipped": skipped}

@@ -19,7 +19,7 @@ def bf16_unavailable():
     if matmul.bf16_native():
         return None
     return ("llmctl was built without oneDNN" if not matmul.dnnl_built() else
-            "LLMCTL_NO_DNNL is set" if "dnnl" not in matmul.get_backends() else
+            "LLMCTL_NO_DNNL is set" if "dnnl" not in matmul.get_engines() else
             "this CPU has no native bf16 (AVX512_BF16 or AMX)" if not matmul.cpu_bf16_features() else
             "oneDNN's bf16 GEMM does not run on this CPU")
 
@@ -69,10 +69,10 @@ def gemm_info():
 
     v = matmul.dnnl_version()
     return {
-        "engine": matmul.default_backend(),
-        "engines": list(matmul.get_backends()),
+        "engine": matmul.default_engine(),
+        "engines": list(matmul.get_engines()),
         "onednn": ".".join(map(str, v)) if v else None,
-        "onednn_disabled": bool(v) and "dnnl" not in matmul.get_backends(),
+        "onednn_disabled": bool(v) and "dnnl" not in matmul.get_engines(),
         "cpu_bf16": list(matmul.cpu_bf16_features()),
         "precisions": ["fp32", "bf16"] if matmul.bf16_native() else ["fp32"],
         "bf16_unavailable": bf16_unavailable(),

@@ -46,7 +46,7 @@ def gemm_engine():
     """llmctl's default fp32 GEMM engine ("dnnl" or "blas")."""
     from llmctl._ext import matmul
 
-    return matmul.default_backend()
+    return matmul.default_engine()
 
 
 def roof_key(n_threads, precision, cpu=None, engine=None):

@@ -51,9 +51,9 @@ def main():
             # small arrays between the GEMMs' workspaces and the rest of the heap
             neighbours = [np.full(k, 7.0, np.float32) for k in (16, 300, 2000)]
             out = np.empty(BT * OC, np.float32)
-            matmul.matmul_forward(out, inp, w, None, BT, C, OC, n, backend="dnnl")
+            matmul.matmul_forward(out, inp, w, None, BT, C, OC, n, engine="dnnl")
             dinp, dw = np.zeros(BT * C, np.float32), np.zeros(OC * C, np.float32)
-            matmul.matmul_backward(dinp, dw, None, dout, inp, w, BT, C, OC, n, backend="dnnl")
+            matmul.matmul_backward(dinp, dw, None, dout, inp, w, BT, C, OC, n, engine="dnnl")
             calls += 3
             ok = (np.allclose(out.reshape(BT, OC), want_out, rtol=1e-3, atol=1e-2)
                   and np.allclose(dinp.reshape(BT, C), want_dinp, rtol=1e-3, atol=1e-2)
@@ -61,10 +61,10 @@ def main():
                   and all((a == 7.0).all() for a in neighbours))
             for engine in ("dnnl", "dnnl_gemm") if bf16 else ():   # matmul primitive, gemm call
                 out16 = np.empty(BT * OC, np.float32)
-                matmul.matmul_forward_bf16(out16, inp16, w16, None, BT, C, OC, n, backend=engine)
+                matmul.matmul_forward_bf16(out16, inp16, w16, None, BT, C, OC, n, engine=engine)
                 dinp16, dw16 = np.zeros(BT * C, np.float32), np.zeros(OC * C, np.float32)
                 matmul.matmul_backward_bf16(dinp16, dw16, None, dout, dout16, inp16, w16, BT, C, OC, n,
-                                            backend=engine)
+                                            engine=engine)
                 calls += 3
                 ok = (ok and np.allclose(out16.reshape(BT, OC), want_out, rtol=0.05, atol=1.0)
                       and np.allclose(dinp16.reshape(BT, C), want_dinp, rtol=0.05, atol=1.0)

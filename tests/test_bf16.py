@@ -19,7 +19,7 @@ from test_kernels import _assert_dot_close, _f32  # the float32 dot-product erro
 from llmctl._ext import adamw, convert, layers, matmul
 
 U32 = 2.0 ** -24
-BF16_BACKENDS = list(matmul.get_bf16_backends())
+BF16_ENGINES = list(matmul.get_bf16_engines())
 
 
 @pytest.fixture(autouse=True)
@@ -108,30 +108,30 @@ def test_cast_rejects_bad_lengths():
 MM_SHAPES = [(1, 1, 1), (7, 13, 33), (9, 300, 17), (24, 40, 270), (261, 24, 20)]
 
 
-@pytest.mark.parametrize("backend", BF16_BACKENDS)
+@pytest.mark.parametrize("engine", BF16_ENGINES)
 @pytest.mark.parametrize("shape", MM_SHAPES)
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_matmul_forward_bf16_matches_rounded_reference(backend, shape, with_bias, widen_block):
+def test_matmul_forward_bf16_matches_rounded_reference(engine, shape, with_bias, widen_block):
     BT, C, OC = shape
     rng = np.random.default_rng(BT * 1000 + C + OC)
     inp, w, b = _f32(rng, BT, C), _f32(rng, OC, C), _f32(rng, OC)
     ib, wb = to_bf16(inp), to_bf16(w)
     out = np.full(BT * OC, np.nan, np.float32)
     matmul.matmul_forward_bf16(out, ib.ravel(), wb.ravel(), b if with_bias else None, BT, C, OC,
-                               n_threads=2, backend=backend)
+                               n_threads=2, engine=engine)
     x64, w64 = from_bf16(ib).astype(np.float64), from_bf16(wb).astype(np.float64)
     want = ref.matmul_forward(x64, w64, b.astype(np.float64) if with_bias else None)
     terms = np.abs(x64) @ np.abs(w64).T + (np.abs(b) if with_bias else 0.0)
-    _assert_dot_close(out.reshape(BT, OC), want, terms, C, f"matmul_forward_bf16[{backend}]")
+    _assert_dot_close(out.reshape(BT, OC), want, terms, C, f"matmul_forward_bf16[{engine}]")
     # and it really is the bf16 product: the fp32 product differs by far more than the bound
     if BT * C > 100:
         full = ref.matmul_forward(inp.astype(np.float64), w.astype(np.float64))
         assert np.abs(full - (want - (b if with_bias else 0))).max() > 1e-3
 
 
-@pytest.mark.parametrize("backend", BF16_BACKENDS)
+@pytest.mark.parametrize("engine", BF16_ENGINES)
 @pytest.mark.parametrize("shape", MM_SHAPES)
-def test_matmul_backward_bf16_casts_dout_and_accumulates(backend, shape, widen_block):
+def test_matmul_backward_bf16_casts_dout_and_accumulates(engine, shape, widen_block):
     BT, C, OC = shape
     rng = np.random.default_rng(BT + 7 * C + 13 * OC)
     inp, w, dout = _f32(rng, BT, C), _f32(rng, OC, C), _f32(rng, BT, OC)
@@ -140,7 +140,7 @@ def test_matmul_backward_bf16_casts_dout_and_accumulates(backend, shape, widen_b
     dout_bf16 = np.zeros(BT * OC, np.uint16)
     ib, wb = to_bf16(inp), to_bf16(w)
     matmul.matmul_backward_bf16(dinp, dw, db, dout.ravel(), dout_bf16, ib.ravel(), wb.ravel(),
-                                BT, C, OC, n_threads=2, backend=backend)
+                                BT, C, OC, n_threads=2, engine=engine)
     np.testing.assert_array_equal(dout_bf16, to_bf16(dout).ravel())
     d64 = from_bf16(to_bf16(dout)).astype(np.float64)
     x64, w64 = from_bf16(ib).astype(np.float64), from_bf16(wb).astype(np.float64)
@@ -150,32 +150,32 @@ def test_matmul_backward_bf16_casts_dout_and_accumulates(backend, shape, widen_b
     # dbias is summed from the fp32 dout, exactly as the fp32 kernel sums it
     db32 = db0.copy()
     matmul.matmul_backward(None, np.zeros(OC * C, np.float32), db32, dout.ravel(), inp.ravel(), w.ravel(),
-                           BT, C, OC, backend="blas")
+                           BT, C, OC, engine="blas")
     np.testing.assert_array_equal(db, db32)
 
 
-@pytest.mark.parametrize("backend", BF16_BACKENDS)
-def test_matmul_backward_bf16_reads_a_precast_dout(backend):
+@pytest.mark.parametrize("engine", BF16_ENGINES)
+def test_matmul_backward_bf16_reads_a_precast_dout(engine):
     BT, C, OC = 12, 20, 30
     rng = np.random.default_rng(4)
     ib, wb = to_bf16(_f32(rng, BT * C)), to_bf16(_f32(rng, OC * C))
     db16 = to_bf16(_f32(rng, BT * OC))
     dw = np.zeros(OC * C, np.float32)
-    matmul.matmul_backward_bf16(None, dw, None, None, db16, ib, wb, BT, C, OC, backend=backend)
+    matmul.matmul_backward_bf16(None, dw, None, None, db16, ib, wb, BT, C, OC, engine=engine)
     want = from_bf16(db16).reshape(BT, OC).astype(np.float64).T @ from_bf16(ib).reshape(BT, C)
     np.testing.assert_allclose(dw.reshape(OC, C), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="dbias needs the fp32 dout"):
         matmul.matmul_backward_bf16(None, dw, np.zeros(OC, np.float32), None, db16, ib, wb, BT, C, OC,
-                                    backend=backend)
+                                    engine=engine)
 
 
-DNNL_ENGINES = [b for b in BF16_BACKENDS if b != "blas"]
+DNNL_ENGINES = [b for b in BF16_ENGINES if b != "blas"]
 needs_native = pytest.mark.skipif(not DNNL_ENGINES, reason="no native bf16 here: the oneDNN engines "
                                   "are refused (test_bf16_engines_follow_the_cpu); blas tested above")
 
 
-def _forward_backward(backend, BT, C, OC, n_threads, seed, with_bias=True):
-    """One forward and one accumulating backward on `backend`, each checked against float64
+def _forward_backward(engine, BT, C, OC, n_threads, seed, with_bias=True):
+    """One forward and one accumulating backward on `engine`, each checked against float64
     products of the bf16-rounded inputs with the float32 dot bound."""
     rng = np.random.default_rng(seed)
     ib, wb = to_bf16(_f32(rng, BT, C)), to_bf16(_f32(rng, OC, C))
@@ -183,14 +183,14 @@ def _forward_backward(backend, BT, C, OC, n_threads, seed, with_bias=True):
     x64, w64, d64 = (from_bf16(a).astype(np.float64) for a in (ib, wb, d16))
     out = np.full(BT * OC, np.nan, np.float32)
     matmul.matmul_forward_bf16(out, ib.ravel(), wb.ravel(), b if with_bias else None, BT, C, OC,
-                               n_threads=n_threads, backend=backend)
+                               n_threads=n_threads, engine=engine)
     want = ref.matmul_forward(x64, w64, b.astype(np.float64) if with_bias else None)
     terms = np.abs(x64) @ np.abs(w64).T + (np.abs(b) if with_bias else 0.0)
-    _assert_dot_close(out.reshape(BT, OC), want, terms, C, f"forward[{backend}]")
+    _assert_dot_close(out.reshape(BT, OC), want, terms, C, f"forward[{engine}]")
     dinp0, dw0 = _f32(rng, BT, C), _f32(rng, OC, C)    # accumulate into non-zero gradients
     dinp, dw = dinp0.ravel().copy(), dw0.ravel().copy()
     matmul.matmul_backward_bf16(dinp, dw, None, None, d16.ravel(), ib.ravel(), wb.ravel(), BT, C, OC,
-                                n_threads=n_threads, backend=backend)
+                                n_threads=n_threads, engine=engine)
     rdx, rdw, _ = ref.matmul_backward(d64, x64, w64)
     _assert_dot_close(dinp.reshape(BT, C), dinp0 + rdx, np.abs(dinp0) + np.abs(d64) @ np.abs(w64), OC, "dinp")
     _assert_dot_close(dw.reshape(OC, C), dw0 + rdw, np.abs(dw0) + np.abs(d64).T @ np.abs(x64), BT, "dweight")
@@ -198,13 +198,13 @@ def _forward_backward(backend, BT, C, OC, n_threads, seed, with_bias=True):
 
 
 @needs_native
-@pytest.mark.parametrize("backend", DNNL_ENGINES)
+@pytest.mark.parametrize("engine", DNNL_ENGINES)
 @pytest.mark.parametrize("n_threads", [1, 2])
 @pytest.mark.parametrize("shape", [(5, 7, 3), (17, 96, 50257), (64, 130, 257), (300, 33, 40)])
-def test_matmul_bf16_dnnl_engines_match_rounded_reference(backend, n_threads, shape):
+def test_matmul_bf16_dnnl_engines_match_rounded_reference(engine, n_threads, shape):
     # odd shapes, an lm-head-sized N (the GPT-2 vocabulary), 1 and 2 threads, both oneDNN paths
     BT, C, OC = shape
-    _forward_backward(backend, BT, C, OC, n_threads, seed=BT + C + OC)
+    _forward_backward(engine, BT, C, OC, n_threads, seed=BT + C + OC)
 
 
 @needs_native
@@ -280,7 +280,7 @@ def test_matmul_forward_bf16_few_rows_gemv_matches_rounded_reference(shape, with
         try:
             out = np.full(BT * OC, np.nan, np.float32)
             matmul.matmul_forward_bf16(out, ib.ravel(), wb.ravel(), b if with_bias else None, BT, C, OC,
-                                       n_threads=n_threads, backend="dnnl")
+                                       n_threads=n_threads, engine="dnnl")
         finally:
             matmul.set_gemv_rows(old)
         _assert_dot_close(out.reshape(BT, OC), want, terms, C, f"bf16 rows={rows}")
@@ -301,7 +301,7 @@ def test_matmul_forward_bf16_gemv_keeps_nan_and_inf():
     w[3, 3] = np.nan
     x16, w16 = to_bf16(x), to_bf16(w).ravel()
     out = np.zeros(OC, np.float32)
-    matmul.matmul_forward_bf16(out, x16, w16, None, 1, C, OC, backend="dnnl")
+    matmul.matmul_forward_bf16(out, x16, w16, None, 1, C, OC, engine="dnnl")
     assert np.isposinf(out[1]) and np.isnan(out[3])
     np.testing.assert_array_equal(out[[0, 2, 4, 5]], np.float32(C))
 
@@ -309,17 +309,17 @@ def test_matmul_forward_bf16_gemv_keeps_nan_and_inf():
 def test_bf16_engines_follow_the_cpu():
     feats = matmul.cpu_bf16_features()
     assert set(feats) <= {"avx512_bf16", "amx_bf16"}
-    assert "blas" in matmul.get_bf16_backends()
+    assert "blas" in matmul.get_bf16_engines()
     if not matmul.bf16_native():
-        assert matmul.get_bf16_backends() == ("blas",)
+        assert matmul.get_bf16_engines() == ("blas",)
         z16, z32 = np.zeros(9, np.uint16), np.zeros(9, np.float32)
         with pytest.raises(ValueError, match="'dnnl' is not available"):
-            matmul.matmul_forward_bf16(z32, z16, z16, None, 3, 3, 3, backend="dnnl")
+            matmul.matmul_forward_bf16(z32, z16, z16, None, 3, 3, 3, engine="dnnl")
     else:
-        assert feats and matmul.get_bf16_backends() == ("dnnl", "dnnl_gemm", "blas")
-    with pytest.raises(ValueError, match="unknown bf16 matmul backend"):
+        assert feats and matmul.get_bf16_engines() == ("dnnl", "dnnl_gemm", "blas")
+    with pytest.raises(ValueError, match="unknown bf16 matmul engine"):
         matmul.matmul_forward_bf16(np.zeros(9, np.float32), np.zeros(9, np.uint16), np.zeros(9, np.uint16),
-                                   None, 3, 3, 3, backend="tiled")
+                                   None, 3, 3, 3, engine="tiled")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ def test_info_and_version_print_the_same_eight_lines():
     want = "yes" if buildinfo.openmp_enabled() else "NO (serial build)"
     assert lines[1] == f"OpenMP: {want}, threads: 2"
     v = matmul.dnnl_version()
-    if matmul.default_backend() == "dnnl":
+    if matmul.default_engine() == "dnnl":
         assert lines[2] == f"GEMM engine: oneDNN {'.'.join(map(str, v))} (dnnl_sgemm); fallback: scipy BLAS"
     else:
         assert lines[2].startswith("GEMM engine: scipy BLAS ("), lines[2]
@@ -70,7 +70,7 @@ def test_info_and_version_print_the_same_eight_lines():
     assert _cli("--version", env={"OMP_NUM_THREADS": "2"}) == text
     # the same facts as --json gives
     info = json.loads(_cli("info", "--json"))
-    assert info["engine"] == matmul.default_backend() and ("bf16" in info["precisions"]) == matmul.bf16_native()
+    assert info["engine"] == matmul.default_engine() and ("bf16" in info["precisions"]) == matmul.bf16_native()
     assert info["kernels"] == {"attention": attention.isa(), "layers": layers.simd(), "adamw": adamw.simd(),
                                "bf16_gemv": gemv, "attention_bf16": attention.bf16_path()}
 

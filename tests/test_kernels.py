@@ -32,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 THREADS = [1, 2]
 # every fp32 engine this build has: "blas" (scipy's BLAS, the fallback) is always tested
 # explicitly, whatever the default engine is
-BACKENDS = list(matmul.get_backends())
+ENGINES = list(matmul.get_engines())
 
 
 @pytest.fixture(autouse=True)
@@ -71,68 +71,68 @@ MM_SHAPES = [  # (BT, C, OC): tiny/odd, exact tile multiples, K blocks > 256 on 
 ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("shape", MM_SHAPES)
 @pytest.mark.parametrize("n_threads", THREADS)
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_matmul_forward_matches_reference(backend, shape, n_threads, with_bias):
+def test_matmul_forward_matches_reference(engine, shape, n_threads, with_bias):
     BT, C, OC = shape
     rng = np.random.default_rng(BT * 1000 + C + OC)
     inp, w, b = _f32(rng, BT, C), _f32(rng, OC, C), _f32(rng, OC)
     out = np.full(BT * OC, np.nan, dtype=np.float32)  # forward overwrites: NaNs must vanish
     matmul.matmul_forward(out, inp.ravel(), w.ravel(), b if with_bias else None, BT, C, OC,
-                          n_threads=n_threads, backend=backend)
+                          n_threads=n_threads, engine=engine)
     want = ref.matmul_forward(inp.astype(np.float64), w.astype(np.float64),
                               b.astype(np.float64) if with_bias else None)
     terms = np.abs(inp.astype(np.float64)) @ np.abs(w.astype(np.float64)).T
     if with_bias:
         terms += np.abs(b)
-    _assert_dot_close(out.reshape(BT, OC), want, terms, C, f"matmul_forward[{backend}]")
+    _assert_dot_close(out.reshape(BT, OC), want, terms, C, f"matmul_forward[{engine}]")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("shape", MM_SHAPES)
 @pytest.mark.parametrize("n_threads", THREADS)
-def test_matmul_backward_accumulates_reference(backend, shape, n_threads):
+def test_matmul_backward_accumulates_reference(engine, shape, n_threads):
     BT, C, OC = shape
     rng = np.random.default_rng(BT + 7 * C + 13 * OC)
     inp, w, dout = _f32(rng, BT, C), _f32(rng, OC, C), _f32(rng, BT, OC)
     dinp0, dw0, db0 = _f32(rng, BT, C), _f32(rng, OC, C), _f32(rng, OC)  # prior gradients
     dinp, dw, db = dinp0.ravel().copy(), dw0.ravel().copy(), db0.copy()
     matmul.matmul_backward(dinp, dw, db, dout.ravel(), inp.ravel(), w.ravel(), BT, C, OC,
-                           n_threads=n_threads, backend=backend)
+                           n_threads=n_threads, engine=engine)
     d64, x64, w64 = dout.astype(np.float64), inp.astype(np.float64), w.astype(np.float64)
     rdx, rdw, rdb = ref.matmul_backward(d64, x64, w64)
     _assert_dot_close(dinp.reshape(BT, C), dinp0 + rdx, np.abs(dinp0) + np.abs(d64) @ np.abs(w64),
-                      OC, f"dinp[{backend}]")
+                      OC, f"dinp[{engine}]")
     _assert_dot_close(dw.reshape(OC, C), dw0 + rdw, np.abs(dw0) + np.abs(d64).T @ np.abs(x64),
-                      BT, f"dweight[{backend}]")
-    _assert_dot_close(db, db0 + rdb, np.abs(db0) + np.abs(d64).sum(0), BT, f"dbias[{backend}]")
+                      BT, f"dweight[{engine}]")
+    _assert_dot_close(db, db0 + rdb, np.abs(db0) + np.abs(d64).sum(0), BT, f"dbias[{engine}]")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_matmul_backward_skips_none(backend):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_matmul_backward_skips_none(engine):
     BT, C, OC = 10, 20, 30
     rng = np.random.default_rng(3)
     inp, w, dout = _f32(rng, BT * C), _f32(rng, OC * C), _f32(rng, BT * OC)
     dw = np.zeros(OC * C, np.float32)
-    matmul.matmul_backward(None, dw, None, dout, inp, w, BT, C, OC, backend=backend)
+    matmul.matmul_backward(None, dw, None, dout, inp, w, BT, C, OC, engine=engine)
     want = dout.reshape(BT, OC).astype(np.float64).T @ inp.reshape(BT, C)
     np.testing.assert_allclose(dw.reshape(OC, C), want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("n_threads", THREADS)
-def test_matmul_bit_identical_when_repeated(backend, n_threads):
+def test_matmul_bit_identical_when_repeated(engine, n_threads):
     BT, C, OC = 37, 70, 90
     rng = np.random.default_rng(11)
     inp, w, b, dout = _f32(rng, BT * C), _f32(rng, OC * C), _f32(rng, OC), _f32(rng, BT * OC)
     runs = []
     for _ in range(2):
         out = np.empty(BT * OC, np.float32)
-        matmul.matmul_forward(out, inp, w, b, BT, C, OC, n_threads=n_threads, backend=backend)
+        matmul.matmul_forward(out, inp, w, b, BT, C, OC, n_threads=n_threads, engine=engine)
         dinp, dw, db = np.zeros(BT * C, np.float32), np.zeros(OC * C, np.float32), np.zeros(OC, np.float32)
-        matmul.matmul_backward(dinp, dw, db, dout, inp, w, BT, C, OC, n_threads=n_threads, backend=backend)
+        matmul.matmul_backward(dinp, dw, db, dout, inp, w, BT, C, OC, n_threads=n_threads, engine=engine)
         runs.append((out, dinp, dw, db))
     for a, b2 in zip(*runs):
         assert np.array_equal(a, b2)
@@ -146,9 +146,9 @@ def test_matmul_tiled_is_thread_count_independent():
     res = []
     for n in (1, 2):
         out = np.empty(BT * OC, np.float32)
-        matmul.matmul_forward(out, inp, w, b, BT, C, OC, n_threads=n, backend="tiled")
+        matmul.matmul_forward(out, inp, w, b, BT, C, OC, n_threads=n, engine="tiled")
         dinp, dw, db = np.zeros(BT * C, np.float32), np.zeros(OC * C, np.float32), np.zeros(OC, np.float32)
-        matmul.matmul_backward(dinp, dw, db, dout, inp, w, BT, C, OC, n_threads=n, backend="tiled")
+        matmul.matmul_backward(dinp, dw, db, dout, inp, w, BT, C, OC, n_threads=n, engine="tiled")
         res.append((out, dinp, dw, db))
     for a, b2 in zip(*res):
         assert np.array_equal(a, b2)
@@ -161,7 +161,7 @@ def test_matmul_rejects_bad_arguments():
     with raises_error(ValueError, names="bias", hint=None):
         matmul.matmul_forward(z(6), z(6), z(9), z(2), 2, 3, 3)
     with raises_error(ValueError, names="'cuda'", hint=None):
-        matmul.matmul_forward(z(6), z(6), z(9), None, 2, 3, 3, backend="cuda")
+        matmul.matmul_forward(z(6), z(6), z(9), None, 2, 3, 3, engine="cuda")
     with raises_error(ValueError, names=["n_threads", "0"], hint=None):
         matmul.matmul_forward(z(6), z(6), z(9), None, 2, 3, 3, n_threads=0)
     with raises_error(ValueError, names="dinp", hint=None):
@@ -169,23 +169,23 @@ def test_matmul_rejects_bad_arguments():
     with raises_error(ValueError, names=["BT", "0"], hint=None):
         matmul.matmul_forward(z(0), z(0), z(9), None, 0, 3, 3)
     with raises_error(ValueError, names="'cuda'", hint=None):
-        matmul.matmul_backward(None, z(9), None, z(6), z(6), z(9), 2, 3, 3, backend="cuda")
-    assert "blas" in matmul.get_backends() and "tiled" in matmul.get_backends()
+        matmul.matmul_backward(None, z(9), None, z(6), z(6), z(9), 2, 3, 3, engine="cuda")
+    assert "blas" in matmul.get_engines() and "tiled" in matmul.get_engines()
 
 
 def test_matmul_default_engine_is_dnnl_where_built():
     # oneDNN is the default wherever it was linked; scipy's BLAS otherwise
     want = "dnnl" if matmul.dnnl_built() else "blas"
-    assert matmul.default_backend() == want == matmul.get_backends()[0]
+    assert matmul.default_engine() == want == matmul.get_engines()[0]
 
 
 def test_matmul_blas_fallback_when_dnnl_disabled(monkeypatch):
     # LLMCTL_NO_DNNL=1 at run time: the default engine is scipy's BLAS and "dnnl" is refused
     monkeypatch.setenv("LLMCTL_NO_DNNL", "1")
-    assert matmul.get_backends() == ("blas", "tiled")
+    assert matmul.get_engines() == ("blas", "tiled")
     z = lambda n: np.zeros(n, np.float32)
     with raises_error(ValueError, names="'dnnl'", hint=None):
-        matmul.matmul_forward(z(6), z(6), z(9), None, 2, 3, 3, backend="dnnl")
+        matmul.matmul_forward(z(6), z(6), z(9), None, 2, 3, 3, engine="dnnl")
     rng = np.random.default_rng(2)
     BT, C, OC = 5, 7, 3
     inp, w = _f32(rng, BT, C), _f32(rng, OC, C)
@@ -204,16 +204,16 @@ def test_matmul_honours_blas_thread_count():
     BT, C, OC = 8, 8, 8
     x = np.ones(BT * C, np.float32)
     out = np.empty(BT * OC, np.float32)
-    matmul.matmul_forward(out, x, x, None, BT, C, OC, n_threads=1, backend="blas")
+    matmul.matmul_forward(out, x, x, None, BT, C, OC, n_threads=1, engine="blas")
     scipy_pool = [n for path, n in threads.blas_thread_info() if "scipy.libs" in path]
     if scipy_pool:
         assert scipy_pool == [1]
-    matmul.matmul_forward(out, x, x, None, BT, C, OC, n_threads=2, backend="blas")
+    matmul.matmul_forward(out, x, x, None, BT, C, OC, n_threads=2, engine="blas")
     if scipy_pool:
         assert [n for path, n in threads.blas_thread_info() if "scipy.libs" in path] == [2]
 
 
-@pytest.mark.skipif("dnnl" not in matmul.get_backends(), reason="built without oneDNN")
+@pytest.mark.skipif("dnnl" not in matmul.get_engines(), reason="built without oneDNN")
 def test_matmul_dnnl_runs_on_n_threads():
     # oneDNN's OpenMP build sizes each GEMM by omp_get_max_threads(); matmul sets it per call
     from llmctl._ext import buildinfo
@@ -224,11 +224,11 @@ def test_matmul_dnnl_runs_on_n_threads():
     x = np.ones(BT * C, np.float32)
     out = np.empty(BT * OC, np.float32)
     for n in (1, 2, 1):
-        matmul.matmul_forward(out, x, x, None, BT, C, OC, n_threads=n, backend="dnnl")
+        matmul.matmul_forward(out, x, x, None, BT, C, OC, n_threads=n, engine="dnnl")
         assert buildinfo.openmp_max_threads() == n
 
 
-@pytest.mark.skipif("dnnl" not in matmul.get_backends(), reason="built without oneDNN")
+@pytest.mark.skipif("dnnl" not in matmul.get_engines(), reason="built without oneDNN")
 @pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="no SIGUSR1 on this platform")
 def test_matmul_dnnl_survives_signals():
     # oneDNN's nocopy sgemm runs with the stack pointer on a heap workspace when K > 84; a signal
@@ -869,8 +869,8 @@ def test_overlapping_outputs_are_rejected():
     matmul.matmul_forward(buf[:6], buf[6:12], buf[12:21], buf[21:24], 2, 3, 3)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_matmul_backward_finite_differences(backend):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_matmul_backward_finite_differences(engine):
     # loss = sum(out * R) is linear in each operand, so central differences have no truncation
     # error; float32 rounding of the loss (~1e-7 * sum|terms| / h) stays below 1e-3 with h = 0.5
     BT, C, OC = 3, 5, 4
@@ -879,11 +879,11 @@ def test_matmul_backward_finite_differences(backend):
 
     def loss():
         out = np.empty(BT * OC, np.float32)
-        matmul.matmul_forward(out, x, w, b, BT, C, OC, backend=backend)
+        matmul.matmul_forward(out, x, w, b, BT, C, OC, engine=engine)
         return float(np.dot(out.astype(np.float64), R))
 
     dx, dw, db = np.zeros(BT * C, np.float32), np.zeros(OC * C, np.float32), np.zeros(OC, np.float32)
-    matmul.matmul_backward(dx, dw, db, R, x, w, BT, C, OC, backend=backend)
+    matmul.matmul_backward(dx, dw, db, R, x, w, BT, C, OC, engine=engine)
     h = 0.5
     for arr, grad in ((x, dx), (w, dw), (b, db)):
         for i in range(arr.size):

@@ -641,3 +641,15 @@ def test_load_and_peek_config_resolve_checkpoints_and_descriptors(tmp_path):
         peek_config("d5")
     with raises_error(ConfigError, names="gpt9"):
         load("gpt9")
+
+
+def test_engine_picks_the_gemm_and_matmul_is_its_former_name():
+    for kw in ({"engine": "blas"}, {"matmul": "blas"}, {"engine": "blas", "matmul": "blas"}):
+        m = GPT2(CFG, n_threads=1, **kw)
+        assert m.engine == "blas" and m.ops.engine == "blas", kw
+    assert GPT2(CFG, n_threads=1).engine is None  # the default engine, chosen per call
+    with raises_error(ConfigError, names=["engine=", "matmul="]):
+        GPT2(CFG, n_threads=1, engine="blas", matmul="tiled")
+    m = GPT2(CFG, n_threads=1, engine="cuda")
+    with pytest.raises(ValueError, match="unknown matmul engine 'cuda'"):
+        m.forward(np.zeros((1, 4), np.int32))

@@ -111,6 +111,16 @@ class KVCache:
         self.lengths = np.zeros(B, dtype=np.int32)
 
 
+def _engine_arg(engine, matmul):
+    """GPT2's engine= (matmul= is its former name): the one given, ConfigError for two that differ."""
+    if matmul is None:
+        return engine
+    if engine is not None and engine != matmul:
+        raise ConfigError(f"engine={engine!r} and matmul={matmul!r} name two GEMM engines",
+                          hint="pass engine= only (matmul= is its former name)")
+    return matmul
+
+
 # ----------------------------------------------------------------------------------------------
 # model
 
@@ -122,14 +132,16 @@ class GPT2:
     ops: the precision's kernels (llmctl/model/ops.py); kernels: the compiled kernel modules.
     """
 
-    def __init__(self, config, n_threads=None, matmul=None, recompute=None, precision=DEFAULT_PRECISION):
+    def __init__(self, config, n_threads=None, engine=None, recompute=None, precision=DEFAULT_PRECISION,
+                 matmul=None):
         """recompute: the matmul inputs that one cheap kernel reproduces from what backward keeps
         anyway (fch_gelu = GELU(fch), ln1/ln2 = layernorm(x) with the saved mean/rstd, and bf16's
         copy of atty) are kept per layer, or recomputed in backward into one layer of scratch, the
         same bits either way. llm.c's -r levels: 0 = keep all, 1 = recompute fch_gelu, 2 = also
         ln1/ln2 (and bf16's atty copy). None = 0 while fch_gelu costs <= 256 MiB (small B*T: saves
         those kernels in backward), else 2; True = 2, False = 0.
-        matmul: the GEMM engine (None: the default, oneDNN where built, else scipy's BLAS).
+        engine: the GEMM engine (None: the default, oneDNN where built, else scipy's BLAS);
+        `matmul=` is its former name, still accepted.
         precision: "fp32" or "bf16" (mixed precision, see the module docstring)."""
         self.config = config
         self.precision = check_precision(precision)
@@ -142,11 +154,12 @@ class GPT2:
         # one count for OpenMP kernels and scipy's OpenBLAS pool (they must not oversubscribe)
         self.n_threads = configure_threads(n_threads)
         self.kernels = Kernels()
+        engine = _engine_arg(engine, matmul)
         if self.precision == "bf16":
-            if matmul not in (None,) + tuple(self.kernels.matmul.get_bf16_backends()):
-                raise ConfigError(f"matmul engine {matmul!r} cannot run bf16",
-                                  hint=f"use one of {self.kernels.matmul.get_bf16_backends()}")
-        self.matmul_backend = matmul
+            if engine not in (None,) + tuple(self.kernels.matmul.get_bf16_engines()):
+                raise ConfigError(f"matmul engine {engine!r} cannot run bf16",
+                                  hint=f"use one of {self.kernels.matmul.get_bf16_engines()}")
+        self.engine = engine
         self._offs = param_offsets(config)
         self.num_parameters = num_parameters(config)
         self.params = np.zeros(self.num_parameters, dtype=np.float32)
@@ -156,7 +169,7 @@ class GPT2:
         # bf16: the copy of the parameters the matmuls read; stale until params_changed() re-casts
         self.params_bf16 = np.zeros(self.num_parameters, np.uint16) if self.precision == "bf16" else None
         self.pb = _views(self.params_bf16, self._offs) if self.params_bf16 is not None else None
-        self.ops = ops_for(self.precision, self.kernels, self.p, matmul, self.pb)
+        self.ops = ops_for(self.precision, self.kernels, self.p, engine, self.pb)
         self._bf16_fresh = False
         self.m = None
         self.v = None

@@ -57,7 +57,7 @@ def peek_config(spec):
 
 def load(spec, seed=INIT_SEED, exact_libm=None, **kw):
     """A GPT2 from a spec. seed/exact_libm apply to descriptors only (GPT2.from_descriptor);
-    **kw (n_threads, matmul, recompute, precision) go to GPT2()."""
+    **kw (n_threads, engine, recompute, precision) go to GPT2()."""
     path = _checkpoint_path(spec)
     if path is not None:
         return GPT2.from_checkpoint(path, **kw)
