@@ -934,3 +934,11 @@ def test_a_failure_before_any_shard_removes_only_the_directories_it_created(tmp_
     with pytest.raises(DataError, match="no documents"):
         writer_mod.write_sharded(iter([]), tmp_path / "full", name, 1024)
     assert os.listdir(tmp_path / "full") == ["notes.txt"]
+
+
+@pytest.mark.parametrize("cmd", ["tinystories", "fineweb", "fineweb-edu"])
+def test_bad_parallelism_is_a_usage_error_before_the_hub_is_asked(tmp_path, dead_hub, cmd):
+    r = _prepro_online([cmd, "--parallelism", "gpu", "--out-dir", "o"], dead_hub, tmp_path,
+                       tmp_path / "empty_cache")
+    assert_cli_error(r.stderr, 2, r.returncode, names=["--parallelism 'gpu'"])
+    assert dead_hub.requests == [] and not (tmp_path / "o").exists()
