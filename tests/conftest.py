@@ -6,6 +6,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -68,6 +69,24 @@ def hellaswag_jsonl():
 @pytest.fixture
 def tinystories_path():
     return shared_file("tinystories/tinystories_sample.txt")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """The tiny byte-level run of the tests/test_train_*.py files (tests/trainkit.py): Tiny
+    Shakespeare's bytes as llm.c uint16 shards and an llm.c checkpoint, built once per module."""
+    from trainkit import tiny_params, write_llmc_checkpoint, write_shard
+
+    src = shared_file("tinyshakespeare/input.txt")
+    d = tmp_path_factory.mktemp("bytes")
+    b = np.frombuffer(src.read_bytes(), dtype=np.uint8).astype(np.uint16)
+    # two train shards (exercises shard shuffling), one val shard
+    write_shard(d / "ts_bytes_train_000001.bin", b[32768:400000])
+    write_shard(d / "ts_bytes_train_000002.bin", b[400000:])
+    write_shard(d / "ts_bytes_val_000000.bin", b[:32768])
+    ckpt = write_llmc_checkpoint(d / "tiny.bin", tiny_params())
+    return {"dir": d, "train": str(d / "ts_bytes_train_*.bin"),
+            "val": str(d / "ts_bytes_val_*.bin"), "ckpt": ckpt}
 
 
 @pytest.fixture(params=["refused", "reset"])
