@@ -953,7 +953,7 @@ app.command("train", context_settings={"help_option_names": ["--help"]})(train_c
 def main(argv: Optional[List[str]] = None):
     """Entry point: run the typer app, mapping user errors to one line and a non-zero exit."""
     # Usage errors (exit 2) are rendered by _Group.main; typer maps Ctrl-C to a silent exit 130,
-    # so each command prints its own "Interrupted: ..." line (@_interruptible; train: train.py).
+    # so each command prints its own "Interrupted: ..." line (@_interruptible; train: train_cmd, from TrainInterrupted).
     try:
         app(args=argv, prog_name="llmctl")
     except LlmctlError as e:
