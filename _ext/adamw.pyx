@@ -103,8 +103,13 @@ cdef extern from *:
     int llmctl_cpu_has_avx() noexcept nogil
     void llmctl_adamw_init() noexcept nogil
 
-cdef extern from "bf16.h" nogil:
-    void llmctl_cast_bf16(uint16_t* dst, const float* src, Py_ssize_t n)
+cdef extern from "rows.h" nogil:
+    # the bf16 copy's cast in the widest copy this CPU runs (the same bits in every copy)
+    void llmctl_cast_bf16_isa(uint16_t* dst, const float* src, Py_ssize_t n)
+    double llmctl_sumsq(const float* g, Py_ssize_t n)
+    int llmctl_rows_set_isa(int level)
+
+llmctl_rows_set_isa(-1)
 
 cdef bint _use_avx = True
 llmctl_adamw_init()   # the CPU's AVX, asked once here rather than racily in the first update
@@ -126,15 +131,23 @@ def simd():
     return "avx" if _use_avx and llmctl_cpu_has_avx() else "baseline"
 
 
+def set_isa(int level):
+    """The copy of the bf16 cast and the grad norm's sum of squares (rows.h): -1 the widest this
+    CPU runs (the default), 0 baseline, 1 AVX2, 2 AVX-512 (at most what the CPU has; the same
+    bits in each, which tests compare). -> the level in force."""
+    return llmctl_rows_set_isa(level)
+
+
 def set_simd(bint enabled):
-    """Use (True, the default) or bypass the AVX path; for tests of the portable path."""
+    """Use (True, the default) or bypass the AVX path and the wide copies of the bf16 cast; for
+    tests of the portable path."""
     global _use_avx
     _use_avx = enabled
+    llmctl_rows_set_isa(-1 if enabled else 0)
 
 
 cdef enum:
     CHUNK = 32768    # elements per task: big enough to amortise scheduling, small for balance
-    LANES = 8        # independent double accumulators per chunk (fixed order)
     BLOCK = 512      # elements per inner AdamW block (2 KB of sqrt scratch on the stack)
 
 
@@ -186,29 +199,9 @@ cdef void _adamw_update(float* params, const float* grads, float* m, float* v, u
         _adamw_chunk(params + s, grads + s, m + s, v + s, e - s, lr, b1, b2, eps, wd, gs,
                      inv_bc1, inv_bc2)
         if pbf != NULL:
-            llmctl_cast_bf16(pbf + s, params + s, e - s)  # the chunk (128 KB) is still in L2
+            llmctl_cast_bf16_isa(pbf + s, params + s, e - s)  # the chunk (128 KB) is still in L2
         if gzero != NULL:
             memset(gzero + s, 0, (e - s) * sizeof(float))  # read above, still in cache too
-
-
-cdef double _sumsq_chunk(const float* g, Py_ssize_t n) noexcept nogil:
-    cdef double acc[LANES]
-    cdef double tot = 0.0, x
-    cdef Py_ssize_t i, ib, nm = n - n % LANES
-    cdef int j
-    for j in range(LANES):
-        acc[j] = 0.0
-    for ib in range(nm // LANES):
-        i = ib * LANES
-        for j in range(LANES):
-            x = g[i + j]
-            acc[j] += x * x
-    for j in range(LANES):
-        tot += acc[j]
-    for i in range(nm, n):
-        x = g[i]
-        tot += x * x
-    return tot
 
 
 def adamw_update(float[::1] params, grads, float[::1] m, float[::1] v,
@@ -274,7 +267,7 @@ def global_norm_sq(const float[::1] grads, int n_threads=1):
                 e = s + CHUNK
                 if e > N:
                     e = N
-                part[ch] = _sumsq_chunk(&grads[0] + s, e - s)
+                part[ch] = llmctl_sumsq(&grads[0] + s, e - s)   # rows.h: 8 double lanes, fixed order
             for ch in range(nch):
                 tot += part[ch]
     finally:

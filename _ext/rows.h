@@ -7,6 +7,8 @@
  * give the same bits (tests/test_kernels.py checks it); llmctl_rows_set_isa() picks one, for
  * those tests. Elsewhere (not GCC on x86-64) only the plain copy exists.
  *
+ * Also the sum of squares of adamw.pyx's global grad norm (a fixed-order double reduction).
+ *
  * The math is llm.c's train_gpt2.c: layernorm_forward / layernorm_backward (the dinp half; the
  * dweight/dbias reduction over rows stays in layers.pyx), softmax_forward + crossentropy_forward
  * fused, crossentropy_softmax_backward. Row statistics and the softmax sum accumulate in double.
@@ -120,6 +122,19 @@
     ST(dlogits, target, (pt - 1.0f) * dloss);                                                  \
     for (int i = V; i < Vp; i++) dlogits[i] = 0;
 
+/* sum of g[i]^2 in double: LLMCTL_SUMSQ_LANES lane partials added in lane order, then the tail
+   (adamw.pyx's global grad norm, per fixed chunk) */
+#define LLMCTL_SUMSQ_LANES 8
+#define LLMCTL_SUMSQ_BODY                                                                      \
+    double acc[LLMCTL_SUMSQ_LANES], tot = 0.0, x;                                              \
+    ptrdiff_t nm = n - n % LLMCTL_SUMSQ_LANES;                                                 \
+    for (int j = 0; j < LLMCTL_SUMSQ_LANES; j++) acc[j] = 0.0;                                 \
+    for (ptrdiff_t i = 0; i < nm; i += LLMCTL_SUMSQ_LANES)                                     \
+        for (int j = 0; j < LLMCTL_SUMSQ_LANES; j++) { x = g[i + j]; acc[j] += x * x; }        \
+    for (int j = 0; j < LLMCTL_SUMSQ_LANES; j++) tot += acc[j];                                \
+    for (ptrdiff_t i = nm; i < n; i++) { x = g[i]; tot += x * x; }                             \
+    return tot;
+
 #define LLMCTL_ROW_KERNELS(SFX, ATTR)                                                                      \
     ATTR static void llmctl_ln_fwd_f32_##SFX(float* out, float* mean, float* rstd, const float* x,         \
                                              const float* w, const float* b, int C) {                      \
@@ -147,6 +162,9 @@
     }                                                                                                      \
     ATTR static void llmctl_cast_bf16_##SFX(uint16_t* dst, const float* src, ptrdiff_t n) {                \
         for (ptrdiff_t i = 0; i < n; i++) dst[i] = llmctl_f32_to_bf16(src[i]);                             \
+    }                                                                                                      \
+    ATTR static double llmctl_sumsq_##SFX(const float* g, ptrdiff_t n) {                                   \
+        LLMCTL_SUMSQ_BODY                                                                                  \
     }
 
 LLMCTL_ROW_KERNELS(base, )
@@ -201,5 +219,8 @@ static inline void llmctl_xent_bwd_bf16(uint16_t* dlogits, const float* probs, i
 }
 static inline void llmctl_cast_bf16_isa(uint16_t* dst, const float* src, ptrdiff_t n) {
     LLMCTL_ROWS_DISPATCH(llmctl_cast_bf16, dst, src, n);
+}
+static inline double llmctl_sumsq(const float* g, ptrdiff_t n) {
+    return LLMCTL_ROWS_DISPATCH(llmctl_sumsq, g, n);
 }
 #endif

@@ -723,9 +723,10 @@ def test_adamw_avx_and_portable_paths_give_identical_bits():
             adamw.set_simd(simd)
             assert adamw.simd() == ("avx" if simd else "baseline")  # what `llmctl info` reports
             p, g, m, v = (a.copy() for a in base)
+            pb = np.empty(N, np.uint16)   # the bf16 copy, cast in the same pass
             for t in (1, 2, 3):
-                adamw.adamw_update(p, g, m, v, 1e-3, 0.9, 0.95, 1e-8, 0.1, 0.7, t, 2)
-            res.append((p, m, v))
+                adamw.adamw_update(p, g, m, v, 1e-3, 0.9, 0.95, 1e-8, 0.1, 0.7, t, 2, pb)
+            res.append((p, m, v, pb))
     finally:
         adamw.set_simd(True)
     assert all(np.array_equal(a, b) for a, b in zip(*res))
@@ -775,6 +776,11 @@ def _row_kernel_outputs(n_threads, rng):
     layers.softmax_crossentropy_backward(d32, probs, tg, dl, BT, V, Vp, n_threads)
     layers.softmax_crossentropy_backward_bf16(d16, probs, tg, dl, BT, V, Vp, n_threads)
     out += [losses.tobytes(), probs.tobytes(), d32.tobytes(), d16.tobytes()]
+    g = x[12:].copy()                      # finite: the grad norm and AdamW's bf16 copy
+    out.append(float(adamw.global_norm_sq(g, n_threads)).hex())
+    p, m, v, pb = _f32(rng, g.size), np.zeros(g.size, np.float32), np.zeros(g.size, np.float32), np.empty(g.size, np.uint16)
+    adamw.adamw_update(p, g, m, v, 1e-3, 0.9, 0.95, 1e-8, 0.1, 0.7, 1, n_threads, pb)
+    out += [p.tobytes(), pb.tobytes()]
     return out
 
 
@@ -791,11 +797,13 @@ def test_row_loops_give_identical_bits_in_every_instruction_set(n_threads):
         for isa in levels:
             assert layers.set_simd(isa) == isa     # what `llmctl info` reports
             assert convert.set_isa(levels.index(isa)) == levels.index(isa)
+            assert adamw.set_isa(levels.index(isa)) == levels.index(isa)
             res[isa] = _row_kernel_outputs(n_threads, np.random.default_rng(14))
         assert layers.set_simd(False) == "baseline"
     finally:
         layers.set_simd(True)
         convert.set_isa(-1)
+        adamw.set_isa(-1)
     assert layers.simd() == levels[-1]
     for isa in levels[1:]:
         diff = [i for i, (a, b) in enumerate(zip(res["baseline"], res[isa])) if a != b]
