@@ -125,6 +125,21 @@ def test_shard_layout_refuses_a_world_size_that_does_not_divide():
 # training over the three transports
 
 
+def test_zero1_over_the_hierarchical_transport_is_refused_naming_it():
+    # --nnodes x --nproc runs over HierComm, which has no reduce-scatter / all-gather: -z 1 is one
+    # ConfigError before any model is built, naming the transport and the ones that work
+    from types import SimpleNamespace
+
+    from llmctl.distributed.hier import HierComm
+    from llmctl.train import Trainer
+
+    assert HierComm.supports_zero is False
+    fake = SimpleNamespace(cfg=SimpleNamespace(zero_stage=1), P=4, comm=HierComm.__new__(HierComm))
+    with pytest.raises(ConfigError) as e:
+        Trainer._check_zero(fake, GPT2Config.from_descriptor("d6"))
+    assert "HierComm" in e.value.message and "-z 1" in e.value.message and "mpiexec" in e.value.hint
+
+
 def test_shm_zero1_equals_zero0_and_saves_llmc_shards(run_dir):
     """--nproc 2 -z 1 vs -z 0 (shm): the same losses and parameters to the bit (clip inactive),
     norms to 1e-12; every rank's state file is its llm.c shard of -z 0's m and v; parameters
