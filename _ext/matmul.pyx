@@ -770,6 +770,15 @@ def set_bf16_primitive_rows(int rows):
     return old
 
 
+def set_gemv_grain(Py_ssize_t grain):
+    """Weight elements the bf16 GEMV gives each thread at least (0: always n_threads). Returns
+    the old value. Each output channel is computed by one thread: the bits do not depend on it."""
+    global _gemv_grain
+    old = _gemv_grain
+    _gemv_grain = grain
+    return old
+
+
 def set_gemv_rows(int rows):
     """Use the bf16 GEMV for at most `rows` rows (0: never; oneDNN for every shape). Returns the old value."""
     global _gemv_rows

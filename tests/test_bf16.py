@@ -292,6 +292,29 @@ def test_matmul_forward_bf16_few_rows_gemv_matches_rounded_reference(shape, with
 
 
 @pytest.mark.skipif(not matmul.gemv_bf16_available(), reason="no AVX512_BF16 here")
+@pytest.mark.parametrize("shape", [(1, 768, 2304), (3, 130, 517)])
+def test_matmul_forward_bf16_gemv_bits_do_not_depend_on_its_thread_split(shape):
+    # set_gemv_grain(0) splits the output channels over both threads (each channel on one
+    # thread): the same bits as the default, which keeps these shapes on one thread
+    BT, C, OC = shape
+    rng = np.random.default_rng(OC)
+    ib, wb, b = to_bf16(_f32(rng, BT, C)), to_bf16(_f32(rng, OC, C)), _f32(rng, OC)
+    outs = []
+    for grain in (None, 0, 64):
+        old = matmul.set_gemv_grain(grain) if grain is not None else None
+        try:
+            out = np.full(BT * OC, np.nan, np.float32)
+            matmul.matmul_forward_bf16(out, ib.ravel(), wb.ravel(), b, BT, C, OC, n_threads=2, engine="dnnl")
+        finally:
+            if old is not None:
+                matmul.set_gemv_grain(old)
+        outs.append(out)
+    assert not np.isnan(outs[0]).any()
+    np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_array_equal(outs[0], outs[2])
+
+
+@pytest.mark.skipif(not matmul.gemv_bf16_available(), reason="no AVX512_BF16 here")
 def test_matmul_forward_bf16_gemv_keeps_nan_and_inf():
     # a non-finite input must come out non-finite, not be lost in a masked tail
     C, OC = 45, 6
