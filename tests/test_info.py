@@ -135,3 +135,24 @@ def test_info_names_the_mfu_roofs_cached_for_this_cpu_without_measuring(monkeypa
     line = _cli("info").splitlines()[-1]  # the subprocess reads the same $LLMCTL_CACHE
     assert line == format_info(info).splitlines()[-1]
     assert json.loads(_cli("info", "--json"))["mfu_roof"] == json.loads(json.dumps(info["mfu_roof"]))
+
+
+def test_onednn_wheel_library_is_loaded_by_its_installed_path():
+    # an editable install builds matmul in pip's temporary environment, so its rpath to
+    # libdnnl.so.3 points nowhere: llmctl._ext loads the wheel's library first, by the path the
+    # onednn-cpu-gomp distribution records, and the loader then resolves matmul's dependency
+    import platform
+    from importlib import metadata
+
+    try:
+        metadata.distribution("onednn-cpu-gomp")
+    except metadata.PackageNotFoundError:
+        pytest.skip("the onednn-cpu-gomp wheel is not installed here (llmctl uses scipy's BLAS)")
+    if not (sys.platform.startswith("linux") and platform.machine() == "x86_64"):
+        pytest.skip("the oneDNN wheel is used on x86-64 Linux only")
+    import llmctl._ext as ext
+
+    assert ext.ONEDNN_PRELOADED is not None and os.path.exists(ext.ONEDNN_PRELOADED)
+    with open("/proc/self/maps") as f:
+        mapped = {line.split()[-1] for line in f if line.rstrip().endswith("libdnnl.so.3") or ".so.3." in line}
+    assert os.path.realpath(ext.ONEDNN_PRELOADED) in {os.path.realpath(p) for p in mapped}
