@@ -273,6 +273,8 @@ def _worker(a):
         from llmctl.distributed.mpi import MpiComm
 
         comm = MpiComm()
+        if a["kind"] == "sendrecv":
+            return _sendrecv_worker(comm, a)
     P = comm.world_size
     buf = rank_data(comm.rank, n)
     comm.all_reduce_mean(buf)
@@ -297,12 +299,38 @@ def _worker(a):
     comm.close()
 
 
-def _collect(d, kind, world):
+def _sendrecv_worker(comm, a):
+    """Ranks 2i and 2i+1 swap a["floats"] floats with one Sendrecv, a["repeat"] times after a
+    warm-up: on a full-duplex link a swap takes the one-way time."""
+    C = comm.comm
+    r = C.Get_rank()
+    send = rank_data(r, a["floats"])
+    recv = np.empty_like(send)
+    times = []
+    for i in range(a["repeat"] + 1):
+        C.Barrier()
+        t0 = time.perf_counter()
+        C.Sendrecv(send, dest=r ^ 1, recvbuf=recv, source=r ^ 1)
+        if i:
+            times.append(time.perf_counter() - t0)
+    C.Barrier()
+    if not np.array_equal(recv, rank_data(r ^ 1, a["floats"])):
+        raise SystemExit(f"rank {r}: Sendrecv delivered other data")
+    with open(os.path.join(a["dir"], f"sendrecv_{r}.json"), "w") as f:
+        json.dump({"times": times, "digest": "", "world": C.Get_size()}, f)
+    comm.close()
+
+
+def _collect_times(d, kind, world):
+    """Each timed call's time, as slow as its slowest rank."""
     res = [json.load(open(os.path.join(d, f"{kind}_{r}.json"))) for r in range(world)]
     if len({r["digest"] for r in res}) != 1:
         raise BenchError(f"{kind}: ranks ended the all-reduce with different bits")
-    per = [max(r["times"][i] for r in res) for i in range(len(res[0]["times"]))]
-    return statistics.median(per)
+    return [max(r["times"][i] for r in res) for i in range(len(res[0]["times"]))]
+
+
+def _collect(d, kind, world):
+    return statistics.median(_collect_times(d, kind, world))
 
 
 def _env(threads=1):
@@ -337,9 +365,12 @@ def mpi_available():
     return None if _mpiexec() else "no mpiexec found (pip install mpich)"
 
 
-def mpi_allreduce(cl, floats, repeat, check, algorithm="auto"):
+def mpi_allreduce(cl, floats, repeat, check, algorithm="auto", netmod="ofi", kind="mpi"):
     """mpiexec runs in host 0's namespace; its ssh launcher is this script's --netns-launch, which
-    starts each host's proxy in that host's namespace (hosts are named by their addresses)."""
+    starts each host's proxy in that host's namespace (hosts are named by their addresses).
+    netmod: MPICH's network module, "ofi" (libfabric's tcp provider) or "ucx" (UCX over TCP).
+    kind "sendrecv": instead of the all-reduce, ranks 2i and 2i+1 swap `floats` floats with one
+    Sendrecv (both directions at once, every pair at once): -> the median time of one swap."""
     with tempfile.TemporaryDirectory() as d:
         hosts = ",".join(f"{cl.addr(i)}:1" for i in range(cl.n))
         launcher = os.path.join(d, "netns-launch")
@@ -350,13 +381,13 @@ def mpi_allreduce(cl, floats, repeat, check, algorithm="auto"):
         env = _env()
         # every rank talks over its veth (its network path), never MPICH's shared memory
         env.update(MPIR_CVAR_NOLOCAL="1", MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM=algorithm, HYDRA_IFACE="eth0", FI_PROVIDER="tcp",
-                   FI_TCP_IFACE="eth0", UCX_NET_DEVICES="eth0", UCX_TLS="tcp")
+                   FI_TCP_IFACE="eth0", UCX_NET_DEVICES="eth0", UCX_TLS="tcp", MPIR_CVAR_CH4_NETMOD=netmod)
         p = cl.start(0, [_mpiexec(), "-launcher", "ssh", "-launcher-exec", launcher, "-hosts", hosts,
                          "-n", str(cl.n), sys.executable, os.path.abspath(__file__), "--worker",
-                         json.dumps({"kind": "mpi", "floats": floats, "repeat": repeat, "dir": d,
+                         json.dumps({"kind": kind, "floats": floats, "repeat": repeat, "dir": d,
                                      "check": check})], env)
-        cl.wait([p], _job_timeout(floats, repeat), f"MPI all-reduce on {cl.n} hosts")
-        return _collect(d, "mpi", cl.n)
+        cl.wait([p], _job_timeout(floats, repeat), f"MPI ({netmod}) {kind} on {cl.n} hosts")
+        return (_collect_times if kind == "sendrecv" else _collect)(d, kind, cl.n)
 
 
 def netns_launch(tag, argv):
@@ -436,7 +467,7 @@ def ring_model(wire, cpu):
 
 
 def run(a, log):
-    rows, trains = [], []
+    rows, trains, probes = [], [], []
     mpi_why = None if a.mpi else "--no-mpi"
     if mpi_why is None:
         mpi_why = mpi_available()
@@ -455,21 +486,44 @@ def run(a, log):
                 rep = a.repeat if gbit else 2 * a.repeat + 1  # the baseline: more repeats
                 row["ring_s"] = ring_allreduce(cl, floats, rep, a.check)
                 if mpi_why is None:
-                    row["mpi_s"] = mpi_allreduce(cl, floats, rep, a.check, a.mpi_algorithm)
+                    row["mpi"] = {nm: {"s": mpi_allreduce(cl, floats, rep, a.check, a.mpi_algorithm, nm)}
+                                  for nm in a.mpi_netmod}
                 if gbit is None:
                     base = row
                 else:
-                    wire = wire_seconds(n, nbytes, gbit, delay + hop * 1000, FRAME_EFFICIENCY)
-                    row.update(wire_s=wire, cpu_s=base["ring_s"],
-                               ring_model_s=ring_model(wire, base["ring_s"]),
-                               ring_serial_s=wire + base["ring_s"])
-                    if "mpi_s" in row:
-                        row.update(mpi_cpu_s=base["mpi_s"], mpi_model_s=ring_model(wire, base["mpi_s"]))
+                    _add_models(row, base, n, nbytes, gbit, delay, hop)
                 rows.append(row)
                 log(_fmt_row(row))
+            if mpi_why is None and a.gbit and n % 2 == 0:
+                probes.append(sendrecv_probe(cl, a, n, hop, log))
             for model in [m for m, h in a.train_runs if h == n] if a.train else []:
                 trains += train_sweep(cl, a, model, hop, log)
-    return {"allreduce": rows, "train": trains, "mpi": mpi_why or "ran"}
+    return {"allreduce": rows, "train": trains, "sendrecv": probes, "mpi": mpi_why or "ran"}
+
+
+def _add_models(row, base, n, nbytes, gbit, delay, hop):
+    wire = wire_seconds(n, nbytes, gbit, delay + hop * 1000, FRAME_EFFICIENCY)
+    row.update(wire_s=wire, cpu_s=base["ring_s"], ring_model_s=ring_model(wire, base["ring_s"]),
+               ring_serial_s=wire + base["ring_s"])
+    for nm, m in row.get("mpi", {}).items():
+        m.update(cpu_s=base["mpi"][nm]["s"], model_s=ring_model(wire, base["mpi"][nm]["s"]))
+
+
+def sendrecv_probe(cl, a, n, hop, log):
+    """At the first --gbit rate: every pair of hosts swaps --mb/2 MB with one MPI Sendrecv, per
+    netmod. A full-duplex swap takes the one-way wire time; one whose two directions take turns
+    takes twice that. Each swap's time is kept: the two kinds show as two clusters."""
+    gbit = a.gbit[0]
+    cl.shape(gbit, a.delay_ms[0])
+    floats = a.mb * 125_000
+    one_way = 4 * floats / (gbit * 1e9 / 8 * FRAME_EFFICIENCY) + a.delay_ms[0] / 1e3 + hop
+    probe = {"hosts": n, "gbit": gbit, "mb": a.mb / 2, "one_way_s": one_way, "netmods": {}}
+    for nm in a.mpi_netmod:
+        times = mpi_allreduce(cl, floats, max(8, 2 * a.repeat), False, netmod=nm, kind="sendrecv")
+        probe["netmods"][nm] = {"times_s": times, "median_s": statistics.median(times),
+                                "at_twice_one_way": sum(t > 1.5 * one_way for t in times)}
+    log(_fmt_probe(probe))
+    return probe
 
 
 def train_sweep(cl, a, model, hop, log):
@@ -516,12 +570,18 @@ def _fmt_row(r):
         s += (f" (model {r['ring_model_s'] * 1000:.1f} = max(wire {r['wire_s'] * 1000:.1f}, cpu "
               f"{r['cpu_s'] * 1000:.1f}) {_pct(r['ring_s'], r['ring_model_s'])}; no overlap "
               f"{r['ring_serial_s'] * 1000:.1f} {_pct(r['ring_s'], r['ring_serial_s'])})")
-    if "mpi_s" in r:
-        s += f" | mpi {r['mpi_s'] * 1000:8.1f} ms"
-        if "mpi_model_s" in r:
-            s += (f" (model {r['mpi_model_s'] * 1000:.1f} = max(wire, cpu {r['mpi_cpu_s'] * 1000:.1f}) "
-                  f"{_pct(r['mpi_s'], r['mpi_model_s'])})")
+    for nm, m in r.get("mpi", {}).items():
+        s += f" | mpi/{nm} {m['s'] * 1000:8.1f} ms"
+        if "model_s" in m:
+            s += f" (model {m['model_s'] * 1000:.1f} = max(wire, cpu {m['cpu_s'] * 1000:.1f}) {_pct(m['s'], m['model_s'])})"
     return s
+
+
+def _fmt_probe(p):
+    each = [f"{nm} median {m['median_s'] * 1000:.0f} ms, {m['at_twice_one_way']} of {len(m['times_s'])} "
+            f"over 1.5x one way (slowest {max(m['times_s']) * 1000:.0f} ms)" for nm, m in p["netmods"].items()]
+    return (f"N={p['hosts']} {p['gbit']:g} Gbit/s: MPI Sendrecv swaps of {p['mb']:g} MB per pair "
+            f"(one way on the wire {p['one_way_s'] * 1000:.0f} ms): " + "; ".join(each))
 
 
 def _fmt_train(t):
@@ -545,6 +605,9 @@ def main():
     ap.add_argument("--mpi-algorithm", default="auto",
                     help="MPICH's MPIR_CVAR_ALLREDUCE_INTRA_ALGORITHM: auto, ring, "
                          "reduce_scatter_allgather, recursive_doubling, ... (default auto)")
+    ap.add_argument("--mpi-netmod", nargs="+", default=["ofi", "ucx"], choices=["ofi", "ucx"],
+                    help="MPICH network modules to run MPI on (MPIR_CVAR_CH4_NETMOD): ofi is "
+                         "libfabric's tcp provider, ucx UCX over TCP (default: both)")
     ap.add_argument("--no-train", dest="train", action="store_false", help="skip the training steps")
     ap.add_argument("--train-runs", nargs="+", default=["d6:2"],
                     help="MODEL:HOSTS training runs, MODEL a -e descriptor (default d6:2)")
@@ -604,7 +667,7 @@ def main():
         sys.exit(f"Error: {e}")
     except KeyboardInterrupt:
         sys.exit(130)
-    res.update(mpi_algorithm=a.mpi_algorithm, memcpy_GBps=cp, add_GBps=add, cores=os.cpu_count(), argv=sys.argv[1:])
+    res.update(mpi_algorithm=a.mpi_algorithm, mpi_netmods=a.mpi_netmod, memcpy_GBps=cp, add_GBps=add, cores=os.cpu_count(), argv=sys.argv[1:])
     if a.save:
         with open(a.save, "w") as f:
             json.dump(res, f, indent=1)

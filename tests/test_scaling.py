@@ -55,18 +55,22 @@ def test_ring_all_reduce_across_2_namespaces_is_correct_and_shaped():
     assert _ours() == []
 
 
-def test_mpi_all_reduce_across_2_namespaces_is_correct():
+@pytest.mark.parametrize("netmod", ["ofi", "ucx"])
+def test_mpi_all_reduce_across_2_namespaces_is_correct(netmod):
     """mpiexec's proxies start in the hosts' namespaces (the bench's launcher) and MPI's
-    Allreduce gives the float64 mean (1e-5) with identical bits on both ranks, over the shaped
-    link (at least its wire time)."""
+    Allreduce, on each of MPICH's network modules, gives the float64 mean (1e-5) with identical
+    bits on both ranks, over the shaped link (at least its wire time); the Sendrecv probe swaps
+    the ranks' data intact, in at least the one-way wire time."""
     why = scaling.mpi_available()
     if why:
         pytest.skip(why)
     floats = 1_000_003
     with scaling.Cluster(2) as cl:
         cl.shape(1, 0.0)
-        t = scaling.mpi_allreduce(cl, floats, repeat=1, check=True)
+        t = scaling.mpi_allreduce(cl, floats, repeat=1, check=True, netmod=netmod)
         assert t >= 0.9 * scaling.wire_seconds(2, 4 * floats, 1, 0.0)
+        swaps = scaling.mpi_allreduce(cl, floats // 2, 2, False, netmod=netmod, kind="sendrecv")
+        assert len(swaps) == 2 and min(swaps) >= 0.9 * 2 * floats / (1e9 / 8)
     assert _ours() == []
 
 
