@@ -744,10 +744,11 @@ cdef int _gemv_rows = 4
 cdef bint _gemv_ok = (_cpu_bf16_flags & 1) != 0 and llmctl_gemv_bf16_supported() != 0   # AVX512_BF16
 cdef enum:
     GEMV_BLOCK = 64      # output channels per task
-# weight elements per thread (8 MB of bf16): one core streams a d12 layer's weight (0.6-2.4M
-# elements) as fast as two, which pay for waking and joining each other on every call (measured
-# per shape, one row: 1 thread 0.08-0.25 ms, 2 threads 0.16-0.44 ms); the lm head takes both
-cdef Py_ssize_t _gemv_grain = 4194304
+# weight elements per thread (128 KB of bf16): below that one core is faster than two. With idle
+# threads that sleep at once (OMP_WAIT_POLICY=passive) waking the second costs more than a d12
+# layer's whole GEMV (1 thread 0.08-0.25 ms, 2 threads 0.16-0.44 ms per call); with llmctl's default
+# spin before sleeping (llmctl/__init__.py) two threads took d12 bf16 decoding from 56 to 86 tokens/s
+cdef Py_ssize_t _gemv_grain = 65536
 
 
 # The "dnnl" bf16 engine runs every forward on oneDNN's matmul primitive, but the backward's

@@ -106,6 +106,21 @@ def roof_info():
                       for e in cached_roofs(path=path)]}
 
 
+def openmp_wait():
+    """How idle OpenMP threads wait (llmctl/__init__.py sets a default when the user did not):
+    {"policy": "spin" | "passive" | "user", "env": the variables in effect}."""
+    import llmctl
+
+    env = {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}
+    return {"policy": llmctl.OPENMP_WAIT or "user", "env": env}
+
+
+def _wait_text(w):
+    said = " ".join(f"{k}={v}" for k, v in w["env"].items()) or "libgomp's default"
+    whose = "your setting" if w["policy"] == "user" else "llmctl's default"
+    return f"{said}, {whose}"
+
+
 def runtime_info():
     from llmctl._ext import buildinfo
 
@@ -113,6 +128,7 @@ def runtime_info():
         "version": __version__,
         "openmp": buildinfo.openmp_enabled(),
         "threads": default_threads(),
+        "openmp_wait": openmp_wait(),
         "blas": None,
         **gemm_info(),
         "kernels": simd_info(),
@@ -162,7 +178,8 @@ def _roof_line(info):
 def format_info(info):
     k = info["kernels"]
     return (f"llmctl {info['version']}\n"
-            f"OpenMP: {'yes' if info['openmp'] else 'NO (serial build)'}, threads: {info['threads']}\n"
+            f"OpenMP: {'yes' if info['openmp'] else 'NO (serial build)'}, threads: {info['threads']}, "
+            f"idle threads: {_wait_text(info['openmp_wait'])}\n"
             f"{_engine_line(info)}\n"
             f"{_precision_line(info)}\n"
             f"kernels: attention {k['attention']}, layers {k['layers']}, AdamW {k['adamw']}, "

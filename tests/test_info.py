@@ -49,7 +49,7 @@ def test_info_and_version_print_the_same_eight_lines():
     assert len(lines) == 8, text
     assert lines[0] == f"llmctl {_project_version()}"
     want = "yes" if buildinfo.openmp_enabled() else "NO (serial build)"
-    assert lines[1] == f"OpenMP: {want}, threads: 2"
+    assert lines[1].startswith(f"OpenMP: {want}, threads: 2, idle threads: "), lines[1]
     v = matmul.dnnl_version()
     if matmul.default_engine() == "dnnl":
         assert lines[2] == f"GEMM engine: oneDNN {'.'.join(map(str, v))} (dnnl_sgemm); fallback: scipy BLAS"
@@ -156,3 +156,64 @@ def test_onednn_wheel_library_is_loaded_by_its_installed_path():
     with open("/proc/self/maps") as f:
         mapped = {line.split()[-1] for line in f if line.rstrip().endswith("libdnnl.so.3") or ".so.3." in line}
     assert os.path.realpath(ext.ONEDNN_PRELOADED) in {os.path.realpath(p) for p in mapped}
+
+
+def _libgomp_settings(env):
+    """libgomp's own report (OMP_DISPLAY_ENV) of the wait settings it read when it loaded, in a
+    fresh process that imports a kernel with `env` as its whole OpenMP environment."""
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "LLMCTL_OPENMP_WAIT")}
+    r = subprocess.run([sys.executable, "-c", "import llmctl._ext.layers, llmctl; print(llmctl.OPENMP_WAIT)"],
+                       capture_output=True, text=True, timeout=120,
+                       env=dict(clean, OMP_DISPLAY_ENV="verbose", **env))
+    assert r.returncode == 0, r.stderr
+    got = dict(re.findall(r"^\s*(OMP_WAIT_POLICY|GOMP_SPINCOUNT) = '([^']*)'", r.stderr, re.M))
+    return r.stdout.strip(), got
+
+
+def _onednn_installed():
+    from importlib import metadata
+
+    try:
+        metadata.distribution("onednn-cpu-gomp")
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
+def test_idle_openmp_threads_spin_before_sleeping_on_onednn_and_a_users_setting_wins():
+    import llmctl
+
+    if not buildinfo.openmp_enabled():
+        pytest.skip("a serial build loads no libgomp")
+    kind, got = _libgomp_settings({})
+    if _onednn_installed():
+        assert (kind, got["GOMP_SPINCOUNT"]) == ("spin", llmctl.GOMP_SPINCOUNT_DEFAULT)
+    else:
+        assert (kind, got["OMP_WAIT_POLICY"]) == ("passive", "PASSIVE")
+    kind, got = _libgomp_settings({"OMP_WAIT_POLICY": "active"})
+    assert (kind, got["OMP_WAIT_POLICY"]) == ("None", "ACTIVE")
+    kind, got = _libgomp_settings({"GOMP_SPINCOUNT": "12345"})
+    assert (kind, got["GOMP_SPINCOUNT"]) == ("None", "12345")
+    # a rank started by llmctl keeps its parent's choice and says it is llmctl's
+    kind, got = _libgomp_settings({"GOMP_SPINCOUNT": "1000000", "LLMCTL_OPENMP_WAIT": "spin"})
+    assert (kind, got["GOMP_SPINCOUNT"]) == ("spin", "1000000")
+
+
+def test_ranks_that_share_cores_wait_passively_unless_the_user_said(monkeypatch):
+    import llmctl
+    from llmctl.info import usable_cores
+    from llmctl.jobs.launcher import _no_spin_when_oversubscribed
+
+    monkeypatch.setattr(llmctl, "OPENMP_WAIT", "spin")
+    cores = usable_cores()
+    fits = {"GOMP_SPINCOUNT": "1000000", "LLMCTL_OPENMP_WAIT": "spin"}
+    _no_spin_when_oversubscribed(fits, cores, 1)
+    assert fits == {"GOMP_SPINCOUNT": "1000000", "LLMCTL_OPENMP_WAIT": "spin"}
+    over = {"GOMP_SPINCOUNT": "1000000", "LLMCTL_OPENMP_WAIT": "spin"}
+    _no_spin_when_oversubscribed(over, cores, 2)
+    assert over == {"OMP_WAIT_POLICY": "PASSIVE", "LLMCTL_OPENMP_WAIT": "passive"}
+    monkeypatch.setattr(llmctl, "OPENMP_WAIT", None)   # the user's GOMP_SPINCOUNT stays
+    mine = {"GOMP_SPINCOUNT": "5"}
+    _no_spin_when_oversubscribed(mine, cores, 2)
+    assert mine == {"GOMP_SPINCOUNT": "5"}

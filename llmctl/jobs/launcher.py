@@ -190,7 +190,20 @@ def _job_env(extra_env, *, nproc, addr, port, secret, job, me, timeout, collecti
         "OMP_NUM_THREADS": str(threads), "OPENBLAS_NUM_THREADS": str(threads),
         "MKL_NUM_THREADS": str(threads),
     })
+    _no_spin_when_oversubscribed(env, nproc, threads)
     return env
+
+
+def _no_spin_when_oversubscribed(env, nproc, threads):
+    """Ranks that share cores must not busy-wait for each other's cores: llmctl's spinning
+    default (llmctl/__init__.py) becomes libgomp's passive wait; a user's own setting stays."""
+    import llmctl
+    from llmctl.info import usable_cores
+
+    if llmctl.OPENMP_WAIT == "spin" and nproc * threads > usable_cores():
+        env.pop("GOMP_SPINCOUNT", None)
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+        env[llmctl.OPENMP_WAIT_MARK] = "passive"
 
 
 def _spawn(procs, nproc, env, me):
