@@ -283,8 +283,9 @@ class Trainer:
             return
         if not self.comm.supports_zero:
             raise ConfigError(f"-z 1 is not available over this backend ({type(self.comm).__name__}"
-                              "); it runs over shm (--nproc), ring and MPI",
-                              hint="use -z 0, or one host's --nproc, a flat ring or mpiexec")
+                              "): it has no reduce-scatter / all-gather; shm (--nproc), --nnodes, "
+                              "the ring and MPI have them",
+                              hint="use -z 0, or one of those transports")
         shard_layout(mc, self.P)
 
     def _detectors(self):

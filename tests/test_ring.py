@@ -439,8 +439,12 @@ def _start_nodes(procs, nnodes, nproc, port, args, timeout=5):
 
 
 def test_hier_2_hosts_x_2_procs_collectives(procs, tmp_path):
+    """The all-reduce, scalars and broadcasts of 2 hosts x 2 ranks; and ZeRO-1's reduce-scatter +
+    all-gather (interleaved shards), which with 2 hosts gives every rank the all-reduce's bits
+    (node means, then one pairwise ring addition, whichever member owns the element)."""
     sizes = [0, 1, 3, 4, 7, 300_001]
-    ps = _start_nodes(procs, 2, 2, _free_port(), {"dir": str(tmp_path), "sizes": sizes, "iters": 2})
+    ps = _start_nodes(procs, 2, 2, _free_port(), {"dir": str(tmp_path), "sizes": sizes, "iters": 2,
+                                                  "zero": True})
     for p in ps:
         out, err = p.communicate(timeout=60)
         assert p.returncode == 0, err
@@ -448,6 +452,27 @@ def test_hier_2_hosts_x_2_procs_collectives(procs, tmp_path):
     _check_results(tmp_path, 4, sizes, iters=2, nsum=2)
     assert [(tmp_path / f"result_{r}.txt").read_text().split() for r in range(4)] == \
         [["0", "4", "0", "2"], ["1", "4", "1", "2"], ["2", "4", "0", "2"], ["3", "4", "1", "2"]]
+    for it in range(2):
+        for n in sizes:
+            want = np.load(tmp_path / f"0_{it}_{n}.npy")
+            for r in range(4):
+                assert np.load(tmp_path / f"z{r}_{it}_{n}.npy").tobytes() == want.tobytes(), (r, it, n)
+
+
+def test_hier_3_hosts_zero1_collectives(procs, tmp_path):
+    """3 hosts x 2 ranks: the ring's reduce-scatter adds its 3 node means in an order that
+    depends on which member owns the shard, so ZeRO-1's result is the mean within the float32
+    bound of the all-reduce's, the same bits on every rank."""
+    sizes = [7, 100_003]
+    ps = _start_nodes(procs, 3, 2, _free_port(), {"dir": str(tmp_path), "sizes": sizes, "zero": True})
+    for p in ps:
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+    for n in sizes:
+        got = [np.load(tmp_path / f"z{r}_0_{n}.npy") for r in range(6)]
+        assert all(g.tobytes() == got[0].tobytes() for g in got), n
+        ref, bound = _mean_bound(np.stack([rank_data(r, 0, n) for r in range(6)]), nsum=2)
+        assert np.all(np.abs(got[0].astype(np.float64) - ref) <= bound), n
 
 
 def test_host_killed_mid_step_ends_the_job_everywhere(procs, tmp_path):

@@ -1,5 +1,6 @@
 """`llmctl train -z 1` (ZeRO-1) and `-r` (recompute): llm.c's shard layout, the same training as
--z 0 over shm, ring and MPI, per-rank state files that resume bit for bit, and the errors.
+-z 0 over shm, ring, MPI and --nnodes x --nproc, per-rank state files that resume bit for bit,
+and the errors.
 
 With 2 ranks every backend's gradient mean is (g0 + g1) / 2 (one fp32 addition, commutative bit
 for bit, and an exact halving), whether all-reduced (-z 0) or reduce-scattered (-z 1). The one
@@ -71,13 +72,13 @@ def _norms(out):
         return [json.loads(ln)["grad_norm"] for ln in f if "train_loss" in ln]
 
 
-def _check_shards(d, z0, z1, step=4):
+def _check_shards(d, z0, z1, step=4, P=2):
     """Each -z 1 rank's state file holds its pieces of -z 0's m and v, back to back."""
     N = sum(n for _, n, _ in param_offsets(CFG).values())
     full = read_state_file(str(d / z0 / f"state_{step:08d}_00000.bin"), N)
-    for r, pieces in enumerate(shard_layout(CFG, 2)):
-        st = read_state_file(str(d / z1 / f"state_{step:08d}_{r:05d}.bin"), N // 2)
-        assert (st.num_processes, st.process_rank) == (2, r)
+    for r, pieces in enumerate(shard_layout(CFG, P)):
+        st = read_state_file(str(d / z1 / f"state_{step:08d}_{r:05d}.bin"), N // P)
+        assert (st.num_processes, st.process_rank) == (P, r)
         m = np.concatenate([full.m[lo:hi] for lo, hi, _, _ in pieces])
         v = np.concatenate([full.v[lo:hi] for lo, hi, _, _ in pieces])
         np.testing.assert_array_equal(st.m, m)
@@ -125,19 +126,20 @@ def test_shard_layout_refuses_a_world_size_that_does_not_divide():
 # training over the three transports
 
 
-def test_zero1_over_the_hierarchical_transport_is_refused_naming_it():
-    # --nnodes x --nproc runs over HierComm, which has no reduce-scatter / all-gather: -z 1 is one
-    # ConfigError before any model is built, naming the transport and the ones that work
+def test_zero1_over_a_backend_without_the_collectives_is_refused_naming_it():
+    # every built-in transport has them; a Comm plugged in without them is one ConfigError
+    # before any model is built, naming its class
     from types import SimpleNamespace
 
+    from llmctl.distributed.base import Comm
     from llmctl.distributed.hier import HierComm
     from llmctl.train import Trainer
 
-    assert HierComm.supports_zero is False
-    fake = SimpleNamespace(cfg=SimpleNamespace(zero_stage=1), P=4, comm=HierComm.__new__(HierComm))
+    assert HierComm.supports_zero and not Comm.supports_zero
+    fake = SimpleNamespace(cfg=SimpleNamespace(zero_stage=1), P=4, comm=Comm())
     with pytest.raises(ConfigError) as e:
         Trainer._check_zero(fake, GPT2Config.from_descriptor("d6"))
-    assert "HierComm" in e.value.message and "-z 1" in e.value.message and "mpiexec" in e.value.hint
+    assert "Comm" in e.value.message and "-z 1" in e.value.message and "-z 0" in e.value.hint
 
 
 def test_shm_zero1_equals_zero0_and_saves_llmc_shards(run_dir):
@@ -258,6 +260,53 @@ def test_mpi_zero1_equals_shm_zero0(run_dir):
     assert train_losses(d / "mpi") == train_losses(d / "z0")
     np.testing.assert_array_equal(_params(d / "mpi/model_00000004.bin"), _params(d / "z0/model_00000004.bin"))
     _check_shards(d, "z0", "mpi")
+
+
+def _hier(d, out, *extra):
+    """`llmctl train --nnodes 2 --nproc 2` (4 ranks, 2 loopback "hosts" 127.0.0.2 and .3: shm
+    inside each, a TCP ring of 2 per local rank across them), parameters compared across all
+    ranks after every step; both node launchers must exit 0."""
+    port = _port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", LLMCTL_SECRET="test-secret-0123456789abcdef",
+               LLMCTL_DIST_CHECK_PARAMS="1")
+    ps = [subprocess.Popen([sys.executable, "-m", "llmctl.cli", *_args(
+        d, out, "--nnodes", "2", "--node-rank", str(i), "--nproc", "2", "--master-addr", "127.0.0.2",
+        "--master-port", str(port), "--bind-addr", f"127.0.0.{2 + i}", "--dist-timeout", "10",
+        "--rdzv-timeout", "30", *extra)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env) for i in range(2)]
+    try:
+        for p in ps:
+            _, err = p.communicate(timeout=180)
+            assert p.returncode == 0, err
+    finally:
+        for p in ps:
+            if p.poll() is None:
+                p.kill()
+
+
+def test_hier_zero1_equals_zero0_and_resumes_bit_exactly(run_dir):
+    """--nnodes 2 --nproc 2 -z 1 vs -z 0 over the same hierarchical transport: every element's
+    mean is the mean of two node means either way (shm's fixed-order pair, then one ring
+    addition), so losses and weights agree to the bit (clip inactive) and each of the 4 state
+    files is its rank's llm.c shard of -z 0's m and v. -y 1 from the step-2 checkpoint
+    continues bit for bit: the model and all four state files of step 4."""
+    import shutil
+
+    d = run_dir
+    _hier(d, "h0", "-n", "2")
+    _hier(d, "h1", "-z", "1", "-n", "2")
+    assert train_losses(d / "h1") == train_losses(d / "h0")
+    np.testing.assert_array_equal(_params(d / "h1/model_00000004.bin"), _params(d / "h0/model_00000004.bin"))
+    assert np.abs(_params(d / "h1/model_00000004.bin") - _params(d / "init.bin")).max() > 1e-3
+    np.testing.assert_allclose(_norms(d / "h1"), _norms(d / "h0"), rtol=1e-12)
+    _check_shards(d, "h0", "h1", P=4)
+    shutil.copytree(d / "h1", d / "hpart")
+    for name in os.listdir(d / "hpart"):
+        if "00000004" in name:
+            os.remove(d / "hpart" / name)
+    _hier(d, "hpart", "-z", "1", "-n", "2", "-y", "1")
+    for name in ["model_00000004.bin"] + [f"state_00000004_{r:05d}.bin" for r in range(4)]:
+        assert (d / "hpart" / name).read_bytes() == (d / "h1" / name).read_bytes(), name
 
 
 def test_ring_reduce_scatter_with_a_lost_member_is_a_clear_error():
