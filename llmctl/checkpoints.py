@@ -95,6 +95,16 @@ def prepare_output_dir(path, rank=0):
                           hint="choose a writable -o") from None
 
 
+def _pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process (EPERM), or a pid the kernel refuses: leave it
+        return True
+    return True
+
+
 class Checkpoints:
     """One rank's view of the checkpoints in `output_dir` (None: no -o, nothing is saved).
 
@@ -136,8 +146,24 @@ class Checkpoints:
                               hint="pass -y 1 to resume that run, --overwrite to replace it, or "
                                    "use a new or empty -o")
         prepare_output_dir(self.out, self.rank)
+        self.sweep_dead_temps()
         if overwrite:
             self.delete_earlier_run()
+
+    def sweep_dead_temps(self):
+        """Remove the temp files (llmctl/atomic.py's .NAME.tmp-PID) of this rank's checkpoint
+        files whose writer is dead: a rank killed (SIGKILL, OOM) in the middle of a write leaves
+        one behind; nothing reads it, and its name is this rank's own (rank 0: the model and
+        DONE_, every rank: its state files), so no other live writer can own it. A pid alive
+        on this host is left alone, whoever it is."""
+        own = rf"state_\d{{8}}_{self.rank:05d}(?:\.bin|\.outlier\.json)"
+        if self.is_master:
+            own = rf"(?:{own}|model_\d{{8}}\.bin|DONE_\d{{8}})"
+        for name in os.listdir(self.out):
+            m = re.fullmatch(rf"\.{own}\.tmp-(\d+)", name)
+            if m and not _pid_alive(int(m.group(1))):
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(self.out, name))
 
     def delete_earlier_run(self):
         """--overwrite: every checkpoint file in -o (rank 0: all of them, every rank's state

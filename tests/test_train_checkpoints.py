@@ -206,6 +206,33 @@ def test_atomic_write_oserror_names_the_path(tmp_path):
     assert str(p) in e.value.message
 
 
+def test_claim_sweeps_the_temp_files_of_dead_writers_of_its_own_files(tmp_path):
+    """A rank killed mid-write leaves atomic.py's .NAME.tmp-PID: the next run's claim of -o
+    removes those of its own checkpoint files (rank 0: model, DONE_ and its state files; rank 1:
+    its state files) whose pid is dead, and nothing else."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from llmctl.checkpoints import Checkpoints
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live = os.getpid()
+    names = {f".model_00000004.bin.tmp-{dead.pid}": 0, f".DONE_00000004.tmp-{dead.pid}": 0,
+             f".state_00000004_00000.bin.tmp-{dead.pid}": 0,
+             f".state_00000004_00001.outlier.json.tmp-{dead.pid}": 1,
+             f".state_00000004_00001.bin.tmp-{dead.pid}": 1,
+             f".state_00000004_00002.bin.tmp-{dead.pid}": None,    # another rank's
+             f".state_00000004_00000.bin.tmp-{live}": None,         # a live writer's
+             f".notes.txt.tmp-{dead.pid}": None, "model_00000002.bin": None}
+    for n in names:
+        (tmp_path / n).write_bytes(b"x")
+    for rank in (1, 0):
+        Checkpoints(str(tmp_path), SimpleNamespace(rank=rank, world_size=3)).claim(resume=1)
+        assert sorted(os.listdir(tmp_path)) == sorted(n for n, r in names.items() if r is None or r < rank)
+
+
 def test_y0_refuses_an_output_dir_with_checkpoints(data, tmp_path, capsys):
     """llm.c overwrites silently and leaves the old run's later checkpoints for a later -y 1;
     llmctl refuses -y 0 into a directory holding DONE_* (usage error, nothing touched)."""
