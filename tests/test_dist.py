@@ -24,8 +24,8 @@ from llmctl.distributed.env import parse_int, resolve_env, threads_per_rank
 from llmctl.jobs.launcher import launch
 from llmctl.distributed.shm import PREFIX, SHM_DIR, sweep_segments
 from llmctl.errors import ConfigError, DistError
-from tinyrun import (OVERFIT_TOKENS, assert_overfit_losses_match, bf16_env, overfit_args, tiny_train_args,
-                     write_tiny_run)
+from tinyrun import (OVERFIT_TOKENS, assert_checkpoints_whole, assert_overfit_losses_match, bf16_env,
+                     overfit_args, tiny_train_args, write_tiny_run)
 
 TOY = "llmctl.distributed.selftest:collectives"
 
@@ -625,6 +625,47 @@ def test_killed_rank_stops_the_job_and_the_checkpoint_resumes(tiny_run):
     # same thread count and ranks: a resumed run continues bit for bit
     np.testing.assert_array_equal(_params(d / f"run/model_{S + 2:08d}.bin"),
                                   _params(d / f"ref/model_{S + 2:08d}.bin"))
+
+
+def test_rank_killed_in_zero1_training_ends_the_job_with_whole_checkpoints(tiny_run):
+    """--nproc 2 -z 1, a checkpoint every step: rank 1 is frozen (SIGSTOP) so that rank 0 waits
+    for it in one of -z 1's collectives or the checkpoint's barrier, then SIGKILLed. The launcher
+    exits 1 with one Error line naming rank 1 and SIGKILL, no traceback; every checkpoint file
+    left is whole (a step whose DONE_ is missing may have rank 0's files, never a partial one);
+    -y 1 from the newest DONE_ continues bit for bit like an uninterrupted -z 1 run (the model
+    and both ranks' shards of m and v) and leaves no temp file of the killed rank behind."""
+    d = tiny_run
+    p = subprocess.Popen([sys.executable, "-m", "llmctl.cli",
+                          *_train_args(d, "run", "--nproc", "2", "-z", "1", "-x", "100000", "-n", "1",
+                                       "--dist-timeout", "5")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: (d / "run" / "DONE_00000004").exists(), 60, "the step-4 checkpoint")
+        kids = _children(p.pid)
+        for r, pid in kids.items():  # dist_clean checks these pids are gone afterwards
+            with open(d / f"{r}.pid", "w") as f:
+                json.dump({"pid": pid}, f)
+        os.kill(kids[1], signal.SIGSTOP)
+        time.sleep(0.5)  # rank 0 reaches its next collective in milliseconds and waits there
+        os.kill(kids[1], signal.SIGKILL)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 1, err
+    errors = [ln for ln in err.splitlines() if ln.startswith("Error:")]
+    assert len(errors) == 1 and f"rank 1 (pid {kids[1]}) was killed by SIGKILL" in errors[0], err
+    assert "Traceback" not in err
+    S = assert_checkpoints_whole(d / "run", 2, 30080 // 2, kids[1])
+    assert S >= 4
+    end = ("-x", str(S + 2), "-n", "1")
+    ok = _cli(_train_args(d, "run", "--nproc", "2", "-z", "1", "-y", "1", *end))
+    assert ok.returncode == 0, ok.stderr
+    ref = _cli(_train_args(d, "ref", "--nproc", "2", "-z", "1", *end))
+    assert ref.returncode == 0, ref.stderr
+    for name in [f"model_{S + 2:08d}.bin"] + [f"state_{S + 2:08d}_{r:05d}.bin" for r in range(2)]:
+        assert (d / "run" / name).read_bytes() == (d / "ref" / name).read_bytes(), name
+    assert not [n for n in os.listdir(d / "run") if n.startswith(".")]  # the resume swept them
 
 
 def _interrupt_nproc2(d, *extra, env=None):

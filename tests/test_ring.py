@@ -24,8 +24,8 @@ from llmctl.distributed.ring import RingComm, init_ring, ring_connect
 from llmctl.distributed.selftest import rank_data
 from llmctl.errors import ConfigError, DistError
 from tinyrun import (OVERFIT_TOKENS, assert_bf16_backend_matches_shm_and_one_process,
-                     assert_overfit_losses_match, bf16_env, overfit_args, tiny_train_args,
-                     train_losses, write_tiny_run)
+                     assert_checkpoints_whole, assert_overfit_losses_match, bf16_env, overfit_args,
+                     tiny_train_args, train_losses, write_tiny_run)
 
 SECRET_TEXT = "test-secret-0123456789abcdef"
 SECRET = rdzv.resolve_secret({"LLMCTL_SECRET": SECRET_TEXT})
@@ -564,6 +564,41 @@ def test_2_hosts_x_2_procs_train_equals_gradient_accumulation(procs, tmp_path):
         assert sorted(os.listdir(d / run)) == ["DONE_00000006", "main.log", "metrics.jsonl",
                                                "model_00000006.bin"] + [
             f"state_00000006_{r:05d}.bin" for r in range(4)]
+
+
+def test_ring_member_killed_in_zero1_training_ends_the_job_with_whole_checkpoints(procs, tmp_path):
+    """-z 1 on one flat TCP ring of 2 ranks (started per rank, as torchrun would), a checkpoint
+    every step: rank 1 is frozen (SIGSTOP, so rank 0 waits for it in a collective) then
+    SIGKILLed. With no launcher to see the signal, rank 0 exits 1 with one Error line naming the
+    lost ring member rank 1, no traceback; every checkpoint file left is whole, and -y 1 from the
+    newest DONE_ (here over shm: with 2 ranks the same bits) continues like an uninterrupted run."""
+    d = write_tiny_run(tmp_path, 2 * B * T + 6)
+    port = _free_port()
+    ranks = [procs.start([sys.executable, "-m", "llmctl.cli", *tiny_train_args(
+        d, "run", B, T, "-z", "1", "-x", "100000", "-n", "1", "--dist-timeout", "10",
+        "--rdzv-timeout", "30")], env=_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK="0",
+                                           LOCAL_WORLD_SIZE="1", MASTER_ADDR=_host(0),
+                                           MASTER_PORT=str(port), LLMCTL_BIND_ADDR=_host(r)))
+             for r in range(2)]
+    _wait_until(lambda: (d / "run" / "DONE_00000004").exists() or ranks[0].poll() is not None,
+                "the step-4 checkpoint")
+    os.kill(ranks[1].pid, signal.SIGSTOP)
+    time.sleep(0.5)
+    os.kill(ranks[1].pid, signal.SIGKILL)
+    out, err = ranks[0].communicate(timeout=120)
+    assert ranks[0].returncode == 1, err
+    errors = [ln for ln in err.splitlines() if ln.startswith("Error:")]
+    assert len(errors) == 1 and re.search(r"rank 0: .*ring member rank 1 \(\S+ 127\.0\.0\.3:\d+\)",
+                                          errors[0]), err
+    assert "Traceback" not in err
+    S = assert_checkpoints_whole(d / "run", 2, 30080 // 2, ranks[1].pid)
+    assert S >= 4
+    end = ("-x", str(S + 2), "-n", "1", "--nproc", "2", "-z", "1")
+    for out_dir, extra in (("run", ("-y", "1")), ("ref", ())):
+        r = _cli(tiny_train_args(d, out_dir, B, T, *end, *extra))
+        assert r.returncode == 0, r.stderr
+    for name in [f"model_{S + 2:08d}.bin"] + [f"state_{S + 2:08d}_{r:05d}.bin" for r in range(2)]:
+        assert (d / "run" / name).read_bytes() == (d / "ref" / name).read_bytes(), name
 
 
 def test_overfit_ring_of_2_trains_on_the_tokens_of_1_process(procs, tmp_path):

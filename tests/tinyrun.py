@@ -112,3 +112,31 @@ def assert_bf16_backend_matches_shm_and_one_process(d, name):
     np.testing.assert_allclose(train_losses(d / name), train_losses(d / "one"), rtol=1e-6)
     np.testing.assert_allclose(params(name), params("one"), rtol=0, atol=1e-6)
     assert np.abs(params("one") - np.fromfile(d / "init.bin", dtype=np.float32)[256:]).max() > 1e-3
+
+
+def assert_checkpoints_whole(out, P, shard, killed_pid):
+    """After a rank was killed mid-run: every model_/state_ file in `out` is complete (its size
+    and header check out: the model's tensors, P state files of `shard` floats of m and v each,
+    rank r's naming rank r), DONE_ marks only checkpoints with all of them, and the only hidden
+    file left is a temp file of the killed process (it had no chance to remove it; nothing reads
+    it, and the next run's claim of -o removes it). -> the newest DONE step."""
+    import os
+    import re
+
+    from llmctl.checkpoints import find_max_step
+    from llmctl.formats import read_checkpoint, read_state_file
+
+    names = set(os.listdir(out))
+    for name in names:
+        if name.startswith("model_"):
+            read_checkpoint(str(out / name))
+        elif name.startswith("state_"):
+            st = read_state_file(str(out / name), shard)
+            assert (st.num_processes, st.process_rank) == (P, int(name[15:20])), name
+        elif name.startswith("."):
+            assert re.fullmatch(rf"\.(model|state)_\d{{8}}(_\d{{5}})?\.bin\.tmp-{killed_pid}", name), name
+    S = find_max_step(str(out))
+    for step in (int(n[5:]) for n in names if n.startswith("DONE_")):
+        want = {f"model_{step:08d}.bin"} | {f"state_{step:08d}_{r:05d}.bin" for r in range(P)}
+        assert want <= names, (step, sorted(want - names))
+    return S
