@@ -179,6 +179,7 @@ class GPT2:
         self.plan = None           # ActPlan of the activation buffers (None until the first forward)
         self._acts = None          # dict of activation buffers, as self.plan says
         self._scratch = None       # one layer of activation gradients (allocated at first backward)
+        self._step_bufs = None     # one layer's intermediates of a cached forward (block_forward)
         self._B = self._T = 0
         self._kept = False         # did the last forward keep every layer's activations?
         self._ids = None
@@ -311,14 +312,21 @@ class GPT2:
             fch=a["fch"][r, :4 * n], gelu=a["gelu"][rg, :4 * n])
 
     def _fresh_layer_acts(self, x):
-        """One layer's buffers for the rows of x (N, C), newly allocated (a cached forward)."""
+        """One layer's buffers for the rows of x (N, C) in a cached forward. The intermediates live
+        in buffers kept across calls (grown to the most rows seen; each kernel overwrites its
+        part whole): newly allocated ones cost page faults on every layer of every call, which
+        measured a third of a HellaSwag batch. `out`, which the caller keeps, is new each call."""
         N, C = x.shape
-        e, em = (lambda k: np.empty(k, np.float32)), (lambda k: np.empty(k, self.ops.act_dtype))
-        n = N * C
-        return SimpleNamespace(
-            x=x.reshape(-1), x2=e(n), out=e(n), ln1=em(n), ln1_mean=e(N), ln1_rstd=e(N), qkv=e(3 * n),
-            atty=e(n), lse=None, atty16=em(n) if self.precision == "bf16" else None,
-            ln2=em(n), ln2_mean=e(N), ln2_rstd=e(N), fch=e(4 * n), gelu=em(4 * n))
+        n, m = N * C, self._step_bufs
+        if m is None or m["ln1_mean"].size < N:
+            e, em = (lambda k: np.empty(k, np.float32)), (lambda k: np.empty(k, self.ops.act_dtype))
+            self._step_bufs = m = {
+                "x2": e(n), "ln1": em(n), "ln1_mean": e(N), "ln1_rstd": e(N), "qkv": e(3 * n),
+                "atty": e(n), "atty16": em(n) if self.precision == "bf16" else None,
+                "ln2": em(n), "ln2_mean": e(N), "ln2_rstd": e(N), "fch": e(4 * n), "gelu": em(4 * n)}
+        cut = {"ln1_mean": N, "ln1_rstd": N, "ln2_mean": N, "ln2_rstd": N, "qkv": 3 * n, "fch": 4 * n, "gelu": 4 * n}
+        views = {k: (None if b is None else b[:cut.get(k, n)]) for k, b in m.items()}
+        return SimpleNamespace(x=x.reshape(-1), out=np.empty(n, np.float32), lse=None, **views)
 
     def _lmhead_block(self, r0, nr, tg, losses):
         """logits rows r0..r0+nr in the logits buffer, then their softmax (probs) and losses."""
@@ -347,6 +355,7 @@ class GPT2:
     def activation_bytes(self):
         """Bytes currently held by activation and activation-gradient buffers."""
         n = sum(a.nbytes for a in (self._acts or {}).values())
+        n += sum(a.nbytes for a in (self._step_bufs or {}).values() if a is not None)
         return n + sum(a.nbytes for a in (self._scratch or {}).values())
 
     # -- validation -----------------------------------------------------------------------------
