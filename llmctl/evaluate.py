@@ -128,11 +128,15 @@ def _score_batch(model, batch):
         x_comp = model.embed(comp_tok, pos4)
     k = np.empty((E, NH, Tcap, C // NH), dtype=np.float32)
     v = np.empty_like(k)
+    k4 = np.empty((E * NUM_COMPLETIONS,) + k.shape[1:], dtype=np.float32) if Tc > 0 else None
+    v4 = np.empty_like(k4) if Tc > 0 else None
     for l in range(cfg.num_layers):
         x_ctx = model.block_forward(l, x_ctx, k, v, zero_pos)
         if Tc > 0:
-            k4 = np.repeat(k, NUM_COMPLETIONS, axis=0)  # each completion row gets its context's K/V
-            v4 = np.repeat(v, NUM_COMPLETIONS, axis=0)
+            # each completion row gets its context's K/V (positions past the context are the
+            # completion's own, written by its block_forward)
+            for kv4, kv in ((k4, k), (v4, v)):
+                kv4.reshape((E, NUM_COMPLETIONS) + k.shape[1:])[:, :, :, :Tx] = kv[:, None, :, :Tx]
             x_comp = model.block_forward(l, x_comp, k4, v4, pos4)
 
     # rows of hidden states that predict a completion token, and those tokens
