@@ -587,23 +587,33 @@ def test_overfit_nproc2_trains_on_the_tokens_of_nproc1(dist_clean):
     assert_overfit_losses_match(d / "p1", d / "p2")
 
 
+def _popen_train(d, *args):
+    """`llmctl train --nproc 2` into d/run in the background, pipes for its output."""
+    return subprocess.Popen([sys.executable, "-m", "llmctl.cli",
+                             *_train_args(d, "run", "--nproc", "2", "--dist-timeout", "5", *args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _ranks_after(p, done):
+    """Once `done` exists: {rank: pid} of p's two ranks, each written to d/<rank>.pid so that
+    dist_clean checks they are gone afterwards."""
+    _wait_for(done.exists, 60, f"the checkpoint {done.name}")
+    kids = _children(p.pid)
+    assert set(kids) == {0, 1}
+    for r, pid in kids.items():
+        with open(done.parent.parent / f"{r}.pid", "w") as f:
+            json.dump({"pid": pid}, f)
+    return kids
+
+
 def test_killed_rank_stops_the_job_and_the_checkpoint_resumes(tiny_run):
     """SIGKILL rank 1 mid-run: the launcher exits 1 naming rank 1 and SIGKILL within the timeout,
     no rank survives, no segment leaks; the newest DONE checkpoint resumes with the same N and
     continues exactly like an uninterrupted run (and refuses a different N)."""
     d = tiny_run
-    p = subprocess.Popen([sys.executable, "-m", "llmctl.cli",
-                          *_train_args(d, "run", "--nproc", "2", "-x", "100000", "-n", "3",
-                                       "--dist-timeout", "5")],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = _popen_train(d, "-x", "100000", "-n", "3")
     try:
-        _wait_for(lambda: (d / "run" / "DONE_00000006").exists(), 60, "the step-6 checkpoint")
-        kids = _children(p.pid)
-        assert set(kids) == {0, 1}
-        with open(d / "0.pid", "w") as f:  # let dist_clean check these pids are gone afterwards
-            json.dump({"pid": kids[0]}, f)
-        with open(d / "1.pid", "w") as f:
-            json.dump({"pid": kids[1]}, f)
+        kids = _ranks_after(p, d / "run" / "DONE_00000006")
         os.kill(kids[1], signal.SIGKILL)
         out, err = p.communicate(timeout=120)  # a generous ceiling: the job would otherwise hang
     finally:
@@ -635,16 +645,9 @@ def test_rank_killed_in_zero1_training_ends_the_job_with_whole_checkpoints(tiny_
     -y 1 from the newest DONE_ continues bit for bit like an uninterrupted -z 1 run (the model
     and both ranks' shards of m and v) and leaves no temp file of the killed rank behind."""
     d = tiny_run
-    p = subprocess.Popen([sys.executable, "-m", "llmctl.cli",
-                          *_train_args(d, "run", "--nproc", "2", "-z", "1", "-x", "100000", "-n", "1",
-                                       "--dist-timeout", "5")],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = _popen_train(d, "-z", "1", "-x", "100000", "-n", "1")
     try:
-        _wait_for(lambda: (d / "run" / "DONE_00000004").exists(), 60, "the step-4 checkpoint")
-        kids = _children(p.pid)
-        for r, pid in kids.items():  # dist_clean checks these pids are gone afterwards
-            with open(d / f"{r}.pid", "w") as f:
-                json.dump({"pid": pid}, f)
+        kids = _ranks_after(p, d / "run" / "DONE_00000004")
         os.kill(kids[1], signal.SIGSTOP)
         time.sleep(0.5)  # rank 0 reaches its next collective in milliseconds and waits there
         os.kill(kids[1], signal.SIGKILL)

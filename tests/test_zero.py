@@ -231,14 +231,7 @@ def test_ring_zero1_equals_shm_zero0(run_dir, precision):
                  RANK=str(r), WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LLMCTL_BIND_ADDR="127.0.0.1",
                  LLMCTL_DIST_CHECK_PARAMS="1", **env)) for r in range(2)]
-    try:
-        for p in ps:
-            _, err = p.communicate(timeout=180)
-            assert p.returncode == 0, err
-    finally:
-        for p in ps:
-            if p.poll() is None:
-                p.kill()
+    _all_exit_0(ps)
     r = _cli(_args(d, f"shm-{precision}", "--nproc", "2", "--precision", precision), env=env)
     assert r.returncode == 0, r.stderr
     assert train_losses(d / f"ring-{precision}") == train_losses(d / f"shm-{precision}")
@@ -262,6 +255,18 @@ def test_mpi_zero1_equals_shm_zero0(run_dir):
     _check_shards(d, "z0", "mpi")
 
 
+def _all_exit_0(ps, timeout=180):
+    """Wait for every process (killing the rest if one hangs); each must exit 0."""
+    try:
+        for p in ps:
+            _, err = p.communicate(timeout=timeout)
+            assert p.returncode == 0, err
+    finally:
+        for p in ps:
+            if p.poll() is None:
+                p.kill()
+
+
 def _hier(d, out, *extra):
     """`llmctl train --nnodes 2 --nproc 2` (4 ranks, 2 loopback "hosts" 127.0.0.2 and .3: shm
     inside each, a TCP ring of 2 per local rank across them), parameters compared across all
@@ -274,14 +279,7 @@ def _hier(d, out, *extra):
         "--master-port", str(port), "--bind-addr", f"127.0.0.{2 + i}", "--dist-timeout", "10",
         "--rdzv-timeout", "30", *extra)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=env) for i in range(2)]
-    try:
-        for p in ps:
-            _, err = p.communicate(timeout=180)
-            assert p.returncode == 0, err
-    finally:
-        for p in ps:
-            if p.poll() is None:
-                p.kill()
+    _all_exit_0(ps)
 
 
 def test_hier_zero1_equals_zero0_and_resumes_bit_exactly(run_dir):
