@@ -3,8 +3,12 @@ import os as _os
 
 
 def _onednn_installed():
-    """True when the onednn-cpu-gomp wheel (matmul's default engine, on libgomp) is installed."""
+    """True when the onednn-cpu-gomp wheel (matmul's default engine, on libgomp) is installed and
+    not switched off (LLMCTL_NO_DNNL, as matmul reads it)."""
     from importlib import metadata
+
+    if _os.environ.get("LLMCTL_NO_DNNL", "").strip().lower() not in ("", "0", "false", "no"):
+        return False
 
     try:
         metadata.distribution("onednn-cpu-gomp")

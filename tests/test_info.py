@@ -191,6 +191,10 @@ def test_idle_openmp_threads_spin_before_sleeping_on_onednn_and_a_users_setting_
         assert (kind, got["GOMP_SPINCOUNT"]) == ("spin", llmctl.GOMP_SPINCOUNT_DEFAULT)
     else:
         assert (kind, got["OMP_WAIT_POLICY"]) == ("passive", "PASSIVE")
+    # the scipy BLAS engine (oneDNN switched off) takes turns with OpenBLAS's pool: no spinning
+    kind, got = _libgomp_settings({"LLMCTL_NO_DNNL": "1"})
+    assert (kind, got["OMP_WAIT_POLICY"]) == ("passive", "PASSIVE")
+    assert got.get("GOMP_SPINCOUNT") != llmctl.GOMP_SPINCOUNT_DEFAULT
     kind, got = _libgomp_settings({"OMP_WAIT_POLICY": "active"})
     assert (kind, got["OMP_WAIT_POLICY"]) == ("None", "ACTIVE")
     kind, got = _libgomp_settings({"GOMP_SPINCOUNT": "12345"})
