@@ -22,6 +22,7 @@ What it is not: attention (attention.pyx) or matmul (matmul.pyx).
 from cython.parallel cimport prange
 from libc.math cimport sqrt
 from libc.stdint cimport uint16_t
+from libc.string cimport memset
 
 from bf16 cimport out_t
 from kernels cimport check_threads, check_len, check_positive, check_disjoint, eff_threads, imin
@@ -428,6 +429,20 @@ def residual_forward(float[::1] out, const float[::1] inp1, const float[::1] inp
     n_threads = eff_threads(n_threads, N, _grain)
     with nogil:
         _residual_forward(&out[0], &inp1[0], &inp2[0], N, n_threads)
+
+
+def zero_fill(float[::1] buf, int n_threads=1):
+    """buf = 0, the chunks split over the threads: one thread writes ~9 GB/s to memory, two ~17
+    (the backward clears 15 activation-sized buffers a layer before accumulating into them)."""
+    check_threads(n_threads)
+    cdef Py_ssize_t N = buf.shape[0], ch, s
+    if N == 0:
+        return
+    n_threads = eff_threads(n_threads, N, _grain)
+    with nogil:
+        for ch in prange(_nchunks(N, ECHUNK), schedule='static', num_threads=n_threads):
+            s = ch * ECHUNK
+            memset(&buf[s], 0, imin(ECHUNK, N - s) * sizeof(float))
 
 
 def residual_backward(float[::1] dinp1, float[::1] dinp2, const float[::1] dout, long N, int n_threads=1):

@@ -435,6 +435,22 @@ def test_gelu_backward_finite_differences():
     np.testing.assert_allclose(d, fd, atol=2e-4)
 
 
+@pytest.mark.parametrize("n_threads", [1, 2, 3])
+@pytest.mark.parametrize("n", [0, 1, 16385, 300_001])
+def test_zero_fill_clears_exactly_its_view(n, n_threads):
+    old = layers.set_parallel_grain(0)   # split even the small sizes over the threads
+    try:
+        buf = np.full(n + 10, -1.5, np.float32)
+        buf[3:3 + n] = np.random.default_rng(n).standard_normal(n)
+        buf[3] = -0.0 if n else buf[3]
+        layers.zero_fill(buf[3:3 + n], n_threads)
+    finally:
+        layers.set_parallel_grain(old)
+    want = np.full(n + 10, -1.5, np.float32)
+    want[3:3 + n] = 0.0
+    assert buf.tobytes() == want.tobytes()   # +0.0 bits, as ndarray.fill(0.0); nothing outside
+
+
 @pytest.mark.parametrize("n_threads", THREADS)
 def test_residual_forward_backward(n_threads):
     rng = np.random.default_rng(4)

@@ -572,7 +572,7 @@ class GPT2:
         that writes grads other than through backward() must do it after zero_grad(), not between
         update() and it."""
         if not self.grads_known_zero:
-            self.grads.fill(0.0)
+            self.kernels.layers.zero_fill(self.grads, self.n_threads)
         self.grads_known_zero = False
 
     def backward(self, loss_scale=1.0):
@@ -590,7 +590,7 @@ class GPT2:
         s = self._ensure_scratch()
         dres, dsmall = s["dres"][:n], s["dsmall"][:n]
         self._lmhead_backward(dsmall, loss_scale)
-        dres.fill(0.0)
+        Ly.zero_fill(dres, nt)
         Ly.layernorm_backward(dres, g["lnfw"], g["lnfb"], dsmall, a["resid"][L, :n], p["lnfw"],
                               a["lnf_mean"][:BT], a["lnf_rstd"][:BT], BT, C, nt)
         for l in reversed(range(L)):
@@ -612,7 +612,7 @@ class GPT2:
         d16 = s.get("dlogits16")
         R = BT if d16 is None else d16.size // Vp
         junk = np.empty(R, np.float32)
-        dlnf.fill(0.0)
+        self.kernels.layers.zero_fill(dlnf, nt)
         for r0 in range(0, BT, R):
             nr = min(BT, r0 + R) - r0
             if self.plan.logits_rows < BT:
@@ -642,24 +642,24 @@ class GPT2:
             o.layernorm(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, p["ln1w"][l], p["ln1b"][l], BT, C, nt)
             o.mm_input(a.atty16, a.atty, nt)
         # out = x2 + fcproj(gelu(fc(ln2(x2))))
-        dbig.fill(0.0)
+        Ly.zero_fill(dbig, nt)
         o.matmul_backward(dbig, gW("fcprojw"), gb("fcprojw"), dres, d16, a.gelu, "fcprojw", l, BT, 4 * C, C, nt)
         dfch = a.gelu if a.gelu.dtype == np.float32 else s["dfch"][:4 * n]   # fp32: gelu's buffer is free now
-        dfch.fill(0.0)
+        Ly.zero_fill(dfch, nt)
         Ly.gelu_backward(dfch, a.fch, dbig, 4 * n, nt)
-        dsmall.fill(0.0)
+        Ly.zero_fill(dsmall, nt)
         o.matmul_backward(dsmall, gW("fcw"), gb("fcw"), dfch, d16, a.ln2, "fcw", l, BT, C, 4 * C, nt)
         # d(x2) = d(out) + the LN2 branch, accumulated in place
         Ly.layernorm_backward(dres, g["ln2w"][l], g["ln2b"][l], dsmall, a.x2, p["ln2w"][l],
                               a.ln2_mean, a.ln2_rstd, BT, C, nt)
         # x2 = x + attproj(attention(qkv(ln1(x))))
-        dsmall.fill(0.0)
+        Ly.zero_fill(dsmall, nt)
         atty = a.atty if a.atty16 is None else a.atty16
         o.matmul_backward(dsmall, gW("attprojw"), gb("attprojw"), dres, d16, atty, "attprojw", l, BT, C, C, nt)
         dqkv = dbig[:3 * n]
-        dqkv.fill(0.0)
+        Ly.zero_fill(dqkv, nt)
         o.attention_backward(dqkv, dsmall, a.qkv, a.atty, a.lse, B, T, C, NH, nt)
-        dsmall.fill(0.0)
+        Ly.zero_fill(dsmall, nt)
         o.matmul_backward(dsmall, gW("qkvw"), gb("qkvw"), dqkv, d16, a.ln1, "qkvw", l, BT, C, 3 * C, nt)
         Ly.layernorm_backward(dres, g["ln1w"][l], g["ln1b"][l], dsmall, a.x, p["ln1w"][l],
                               a.ln1_mean, a.ln1_rstd, BT, C, nt)
