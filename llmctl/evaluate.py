@@ -192,6 +192,13 @@ def score_examples(model, examples, norm="tokens", tokenizer=None, batch_tokens=
         if tokenizer is None:
             from llmctl.tokenizer import get_tokenizer
             tokenizer = get_tokenizer()
+    try:
+        return _score_all(model, examples, norm, tokenizer, batch_tokens, on_progress)
+    finally:
+        model.free_cached_buffers()   # a batch's buffers are not kept past the pass (training)
+
+
+def _score_all(model, examples, norm, tokenizer, batch_tokens, on_progress):
     scores = [None] * len(examples)
     done = 0
     for idxs in _batches(examples, batch_tokens):

@@ -300,6 +300,20 @@ def test_eval_loss_rejects_m_0_and_below_minus_1_instead_of_scoring_everything(t
     assert eval_loss(model, str(tmp_path / "z_val_000000.bin"), B=1, T=8, max_batches=1)["num_batches"] == 1
 
 
+def test_hellaswag_scoring_keeps_no_buffers_past_the_pass(tiny, real_bin):
+    """The cached forward's buffers serve every layer and batch of a pass, then are dropped:
+    a HellaSwag eval inside training must not leave a big batch's buffers beside its activations."""
+    _, _, _, ckpt = tiny
+    m = GPT2.from_checkpoint(ckpt, n_threads=1)
+    before = m.activation_bytes()
+    x = m.embed(np.array([[1, 2, 3]]), np.zeros(1, np.int32))
+    k = np.zeros((1, m.config.num_heads, 4, m.config.channels // m.config.num_heads), np.float32)
+    m.block_forward(0, x, k, k.copy(), np.zeros(1, np.int32))
+    assert m.activation_bytes() > before       # kept for the next layer's call
+    score_examples(m, formats.read_evalfile(real_bin), batch_tokens=100000)
+    assert m.activation_bytes() == before
+
+
 def test_eval_loss_allocates_one_layer_of_activations(tiny, tmp_path):
     _, _, _, ckpt = tiny
     toks = np.random.default_rng(3).integers(0, V, size=40)

@@ -311,7 +311,12 @@ class GPT2:
             ln2=a["ln2"][rr, :n], ln2_mean=a["ln2_mean"][r, :BT], ln2_rstd=a["ln2_rstd"][r, :BT],
             fch=a["fch"][r, :4 * n], gelu=a["gelu"][rg, :4 * n])
 
-    def _fresh_layer_acts(self, x):
+    def free_cached_buffers(self):
+        """Drop the buffers the cached forward keeps across calls (block_forward), e.g. after a
+        HellaSwag pass inside training, whose batches are far bigger than a decode step's."""
+        self._step_bufs = None
+
+    def _cached_layer_acts(self, x):
         """One layer's buffers for the rows of x (N, C) in a cached forward. The intermediates live
         in buffers kept across calls (grown to the most rows seen; each kernel overwrites its
         part whole): newly allocated ones cost page faults on every layer of every call, which
@@ -500,7 +505,7 @@ class GPT2:
         position up to themselves. -> the new residual stream (B*Tq, C)."""
         self._sync_bf16()
         B = k.shape[0]
-        a = self._fresh_layer_acts(np.ascontiguousarray(x, dtype=np.float32))
+        a = self._cached_layer_acts(np.ascontiguousarray(x, dtype=np.float32))
         self._block_forward(l, a, B, x.shape[0] // B, (k, v, np.ascontiguousarray(pos, dtype=np.int32)))
         return a.out.reshape(x.shape)
 
