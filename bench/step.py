@@ -23,6 +23,7 @@ What it is not: a kernel microbenchmark (bench/kernels.py) or a convergence test
     python bench/step.py --runs d12:4x64 --no-rss --no-torch --precisions bf16 --compare-bf16-engine dnnl_gemm
 """
 import argparse
+import inspect
 import json
 import os
 import re
@@ -119,7 +120,10 @@ def _batch(cfg, B, T, seed=0):
 
 def _step(m, x, y, t):
     m.zero_grad()
-    loss = m.forward(x, y)
+    # loss_scale as `llmctl train` passes it (the bf16 blocked lm head then makes its gradient in
+    # the forward); versions before that take the forward without it
+    kw = {"loss_scale": 1.0} if "loss_scale" in inspect.signature(m.forward).parameters else {}
+    loss = m.forward(x, y, **kw)
     m.backward()
     norm = m.grad_norm()
     # zero_grads as `llmctl train` does: AdamW clears the gradients, the next zero_grad is free

@@ -31,11 +31,13 @@ m = GPT2.from_descriptor(desc, n_threads=threads, **({"precision": precision} if
 x = np.random.default_rng(0).integers(0, m.config.vocab_size, (B, T + 1))
 # the trainer's AdamW call: versions that can clear the gradients in AdamW's pass are asked to
 kw = {"zero_grads": True} if "zero_grads" in inspect.signature(m.update).parameters else {}
+# ... and the forward is told the backward's loss_scale where it takes it, as the trainer does
+fkw = {"loss_scale": 1.0} if "loss_scale" in inspect.signature(m.forward).parameters else {}
 times = []
 for t in range(1, steps + 2):
     t0 = time.perf_counter()
     m.zero_grad()
-    m.forward(x[:, :T], x[:, 1:])
+    m.forward(x[:, :T], x[:, 1:], **fkw)
     m.backward()
     norm = m.grad_norm()
     m.update(3e-4, 0.9, 0.95, 1e-8, 0.0, 1.0 / norm if norm > 1 else 1.0, t, **kw)

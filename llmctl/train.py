@@ -387,8 +387,9 @@ class Trainer:
             self.train_loader.reset()
         for _ in range(self.grad_accum_steps):  # consecutive batches, as dataloader_next_batch
             x, y = self.train_loader.next_batch()
-            loss_sum += float(model.forward(x, y))
-            model.backward(loss_scale=1.0 / self.grad_accum_steps)
+            scale = 1.0 / self.grad_accum_steps
+            loss_sum += float(model.forward(x, y, loss_scale=scale))
+            model.backward(loss_scale=scale)
         loss = loss_sum / self.grad_accum_steps
         if self.P > 1:
             loss = self.comm.all_reduce_sum_scalar(loss) / self.P

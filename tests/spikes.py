@@ -19,8 +19,8 @@ def poisoned_trainer(cfg, poison, display=None, comm=None):
     t = Trainer(cfg, comm, display=display or Display())
     fwd, bwd = t.model.forward, t.model.backward
 
-    def forward(x, y):
-        loss = fwd(x, y)
+    def forward(x, y, **kw):
+        loss = fwd(x, y, **kw)
         return loss + 5.0 if poison.get(t.comm.step) == "loss" else loss
 
     def backward(**kw):

@@ -527,6 +527,45 @@ def test_bf16_lmhead_in_blocks_matches_the_full_lmhead(bf16_ok, monkeypatch):
     np.testing.assert_allclose(m1.params, full.params, rtol=0, atol=1e-6)
 
 
+def test_bf16_lmhead_gradient_made_in_the_forward_is_the_recomputed_one(bf16_ok, monkeypatch):
+    # forward(loss_scale=s): the blocked lm head makes its gradient while the logits are at hand
+    # instead of backward recomputing them; the same bits, and zero_grad() in between undoes it
+    import llmctl.model.gpt2 as gpt2
+
+    monkeypatch.setattr(gpt2, "LOGITS_KEEP_BYTES", 1024)
+    monkeypatch.setattr(gpt2, "LMHEAD_ROWS", 64)
+    x, y = _data(B=3, T=64, seed=11)
+
+    def run(fwd_scale, zero_between):
+        m = _init("bf16")
+        m.zero_grad()
+        loss = m.forward(x, y, loss_scale=fwd_scale)
+        assert m.plan.logits_rows == 64   # blocks of LMHEAD_ROWS
+        assert np.any(m.g["wte"] != 0) == (fwd_scale is not None)   # the forward wrote d(wte)
+        if zero_between:
+            m.zero_grad()
+            assert not np.any(m.grads)
+        m.backward(loss_scale=0.5)
+        return loss, m.grads.copy()
+
+    l0, g0 = run(None, False)   # backward recomputes the logits
+    assert np.any(g0[:MCFG.vocab_size * MCFG.channels])
+    for fwd_scale, zero_between in ((0.5, False), (0.5, True)):
+        loss, g = run(fwd_scale, zero_between)
+        assert loss == l0
+        np.testing.assert_array_equal(g, g0)
+
+    m = _init("bf16")
+    m.zero_grad()
+    m.forward(x, y, loss_scale=0.5)
+    with raises_error(ValueError, names=["loss_scale=0.25", "loss_scale=0.5"], hint=False):
+        m.backward(loss_scale=0.25)
+    with raises_error(ValueError, names=["loss_scale", "targets"], hint=False):
+        m.forward(x, loss_scale=1.0)
+    with raises_error(ValueError, names=["loss_scale", "keep_activations=True"], hint=False):
+        m.forward(x, y, keep_activations=False, loss_scale=1.0)
+
+
 def test_bf16_cached_forward_matches_the_training_forward(bf16_ok):
     # sampling / HellaSwag run the KV-cached forward: in bf16 it rounds the same matmul inputs
     from llmctl.model.gpt2 import KVCache

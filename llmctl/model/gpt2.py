@@ -185,6 +185,7 @@ class GPT2:
         self._ids = None
         self._targets = None
         self._buf_state = None     # what the logits buffer holds: "logits", "probs" or "dlogits"
+        self._lmhead_grad_scale = None   # loss_scale of an lm-head gradient the forward already made
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -419,11 +420,15 @@ class GPT2:
         o.matmul(a.out, a.gelu, "fcprojw", l, p["fcprojb"][l], BT, 4 * C, C, nt)
         Ly.residual_forward(a.out, a.out, a.x2, n, nte)
 
-    def forward(self, inputs, targets=None, keep_activations=True):
+    def forward(self, inputs, targets=None, keep_activations=True, loss_scale=None):
         """Run the model on inputs (B,T). With targets (B,T): per-token losses into self.losses and
         the mean loss returned (the logits buffer then holds probs); else returns None and
         self.logits() is valid. keep_activations=False (eval, sampling) reuses one layer's buffers
-        for every layer: much less memory when no training forward ever ran, but no backward()."""
+        for every layer: much less memory when no training forward ever ran, but no backward().
+        loss_scale (with targets): the scale of the backward() that follows. Where the lm head runs
+        in row blocks (bf16, large B*T) this forward then also accumulates the lm head's gradient,
+        block by block while its logits are at hand, so backward() need not recompute them; the
+        same bits either way. A zero_grad() in between makes backward() recompute it."""
         ids = self._check_ids(inputs, "inputs")
         B, T = ids.shape
         tg = None
@@ -435,6 +440,10 @@ class GPT2:
         L, C = c.num_layers, c.channels
         BT, n, nt = B * T, B * T * c.channels, self.n_threads
         keep = bool(keep_activations)
+        if loss_scale is not None and (tg is None or not keep):
+            raise ValueError("forward(loss_scale=...) is for a training forward: it needs targets "
+                             "and keep_activations=True")
+        self._lmhead_grad_scale = None
         self._sync_bf16()
         self._ensure_acts(BT, L if keep else 1)
         a, p = self._acts, self.p
@@ -445,19 +454,23 @@ class GPT2:
         h = a["resid"][L if keep else L % 2, :n]
         self.ops.layernorm(a["lnf"][:n], a["lnf_mean"][:BT], a["lnf_rstd"][:BT], h, p["lnfw"], p["lnfb"], BT, C, nt)
         self._B, self._T, self._ids, self._targets, self._kept = B, T, ids, tg, keep
-        return self._lmhead_forward(tg, BT)
+        return self._lmhead_forward(tg, BT, loss_scale)
 
-    def _lmhead_forward(self, tg, BT):
+    def _lmhead_forward(self, tg, BT, loss_scale=None):
         """logits = lnf @ wte^T, and with targets their softmax and per-token losses -> mean loss."""
         c = self.config
         C, V, Vp = c.channels, c.vocab_size, c.padded_vocab_size
         a = self._acts
         if tg is not None and self.plan.logits_rows < BT:   # bf16, large B*T: the lm head in blocks
-            losses = a["losses"][:BT]
+            losses, tgf = a["losses"][:BT], tg.reshape(-1)
+            grad = None if loss_scale is None else self._lmhead_grad_begin(BT, loss_scale)
             for r0 in range(0, BT, LMHEAD_ROWS):
                 nr = min(BT - r0, LMHEAD_ROWS)
-                self._lmhead_block(r0, nr, tg.reshape(-1), losses[r0:r0 + nr])
+                probs = self._lmhead_block(r0, nr, tgf, losses[r0:r0 + nr])
+                if grad is not None:
+                    self._lmhead_block_backward(r0, nr, probs, tgf, *grad)
             self._buf_state = "probs"
+            self._lmhead_grad_scale = loss_scale
             return float(losses.astype(np.float64).mean())
         if self.plan.logits_rows < BT:   # the logits of every row are asked for: hold them all
             a["logits"] = np.zeros(self.plan.rows * Vp, np.float32)
@@ -579,6 +592,7 @@ class GPT2:
         if not self.grads_known_zero:
             self.kernels.layers.zero_fill(self.grads, self.n_threads)
         self.grads_known_zero = False
+        self._lmhead_grad_scale = None   # a forward's lm-head gradient is gone: backward remakes it
 
     def backward(self, loss_scale=1.0):
         """Accumulate d(loss_scale * mean loss)/d(params) into self.grads (dloss per token =
@@ -593,41 +607,62 @@ class GPT2:
         BT, nt, n = B * T, self.n_threads, B * T * C
         a, p, g, Ly = self._acts, self.p, self.g, self.kernels.layers
         s = self._ensure_scratch()
-        dres, dsmall = s["dres"][:n], s["dsmall"][:n]
-        self._lmhead_backward(dsmall, loss_scale)
+        dres, dlnf = s["dres"][:n], self._lmhead_backward(loss_scale)
         Ly.zero_fill(dres, nt)
-        Ly.layernorm_backward(dres, g["lnfw"], g["lnfb"], dsmall, a["resid"][L, :n], p["lnfw"],
+        Ly.layernorm_backward(dres, g["lnfw"], g["lnfb"], dlnf, a["resid"][L, :n], p["lnfw"],
                               a["lnf_mean"][:BT], a["lnf_rstd"][:BT], BT, C, nt)
         for l in reversed(range(L)):
             self._block_backward(l, self._layer_acts(l, BT, True), B, T)
         Ly.encoder_backward(g["wte"].reshape(-1), g["wpe"].reshape(-1), dres, self._ids.reshape(-1), B, T, C, nt)
 
-    def _lmhead_backward(self, dlnf, loss_scale):
-        """dlnf (B*T*C, zeroed here) = d(loss)/d(lnf), and the lm head's d(wte), from the probs
-        (bf16: row blocks of dlogits written straight in bf16, the probs recomputed first when
-        the forward kept none)."""
-        c = self.config
-        C, V, Vp = c.channels, c.vocab_size, c.padded_vocab_size
-        BT, nt = self._B * self._T, self.n_threads
-        a, s = self._acts, self._scratch
-        dlosses = a["dlosses"][:BT]
+    def _lmhead_grad_begin(self, BT, loss_scale):
+        """-> (dlosses, dlnf) for _lmhead_block_backward: dlosses = loss_scale/BT per token, dlnf
+        (the backward scratch's dsmall) zeroed."""
+        self.grads_known_zero = False
+        dlosses = self._acts["dlosses"][:BT]
         dlosses.fill(np.float32(loss_scale / BT))
-        logits, lnf = a["logits"], a["lnf"]
+        dlnf = self._ensure_scratch()["dsmall"][:BT * self.config.channels]
+        self.kernels.layers.zero_fill(dlnf, self.n_threads)
+        return dlosses, dlnf
+
+    def _lmhead_block_backward(self, r0, nr, probs, tg, dlosses, dlnf):
+        """Rows r0..r0+nr of dlnf and their part of d(wte), from those rows' probs (bf16: their
+        dlogits written straight in bf16 into the scratch; fp32: in place over the probs)."""
+        C, V, Vp = self.config.channels, self.config.vocab_size, self.config.padded_vocab_size
+        nt, lnf = self.n_threads, self._acts["lnf"]
+        dout, dout_mm = self.ops.loss_backward(self._scratch.get("dlogits16"), probs, tg[r0:r0 + nr],
+                                               dlosses[r0:r0 + nr], nr, V, Vp, nt)
+        self.ops.matmul_backward(dlnf[r0 * C:(r0 + nr) * C], self.g["wte"].reshape(-1), None, dout, dout_mm,
+                                 lnf[r0 * C:(r0 + nr) * C], "wte", None, nr, C, Vp, nt)
+
+    def _lmhead_backward(self, loss_scale):
+        """-> dlnf (B*T*C, the scratch's dsmall) = d(loss)/d(lnf), with the lm head's d(wte)
+        accumulated, from the probs (bf16: row blocks of dlogits written straight in bf16, the
+        probs recomputed first when the forward kept none); made already by a forward given
+        loss_scale (_lmhead_forward)."""
+        BT = self._B * self._T
+        if self._lmhead_grad_scale is not None:
+            if self._lmhead_grad_scale != loss_scale:
+                raise ValueError(f"backward(loss_scale={loss_scale!r}) after forward(loss_scale="
+                                 f"{self._lmhead_grad_scale!r}): the lm head's gradient was made "
+                                 "with the forward's; pass the same value to both")
+            self._buf_state = "dlogits"
+            return self._scratch["dsmall"][:BT * self.config.channels]
+        Vp = self.config.padded_vocab_size
         tg = self._targets.reshape(-1)
-        d16 = s.get("dlogits16")
+        d16 = self._scratch.get("dlogits16")
         R = BT if d16 is None else d16.size // Vp
         junk = np.empty(R, np.float32)
-        self.kernels.layers.zero_fill(dlnf, nt)
+        dlosses, dlnf = self._lmhead_grad_begin(BT, loss_scale)
         for r0 in range(0, BT, R):
             nr = min(BT, r0 + R) - r0
             if self.plan.logits_rows < BT:
                 probs = self._lmhead_block(r0, nr, tg, junk[:nr])
             else:
-                probs = logits[r0 * Vp:(r0 + nr) * Vp]
-            dout, dout_mm = self.ops.loss_backward(d16, probs, tg[r0:r0 + nr], dlosses[r0:r0 + nr], nr, V, Vp, nt)
-            self.ops.matmul_backward(dlnf[r0 * C:(r0 + nr) * C], self.g["wte"].reshape(-1), None, dout, dout_mm,
-                                     lnf[r0 * C:(r0 + nr) * C], "wte", None, nr, C, Vp, nt)
+                probs = self._acts["logits"][r0 * Vp:(r0 + nr) * Vp]
+            self._lmhead_block_backward(r0, nr, probs, tg, dlosses, dlnf)
         self._buf_state = "dlogits"
+        return dlnf
 
     def _block_backward(self, l, a, B, T):
         """Layer l of train_gpt2.c's gpt2_backward: the scratch's dres holds d(a.out) on entry
