@@ -507,33 +507,49 @@ def test_bf16_needs_native_bf16_or_the_emulation_switch(monkeypatch):
         GPT2(MCFG, precision="fp16")
 
 
-def test_bf16_lmhead_in_blocks_matches_the_full_lmhead(bf16_ok, monkeypatch):
-    # large B*T in bf16: the forward keeps no logits, backward recomputes them per row block
+@pytest.mark.parametrize("grad_rows", [1024, 128, 100])
+def test_bf16_lmhead_in_blocks_matches_the_full_lmhead(bf16_ok, monkeypatch, grad_rows):
+    # large B*T in bf16: the forward keeps no logits, backward recomputes them per row block; the
+    # backward GEMMs run on grad_rows staged rows of dlogits at a time (128, 100: several times,
+    # and 100 rows take one 64-row block only), both with and without the logits held
     import llmctl.model.gpt2 as gpt2
 
     x, y = _data(B=3, T=64, seed=7)          # 192 rows: blocks of LMHEAD_ROWS = 64 below
-    full = _init("bf16")
-    l_full = _step(full, x, y, 1)
+
+    def grads(m):
+        m.zero_grad()
+        loss = m.forward(x, y)
+        m.backward()
+        return loss, m.grads.copy()
+
+    l_ref, g_ref = grads(_init("bf16"))       # the logits held, one GEMM over all 192 rows
+    tol = 1e-6 * np.abs(g_ref).max()
+    monkeypatch.setattr(gpt2, "LMHEAD_GRAD_ROWS", grad_rows)
+    l_full, g_full = grads(_init("bf16"))     # held, the GEMMs grad_rows at a time
+    assert l_full == l_ref
+    np.testing.assert_allclose(g_full, g_ref, rtol=0, atol=tol)
     monkeypatch.setattr(gpt2, "LOGITS_KEEP_BYTES", 1024)
     monkeypatch.setattr(gpt2, "LMHEAD_ROWS", 64)
     runs = []
     for _ in range(2):
         m = _init("bf16")
-        runs.append((_step(m, x, y, 1), m))
+        runs.append(grads(m))
         assert m.plan.logits_rows == 64   # the lm head and the loss run in blocks of LMHEAD_ROWS
-    (l1, m1), (l2, m2) = runs
-    assert l1 == l2 and np.array_equal(m1.params, m2.params)   # bit-exact when repeated
-    assert abs(l1 - l_full) <= 1e-6 * l_full
-    np.testing.assert_allclose(m1.params, full.params, rtol=0, atol=1e-6)
+    (l1, g1), (l2, g2) = runs
+    assert l1 == l2 and np.array_equal(g1, g2)   # bit-exact when repeated
+    assert abs(l1 - l_ref) <= 1e-6 * l_ref
+    np.testing.assert_allclose(g1, g_ref, rtol=0, atol=tol)
 
 
-def test_bf16_lmhead_gradient_made_in_the_forward_is_the_recomputed_one(bf16_ok, monkeypatch):
+@pytest.mark.parametrize("grad_rows", [1024, 100])
+def test_bf16_lmhead_gradient_made_in_the_forward_is_the_recomputed_one(bf16_ok, monkeypatch, grad_rows):
     # forward(loss_scale=s): the blocked lm head makes its gradient while the logits are at hand
     # instead of backward recomputing them; the same bits, and zero_grad() in between undoes it
     import llmctl.model.gpt2 as gpt2
 
     monkeypatch.setattr(gpt2, "LOGITS_KEEP_BYTES", 1024)
     monkeypatch.setattr(gpt2, "LMHEAD_ROWS", 64)
+    monkeypatch.setattr(gpt2, "LMHEAD_GRAD_ROWS", grad_rows)
     x, y = _data(B=3, T=64, seed=11)
 
     def run(fwd_scale, zero_between):

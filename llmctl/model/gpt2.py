@@ -76,7 +76,11 @@ def init_llmc_(p, cfg, seed=INIT_SEED, libm=None, n_threads=1):
         release_libm_memo()
 
 
-LMHEAD_ROWS = 256   # bf16 lm-head backward: rows of dlogits cast at a time (25 MB of bf16, not B*T*Vp)
+LMHEAD_ROWS = 256   # bf16, large B*T: rows of logits the lm head and the loss compute at a time
+# bf16: rows of dlogits staged (103 MB of bf16 at d12, not B*T*Vp) before the lm head's backward
+# GEMMs run on them: d(wte) += dlogits^T @ lnf rewrites all of d(wte) (154 MB fp32) per call, so
+# fewer, taller calls (d12 B=4 T=1024: 4 of 1024 rows, 600 -> 420 ms, instead of 16 of 256)
+LMHEAD_GRAD_ROWS = 1024
 LOGITS_KEEP_BYTES = 256 << 20   # bf16: above this many bytes of fp32 logits, the lm head runs in blocks
 KEEP_GELU_BYTES = 256 << 20     # recompute=None: keep every layer's fch_gelu while it costs at most this
 _MIN_PARALLEL = 1 << 16   # bytes of element-wise work below which a kernel runs on one thread
@@ -334,6 +338,14 @@ class GPT2:
         views = {k: (None if b is None else b[:cut.get(k, n)]) for k, b in m.items()}
         return SimpleNamespace(x=x.reshape(-1), out=np.empty(n, np.float32), lse=None, **views)
 
+    def _lmhead_blocks(self, BT, tg, losses):
+        """-> (r0, nr, probs) for row blocks of plan.logits_rows, each block's logits computed then
+        (_lmhead_block) and its losses written into losses[r0:r0+nr]."""
+        R = self.plan.logits_rows
+        for r0 in range(0, BT, R):
+            nr = min(BT - r0, R)
+            yield r0, nr, self._lmhead_block(r0, nr, tg, losses[r0:r0 + nr])
+
     def _lmhead_block(self, r0, nr, tg, losses):
         """logits rows r0..r0+nr in the logits buffer, then their softmax (probs) and losses."""
         c = self.config
@@ -351,11 +363,11 @@ class GPT2:
                              "dbig": np.zeros(BT * 4 * C, np.float32)}
             if self.precision == "bf16":
                 # d(fch) in fp32 (the fp32 path reuses the gelu buffer), every backward GEMM's
-                # bf16 dout, and the lm head's dlogits in row blocks of LMHEAD_ROWS
+                # bf16 dout, and the lm head's dlogits staged LMHEAD_GRAD_ROWS rows at a time
                 Vp = self.config.padded_vocab_size
                 self._scratch.update(dfch=np.zeros(BT * 4 * C, np.float32),
                                      dout16=np.zeros(BT * 4 * C, np.uint16),
-                                     dlogits16=np.zeros(min(BT, LMHEAD_ROWS) * Vp, np.uint16))
+                                     dlogits16=np.zeros(min(BT, LMHEAD_GRAD_ROWS) * Vp, np.uint16))
         return self._scratch
 
     def activation_bytes(self):
@@ -462,13 +474,13 @@ class GPT2:
         C, V, Vp = c.channels, c.vocab_size, c.padded_vocab_size
         a = self._acts
         if tg is not None and self.plan.logits_rows < BT:   # bf16, large B*T: the lm head in blocks
-            losses, tgf = a["losses"][:BT], tg.reshape(-1)
-            grad = None if loss_scale is None else self._lmhead_grad_begin(BT, loss_scale)
-            for r0 in range(0, BT, LMHEAD_ROWS):
-                nr = min(BT - r0, LMHEAD_ROWS)
-                probs = self._lmhead_block(r0, nr, tgf, losses[r0:r0 + nr])
-                if grad is not None:
-                    self._lmhead_block_backward(r0, nr, probs, tgf, *grad)
+            losses = a["losses"][:BT]
+            blocks = self._lmhead_blocks(BT, tg.reshape(-1), losses)
+            if loss_scale is None:
+                for _ in blocks:
+                    pass
+            else:
+                self._lmhead_grad(BT, loss_scale, blocks)
             self._buf_state = "probs"
             self._lmhead_grad_scale = loss_scale
             return float(losses.astype(np.float64).mean())
@@ -615,54 +627,54 @@ class GPT2:
             self._block_backward(l, self._layer_acts(l, BT, True), B, T)
         Ly.encoder_backward(g["wte"].reshape(-1), g["wpe"].reshape(-1), dres, self._ids.reshape(-1), B, T, C, nt)
 
-    def _lmhead_grad_begin(self, BT, loss_scale):
-        """-> (dlosses, dlnf) for _lmhead_block_backward: dlosses = loss_scale/BT per token, dlnf
-        (the backward scratch's dsmall) zeroed."""
+    def _lmhead_grad(self, BT, loss_scale, blocks):
+        """dlnf (the scratch's dsmall, B*T*C) = d(loss_scale * mean loss)/d(lnf), and the lm head's
+        d(wte) accumulated, from `blocks`: (r0, nr, probs) in row order. bf16: each block's dlogits
+        are written straight in bf16 into the staging rows of the scratch, and the GEMMs run each
+        time those are full; fp32: in place over the probs (one block of every row)."""
         self.grads_known_zero = False
+        C, V, Vp, nt = self.config.channels, self.config.vocab_size, self.config.padded_vocab_size, self.n_threads
+        tg, lnf = self._targets.reshape(-1), self._acts["lnf"]
         dlosses = self._acts["dlosses"][:BT]
         dlosses.fill(np.float32(loss_scale / BT))
-        dlnf = self._ensure_scratch()["dsmall"][:BT * self.config.channels]
-        self.kernels.layers.zero_fill(dlnf, self.n_threads)
-        return dlosses, dlnf
+        dlnf = self._ensure_scratch()["dsmall"][:BT * C]
+        self.kernels.layers.zero_fill(dlnf, nt)
+        d16 = self._scratch.get("dlogits16")
+        G = BT if d16 is None else d16.size // Vp
 
-    def _lmhead_block_backward(self, r0, nr, probs, tg, dlosses, dlnf):
-        """Rows r0..r0+nr of dlnf and their part of d(wte), from those rows' probs (bf16: their
-        dlogits written straight in bf16 into the scratch; fp32: in place over the probs)."""
-        C, V, Vp = self.config.channels, self.config.vocab_size, self.config.padded_vocab_size
-        nt, lnf = self.n_threads, self._acts["lnf"]
-        dout, dout_mm = self.ops.loss_backward(self._scratch.get("dlogits16"), probs, tg[r0:r0 + nr],
-                                               dlosses[r0:r0 + nr], nr, V, Vp, nt)
-        self.ops.matmul_backward(dlnf[r0 * C:(r0 + nr) * C], self.g["wte"].reshape(-1), None, dout, dout_mm,
-                                 lnf[r0 * C:(r0 + nr) * C], "wte", None, nr, C, Vp, nt)
+        def gemms(s0, s1, dout):
+            self.ops.matmul_backward(dlnf[s0 * C:s1 * C], self.g["wte"].reshape(-1), None, dout, d16,
+                                     lnf[s0 * C:s1 * C], "wte", None, s1 - s0, C, Vp, nt)
+
+        s0, dout = 0, None   # the first staged row; fp32's dlogits
+        for r0, nr, probs in blocks:
+            if r0 + nr - s0 > G:
+                gemms(s0, r0, dout)
+                s0 = r0
+            dst = None if d16 is None else d16[(r0 - s0) * Vp:]
+            dout, _ = self.ops.loss_backward(dst, probs, tg[r0:r0 + nr], dlosses[r0:r0 + nr], nr, V, Vp, nt)
+        gemms(s0, BT, dout)
+        return dlnf
 
     def _lmhead_backward(self, loss_scale):
-        """-> dlnf (B*T*C, the scratch's dsmall) = d(loss)/d(lnf), with the lm head's d(wte)
-        accumulated, from the probs (bf16: row blocks of dlogits written straight in bf16, the
-        probs recomputed first when the forward kept none); made already by a forward given
-        loss_scale (_lmhead_forward)."""
-        BT = self._B * self._T
+        """-> dlnf = d(loss)/d(lnf), with the lm head's d(wte) accumulated (_lmhead_grad): from the
+        probs the forward kept, or from logits recomputed block by block when it kept none; or
+        nothing to do when that forward made them already (its loss_scale)."""
+        BT, Vp = self._B * self._T, self.config.padded_vocab_size
+        self._buf_state = "dlogits"
         if self._lmhead_grad_scale is not None:
             if self._lmhead_grad_scale != loss_scale:
                 raise ValueError(f"backward(loss_scale={loss_scale!r}) after forward(loss_scale="
                                  f"{self._lmhead_grad_scale!r}): the lm head's gradient was made "
                                  "with the forward's; pass the same value to both")
-            self._buf_state = "dlogits"
             return self._scratch["dsmall"][:BT * self.config.channels]
-        Vp = self.config.padded_vocab_size
-        tg = self._targets.reshape(-1)
-        d16 = self._scratch.get("dlogits16")
-        R = BT if d16 is None else d16.size // Vp
-        junk = np.empty(R, np.float32)
-        dlosses, dlnf = self._lmhead_grad_begin(BT, loss_scale)
-        for r0 in range(0, BT, R):
-            nr = min(BT, r0 + R) - r0
-            if self.plan.logits_rows < BT:
-                probs = self._lmhead_block(r0, nr, tg, junk[:nr])
-            else:
-                probs = self._acts["logits"][r0 * Vp:(r0 + nr) * Vp]
-            self._lmhead_block_backward(r0, nr, probs, tg, dlosses, dlnf)
-        self._buf_state = "dlogits"
-        return dlnf
+        if self.plan.logits_rows < BT:
+            blocks = self._lmhead_blocks(BT, self._targets.reshape(-1), np.empty(BT, np.float32))
+        else:   # the probs of every row are held: blocks as many rows as the staging takes
+            d16, logits = self._ensure_scratch().get("dlogits16"), self._acts["logits"]
+            R = BT if d16 is None else d16.size // Vp
+            blocks = ((r0, min(R, BT - r0), logits[r0 * Vp:min(BT, r0 + R) * Vp]) for r0 in range(0, BT, R))
+        return self._lmhead_grad(BT, loss_scale, blocks)
 
     def _block_backward(self, l, a, B, T):
         """Layer l of train_gpt2.c's gpt2_backward: the scratch's dres holds d(a.out) on entry
