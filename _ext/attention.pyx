@@ -116,7 +116,7 @@ cdef extern from "attention_bf16.h" nogil:
                            int path)
     void attb_backward_head(float* dqkv, const uint16_t* rows, const uint16_t* drows, const float* D,
                             const float* lse, Py_ssize_t B, Py_ssize_t b, Py_ssize_t h, Py_ssize_t T,
-                            Py_ssize_t C, Py_ssize_t NH, void* scratch, int path)
+                            Py_ssize_t C, Py_ssize_t NH, void* scratch, int path, int acc)
 
 # tile sizes: BR query rows per forward work item, BC keys per key tile, BQ query rows per
 # backward block; the transposed (hs, BC) key/value tiles are 16 KB each at hs=64
@@ -732,10 +732,12 @@ def attention_forward_bf16(float[::1] out, float[::1] lse, const float[::1] qkv,
 
 def attention_backward_bf16(float[::1] dqkv, const float[::1] dout, const float[::1] qkv,
                             const float[::1] out, const float[::1] lse,
-                            int B, int T, int C, int NH, int n_threads=1):
+                            int B, int T, int C, int NH, int n_threads=1, bint accumulate=True):
     """attention_backward with bf16 products: q, k, v, dout, P and dS rounded to bf16, fp32
     accumulation (attention_bf16.h). Same arguments and semantics (dqkv +=); out and lse are
     those of attention_forward_bf16. Bit-identical for any n_threads (on a given path).
+    accumulate=False: dqkv is written instead (the same bits as zeroing it first; its old
+    contents are not read).
     """
     _check_dims(B, T, C, NH, n_threads)
     cdef Py_ssize_t BT = <Py_ssize_t>B * T
@@ -779,6 +781,7 @@ def attention_backward_bf16(float[::1] dqkv, const float[::1] dout, const float[
             with parallel(num_threads=nt):
                 for w in prange(nwork, schedule='static', chunksize=1):
                     attb_backward_head(&dqkv[0], rows, drows, D, &lse[0], B, w // NH, w % NH,
-                                       T, C, NH, base + shared + omp_get_thread_num() * per, path)
+                                       T, C, NH, base + shared + omp_get_thread_num() * per, path,
+                                       accumulate)
     finally:
         _give_scratch(scratch, own)

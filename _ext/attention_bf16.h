@@ -291,13 +291,13 @@ static void attb_forward_head(float* out, float* lse, const uint16_t* rows, ptrd
         (out, lse, rows, B, b, h, T, C, NH, scratch, path);
 }
 
-/* dqkv (B,T,3C) += the gradient of head h, from pack_heads' rows of qkv and dout, and D */
+/* dqkv (B,T,3C) += (acc) or = the gradient of head h, from pack_heads' rows of qkv and dout, and D */
 static void attb_backward_head(float* dqkv, const uint16_t* rows, const uint16_t* drows,
                                const float* D, const float* lse, ptrdiff_t B, ptrdiff_t b,
                                ptrdiff_t h, ptrdiff_t T, ptrdiff_t C, ptrdiff_t NH, void* scratch,
-                               int path)
+                               int path, int acc)
 {
     (path == ATTB_EMULATED ? attb_backward_head_base : ATTB_NATIVE(backward_head))
-        (dqkv, rows, drows, D, lse, B, b, h, T, C, NH, scratch, path);
+        (dqkv, rows, drows, D, lse, B, b, h, T, C, NH, scratch, path, acc);
 }
 #endif /* LLMCTL_ATTENTION_BF16_H */

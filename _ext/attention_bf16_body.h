@@ -186,12 +186,12 @@ static void ATTB_FN(forward_head)(float* out, float* lse, const uint16_t* rows, 
     if (path == ATTB_AMX) attb_amx_end();
 }
 
-/* ---- backward: one (batch, head); dqkv += ---- */
+/* ---- backward: one (batch, head); dqkv += (acc) or = 0 + (the same bits as zeroing first) ---- */
 
 static void ATTB_FN(backward_head)(float* dqkv, const uint16_t* rows, const uint16_t* drows,
                                    const float* Dall, const float* lse, ptrdiff_t B, ptrdiff_t b,
                                    ptrdiff_t h, ptrdiff_t T, ptrdiff_t C, ptrdiff_t NH,
-                                   void* scratch, int path)
+                                   void* scratch, int path, int acc)
 {
     const ptrdiff_t hs = C / NH, C3 = 3 * C, Tp = attb_pad(T, ATTB_BLK), hsp = attb_pad(hs, 32);
     const ptrdiff_t BB = ATTB_BLK * ATTB_BLK, TH = Tp * hsp, BNH = B * NH;
@@ -259,12 +259,12 @@ static void ATTB_FN(backward_head)(float* dqkv, const uint16_t* rows, const uint
             float* dkr = dqb + C + (j0 + c) * C3;
             float* dvr = dqb + 2 * C + (j0 + c) * C3;
             for (ptrdiff_t d = 0; d < hs; d++) {
-                dkr[d] += dkT[d * ATTB_BLK + c];
-                dvr[d] += dvT[d * ATTB_BLK + c];
+                dkr[d] = (acc ? dkr[d] : 0.0f) + dkT[d * ATTB_BLK + c];
+                dvr[d] = (acc ? dvr[d] : 0.0f) + dvT[d * ATTB_BLK + c];
             }
         }
     }
     if (path == ATTB_AMX) attb_amx_end();
     for (ptrdiff_t i = 0; i < T; i++)
-        for (ptrdiff_t d = 0; d < hs; d++) dqb[i * C3 + d] += dq[i * hsp + d];
+        for (ptrdiff_t d = 0; d < hs; d++) dqb[i * C3 + d] = (acc ? dqb[i * C3 + d] : 0.0f) + dq[i * hsp + d];
 }

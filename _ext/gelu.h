@@ -38,6 +38,30 @@
         dx[i] += g * dy[i];                                                         \
     }
 
+/* Columns [0, n) (n <= LLMCTL_GELU_COLS) of BT rows of stride OC (pointers at the first column):
+   g = 0 + gelu'(x) dy, the fp32 gradient exactly as a zero fill and gelu_bwd's += leave it
+   (0 + v turns -0 into +0); out = bf16(g); acc[c] += g in double, rows in order (the dbias sum
+   of matmul_backward_bf16's cast pass, which this replaces for the fc layer). */
+#define LLMCTL_GELU_COLS 2048
+#define LLMCTL_GELU_BWD_COLS_LOOP                                                     \
+    float g[LLMCTL_GELU_COLS];                                                      \
+    for (ptrdiff_t bt = 0; bt < BT; bt++) {                                         \
+        const float* xr = x + bt * OC;                                              \
+        const float* dr = dy + bt * OC;                                             \
+        uint16_t* orow = out + bt * OC;                                             \
+        for (ptrdiff_t i = 0; i < n; i++) {                                         \
+            float xi = xr[i];                                                       \
+            float u = k * (xi + LLMCTL_GELU_C3 * xi * xi * xi);                     \
+            float th = llmctl_tanhf(u), sech2 = llmctl_sech2f(u);                   \
+            float gg = 0.5f * (1.0f + th) + xi * 0.5f * sech2 * k * (1.0f + LLMCTL_GELU_3C3 * xi * xi); \
+            g[i] = 0.0f + gg * dr[i];                                               \
+        }                                                                           \
+        for (ptrdiff_t i = 0; i < n; i++) {                                         \
+            acc[i] += (double)g[i];                                                 \
+            orow[i] = llmctl_f32_to_bf16(g[i]);                                     \
+        }                                                                           \
+    }
+
 #define LLMCTL_GELU_KERNELS(SUFFIX, ATTR)                                                        \
     ATTR static void llmctl_gelu_fwd_f32_##SUFFIX(float* out, const float* x, ptrdiff_t n, float k) { \
         LLMCTL_GELU_FWD_LOOP(LLMCTL_STORE_F32)                                                 \
@@ -48,6 +72,11 @@
     ATTR static void llmctl_gelu_bwd_##SUFFIX(float* dx, const float* x, const float* dy, ptrdiff_t n, \
                                               float k) {                                       \
         LLMCTL_GELU_BWD_LOOP                                                                   \
+    }                                                                                          \
+    ATTR static void llmctl_gelu_bwd_bf16_cols_##SUFFIX(uint16_t* out, double* acc, const float* x, \
+                                                        const float* dy, ptrdiff_t BT, ptrdiff_t OC, \
+                                                        ptrdiff_t n, float k) {                \
+        LLMCTL_GELU_BWD_COLS_LOOP                                                              \
     }
 
 LLMCTL_GELU_KERNELS(base, )
@@ -65,5 +94,9 @@ static inline void llmctl_gelu_fwd_bf16(uint16_t* out, const float* x, ptrdiff_t
 }
 static inline void llmctl_gelu_bwd(float* dx, const float* x, const float* dy, ptrdiff_t n, float k) {
     LLMCTL_ROWS_DISPATCH(llmctl_gelu_bwd, dx, x, dy, n, k);
+}
+static inline void llmctl_gelu_bwd_bf16_cols(uint16_t* out, double* acc, const float* x, const float* dy,
+                                             ptrdiff_t BT, ptrdiff_t OC, ptrdiff_t n, float k) {
+    LLMCTL_ROWS_DISPATCH(llmctl_gelu_bwd_bf16_cols, out, acc, x, dy, BT, OC, n, k);
 }
 #endif

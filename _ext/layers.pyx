@@ -37,6 +37,9 @@ cdef extern from "gelu.h" nogil:
     void llmctl_gelu_fwd_f32(float* out, const float* x, Py_ssize_t n, float k)
     void llmctl_gelu_fwd_bf16(uint16_t* out, const float* x, Py_ssize_t n, float k)
     void llmctl_gelu_bwd(float* dx, const float* x, const float* dy, Py_ssize_t n, float k)
+    void llmctl_gelu_bwd_bf16_cols(uint16_t* out, double* acc, const float* x, const float* dy,
+                                   Py_ssize_t BT, Py_ssize_t OC, Py_ssize_t n, float k)
+    enum: LLMCTL_GELU_COLS
 
 cdef extern from "rows.h" nogil:
     void llmctl_ln_fwd_f32(float* out, float* mean, float* rstd, const float* x, const float* w,
@@ -417,6 +420,54 @@ def gelu_backward(float[::1] dinp, const float[::1] inp, const float[::1] dout, 
     n_threads = eff_threads(n_threads, N, _grain)
     with nogil:
         _gelu_backward(&dinp[0], &inp[0], &dout[0], N, n_threads)
+
+
+cdef void _gelu_bwd_bf16_cols(uint16_t* dinp, float* dbias, const float* inp, const float* dout,
+                              Py_ssize_t BT, int OC, int o0, int w) noexcept nogil:
+    # columns o0..o0+w (w <= LLMCTL_GELU_COLS) of every row; acc on this task's own stack
+    cdef double acc[LLMCTL_GELU_COLS]
+    cdef int o, n = imin(w, OC - o0)
+    memset(acc, 0, sizeof(acc))
+    llmctl_gelu_bwd_bf16_cols(dinp + o0, acc, inp + o0, dout + o0, BT, OC, n, GELU_SCALE)
+    if dbias != NULL:
+        for o in range(n):
+            dbias[o0 + o] += <float>acc[o]
+
+
+cdef void _gelu_backward_bf16(uint16_t* dinp, float* dbias, const float* inp, const float* dout,
+                              Py_ssize_t BT, int OC, int n_threads) noexcept nogil:
+    # each thread one wide chunk of columns down every row (rows of a narrow chunk would each be a
+    # new page: 64 columns measured 2x slower); each column's sum runs over the rows in order
+    # whatever the chunks, so the bits do not depend on the thread count
+    cdef int w = imin(LLMCTL_GELU_COLS, (((OC + n_threads - 1) // n_threads) + 15) // 16 * 16)
+    cdef int ch
+    for ch in prange((OC + w - 1) // w, schedule='static', num_threads=n_threads):
+        _gelu_bwd_bf16_cols(dinp, dbias, inp, dout, BT, OC, ch * w, w)
+
+
+def gelu_backward_bf16(uint16_t[::1] dinp, dbias, const float[::1] inp, const float[::1] dout,
+                       long BT, int OC, int n_threads=1):
+    """The fc layer's gradient for its bf16 backward GEMMs in one pass: dinp (BT,OC) =
+    bf16(gelu'(inp) * dout), written, not accumulated (the same bits as a zero fill, gelu_backward's
+    += and a cast); dbias (OC) += the column sums of that fp32 gradient (double accumulators, rows
+    in order: the sum matmul_backward_bf16 makes from an fp32 dout), unless dbias is None. Feed
+    dinp to matmul_backward_bf16 as dout_bf16 with dout=None, dbias=None."""
+    cdef float[::1] db
+    cdef float* db_ptr = NULL
+    check_threads(n_threads)
+    check_positive("BT", BT)
+    check_positive("OC", OC)
+    cdef Py_ssize_t N = BT * OC
+    check_len("dinp", dinp.shape[0], N)
+    check_len("inp", inp.shape[0], N)
+    check_len("dout", dout.shape[0], N)
+    if dbias is not None:
+        db = dbias
+        check_len("dbias", db.shape[0], OC)
+        db_ptr = &db[0]
+    n_threads = eff_threads(n_threads, N, _grain)
+    with nogil:
+        _gelu_backward_bf16(&dinp[0], db_ptr, &inp[0], &dout[0], BT, OC, n_threads)
 
 
 def residual_forward(float[::1] out, const float[::1] inp1, const float[::1] inp2, long N, int n_threads=1):

@@ -203,6 +203,17 @@ def test_backward_accumulates(path):
     np.testing.assert_array_equal(_backward(dout, qkv, out, lse, NH, 1, dqkv=base.copy()), base + d)
 
 
+def test_backward_overwrites_when_asked(path):
+    # accumulate=False: dqkv written whatever it held (NaN: never read), the bits of zero + d
+    B, T, C, NH = 2, 70, 64, 2      # 70 rows: a ragged last block of 32
+    qkv, dout = _inputs(B, T, C, seed=5)
+    out, lse = _forward(qkv, NH, 2)
+    d = _backward(dout, qkv, out, lse, NH, 2)
+    got = np.full(qkv.size, np.nan, np.float32)
+    A.attention_backward_bf16(got, dout.ravel(), qkv.ravel(), out, lse, B, T, C, NH, 2, accumulate=False)
+    np.testing.assert_array_equal(got, d)
+
+
 def test_paths_agree_far_closer_than_with_fp32_attention():
     # same rounding points on every path; only the order of fp32 additions differs (which can
     # move a P or dS across a bf16 rounding boundary, rarely), so the paths agree far more

@@ -155,6 +155,28 @@ def test_matmul_backward_bf16_casts_dout_and_accumulates(engine, shape, widen_bl
 
 
 @pytest.mark.parametrize("engine", BF16_ENGINES)
+@pytest.mark.parametrize("shape", MM_SHAPES + [(600, 24, 40)])   # 600 rows: the gemm call's dX
+def test_matmul_backward_bf16_overwrites_dinp_when_asked(engine, shape, widen_block):
+    # accumulate=False: dinp = dout @ W whatever it held (NaN here: a beta-0 GEMM never reads
+    # it), the same as accumulating into zeros; dweight still accumulates
+    BT, C, OC = shape
+    rng = np.random.default_rng(BT + 3 * C + 5 * OC)
+    ib, wb, d16 = to_bf16(_f32(rng, BT, C)), to_bf16(_f32(rng, OC, C)), to_bf16(_f32(rng, BT, OC))
+    dw0 = _f32(rng, OC, C).ravel()
+    runs = []
+    for accumulate, start in ((True, 0.0), (False, np.nan)):
+        dinp, dw = np.full(BT * C, start, np.float32), dw0.copy()
+        matmul.matmul_backward_bf16(dinp, dw, None, None, d16.ravel(), ib.ravel(), wb.ravel(), BT, C, OC,
+                                    n_threads=2, engine=engine, accumulate=accumulate)
+        runs.append((dinp, dw))
+    np.testing.assert_array_equal(runs[1][0], runs[0][0])
+    np.testing.assert_array_equal(runs[1][1], runs[0][1])
+    assert not np.array_equal(runs[1][1], dw0)
+    x64, w64, d64 = (from_bf16(a).astype(np.float64) for a in (ib, wb, d16))
+    _assert_dot_close(runs[1][0].reshape(BT, C), d64 @ w64, np.abs(d64) @ np.abs(w64), OC, "dinp")
+
+
+@pytest.mark.parametrize("engine", BF16_ENGINES)
 def test_matmul_backward_bf16_reads_a_precast_dout(engine):
     BT, C, OC = 12, 20, 30
     rng = np.random.default_rng(4)
@@ -371,6 +393,35 @@ def test_gelu_forward_bf16_is_the_cast_fp32_output():
     layers.gelu_forward_bf16(o16, x, x.size, 2)
     np.testing.assert_array_equal(o16, to_bf16(out))
     np.testing.assert_allclose(from_bf16(o16), ref.gelu_forward(x.astype(np.float64)), rtol=2 ** -8, atol=1e-6)
+
+
+@pytest.mark.parametrize("BT, OC", [(1, 1), (5, 64), (300, 131), (77, 3072)])
+def test_gelu_backward_bf16_is_the_zeroed_accumulate_cast_and_bias_sum(BT, OC):
+    # the fc layer's bf16 backward pass in one kernel: the same bits as zero fill + gelu_backward
+    # (+=) + matmul_backward_bf16's cast and dbias sum, which it replaces
+    rng = np.random.default_rng(BT + OC)
+    x, dy = _f32(rng, BT * OC, scale=3.0), _f32(rng, BT * OC)
+    x[:4] = [0.0, -0.0, -50.0, 1e-30][:x.size] if x.size >= 4 else x[:4]
+    dy[1::7] = -0.0                          # g * dy = -0.0: the zeroed += makes it +0.0
+    db0 = _f32(rng, OC)
+    d32 = np.zeros(BT * OC, np.float32)
+    layers.gelu_backward(d32, x, dy, BT * OC, 2)
+    want16, want_db = np.empty(BT * OC, np.uint16), db0.copy()
+    matmul.matmul_backward_bf16(None, np.zeros(OC, np.float32), want_db, d32, want16,
+                                np.zeros(BT, np.uint16), np.zeros(OC, np.uint16), BT, 1, OC, n_threads=2)
+    for nt in (1, 3):
+        got16, got_db = np.full(BT * OC, 0xFFFF, np.uint16), db0.copy()
+        layers.gelu_backward_bf16(got16, got_db, x, dy, BT, OC, nt)
+        np.testing.assert_array_equal(got16, want16)
+        np.testing.assert_array_equal(got_db, want_db)
+    got16 = np.empty(BT * OC, np.uint16)
+    layers.gelu_backward_bf16(got16, None, x, dy, BT, OC, 2)   # no bias: the same dinp
+    np.testing.assert_array_equal(got16, want16)
+    want = ref.gelu_backward(dy.astype(np.float64), x.astype(np.float64))
+    np.testing.assert_allclose(from_bf16(got16), want, rtol=2 ** -8, atol=1e-6)
+    np.testing.assert_allclose(got_db, db0 + want.reshape(BT, OC).sum(0), rtol=1e-5, atol=1e-5 * BT)
+    with pytest.raises(ValueError, match="dbias has 2 elements"):
+        layers.gelu_backward_bf16(got16, np.zeros(2, np.float32), x, dy, BT, OC, 2)
 
 
 def test_softmax_crossentropy_backward_bf16_is_the_cast_fp32_output():

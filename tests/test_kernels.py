@@ -767,6 +767,9 @@ def _row_kernel_outputs(n_threads, rng):
     layers.gelu_forward_bf16(o16, x, N, n_threads)
     layers.gelu_backward(dx, x, dy, N, n_threads)
     out += [o.tobytes(), o16.tobytes(), dx.tobytes()]
+    gb = _f32(rng, 131)                    # 131 columns: two full chunks of 64 and a tail of 3
+    layers.gelu_backward_bf16(o16[:N - N % 131], gb, x[:N - N % 131], dy[:N - N % 131], N // 131, 131, n_threads)
+    out += [o16.tobytes(), gb.tobytes()]
     convert.cast_to_bf16(o16, x, n_threads)
     out.append(o16.tobytes())
     R, C = 9, 77

@@ -362,11 +362,10 @@ class GPT2:
             self._scratch = {"dres": np.zeros(BT * C, np.float32), "dsmall": np.zeros(BT * C, np.float32),
                              "dbig": np.zeros(BT * 4 * C, np.float32)}
             if self.precision == "bf16":
-                # d(fch) in fp32 (the fp32 path reuses the gelu buffer), every backward GEMM's
-                # bf16 dout, and the lm head's dlogits staged LMHEAD_GRAD_ROWS rows at a time
+                # every backward GEMM's bf16 dout (d(fch) too: gelu_backward writes it there),
+                # and the lm head's dlogits staged LMHEAD_GRAD_ROWS rows at a time
                 Vp = self.config.padded_vocab_size
-                self._scratch.update(dfch=np.zeros(BT * 4 * C, np.float32),
-                                     dout16=np.zeros(BT * 4 * C, np.uint16),
+                self._scratch.update(dout16=np.zeros(BT * 4 * C, np.uint16),
                                      dlogits16=np.zeros(min(BT, LMHEAD_GRAD_ROWS) * Vp, np.uint16))
         return self._scratch
 
@@ -638,13 +637,12 @@ class GPT2:
         dlosses = self._acts["dlosses"][:BT]
         dlosses.fill(np.float32(loss_scale / BT))
         dlnf = self._ensure_scratch()["dsmall"][:BT * C]
-        self.kernels.layers.zero_fill(dlnf, nt)
         d16 = self._scratch.get("dlogits16")
         G = BT if d16 is None else d16.size // Vp
 
-        def gemms(s0, s1, dout):
+        def gemms(s0, s1, dout):   # rows s0..s1 of dlnf written, d(wte) accumulated
             self.ops.matmul_backward(dlnf[s0 * C:s1 * C], self.g["wte"].reshape(-1), None, dout, d16,
-                                     lnf[s0 * C:s1 * C], "wte", None, s1 - s0, C, Vp, nt)
+                                     lnf[s0 * C:s1 * C], "wte", None, s1 - s0, C, Vp, nt, accumulate=False)
 
         s0, dout = 0, None   # the first staged row; fp32's dlogits
         for r0, nr, probs in blocks:
@@ -693,26 +691,23 @@ class GPT2:
             o.layernorm(a.ln2, a.ln2_mean, a.ln2_rstd, a.x2, p["ln2w"][l], p["ln2b"][l], BT, C, nt)
             o.layernorm(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, p["ln1w"][l], p["ln1b"][l], BT, C, nt)
             o.mm_input(a.atty16, a.atty, nt)
-        # out = x2 + fcproj(gelu(fc(ln2(x2))))
-        Ly.zero_fill(dbig, nt)
-        o.matmul_backward(dbig, gW("fcprojw"), gb("fcprojw"), dres, d16, a.gelu, "fcprojw", l, BT, 4 * C, C, nt)
-        dfch = a.gelu if a.gelu.dtype == np.float32 else s["dfch"][:4 * n]   # fp32: gelu's buffer is free now
-        Ly.zero_fill(dfch, nt)
-        Ly.gelu_backward(dfch, a.fch, dbig, 4 * n, nt)
-        Ly.zero_fill(dsmall, nt)
-        o.matmul_backward(dsmall, gW("fcw"), gb("fcw"), dfch, d16, a.ln2, "fcw", l, BT, C, 4 * C, nt)
+        # out = x2 + fcproj(gelu(fc(ln2(x2)))); the activation gradients are written (accumulate=False)
+        o.matmul_backward(dbig, gW("fcprojw"), gb("fcprojw"), dres, d16, a.gelu, "fcprojw", l, BT, 4 * C, C, nt,
+                          accumulate=False)
+        # fp32: d(fch) over the gelu buffer, free now; bf16: straight into d16 with fc's dbias
+        dfch, dbfc = o.gelu_backward(a.gelu, d16, gb("fcw"), a.fch, dbig, BT, 4 * C, nt)
+        o.matmul_backward(dsmall, gW("fcw"), dbfc, dfch, d16, a.ln2, "fcw", l, BT, C, 4 * C, nt, accumulate=False)
         # d(x2) = d(out) + the LN2 branch, accumulated in place
         Ly.layernorm_backward(dres, g["ln2w"][l], g["ln2b"][l], dsmall, a.x2, p["ln2w"][l],
                               a.ln2_mean, a.ln2_rstd, BT, C, nt)
         # x2 = x + attproj(attention(qkv(ln1(x))))
-        Ly.zero_fill(dsmall, nt)
         atty = a.atty if a.atty16 is None else a.atty16
-        o.matmul_backward(dsmall, gW("attprojw"), gb("attprojw"), dres, d16, atty, "attprojw", l, BT, C, C, nt)
+        o.matmul_backward(dsmall, gW("attprojw"), gb("attprojw"), dres, d16, atty, "attprojw", l, BT, C, C, nt,
+                          accumulate=False)
         dqkv = dbig[:3 * n]
-        Ly.zero_fill(dqkv, nt)
-        o.attention_backward(dqkv, dsmall, a.qkv, a.atty, a.lse, B, T, C, NH, nt)
-        Ly.zero_fill(dsmall, nt)
-        o.matmul_backward(dsmall, gW("qkvw"), gb("qkvw"), dqkv, d16, a.ln1, "qkvw", l, BT, C, 3 * C, nt)
+        o.attention_backward(dqkv, dsmall, a.qkv, a.atty, a.lse, B, T, C, NH, nt, accumulate=False)
+        o.matmul_backward(dsmall, gW("qkvw"), gb("qkvw"), dqkv, d16, a.ln1, "qkvw", l, BT, C, 3 * C, nt,
+                          accumulate=False)
         Ly.layernorm_backward(dres, g["ln1w"][l], g["ln1b"][l], dsmall, a.x, p["ln1w"][l],
                               a.ln1_mean, a.ln1_rstd, BT, C, nt)
 

@@ -7,7 +7,10 @@ changes the computation:
   layernorm / gelu   write a matmul input (bf16: rounded to bf16 by the kernel itself)
   mm_input           the copy of an fp32 activation a matmul reads (bf16: a cast; fp32: itself)
   matmul             out = inp @ W^T + b, W the model's weight in the matmul precision
-  matmul_backward    dinp, dW, db += their gradients (bf16: dout rounded to bf16 for the GEMMs)
+  matmul_backward    dinp, dW, db += their gradients (bf16: dout rounded to bf16 for the GEMMs);
+                     accumulate=False: dinp written, not added to
+  gelu_backward      d(fch) as the fc layer's matmul_backward reads it (bf16: rounded, with the
+                     fc bias gradient summed in the same pass)
   loss_backward      dlogits of a block of rows, as the lm head's matmul_backward reads it
   attention_forward / attention_backward   the flash-style attention over T positions (bf16:
                      QK^T, PV and the backward's products on bf16 operands, fp32 accumulation)
@@ -65,13 +68,26 @@ class Fp32Ops:
             return
         self.k.matmul.matmul_forward(out, inp, W, bias, N, C, OC, nt, self.engine)
 
-    def matmul_backward(self, dinp, dW, db, dout, dout_mm, inp, name, l, N, C, OC, nt):
+    # llm.c's backward kernels accumulate (+=); where the model wants a gradient written
+    # (accumulate=False), fp32 zeroes it first and keeps llm.c's kernels and their bits
+    def matmul_backward(self, dinp, dW, db, dout, dout_mm, inp, name, l, N, C, OC, nt, accumulate=True):
+        if not accumulate and dinp is not None:
+            self.k.layers.zero_fill(dinp, nt)
         self.k.matmul.matmul_backward(dinp, dW, db, dout, inp, self.weight(name, l), N, C, OC, nt, self.engine)
+
+    def gelu_backward(self, free, dout_mm, db, x, dy, N, OC, nt):
+        """-> (dout, dbias) for the fc layer's matmul_backward: d(fch) = gelu'(x) dy written over
+        `free` (fp32, N*OC, no longer needed), its bias gradient still to sum (db)."""
+        self.k.layers.zero_fill(free, nt)
+        self.k.layers.gelu_backward(free, x, dy, N * OC, nt)
+        return free, db
 
     def attention_forward(self, out, lse, qkv, B, T, C, NH, nt):
         self.k.attention.attention_forward(out, lse, qkv, B, T, C, NH, nt)
 
-    def attention_backward(self, dqkv, dout, qkv, out, lse, B, T, C, NH, nt):
+    def attention_backward(self, dqkv, dout, qkv, out, lse, B, T, C, NH, nt, accumulate=True):
+        if not accumulate:
+            self.k.layers.zero_fill(dqkv, nt)
         self.k.attention.attention_backward(dqkv, dout, qkv, out, lse, B, T, C, NH, nt)
 
     def loss_backward(self, dst16, probs, targets, dlosses, N, V, Vp, nt):
@@ -107,16 +123,22 @@ class Bf16Ops(Fp32Ops):
         W = self.weight(name, l)[:OC * C]
         self.k.matmul.matmul_forward_bf16(out, inp, W, bias, N, C, OC, nt, self.engine)
 
-    def matmul_backward(self, dinp, dW, db, dout, dout_mm, inp, name, l, N, C, OC, nt):
+    def matmul_backward(self, dinp, dW, db, dout, dout_mm, inp, name, l, N, C, OC, nt, accumulate=True):
         """dout fp32 (cast into dout_mm, the same pass summing db), or None: dout_mm already holds it."""
         self.k.matmul.matmul_backward_bf16(dinp, dW, db, dout, dout_mm[:N * OC], inp, self.weight(name, l),
-                                           N, C, OC, nt, self.engine)
+                                           N, C, OC, nt, self.engine, accumulate)
+
+    def gelu_backward(self, free, dout_mm, db, x, dy, N, OC, nt):
+        """-> (None, None): d(fch) written in bf16 into dout_mm and its bias gradient summed into
+        db in one pass (layers.gelu_backward_bf16); `free` is not needed."""
+        self.k.layers.gelu_backward_bf16(dout_mm[:N * OC], db, x, dy, N, OC, nt)
+        return None, None
 
     def attention_forward(self, out, lse, qkv, B, T, C, NH, nt):
         self.k.attention.attention_forward_bf16(out, lse, qkv, B, T, C, NH, nt)
 
-    def attention_backward(self, dqkv, dout, qkv, out, lse, B, T, C, NH, nt):
-        self.k.attention.attention_backward_bf16(dqkv, dout, qkv, out, lse, B, T, C, NH, nt)
+    def attention_backward(self, dqkv, dout, qkv, out, lse, B, T, C, NH, nt, accumulate=True):
+        self.k.attention.attention_backward_bf16(dqkv, dout, qkv, out, lse, B, T, C, NH, nt, accumulate)
 
     def loss_backward(self, dst16, probs, targets, dlosses, N, V, Vp, nt):
         """-> (None, dlogits in bf16, written straight into dst16; the probs stay fp32)."""
