@@ -141,7 +141,7 @@ static inline int llmctl_dnnl_gemm_bf16(char ta, char tb, int64_t M, int64_t N, 
 
 typedef struct {
     int64_t M, N, K, lda, ldb, ldc;
-    int ta, tb, bias, acc, threads;
+    int ta, tb, bias, acc, threads, cbf16;
     unsigned long long used;     /* 0: free slot */
     dnnl_primitive_t prim;
     dnnl_memory_t a, b, c, bs;
@@ -186,7 +186,7 @@ static dnnl_status_t llmctl_mm_build(llmctl_mm_entry* e) {
 #define LLMCTL_TRY(x) do { if (st == dnnl_success) st = (x); } while (0)
     LLMCTL_TRY(llmctl_mm_md(&a, e->M, e->K, e->lda, e->ta, dnnl_bf16));
     LLMCTL_TRY(llmctl_mm_md(&b, e->K, e->N, e->ldb, e->tb, dnnl_bf16));
-    LLMCTL_TRY(llmctl_mm_md(&c, e->M, e->N, e->ldc, 0, dnnl_f32));
+    LLMCTL_TRY(llmctl_mm_md(&c, e->M, e->N, e->ldc, 0, e->cbf16 ? dnnl_bf16 : dnnl_f32));
     if (e->bias) LLMCTL_TRY(llmctl_mm_md(&bs, 1, e->N, e->N, 0, dnnl_f32));
     LLMCTL_TRY(dnnl_primitive_attr_create(&attr));
     if (e->acc) {
@@ -214,13 +214,13 @@ static dnnl_status_t llmctl_mm_build(llmctl_mm_entry* e) {
 
 /* the cache entry for this call, built if missing (lock held); NULL if oneDNN failed */
 static llmctl_mm_entry* llmctl_mm_get(int64_t M, int64_t N, int64_t K, int ta, int tb,
-        int64_t lda, int64_t ldb, int64_t ldc, int bias, int acc, int threads, int* status) {
+        int64_t lda, int64_t ldb, int64_t ldc, int bias, int acc, int threads, int cbf16, int* status) {
     llmctl_mm_entry* victim = &llmctl_mm_cache[0];
     for (int i = 0; i < LLMCTL_MM_CACHE; i++) {
         llmctl_mm_entry* e = &llmctl_mm_cache[i];
         if (e->used && e->M == M && e->N == N && e->K == K && e->ta == ta && e->tb == tb
                 && e->lda == lda && e->ldb == ldb && e->ldc == ldc && e->bias == bias
-                && e->acc == acc && e->threads == threads) {
+                && e->acc == acc && e->threads == threads && e->cbf16 == cbf16) {
             e->used = ++llmctl_mm_clock;
             return e;
         }
@@ -229,24 +229,25 @@ static llmctl_mm_entry* llmctl_mm_get(int64_t M, int64_t N, int64_t K, int ta, i
     llmctl_mm_free(victim);
     victim->M = M; victim->N = N; victim->K = K; victim->ta = ta; victim->tb = tb;
     victim->lda = lda; victim->ldb = ldb; victim->ldc = ldc; victim->bias = bias;
-    victim->acc = acc; victim->threads = threads;
+    victim->acc = acc; victim->threads = threads; victim->cbf16 = cbf16;
     *status = (int)llmctl_mm_build(victim);
     if (*status != 0) { llmctl_mm_free(victim); return NULL; }
     victim->used = ++llmctl_mm_clock;
     return victim;
 }
 
-/* C (M,N) = op(A) @ op(B) [+ bias] [+ C if beta == 1]; beta is 0 or 1. Returns 0 or oneDNN's status. */
-static inline int llmctl_dnnl_matmul_bf16(char ta, char tb, int64_t M, int64_t N, int64_t K,
+/* C (M,N) = op(A) @ op(B) [+ bias] [+ C if beta == 1]; beta is 0 or 1; C fp32, or bf16 with
+   cbf16 (the fp32 result rounded to nearest even by the primitive). Returns 0 or oneDNN's status. */
+static inline int llmctl_dnnl_matmul_bf16_dst(char ta, char tb, int64_t M, int64_t N, int64_t K,
         const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, const float* bias,
-        float beta, float* C, int64_t ldc, int n_threads) {
+        float beta, void* C, int64_t ldc, int cbf16, int n_threads) {
     sigset_t old;
     int st = 0, acc = beta != 0.0f;
     LLMCTL_DNNL_THREADS(n_threads);
     llmctl_block_signals(&old, n_threads);
     pthread_mutex_lock(&llmctl_mm_lock);
     llmctl_mm_entry* e = llmctl_mm_get(M, N, K, ta == 'T', tb == 'T', lda, ldb, ldc, bias != NULL,
-                                       acc, n_threads, &st);
+                                       acc, n_threads, cbf16, &st);
     if (e) {
         dnnl_exec_arg_t args[4] = {{DNNL_ARG_SRC, e->a}, {DNNL_ARG_WEIGHTS, e->b},
                                    {DNNL_ARG_DST, e->c}, {DNNL_ARG_BIAS, e->bs}};
@@ -260,6 +261,12 @@ static inline int llmctl_dnnl_matmul_bf16(char ta, char tb, int64_t M, int64_t N
     pthread_mutex_unlock(&llmctl_mm_lock);
     llmctl_restore_signals(&old);
     return st;
+}
+
+static inline int llmctl_dnnl_matmul_bf16(char ta, char tb, int64_t M, int64_t N, int64_t K,
+        const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, const float* bias,
+        float beta, float* C, int64_t ldc, int n_threads) {
+    return llmctl_dnnl_matmul_bf16_dst(ta, tb, M, N, K, A, lda, B, ldb, bias, beta, C, ldc, 0, n_threads);
 }
 
 /* primitives built since load */
@@ -279,6 +286,9 @@ static inline int llmctl_dnnl_gemm_bf16(char ta, char tb, int64_t M, int64_t N, 
 static inline int llmctl_dnnl_matmul_bf16(char ta, char tb, int64_t M, int64_t N, int64_t K,
         const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, const float* bias,
         float beta, float* C, int64_t ldc, int n_threads) { return -1; }
+static inline int llmctl_dnnl_matmul_bf16_dst(char ta, char tb, int64_t M, int64_t N, int64_t K,
+        const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, const float* bias,
+        float beta, void* C, int64_t ldc, int cbf16, int n_threads) { return -1; }
 static inline long llmctl_dnnl_matmul_builds(void) { return 0; }
 static inline void llmctl_dnnl_version(int* v) { v[0] = v[1] = v[2] = 0; }
 #endif

@@ -39,6 +39,9 @@ cdef extern from "gelu.h" nogil:
     void llmctl_gelu_bwd(float* dx, const float* x, const float* dy, Py_ssize_t n, float k)
     void llmctl_gelu_bwd_bf16_cols(uint16_t* out, double* acc, const float* x, const float* dy,
                                    Py_ssize_t BT, Py_ssize_t OC, Py_ssize_t n, float k)
+    void llmctl_gelu_fwd_b16_bf16(uint16_t* out, const uint16_t* x, Py_ssize_t n, float k)
+    void llmctl_gelu_bwd_b16_cols(uint16_t* out, double* acc, const uint16_t* x, const float* dy,
+                                  Py_ssize_t BT, Py_ssize_t OC, Py_ssize_t n, float k)
     enum: LLMCTL_GELU_COLS
 
 cdef extern from "rows.h" nogil:
@@ -404,9 +407,30 @@ def gelu_forward(float[::1] out, const float[::1] inp, long N, int n_threads=1):
     _checked_gelu_forward(out, inp, N, n_threads)
 
 
-def gelu_forward_bf16(uint16_t[::1] out, const float[::1] inp, long N, int n_threads=1):
-    """gelu_forward with out (N) written as bf16 (the fcproj matmul reads it; gelu_backward uses inp)."""
-    _checked_gelu_forward(out, inp, N, n_threads)
+cdef void _gelu_forward_b16(uint16_t* out, const uint16_t* inp, Py_ssize_t N, int n_threads) noexcept nogil:
+    cdef Py_ssize_t ch, s
+    for ch in prange(_nchunks(N, ECHUNK), schedule='static', num_threads=n_threads):
+        s = ch * ECHUNK
+        llmctl_gelu_fwd_b16_bf16(out + s, inp + s, imin(ECHUNK, N - s), GELU_SCALE)
+
+
+def gelu_forward_bf16(uint16_t[::1] out, inp, long N, int n_threads=1):
+    """gelu_forward with out (N) written as bf16 (the fcproj matmul reads it; gelu_backward uses
+    inp). inp float32, or uint16: bf16 (the fc matmul's bf16 output), widened exactly first."""
+    cdef const uint16_t[::1] in16
+    cdef const float[::1] in32
+    if getattr(inp, "dtype", None) != "uint16":
+        in32 = inp
+        _checked_gelu_forward(out, in32, N, n_threads)
+        return
+    in16 = inp
+    check_threads(n_threads)
+    check_positive("N", N)
+    check_len("out", out.shape[0], N)
+    check_len("inp", in16.shape[0], N)
+    n_threads = eff_threads(n_threads, N, _grain)
+    with nogil:
+        _gelu_forward_b16(&out[0], &in16[0], N, n_threads)
 
 
 def gelu_backward(float[::1] dinp, const float[::1] inp, const float[::1] dout, long N, int n_threads=1):
@@ -422,19 +446,27 @@ def gelu_backward(float[::1] dinp, const float[::1] inp, const float[::1] dout, 
         _gelu_backward(&dinp[0], &inp[0], &dout[0], N, n_threads)
 
 
-cdef void _gelu_bwd_bf16_cols(uint16_t* dinp, float* dbias, const float* inp, const float* dout,
+ctypedef fused gin_t:
+    float
+    uint16_t
+
+
+cdef void _gelu_bwd_bf16_cols(uint16_t* dinp, float* dbias, const gin_t* inp, const float* dout,
                               Py_ssize_t BT, int OC, int o0, int w) noexcept nogil:
     # columns o0..o0+w (w <= LLMCTL_GELU_COLS) of every row; acc on this task's own stack
     cdef double acc[LLMCTL_GELU_COLS]
     cdef int o, n = imin(w, OC - o0)
     memset(acc, 0, sizeof(acc))
-    llmctl_gelu_bwd_bf16_cols(dinp + o0, acc, inp + o0, dout + o0, BT, OC, n, GELU_SCALE)
+    if gin_t is float:
+        llmctl_gelu_bwd_bf16_cols(dinp + o0, acc, inp + o0, dout + o0, BT, OC, n, GELU_SCALE)
+    else:
+        llmctl_gelu_bwd_b16_cols(dinp + o0, acc, inp + o0, dout + o0, BT, OC, n, GELU_SCALE)
     if dbias != NULL:
         for o in range(n):
             dbias[o0 + o] += <float>acc[o]
 
 
-cdef void _gelu_backward_bf16(uint16_t* dinp, float* dbias, const float* inp, const float* dout,
+cdef void _gelu_backward_bf16(uint16_t* dinp, float* dbias, const gin_t* inp, const float* dout,
                               Py_ssize_t BT, int OC, int n_threads) noexcept nogil:
     # each thread one wide chunk of columns down every row (rows of a narrow chunk would each be a
     # new page: 64 columns measured 2x slower); each column's sum runs over the rows in order
@@ -445,13 +477,14 @@ cdef void _gelu_backward_bf16(uint16_t* dinp, float* dbias, const float* inp, co
         _gelu_bwd_bf16_cols(dinp, dbias, inp, dout, BT, OC, ch * w, w)
 
 
-def gelu_backward_bf16(uint16_t[::1] dinp, dbias, const float[::1] inp, const float[::1] dout,
+def gelu_backward_bf16(uint16_t[::1] dinp, dbias, const gin_t[::1] inp, const float[::1] dout,
                        long BT, int OC, int n_threads=1):
     """The fc layer's gradient for its bf16 backward GEMMs in one pass: dinp (BT,OC) =
     bf16(gelu'(inp) * dout), written, not accumulated (the same bits as a zero fill, gelu_backward's
     += and a cast); dbias (OC) += the column sums of that fp32 gradient (double accumulators, rows
-    in order: the sum matmul_backward_bf16 makes from an fp32 dout), unless dbias is None. Feed
-    dinp to matmul_backward_bf16 as dout_bf16 with dout=None, dbias=None."""
+    in order: the sum matmul_backward_bf16 makes from an fp32 dout), unless dbias is None. inp:
+    float32, or uint16 (bf16, widened exactly). Feed dinp to matmul_backward_bf16 as dout_bf16
+    with dout=None, dbias=None."""
     cdef float[::1] db
     cdef float* db_ptr = NULL
     check_threads(n_threads)

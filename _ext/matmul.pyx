@@ -51,6 +51,10 @@ cdef extern from "dnnl_gemm.h" nogil:
     int llmctl_dnnl_matmul_bf16(char ta, char tb, int64_t M, int64_t N, int64_t K, const uint16_t* A,
                                 int64_t lda, const uint16_t* B, int64_t ldb, const float* bias,
                                 float beta, float* C, int64_t ldc, int n_threads)
+    int llmctl_dnnl_matmul_bf16_dst(char ta, char tb, int64_t M, int64_t N, int64_t K,
+                                    const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb,
+                                    const float* bias, float beta, void* C, int64_t ldc, int cbf16,
+                                    int n_threads)
     long llmctl_dnnl_matmul_builds()
     void llmctl_dnnl_version(int* v)
 
@@ -810,11 +814,58 @@ cdef void _gemv_bf16(float* out, const uint16_t* inp, const uint16_t* weight, co
         llmctl_gemv_bf16(out, inp, weight, bias, R, C, OC, o0, o1)
 
 
-def matmul_forward_bf16(float[::1] out, const uint16_t[::1] inp, const uint16_t[::1] weight, bias,
+cdef void _round_rows(uint16_t* dst, const float* src, Py_ssize_t n, int n_threads) noexcept nogil:
+    cdef Py_ssize_t ch, i, s, e
+    n_threads = eff_threads(n_threads, n, _grain)
+    for ch in prange((n + ECHUNK - 1) // ECHUNK, schedule='static', num_threads=n_threads):
+        s = ch * ECHUNK
+        e = imin(s + ECHUNK, n)
+        for i in range(s, e):
+            dst[i] = llmctl_f32_to_bf16(src[i])
+
+
+def matmul_forward_bf16(out, const uint16_t[::1] inp, const uint16_t[::1] weight, bias,
                         int BT, int C, int OC, int n_threads=1, engine=None):
-    """out (BT,OC) fp32 = inp (BT,C) bf16 @ weight (OC,C)^T bf16 + bias (OC) fp32, accumulated in
-    fp32. Overwrites out. bias may be None. On the dnnl engines, BT <= set_gemv_rows() rows (a
-    decode step) run on gemv_bf16.h where the CPU has AVX512_BF16."""
+    """out (BT,OC) = inp (BT,C) bf16 @ weight (OC,C)^T bf16 + bias (OC) fp32, accumulated in
+    fp32. Overwrites out: float32, or uint16 for bf16 (the fp32 result rounded to nearest even;
+    for an output that only feeds bf16 kernels, at half the bytes: oneDNN's primitive writes it
+    so itself, the other paths round an fp32 result). bias may be None. On the dnnl engines,
+    BT <= set_gemv_rows() rows (a decode step) run on gemv_bf16.h where the CPU has AVX512_BF16."""
+    cdef uint16_t[::1] out16
+    cdef float[::1] tmp
+    cdef int st = 0
+    cdef int which
+    if getattr(out, "dtype", None) != "uint16":
+        _matmul_forward_bf16_f32(out, inp, weight, bias, BT, C, OC, n_threads, engine)
+        return
+    out16 = out
+    which = _bf16_engine_id(engine)
+    if which == DNNL and not (_gemv_ok and BT <= _gemv_rows):
+        _check_sizes("out", out16.shape[0], inp.shape[0], weight.shape[0], BT, C, OC, n_threads)
+        bias_ptr = _bias_ptr(bias, OC)
+        with nogil:
+            st = llmctl_dnnl_matmul_bf16_dst(b'N', b'T', BT, OC, C, &inp[0], C, &weight[0], C, bias_ptr,
+                                             0.0, &out16[0], OC, 1, n_threads)
+        _check_dnnl(st, "matmul_forward_bf16")
+        return
+    check_len("out", out16.shape[0], <Py_ssize_t>BT * OC)
+    tmp = memoryview(bytearray(<Py_ssize_t>BT * OC * 4)).cast("f")
+    _matmul_forward_bf16_f32(tmp, inp, weight, bias, BT, C, OC, n_threads, engine)
+    with nogil:
+        _round_rows(&out16[0], &tmp[0], <Py_ssize_t>BT * OC, n_threads)
+
+
+cdef const float* _bias_ptr(bias, int OC) except? NULL:
+    cdef const float[::1] bias_mv
+    if bias is None:
+        return NULL
+    bias_mv = bias
+    check_len("bias", bias_mv.shape[0], OC)
+    return &bias_mv[0]
+
+
+def _matmul_forward_bf16_f32(float[::1] out, const uint16_t[::1] inp, const uint16_t[::1] weight, bias,
+                             int BT, int C, int OC, int n_threads=1, engine=None):
     cdef int which = _bf16_engine_id(engine)
     cdef const float[::1] bias_mv
     cdef const float* bias_ptr = NULL

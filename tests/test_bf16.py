@@ -424,6 +424,37 @@ def test_gelu_backward_bf16_is_the_zeroed_accumulate_cast_and_bias_sum(BT, OC):
         layers.gelu_backward_bf16(got16, np.zeros(2, np.float32), x, dy, BT, OC, 2)
 
 
+def test_gelu_bf16_kernels_read_bf16_input_as_its_exact_widening():
+    # the bf16 model keeps fch in bf16: GELU forward and backward widen it exactly, so reading
+    # bf16 gives the bits of reading the same values in fp32 (ragged blocks of 1024 included)
+    rng = np.random.default_rng(3)
+    BT, OC = 37, 131
+    xb = to_bf16(_f32(rng, BT * OC, scale=3.0))
+    x32, dy = from_bf16(xb), _f32(rng, BT * OC)
+    outs = []
+    for x in (x32, xb):
+        o, d16, db = np.empty(x.size, np.uint16), np.empty(x.size, np.uint16), np.zeros(OC, np.float32)
+        layers.gelu_forward_bf16(o, x, x.size, 2)
+        layers.gelu_backward_bf16(d16, db, x, dy, BT, OC, 2)
+        outs.append((o, d16, db))
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("engine", BF16_ENGINES)
+@pytest.mark.parametrize("BT", [1, 3, 70])      # 1, 3: the GEMV rows of a decode step
+def test_matmul_forward_bf16_writes_bf16_as_the_rounded_fp32_result(engine, BT):
+    C, OC = 96, 200
+    rng = np.random.default_rng(BT)
+    ib, wb, b = to_bf16(_f32(rng, BT, C)), to_bf16(_f32(rng, OC, C)), _f32(rng, OC)
+    o32, o16 = np.empty(BT * OC, np.float32), np.full(BT * OC, 0xFFFF, np.uint16)
+    for out in (o32, o16):
+        matmul.matmul_forward_bf16(out, ib.ravel(), wb.ravel(), b, BT, C, OC, n_threads=2, engine=engine)
+    np.testing.assert_array_equal(o16, to_bf16(o32))
+    with pytest.raises(ValueError, match="out has 3 elements"):
+        matmul.matmul_forward_bf16(np.empty(3, np.uint16), ib.ravel(), wb.ravel(), b, BT, C, OC, engine=engine)
+
+
 def test_softmax_crossentropy_backward_bf16_is_the_cast_fp32_output():
     BT, V, Vp = 6, 50, 64
     rng = np.random.default_rng(2)

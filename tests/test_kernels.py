@@ -770,6 +770,12 @@ def _row_kernel_outputs(n_threads, rng):
     gb = _f32(rng, 131)                    # 131 columns: two full chunks of 64 and a tail of 3
     layers.gelu_backward_bf16(o16[:N - N % 131], gb, x[:N - N % 131], dy[:N - N % 131], N // 131, 131, n_threads)
     out += [o16.tobytes(), gb.tobytes()]
+    xb = np.empty(N, np.uint16)              # bf16 input (the bf16 model's fch)
+    convert.cast_to_bf16(xb, x, n_threads)
+    layers.gelu_forward_bf16(o16, xb, N, n_threads)
+    out.append(o16.tobytes())
+    layers.gelu_backward_bf16(o16[:N - N % 131], gb, xb[:N - N % 131], dy[:N - N % 131], N // 131, 131, n_threads)
+    out += [o16.tobytes(), gb.tobytes()]
     convert.cast_to_bf16(o16, x, n_threads)
     out.append(o16.tobytes())
     R, C = 9, 77

@@ -288,7 +288,7 @@ class GPT2:
             "qkv": z(L, BT * 3 * C),
             "atty": z(L, BT * C), "lse": z(L, BT * NH),
             "ln2": zm(Lr, BT * C), "ln2_mean": z(L, BT), "ln2_rstd": z(L, BT),
-            "fch": z(L, BT * 4 * C),
+            "fch": zm(L, BT * 4 * C),    # bf16: the fc matmul rounds its output (GELU reads only that)
             "gelu": zm(Lg, BT * 4 * C),
             "lnf": zm(BT * C), "lnf_mean": z(BT), "lnf_rstd": z(BT),
             "logits": z(plan.logits_rows * Vp),   # logits -> probs -> dlogits, in place (fp32)
@@ -333,7 +333,7 @@ class GPT2:
             self._step_bufs = m = {
                 "x2": e(n), "ln1": em(n), "ln1_mean": e(N), "ln1_rstd": e(N), "qkv": e(3 * n),
                 "atty": e(n), "atty16": em(n) if self.precision == "bf16" else None,
-                "ln2": em(n), "ln2_mean": e(N), "ln2_rstd": e(N), "fch": e(4 * n), "gelu": em(4 * n)}
+                "ln2": em(n), "ln2_mean": e(N), "ln2_rstd": e(N), "fch": em(4 * n), "gelu": em(4 * n)}
         cut = {"ln1_mean": N, "ln1_rstd": N, "ln2_mean": N, "ln2_rstd": N, "qkv": 3 * n, "fch": 4 * n, "gelu": 4 * n}
         views = {k: (None if b is None else b[:cut.get(k, n)]) for k, b in m.items()}
         return SimpleNamespace(x=x.reshape(-1), out=np.empty(n, np.float32), lse=None, **views)
