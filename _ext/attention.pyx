@@ -108,6 +108,8 @@ cdef extern from "attention_bf16.h" nogil:
     Py_ssize_t attb_backward_scratch_bytes(Py_ssize_t T, Py_ssize_t hs)
     Py_ssize_t attb_shared_bytes(Py_ssize_t B, Py_ssize_t T, Py_ssize_t C, Py_ssize_t NH, int backward)
     Py_ssize_t attb_pad(Py_ssize_t n, Py_ssize_t to)
+    void attb_pack_heads_b16(uint16_t* dst, const uint16_t* src, Py_ssize_t B, Py_ssize_t b, Py_ssize_t T,
+                             Py_ssize_t t0, Py_ssize_t t1, Py_ssize_t C, Py_ssize_t NH, int path)
     void attb_pack_heads(uint16_t* dst, const float* src, Py_ssize_t n, Py_ssize_t B, Py_ssize_t b,
                          Py_ssize_t T, Py_ssize_t t0, Py_ssize_t t1, Py_ssize_t C, Py_ssize_t NH,
                          float* D, const float* out, int path)
@@ -466,6 +468,27 @@ cdef _check_disjoint(str out_name, const float[::1] o, str in_name, const float[
         check_disjoint(out_name, &o[0], o.shape[0], in_name, &x[0], x.shape[0])
 
 
+ctypedef fused qkv_t:     # the bf16 kernels' q, k, v: fp32, or already bf16 (uint16)
+    float
+    uint16_t
+
+
+cdef _check_disjoint_qkv(str out_name, const float[::1] o, const qkv_t[::1] x):
+    if o.shape[0] != 0 and x.shape[0] != 0:
+        if qkv_t is float:
+            check_disjoint(out_name, &o[0], o.shape[0], "qkv", &x[0], x.shape[0])
+        else:   # byte ranges: the same test on the bytes each occupies
+            check_disjoint(out_name, &o[0], o.shape[0], "qkv", <const float*>&x[0], (x.shape[0] + 1) // 2)
+
+
+cdef void _pack_qkv(uint16_t* rows, const qkv_t* qkv, Py_ssize_t B, Py_ssize_t b, Py_ssize_t T,
+                    Py_ssize_t t0, Py_ssize_t t1, Py_ssize_t C, Py_ssize_t NH, int path) noexcept nogil:
+    if qkv_t is float:
+        attb_pack_heads(rows, qkv, 3, B, b, T, t0, t1, C, NH, NULL, NULL, path)
+    else:
+        attb_pack_heads_b16(rows, qkv, B, b, T, t0, t1, C, NH, path)
+
+
 def forward_scratch_bytes(int T, int C, int NH, int n_threads=1):
     """Bytes of scratch attention_forward allocates (independent of T: O(BR*hs + hs*BC))."""
     _check_dims(1, T, C, NH, n_threads)
@@ -490,9 +513,9 @@ def attention_forward(float[::1] out, float[::1] lse, const float[::1] qkv,
     check_len("out", out.shape[0], BT * C, f"B*T*C = {B}*{T}*{C}")
     check_len("lse", lse.shape[0], BT * NH, f"B*NH*T = {B}*{NH}*{T}")
     check_len("qkv", qkv.shape[0], BT * 3 * C, f"B*T*3C = {B}*{T}*3*{C}")
-    _check_disjoint("out", out, "qkv", qkv)
+    _check_disjoint_qkv("out", out, qkv)
     _check_disjoint("out", out, "lse", lse)
-    _check_disjoint("lse", lse, "qkv", qkv)
+    _check_disjoint_qkv("lse", lse, qkv)
     if BT == 0:
         return
     cdef Py_ssize_t nwork = <Py_ssize_t>B * NH * ((T + BR - 1) // BR)
@@ -525,7 +548,7 @@ def attention_backward(float[::1] dqkv, const float[::1] dout, const float[::1] 
     check_len("out", out.shape[0], BT * C, f"B*T*C = {B}*{T}*{C}")
     check_len("lse", lse.shape[0], BT * NH, f"B*NH*T = {B}*{NH}*{T}")
     _check_disjoint("dqkv", dqkv, "dout", dout)
-    _check_disjoint("dqkv", dqkv, "qkv", qkv)
+    _check_disjoint_qkv("dqkv", dqkv, qkv)
     _check_disjoint("dqkv", dqkv, "out", out)
     _check_disjoint("dqkv", dqkv, "lse", lse)
     if BT == 0:
@@ -685,10 +708,12 @@ def bf16_backward_scratch_bytes(int B, int T, int C, int NH, int n_threads=1):
     return _align64(attb_shared_bytes(B, T, C, NH, 1)) + n_threads * _align64(attb_backward_scratch_bytes(T, C // NH))
 
 
-def attention_forward_bf16(float[::1] out, float[::1] lse, const float[::1] qkv,
+def attention_forward_bf16(float[::1] out, float[::1] lse, const qkv_t[::1] qkv,
                            int B, int T, int C, int NH, int n_threads=1):
     """attention_forward with bf16 products: q, k, v and the probabilities rounded to bf16,
-    fp32 accumulation and softmax (attention_bf16.h). Same arguments, outputs and semantics.
+    fp32 accumulation and softmax (attention_bf16.h). Same arguments, outputs and semantics;
+    qkv may also be given in bf16 (uint16: what matmul_forward_bf16 writes for the qkv layer),
+    the same bits as its fp32 values.
 
     Work items are (batch, head) pairs, each computed the same way whatever thread runs it, so
     results are bit-identical for any n_threads (on a given path).
@@ -698,9 +723,9 @@ def attention_forward_bf16(float[::1] out, float[::1] lse, const float[::1] qkv,
     check_len("out", out.shape[0], BT * C, f"B*T*C = {B}*{T}*{C}")
     check_len("lse", lse.shape[0], BT * NH, f"B*NH*T = {B}*{NH}*{T}")
     check_len("qkv", qkv.shape[0], BT * 3 * C, f"B*T*3C = {B}*{T}*3*{C}")
-    _check_disjoint("out", out, "qkv", qkv)
+    _check_disjoint_qkv("out", out, qkv)
     _check_disjoint("out", out, "lse", lse)
-    _check_disjoint("lse", lse, "qkv", qkv)
+    _check_disjoint_qkv("lse", lse, qkv)
     if BT == 0:
         return
     cdef Py_ssize_t nwork = <Py_ssize_t>B * NH
@@ -720,8 +745,7 @@ def attention_forward_bf16(float[::1] out, float[::1] lse, const float[::1] qkv,
         with nogil:
             for w in prange(B * nchunk, num_threads=n_threads, schedule='static'):
                 t0 = (w % nchunk) * TILE_T
-                attb_pack_heads(rows, &qkv[0], 3, B, w // nchunk, T, t0, _imin(T, t0 + TILE_T), C, NH,
-                                NULL, NULL, path)
+                _pack_qkv(rows, &qkv[0], B, w // nchunk, T, t0, _imin(T, t0 + TILE_T), C, NH, path)
             with parallel(num_threads=nt):
                 for w in prange(nwork, schedule='static', chunksize=1):
                     attb_forward_head(&out[0], &lse[0], rows, B, w // NH, w % NH, T, C, NH,
@@ -730,14 +754,14 @@ def attention_forward_bf16(float[::1] out, float[::1] lse, const float[::1] qkv,
         _give_scratch(scratch, own)
 
 
-def attention_backward_bf16(float[::1] dqkv, const float[::1] dout, const float[::1] qkv,
+def attention_backward_bf16(float[::1] dqkv, const float[::1] dout, const qkv_t[::1] qkv,
                             const float[::1] out, const float[::1] lse,
                             int B, int T, int C, int NH, int n_threads=1, bint accumulate=True):
     """attention_backward with bf16 products: q, k, v, dout, P and dS rounded to bf16, fp32
     accumulation (attention_bf16.h). Same arguments and semantics (dqkv +=); out and lse are
     those of attention_forward_bf16. Bit-identical for any n_threads (on a given path).
     accumulate=False: dqkv is written instead (the same bits as zeroing it first; its old
-    contents are not read).
+    contents are not read). qkv fp32 or bf16, as for attention_forward_bf16.
     """
     _check_dims(B, T, C, NH, n_threads)
     cdef Py_ssize_t BT = <Py_ssize_t>B * T
@@ -747,7 +771,7 @@ def attention_backward_bf16(float[::1] dqkv, const float[::1] dout, const float[
     check_len("out", out.shape[0], BT * C, f"B*T*C = {B}*{T}*{C}")
     check_len("lse", lse.shape[0], BT * NH, f"B*NH*T = {B}*{NH}*{T}")
     _check_disjoint("dqkv", dqkv, "dout", dout)
-    _check_disjoint("dqkv", dqkv, "qkv", qkv)
+    _check_disjoint_qkv("dqkv", dqkv, qkv)
     _check_disjoint("dqkv", dqkv, "out", out)
     _check_disjoint("dqkv", dqkv, "lse", lse)
     if BT == 0:
@@ -774,8 +798,7 @@ def attention_backward_bf16(float[::1] dqkv, const float[::1] dout, const float[
         with nogil:
             for w in prange(B * nchunk, num_threads=n_threads, schedule='static'):
                 t0 = (w % nchunk) * TILE_T
-                attb_pack_heads(rows, &qkv[0], 3, B, w // nchunk, T, t0, _imin(T, t0 + TILE_T), C, NH,
-                                NULL, NULL, path)
+                _pack_qkv(rows, &qkv[0], B, w // nchunk, T, t0, _imin(T, t0 + TILE_T), C, NH, path)
                 attb_pack_heads(drows, &dout[0], 1, B, w // nchunk, T, t0, _imin(T, t0 + TILE_T), C, NH,
                                 D, &out[0], path)
             with parallel(num_threads=nt):

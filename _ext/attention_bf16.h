@@ -52,12 +52,17 @@ static unsigned attb_ran_take(int reset)
     return r;
 }
 
+/* a bf16 subnormal flushed to a signed zero */
+static inline uint16_t attb_flush(uint16_t h)
+{
+    uint16_t keep = (uint16_t)-(uint16_t)((h & 0x7F80u) != 0);   /* branch-free: vectorises */
+    return (uint16_t)((h & keep) | (h & 0x8000u & ~keep));
+}
+
 /* fp32 -> bf16, round to nearest even; subnormal results flushed to a signed zero */
 static inline uint16_t attb_rnd(float x)
 {
-    uint16_t h = llmctl_f32_to_bf16(x);
-    uint16_t keep = (uint16_t)-(uint16_t)((h & 0x7F80u) != 0);   /* branch-free: vectorises */
-    return (uint16_t)((h & keep) | (h & 0x8000u & ~keep));
+    return attb_flush(llmctl_f32_to_bf16(x));
 }
 
 /* ---- the three GEMMs: C (M x N, fp32, ldc) += A (M x K, bf16, lda) B (pair-packed, ldb);
@@ -280,6 +285,14 @@ static void attb_pack_heads(uint16_t* dst, const float* src, ptrdiff_t n, ptrdif
 {
     (path == ATTB_EMULATED ? attb_pack_heads_base : ATTB_NATIVE(pack_heads))
         (dst, src, n, B, b, T, t0, t1, C, NH, D, out);
+}
+
+/* pack_heads of q, k, v (n = 3) given in bf16 */
+static void attb_pack_heads_b16(uint16_t* dst, const uint16_t* src, ptrdiff_t B, ptrdiff_t b, ptrdiff_t T,
+                                ptrdiff_t t0, ptrdiff_t t1, ptrdiff_t C, ptrdiff_t NH, int path)
+{
+    (path == ATTB_EMULATED ? attb_pack_heads_b16_base : ATTB_NATIVE(pack_heads_b16))
+        (dst, src, B, b, T, t0, t1, C, NH);
 }
 
 /* out (B,T,C) rows of head h, lse (B,NH,T), from pack_heads' rows of qkv */

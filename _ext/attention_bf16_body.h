@@ -35,6 +35,26 @@ static void ATTB_FN(pack_heads)(uint16_t* dst, const float* src, ptrdiff_t n, pt
                 memset(dst + (((w * B + b) * NH + h) * Tp + T) * hsp, 0, (size_t)(Tp - T) * hsp * 2);
 }
 
+/* pack_heads for q, k, v already in bf16 (B,T,3C): the same rows, each value flushed as attb_rnd
+   flushes (a bf16 that is attb_rnd(x) of some fp32 x packs to the same bits as x) */
+static void ATTB_FN(pack_heads_b16)(uint16_t* dst, const uint16_t* src, ptrdiff_t B, ptrdiff_t b,
+                                    ptrdiff_t T, ptrdiff_t t0, ptrdiff_t t1, ptrdiff_t C, ptrdiff_t NH)
+{
+    const ptrdiff_t hs = C / NH, Tp = attb_pad(T, ATTB_BLK), hsp = attb_pad(hs, 32);
+    for (ptrdiff_t t = t0; t < t1; t++)
+        for (ptrdiff_t w = 0; w < 3; w++)
+            for (ptrdiff_t h = 0; h < NH; h++) {
+                uint16_t* o = dst + (((w * B + b) * NH + h) * Tp + t) * hsp;
+                const uint16_t* x = src + (b * T + t) * 3 * C + w * C + h * hs;
+                for (ptrdiff_t d = 0; d < hs; d++) o[d] = attb_flush(x[d]);
+                for (ptrdiff_t d = hs; d < hsp; d++) o[d] = 0;
+            }
+    if (t1 == T)
+        for (ptrdiff_t w = 0; w < 3; w++)
+            for (ptrdiff_t h = 0; h < NH; h++)
+                memset(dst + (((w * B + b) * NH + h) * Tp + T) * hsp, 0, (size_t)(Tp - T) * hsp * 2);
+}
+
 /* exp(v): attention_kernels.h's exp (Cody-Waite, Cephes degree 6, unfused as in its "default"
    set); -inf (a masked key) -> 0. Inlined into the loops over a block, which gcc vectorises. */
 static inline float ATTB_FN(exp1)(float v)

@@ -26,6 +26,7 @@ import pytest
 import reference as R
 
 from llmctl._ext import attention as A
+from llmctl._ext import convert
 
 SHAPES = [
     (1, 1, 12, 2),     # a single query; hs=6 padded to 32
@@ -212,6 +213,25 @@ def test_backward_overwrites_when_asked(path):
     got = np.full(qkv.size, np.nan, np.float32)
     A.attention_backward_bf16(got, dout.ravel(), qkv.ravel(), out, lse, B, T, C, NH, 2, accumulate=False)
     np.testing.assert_array_equal(got, d)
+
+
+def test_bf16_qkv_gives_the_bits_of_its_fp32_values(path):
+    # the bf16 model keeps qkv as the qkv matmul's bf16 output: packing it must equal packing
+    # the fp32 values it rounds (subnormals flushed alike), forward and backward
+    B, T, C, NH = 2, 45, 64, 2
+    qkv, dout = _inputs(B, T, C, seed=6)
+    qkv.ravel()[:6] = [1e-39, -1e-39, 3e-41, 0.0, -0.0, 1e-45]    # bf16 subnormals and zeros
+    q16 = np.empty(qkv.size, np.uint16)
+    convert.cast_to_bf16(q16, qkv.ravel(), 2)
+    out, lse = _forward(qkv, NH, 2)
+    out16, lse16 = np.full_like(out, np.nan), np.full_like(lse, np.nan)
+    A.attention_forward_bf16(out16, lse16, q16, B, T, C, NH, 2)
+    np.testing.assert_array_equal(out16, out)
+    np.testing.assert_array_equal(lse16, lse)
+    d = _backward(dout, qkv, out, lse, NH, 2)
+    d16 = np.full(qkv.size, np.nan, np.float32)
+    A.attention_backward_bf16(d16, dout.ravel(), q16, out, lse, B, T, C, NH, 2, accumulate=False)
+    np.testing.assert_array_equal(d16, d)
 
 
 def test_paths_agree_far_closer_than_with_fp32_attention():

@@ -667,15 +667,25 @@ def test_bf16_lmhead_gradient_made_in_the_forward_is_the_recomputed_one(bf16_ok,
 def test_bf16_cached_forward_matches_the_training_forward(bf16_ok):
     # sampling / HellaSwag run the KV-cached forward: in bf16 it rounds the same matmul inputs
     from llmctl.model.gpt2 import KVCache
+    from llmctl.model.ops import Bf16Ops
 
     from llmctl._ext import attention
 
     m = _init("bf16")
     x, _ = _data(B=2, T=20, seed=3)
-    # the cached forward's attention is fp32 (kvcache.pyx), the bf16 training forward's rounds
-    # q, k, v and P to bf16 (attention_forward_bf16, ~2e-3 on these logits): compare the rest of
-    # the model with the training forward's attention run in fp32
-    m.ops.attention_forward = attention.attention_forward
+    # the cached forward's attention is fp32 (kvcache.pyx) on fp32 q, k, v; the bf16 training
+    # forward keeps q, k, v in bf16 and rounds P too (attention_forward_bf16, ~2e-3 on these
+    # logits): compare the rest of the model with the training forward's attention run in fp32
+    # on the q, k, v it keeps, and the cached forward's fed those same rounded values
+    def fp32_attention(out, lse, qkv, B, T, C, NH, nt):
+        attention.attention_forward(out, lse, from_bf16(qkv), B, T, C, NH, nt)
+
+    def rounding_matmul(out, inp, name, l, bias, N, C, OC, nt):
+        Bf16Ops.matmul(m.ops, out, inp, name, l, bias, N, C, OC, nt)
+        if name == "qkvw" and out.dtype == np.float32:
+            out[:] = from_bf16(to_bf16(out))
+
+    m.ops.attention_forward, m.ops.matmul = fp32_attention, rounding_matmul
     m.forward(x)
     want = m.logits()[..., :MCFG.vocab_size].astype(np.float64)
     cache = KVCache(MCFG, 2, 20)

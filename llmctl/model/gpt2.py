@@ -285,7 +285,7 @@ class GPT2:
             "resid": z(L + 1, BT * C),   # resid[0] = encoded, resid[l+1] = residual3 of layer l
             "res2": z(L, BT * C),
             "ln1": zm(Lr, BT * C), "ln1_mean": z(L, BT), "ln1_rstd": z(L, BT),
-            "qkv": z(L, BT * 3 * C),
+            "qkv": zm(L, BT * 3 * C),    # bf16: attention reads q, k, v only rounded to bf16
             "atty": z(L, BT * C), "lse": z(L, BT * NH),
             "ln2": zm(Lr, BT * C), "ln2_mean": z(L, BT), "ln2_rstd": z(L, BT),
             "fch": zm(L, BT * 4 * C),    # bf16: the fc matmul rounds its output (GELU reads only that)
