@@ -291,6 +291,16 @@ cdef void _softmax_crossentropy_backward(out_t* dlogits, const float* probs, con
         _xent_bwd_row(dlogits + bt * Vp, probs + bt * Vp, targets[bt], dlosses[bt], V, Vp)
 
 
+cdef void _xent_forward_backward_bf16(float* losses, uint16_t* dlogits, float* logits, const int* targets,
+                                      const float* dlosses, int BT, int V, int Vp,
+                                      int n_threads) noexcept nogil:
+    # row by row: the backward reads the probs while the row (201 KB at GPT-2's Vp) is in cache
+    cdef Py_ssize_t bt
+    for bt in prange(BT, schedule='static', num_threads=n_threads):
+        llmctl_xent_fwd(losses + bt, logits + bt * Vp, logits + bt * Vp, targets[bt], V, Vp)
+        llmctl_xent_bwd_bf16(dlogits + bt * Vp, logits + bt * Vp, targets[bt], dlosses[bt], V, Vp)
+
+
 # ---------------------------------------------------------------------------------------------
 # Python wrappers: validate sizes (ValueError, never a segfault), then run without the GIL
 
@@ -581,6 +591,20 @@ def softmax_crossentropy_backward(float[::1] dlogits, const float[::1] probs, co
     """OVERWRITE dlogits (BT,Vp): (probs - onehot(target)) * dlosses[bt] for i < V, 0 for padded.
     dlogits may be the same buffer as probs."""
     _checked_softmax_crossentropy_backward(dlogits, probs, targets, dlosses, BT, V, Vp, n_threads)
+
+
+def softmax_crossentropy_forward_backward_bf16(float[::1] losses, uint16_t[::1] dlogits, float[::1] logits,
+                                               const int[::1] targets, const float[::1] dlosses,
+                                               int BT, int V, int Vp, int n_threads=1):
+    """softmax_crossentropy_forward in place (logits -> probs, losses) and then
+    softmax_crossentropy_backward_bf16 (dlogits) one row after the other, the same bits as the two
+    calls, with each row's probs read back from cache instead of memory (the bf16 lm head's blocks)."""
+    _check_xent("logits", logits.shape[0], "losses", losses.shape[0], logits, targets, BT, V, Vp, n_threads)
+    _check_xent("dlogits", dlogits.shape[0], "dlosses", dlosses.shape[0], logits, targets, BT, V, Vp, n_threads)
+    n_threads = eff_threads(n_threads, <Py_ssize_t>BT * V, _grain)
+    with nogil:
+        _xent_forward_backward_bf16(&losses[0], &dlogits[0], &logits[0], &targets[0], &dlosses[0], BT, V, Vp,
+                                    n_threads)
 
 
 def softmax_crossentropy_backward_bf16(uint16_t[::1] dlogits, const float[::1] probs, const int[::1] targets,

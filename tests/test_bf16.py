@@ -471,6 +471,25 @@ def test_softmax_crossentropy_backward_bf16_is_the_cast_fp32_output():
     np.testing.assert_allclose(from_bf16(d16).reshape(BT, Vp), want, rtol=2 ** -8, atol=1e-7)
 
 
+@pytest.mark.parametrize("n_threads", [1, 3])
+def test_softmax_crossentropy_forward_backward_bf16_is_the_two_calls(n_threads):
+    BT, V, Vp = 7, 1000, 1040
+    rng = np.random.default_rng(5)
+    logits = _f32(rng, BT * Vp, scale=4.0)
+    targets = rng.integers(0, V, BT).astype(np.int32)
+    dl = _f32(rng, BT)
+    want_l, want_p, want_d = np.empty(BT, np.float32), logits.copy(), np.empty(BT * Vp, np.uint16)
+    layers.softmax_crossentropy_forward(want_l, want_p, want_p, targets, BT, V, Vp, n_threads)
+    layers.softmax_crossentropy_backward_bf16(want_d, want_p, targets, dl, BT, V, Vp, n_threads)
+    got_l, got_p, got_d = np.full(BT, np.nan, np.float32), logits.copy(), np.full(BT * Vp, 0xFFFF, np.uint16)
+    layers.softmax_crossentropy_forward_backward_bf16(got_l, got_d, got_p, targets, dl, BT, V, Vp, n_threads)
+    np.testing.assert_array_equal(got_l, want_l)
+    np.testing.assert_array_equal(got_p, want_p)     # the logits buffer ends holding the probs
+    np.testing.assert_array_equal(got_d, want_d)
+    with pytest.raises(ValueError, match="dlosses has 3 elements"):
+        layers.softmax_crossentropy_forward_backward_bf16(got_l, got_d, got_p, targets, dl[:3], BT, V, Vp)
+
+
 @pytest.mark.parametrize("N", [1, 1000, 70001])   # 70001: three AdamW chunks, ragged
 def test_adamw_writes_the_bf16_copy_without_changing_fp32(N):
     rng = np.random.default_rng(N)

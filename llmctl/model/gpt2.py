@@ -339,21 +339,24 @@ class GPT2:
         return SimpleNamespace(x=x.reshape(-1), out=np.empty(n, np.float32), lse=None, **views)
 
     def _lmhead_blocks(self, BT, tg, losses):
-        """-> (r0, nr, probs) for row blocks of plan.logits_rows, each block's logits computed then
-        (_lmhead_block) and its losses written into losses[r0:r0+nr]."""
+        """-> (r0, nr, buf) for row blocks of plan.logits_rows, each block's logits computed then
+        into buf (_lmhead_block), and with losses their softmax (buf then holds the probs) and
+        losses written into losses[r0:r0+nr]."""
         R = self.plan.logits_rows
         for r0 in range(0, BT, R):
             nr = min(BT - r0, R)
-            yield r0, nr, self._lmhead_block(r0, nr, tg, losses[r0:r0 + nr])
+            yield r0, nr, self._lmhead_block(r0, nr, tg, None if losses is None else losses[r0:r0 + nr])
 
     def _lmhead_block(self, r0, nr, tg, losses):
-        """logits rows r0..r0+nr in the logits buffer, then their softmax (probs) and losses."""
+        """logits rows r0..r0+nr in the logits buffer, then (losses given) their softmax (probs)
+        and losses."""
         c = self.config
         C, V, Vp = c.channels, c.vocab_size, c.padded_vocab_size
         buf = self._acts["logits"][:nr * Vp]
         self.ops.matmul(buf, self._acts["lnf"][r0 * C:(r0 + nr) * C], "wte", None, None, nr, C, Vp, self.n_threads)
-        self.kernels.layers.softmax_crossentropy_forward(losses, buf, buf, tg[r0:r0 + nr], nr, V, Vp,
-                                                         self.n_threads)
+        if losses is not None:
+            self.kernels.layers.softmax_crossentropy_forward(losses, buf, buf, tg[r0:r0 + nr], nr, V, Vp,
+                                                             self.n_threads)
         return buf
 
     def _ensure_scratch(self):
@@ -473,13 +476,12 @@ class GPT2:
         C, V, Vp = c.channels, c.vocab_size, c.padded_vocab_size
         a = self._acts
         if tg is not None and self.plan.logits_rows < BT:   # bf16, large B*T: the lm head in blocks
-            losses = a["losses"][:BT]
-            blocks = self._lmhead_blocks(BT, tg.reshape(-1), losses)
+            losses, tgf = a["losses"][:BT], tg.reshape(-1)
             if loss_scale is None:
-                for _ in blocks:
+                for _ in self._lmhead_blocks(BT, tgf, losses):
                     pass
-            else:
-                self._lmhead_grad(BT, loss_scale, blocks)
+            else:   # each block's softmax and loss made together with its dlogits
+                self._lmhead_grad(BT, loss_scale, self._lmhead_blocks(BT, tgf, None), losses)
             self._buf_state = "probs"
             self._lmhead_grad_scale = loss_scale
             return float(losses.astype(np.float64).mean())
@@ -626,11 +628,13 @@ class GPT2:
             self._block_backward(l, self._layer_acts(l, BT, True), B, T)
         Ly.encoder_backward(g["wte"].reshape(-1), g["wpe"].reshape(-1), dres, self._ids.reshape(-1), B, T, C, nt)
 
-    def _lmhead_grad(self, BT, loss_scale, blocks):
+    def _lmhead_grad(self, BT, loss_scale, blocks, losses=None):
         """dlnf (the scratch's dsmall, B*T*C) = d(loss_scale * mean loss)/d(lnf), and the lm head's
-        d(wte) accumulated, from `blocks`: (r0, nr, probs) in row order. bf16: each block's dlogits
-        are written straight in bf16 into the staging rows of the scratch, and the GEMMs run each
-        time those are full; fp32: in place over the probs (one block of every row)."""
+        d(wte) accumulated, from `blocks`: (r0, nr, probs) in row order, or with `losses` (BT)
+        (r0, nr, logits) whose softmax and losses are made here first, row by row with their
+        dlogits. bf16: each block's dlogits are written straight in bf16 into the staging rows of
+        the scratch, and the GEMMs run each time those are full; fp32: in place over the probs
+        (one block of every row)."""
         self.grads_known_zero = False
         C, V, Vp, nt = self.config.channels, self.config.vocab_size, self.config.padded_vocab_size, self.n_threads
         tg, lnf = self._targets.reshape(-1), self._acts["lnf"]
@@ -650,7 +654,12 @@ class GPT2:
                 gemms(s0, r0, dout)
                 s0 = r0
             dst = None if d16 is None else d16[(r0 - s0) * Vp:]
-            dout, _ = self.ops.loss_backward(dst, probs, tg[r0:r0 + nr], dlosses[r0:r0 + nr], nr, V, Vp, nt)
+            rows = slice(r0, r0 + nr)
+            if losses is None:
+                dout, _ = self.ops.loss_backward(dst, probs, tg[rows], dlosses[rows], nr, V, Vp, nt)
+            else:
+                dout, _ = self.ops.loss_forward_backward(losses[rows], dst, probs, tg[rows], dlosses[rows],
+                                                         nr, V, Vp, nt)
         gemms(s0, BT, dout)
         return dlnf
 
@@ -666,12 +675,13 @@ class GPT2:
                                  f"{self._lmhead_grad_scale!r}): the lm head's gradient was made "
                                  "with the forward's; pass the same value to both")
             return self._scratch["dsmall"][:BT * self.config.channels]
-        if self.plan.logits_rows < BT:
-            blocks = self._lmhead_blocks(BT, self._targets.reshape(-1), np.empty(BT, np.float32))
-        else:   # the probs of every row are held: blocks as many rows as the staging takes
-            d16, logits = self._ensure_scratch().get("dlogits16"), self._acts["logits"]
-            R = BT if d16 is None else d16.size // Vp
-            blocks = ((r0, min(R, BT - r0), logits[r0 * Vp:min(BT, r0 + R) * Vp]) for r0 in range(0, BT, R))
+        if self.plan.logits_rows < BT:   # the logits again, block by block (the same bits)
+            junk = np.empty(BT, np.float32)
+            return self._lmhead_grad(BT, loss_scale, self._lmhead_blocks(BT, None, None), junk)
+        # the probs of every row are held: blocks as many rows as the staging takes
+        d16, logits = self._ensure_scratch().get("dlogits16"), self._acts["logits"]
+        R = BT if d16 is None else d16.size // Vp
+        blocks = ((r0, min(R, BT - r0), logits[r0 * Vp:min(BT, r0 + R) * Vp]) for r0 in range(0, BT, R))
         return self._lmhead_grad(BT, loss_scale, blocks)
 
     def _block_backward(self, l, a, B, T):

@@ -12,6 +12,7 @@ changes the computation:
   gelu_backward      d(fch) as the fc layer's matmul_backward reads it (bf16: rounded, with the
                      fc bias gradient summed in the same pass)
   loss_backward      dlogits of a block of rows, as the lm head's matmul_backward reads it
+                     (loss_forward_backward: the softmax and losses first, row by row)
   attention_forward / attention_backward   the flash-style attention over T positions (bf16:
                      QK^T, PV and the backward's products on bf16 operands, fp32 accumulation)
 Everything else (residuals, the softmax statistics, the loss, AdamW, the master weights) is fp32
@@ -95,6 +96,11 @@ class Fp32Ops:
         self.k.layers.softmax_crossentropy_backward(probs, probs, targets, dlosses, N, V, Vp, nt)
         return probs, None
 
+    def loss_forward_backward(self, losses, dst16, logits, targets, dlosses, N, V, Vp, nt):
+        """losses of a block of logits (softmaxed in place), then loss_backward."""
+        self.k.layers.softmax_crossentropy_forward(losses, logits, logits, targets, N, V, Vp, nt)
+        return self.loss_backward(dst16, logits, targets, dlosses, N, V, Vp, nt)
+
 
 class Bf16Ops(Fp32Ops):
     """Mixed precision as PyTorch autocast on CPU: bf16 matmul inputs, fp32 accumulation and outputs."""
@@ -144,6 +150,13 @@ class Bf16Ops(Fp32Ops):
         """-> (None, dlogits in bf16, written straight into dst16; the probs stay fp32)."""
         d16 = dst16[:N * Vp]
         self.k.layers.softmax_crossentropy_backward_bf16(d16, probs, targets, dlosses, N, V, Vp, nt)
+        return None, d16
+
+    def loss_forward_backward(self, losses, dst16, logits, targets, dlosses, N, V, Vp, nt):
+        """The same bits as the two calls, each row's probs read back from cache (one kernel)."""
+        d16 = dst16[:N * Vp]
+        self.k.layers.softmax_crossentropy_forward_backward_bf16(losses, d16, logits, targets, dlosses,
+                                                                 N, V, Vp, nt)
         return None, d16
 
 
