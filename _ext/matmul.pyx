@@ -764,15 +764,20 @@ cdef Py_ssize_t _gemv_grain = 65536
 # (bench/gemm.py and docs/performance.md; 1 thread, CPU time, and 2 threads): the forward
 # 1.0-2.2x; dW (K = B*T) 1.1-1.8x up to 512 rows, 0.6-0.95x from 1024 rows, where the gemm
 # call's packing of the transposed dout pays off; dX 0.9-1.25x up to 512 rows, 0.83-0.98x above,
-# and 0.4-0.7x at any size for the lm head (K = 50304).
+# and 0.4-0.7x at any size for the lm head (K = 50304). Those dX figures accumulate (the
+# primitive's sum post-op); a dX written (accumulate=False, beta 0) with a short K is faster on
+# the primitive at any rows: at 4096 rows, cold operands, K = 768 (attproj, fcproj) 3.1 / 14.6 ms
+# against the gemm call's 5.3 / 18.6, K = 2304 even, K = 3072 (fc) 15.4 against 13.5.
 cdef int _prim_rows = 512
 cdef enum:
     PRIM_DX_K_MAX = 8192
+    PRIM_DX_SHORT_K = 1024
 
 
 def set_bf16_primitive_rows(int rows):
     """Run the "dnnl" engine's backward products on the matmul primitive for at most `rows`
-    rows (B*T), the gemm call above that (0: never). Returns the old value."""
+    rows (B*T), the gemm call above that, except a written dX (accumulate=False) with K <= 1024,
+    which runs on the primitive at any rows (0: never). Returns the old value."""
     global _prim_rows
     old = _prim_rows
     _prim_rows = rows
@@ -951,7 +956,8 @@ def matmul_backward_bf16(dinp, float[::1] dweight, dbias, dout, uint16_t[::1] do
         with nogil:
             # dinp (BT,C) += dout (BT,OC) @ weight (OC,C); dweight (OC,C) += dout^T @ inp (BT,C);
             # each on the matmul primitive or the gemm call, whichever is faster (see above)
-            if dinp_ptr != NULL and BT <= _prim_rows and OC <= PRIM_DX_K_MAX:
+            if dinp_ptr != NULL and _prim_rows > 0 and OC <= PRIM_DX_K_MAX and (
+                    BT <= _prim_rows or (not accumulate and OC <= PRIM_DX_SHORT_K)):
                 st = llmctl_dnnl_matmul_bf16(b'N', b'N', BT, C, OC, &dout_bf16[0], OC, &weight[0], C,
                                              NULL, dbeta, dinp_ptr, C, n_threads)
             elif dinp_ptr != NULL:

@@ -155,10 +155,12 @@ def test_matmul_backward_bf16_casts_dout_and_accumulates(engine, shape, widen_bl
 
 
 @pytest.mark.parametrize("engine", BF16_ENGINES)
-@pytest.mark.parametrize("shape", MM_SHAPES + [(600, 24, 40)])   # 600 rows: the gemm call's dX
+@pytest.mark.parametrize("shape", MM_SHAPES + [(600, 24, 40), (600, 24, 1100)])
 def test_matmul_backward_bf16_overwrites_dinp_when_asked(engine, shape, widen_block):
     # accumulate=False: dinp = dout @ W whatever it held (NaN here: a beta-0 GEMM never reads
-    # it), the same as accumulating into zeros; dweight still accumulates
+    # it), the same as accumulating into zeros; dweight still accumulates. On "dnnl" above 512
+    # rows a written dX with K <= 1024 runs on the primitive, an accumulated one on the gemm
+    # call (600 x 40): the same products in another order, so there only the bound holds
     BT, C, OC = shape
     rng = np.random.default_rng(BT + 3 * C + 5 * OC)
     ib, wb, d16 = to_bf16(_f32(rng, BT, C)), to_bf16(_f32(rng, OC, C)), to_bf16(_f32(rng, BT, OC))
@@ -169,7 +171,8 @@ def test_matmul_backward_bf16_overwrites_dinp_when_asked(engine, shape, widen_bl
         matmul.matmul_backward_bf16(dinp, dw, None, None, d16.ravel(), ib.ravel(), wb.ravel(), BT, C, OC,
                                     n_threads=2, engine=engine, accumulate=accumulate)
         runs.append((dinp, dw))
-    np.testing.assert_array_equal(runs[1][0], runs[0][0])
+    if not (engine == "dnnl" and BT > 512 and OC <= 1024):
+        np.testing.assert_array_equal(runs[1][0], runs[0][0])
     np.testing.assert_array_equal(runs[1][1], runs[0][1])
     assert not np.array_equal(runs[1][1], dw0)
     x64, w64, d64 = (from_bf16(a).astype(np.float64) for a in (ib, wb, d16))
