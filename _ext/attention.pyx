@@ -112,8 +112,8 @@ cdef extern from "attention_bf16.h" nogil:
                              Py_ssize_t t0, Py_ssize_t t1, Py_ssize_t C, Py_ssize_t NH, int path)
     void attb_pack_heads(uint16_t* dst, const float* src, Py_ssize_t n, Py_ssize_t B, Py_ssize_t b,
                          Py_ssize_t T, Py_ssize_t t0, Py_ssize_t t1, Py_ssize_t C, Py_ssize_t NH,
-                         float* D, const float* out, int path)
-    void attb_forward_head(float* out, float* lse, const uint16_t* rows, Py_ssize_t B, Py_ssize_t b,
+                         float* D, const float* out, const uint16_t* out16, int path)
+    void attb_forward_head(float* out, uint16_t* out16, float* lse, const uint16_t* rows, Py_ssize_t B, Py_ssize_t b,
                            Py_ssize_t h, Py_ssize_t T, Py_ssize_t C, Py_ssize_t NH, void* scratch,
                            int path)
     void attb_backward_head(float* dqkv, const uint16_t* rows, const uint16_t* drows, const float* D,
@@ -473,18 +473,22 @@ ctypedef fused qkv_t:     # the bf16 kernels' q, k, v: fp32, or already bf16 (ui
     uint16_t
 
 
-cdef _check_disjoint_qkv(str out_name, const float[::1] o, const qkv_t[::1] x):
-    if o.shape[0] != 0 and x.shape[0] != 0:
-        if qkv_t is float:
-            check_disjoint(out_name, &o[0], o.shape[0], "qkv", &x[0], x.shape[0])
-        else:   # byte ranges: the same test on the bytes each occupies
-            check_disjoint(out_name, &o[0], o.shape[0], "qkv", <const float*>&x[0], (x.shape[0] + 1) // 2)
+ctypedef fused aout_t:    # the bf16 attention's output: fp32, or bf16 (what attproj reads)
+    float
+    uint16_t
+
+
+cdef int _check_apart(str a, const char* pa, Py_ssize_t na, str b, const char* pb, Py_ssize_t nb) except -1:
+    # check_disjoint on byte ranges, for buffers of different element types
+    if na != 0 and nb != 0 and pa < pb + nb and pb < pa + na:
+        raise ValueError(f"{a} and {b} overlap in memory; they must not overlap: pass separate buffers")
+    return 0
 
 
 cdef void _pack_qkv(uint16_t* rows, const qkv_t* qkv, Py_ssize_t B, Py_ssize_t b, Py_ssize_t T,
                     Py_ssize_t t0, Py_ssize_t t1, Py_ssize_t C, Py_ssize_t NH, int path) noexcept nogil:
     if qkv_t is float:
-        attb_pack_heads(rows, qkv, 3, B, b, T, t0, t1, C, NH, NULL, NULL, path)
+        attb_pack_heads(rows, qkv, 3, B, b, T, t0, t1, C, NH, NULL, NULL, NULL, path)
     else:
         attb_pack_heads_b16(rows, qkv, B, b, T, t0, t1, C, NH, path)
 
@@ -513,9 +517,9 @@ def attention_forward(float[::1] out, float[::1] lse, const float[::1] qkv,
     check_len("out", out.shape[0], BT * C, f"B*T*C = {B}*{T}*{C}")
     check_len("lse", lse.shape[0], BT * NH, f"B*NH*T = {B}*{NH}*{T}")
     check_len("qkv", qkv.shape[0], BT * 3 * C, f"B*T*3C = {B}*{T}*3*{C}")
-    _check_disjoint_qkv("out", out, qkv)
+    _check_disjoint("out", out, "qkv", qkv)
     _check_disjoint("out", out, "lse", lse)
-    _check_disjoint_qkv("lse", lse, qkv)
+    _check_disjoint("lse", lse, "qkv", qkv)
     if BT == 0:
         return
     cdef Py_ssize_t nwork = <Py_ssize_t>B * NH * ((T + BR - 1) // BR)
@@ -548,7 +552,7 @@ def attention_backward(float[::1] dqkv, const float[::1] dout, const float[::1] 
     check_len("out", out.shape[0], BT * C, f"B*T*C = {B}*{T}*{C}")
     check_len("lse", lse.shape[0], BT * NH, f"B*NH*T = {B}*{NH}*{T}")
     _check_disjoint("dqkv", dqkv, "dout", dout)
-    _check_disjoint_qkv("dqkv", dqkv, qkv)
+    _check_disjoint("dqkv", dqkv, "qkv", qkv)
     _check_disjoint("dqkv", dqkv, "out", out)
     _check_disjoint("dqkv", dqkv, "lse", lse)
     if BT == 0:
@@ -708,12 +712,13 @@ def bf16_backward_scratch_bytes(int B, int T, int C, int NH, int n_threads=1):
     return _align64(attb_shared_bytes(B, T, C, NH, 1)) + n_threads * _align64(attb_backward_scratch_bytes(T, C // NH))
 
 
-def attention_forward_bf16(float[::1] out, float[::1] lse, const qkv_t[::1] qkv,
+def attention_forward_bf16(aout_t[::1] out, float[::1] lse, const qkv_t[::1] qkv,
                            int B, int T, int C, int NH, int n_threads=1):
     """attention_forward with bf16 products: q, k, v and the probabilities rounded to bf16,
     fp32 accumulation and softmax (attention_bf16.h). Same arguments, outputs and semantics;
     qkv may also be given in bf16 (uint16: what matmul_forward_bf16 writes for the qkv layer),
-    the same bits as its fp32 values.
+    the same bits as its fp32 values; out may be uint16: the output rounded to bf16 (nearest
+    even, as convert.cast_to_bf16), what the attproj matmul and attention_backward_bf16 read.
 
     Work items are (batch, head) pairs, each computed the same way whatever thread runs it, so
     results are bit-identical for any n_threads (on a given path).
@@ -723,11 +728,22 @@ def attention_forward_bf16(float[::1] out, float[::1] lse, const qkv_t[::1] qkv,
     check_len("out", out.shape[0], BT * C, f"B*T*C = {B}*{T}*{C}")
     check_len("lse", lse.shape[0], BT * NH, f"B*NH*T = {B}*{NH}*{T}")
     check_len("qkv", qkv.shape[0], BT * 3 * C, f"B*T*3C = {B}*{T}*3*{C}")
-    _check_disjoint_qkv("out", out, qkv)
-    _check_disjoint("out", out, "lse", lse)
-    _check_disjoint_qkv("lse", lse, qkv)
     if BT == 0:
         return
+    cdef Py_ssize_t osz = BT * C * 4, lsz = BT * NH * 4, qsz = BT * 3 * C * 4
+    if aout_t is uint16_t:
+        osz = BT * C * 2
+    if qkv_t is uint16_t:
+        qsz = BT * 3 * C * 2
+    _check_apart("out", <const char*>&out[0], osz, "qkv", <const char*>&qkv[0], qsz)
+    _check_apart("out", <const char*>&out[0], osz, "lse", <const char*>&lse[0], lsz)
+    _check_apart("lse", <const char*>&lse[0], lsz, "qkv", <const char*>&qkv[0], qsz)
+    cdef float* o32 = NULL
+    cdef uint16_t* o16 = NULL
+    if aout_t is float:
+        o32 = &out[0]
+    else:
+        o16 = &out[0]
     cdef Py_ssize_t nwork = <Py_ssize_t>B * NH
     cdef int nt = n_threads if n_threads < nwork else <int>nwork
     cdef int path = _bf16
@@ -748,20 +764,21 @@ def attention_forward_bf16(float[::1] out, float[::1] lse, const qkv_t[::1] qkv,
                 _pack_qkv(rows, &qkv[0], B, w // nchunk, T, t0, _imin(T, t0 + TILE_T), C, NH, path)
             with parallel(num_threads=nt):
                 for w in prange(nwork, schedule='static', chunksize=1):
-                    attb_forward_head(&out[0], &lse[0], rows, B, w // NH, w % NH, T, C, NH,
+                    attb_forward_head(o32, o16, &lse[0], rows, B, w // NH, w % NH, T, C, NH,
                                       base + shared + omp_get_thread_num() * per, path)
     finally:
         _give_scratch(scratch, own)
 
 
 def attention_backward_bf16(float[::1] dqkv, const float[::1] dout, const qkv_t[::1] qkv,
-                            const float[::1] out, const float[::1] lse,
+                            const aout_t[::1] out, const float[::1] lse,
                             int B, int T, int C, int NH, int n_threads=1, bint accumulate=True):
     """attention_backward with bf16 products: q, k, v, dout, P and dS rounded to bf16, fp32
     accumulation (attention_bf16.h). Same arguments and semantics (dqkv +=); out and lse are
     those of attention_forward_bf16. Bit-identical for any n_threads (on a given path).
     accumulate=False: dqkv is written instead (the same bits as zeroing it first; its old
-    contents are not read). qkv fp32 or bf16, as for attention_forward_bf16.
+    contents are not read). qkv and out fp32 or bf16, as attention_forward_bf16 takes and
+    writes them (D = dout . out then reads out rounded).
     """
     _check_dims(B, T, C, NH, n_threads)
     cdef Py_ssize_t BT = <Py_ssize_t>B * T
@@ -771,11 +788,22 @@ def attention_backward_bf16(float[::1] dqkv, const float[::1] dout, const qkv_t[
     check_len("out", out.shape[0], BT * C, f"B*T*C = {B}*{T}*{C}")
     check_len("lse", lse.shape[0], BT * NH, f"B*NH*T = {B}*{NH}*{T}")
     _check_disjoint("dqkv", dqkv, "dout", dout)
-    _check_disjoint_qkv("dqkv", dqkv, qkv)
-    _check_disjoint("dqkv", dqkv, "out", out)
     _check_disjoint("dqkv", dqkv, "lse", lse)
     if BT == 0:
         return
+    cdef Py_ssize_t dsz = BT * 3 * C * 4, osz = BT * C * 4, qsz = BT * 3 * C * 4
+    if aout_t is uint16_t:
+        osz = BT * C * 2
+    if qkv_t is uint16_t:
+        qsz = BT * 3 * C * 2
+    _check_apart("dqkv", <const char*>&dqkv[0], dsz, "qkv", <const char*>&qkv[0], qsz)
+    _check_apart("dqkv", <const char*>&dqkv[0], dsz, "out", <const char*>&out[0], osz)
+    cdef const float* o32 = NULL
+    cdef const uint16_t* o16 = NULL
+    if aout_t is float:
+        o32 = &out[0]
+    else:
+        o16 = &out[0]
     cdef Py_ssize_t nwork = <Py_ssize_t>B * NH
     cdef int nt = n_threads if n_threads < nwork else <int>nwork
     cdef int path = _bf16
@@ -800,7 +828,7 @@ def attention_backward_bf16(float[::1] dqkv, const float[::1] dout, const qkv_t[
                 t0 = (w % nchunk) * TILE_T
                 _pack_qkv(rows, &qkv[0], B, w // nchunk, T, t0, _imin(T, t0 + TILE_T), C, NH, path)
                 attb_pack_heads(drows, &dout[0], 1, B, w // nchunk, T, t0, _imin(T, t0 + TILE_T), C, NH,
-                                D, &out[0], path)
+                                D, o32, o16, path)
             with parallel(num_threads=nt):
                 for w in prange(nwork, schedule='static', chunksize=1):
                     attb_backward_head(&dqkv[0], rows, drows, D, &lse[0], B, w // NH, w % NH,

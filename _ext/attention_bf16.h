@@ -281,10 +281,10 @@ static ptrdiff_t attb_shared_bytes(ptrdiff_t B, ptrdiff_t T, ptrdiff_t C, ptrdif
 /* path picks the copy: the emulated path runs the baseline one, the native paths AVX-512's */
 static void attb_pack_heads(uint16_t* dst, const float* src, ptrdiff_t n, ptrdiff_t B, ptrdiff_t b,
                             ptrdiff_t T, ptrdiff_t t0, ptrdiff_t t1, ptrdiff_t C, ptrdiff_t NH,
-                            float* D, const float* out, int path)
+                            float* D, const float* out, const uint16_t* out16, int path)
 {
     (path == ATTB_EMULATED ? attb_pack_heads_base : ATTB_NATIVE(pack_heads))
-        (dst, src, n, B, b, T, t0, t1, C, NH, D, out);
+        (dst, src, n, B, b, T, t0, t1, C, NH, D, out, out16);
 }
 
 /* pack_heads of q, k, v (n = 3) given in bf16 */
@@ -295,13 +295,14 @@ static void attb_pack_heads_b16(uint16_t* dst, const uint16_t* src, ptrdiff_t B,
         (dst, src, B, b, T, t0, t1, C, NH);
 }
 
-/* out (B,T,C) rows of head h, lse (B,NH,T), from pack_heads' rows of qkv */
-static void attb_forward_head(float* out, float* lse, const uint16_t* rows, ptrdiff_t B,
+/* out (B,T,C) rows of head h (fp32, or with out16 non-NULL bf16 there), lse (B,NH,T), from
+   pack_heads' rows of qkv */
+static void attb_forward_head(float* out, uint16_t* out16, float* lse, const uint16_t* rows, ptrdiff_t B,
                               ptrdiff_t b, ptrdiff_t h, ptrdiff_t T, ptrdiff_t C, ptrdiff_t NH,
                               void* scratch, int path)
 {
     (path == ATTB_EMULATED ? attb_forward_head_base : ATTB_NATIVE(forward_head))
-        (out, lse, rows, B, b, h, T, C, NH, scratch, path);
+        (out, out16, lse, rows, B, b, h, T, C, NH, scratch, path);
 }
 
 /* dqkv (B,T,3C) += (acc) or = the gradient of head h, from pack_heads' rows of qkv and dout, and D */

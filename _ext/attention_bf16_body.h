@@ -9,10 +9,12 @@
    dst[(((w * B + b) * NH + h) * Tp + t) * hsp + d] for the n tensors w (q, k, v; or dout).
    One pass along src's rows (a per-head pass would stride through memory a page per row);
    columns hs..hsp and, with the last rows, rows T..Tp are zeroed. With D (n = 1, dout):
-   D[(b * NH + h) * T + t] = bf16(dout) . out over the head's columns, in fp32. */
+   D[(b * NH + h) * T + t] = bf16(dout) . out over the head's columns, in fp32 (out fp32, or
+   out16: the bf16 output, widened). */
 static void ATTB_FN(pack_heads)(uint16_t* dst, const float* src, ptrdiff_t n, ptrdiff_t B,
                                 ptrdiff_t b, ptrdiff_t T, ptrdiff_t t0, ptrdiff_t t1,
-                                ptrdiff_t C, ptrdiff_t NH, float* D, const float* out)
+                                ptrdiff_t C, ptrdiff_t NH, float* D, const float* out,
+                                const uint16_t* out16)
 {
     const ptrdiff_t hs = C / NH, Tp = attb_pad(T, ATTB_BLK), hsp = attb_pad(hs, 32);
     for (ptrdiff_t t = t0; t < t1; t++)
@@ -22,7 +24,12 @@ static void ATTB_FN(pack_heads)(uint16_t* dst, const float* src, ptrdiff_t n, pt
                 const float* x = src + (b * T + t) * n * C + w * C + h * hs;
                 for (ptrdiff_t d = 0; d < hs; d++) o[d] = attb_rnd(x[d]);
                 for (ptrdiff_t d = hs; d < hsp; d++) o[d] = 0;
-                if (D) {
+                if (D && out16) {
+                    const uint16_t* y = out16 + (b * T + t) * C + h * hs;
+                    float s = 0.0f;
+                    for (ptrdiff_t d = 0; d < hs; d++) s += llmctl_bf16_to_f32(o[d]) * llmctl_bf16_to_f32(y[d]);
+                    D[(b * NH + h) * T + t] = s;
+                } else if (D) {
                     const float* y = out + (b * T + t) * C + h * hs;
                     float s = 0.0f;
                     for (ptrdiff_t d = 0; d < hs; d++) s += llmctl_bf16_to_f32(o[d]) * y[d];
@@ -127,7 +134,7 @@ static void ATTB_FN(transpose)(uint16_t* dst, const uint16_t* R, ptrdiff_t Tp, p
    online softmax runs down the keys with the 32 query rows in the vector lanes: the running max,
    the correction exp(m_old - m_new) and the row sums are elementwise vector operations, with no
    horizontal reduction per row and block. Row i's sum adds its keys in order. */
-static void ATTB_FN(forward_head)(float* out, float* lse, const uint16_t* rows, ptrdiff_t B,
+static void ATTB_FN(forward_head)(float* out, uint16_t* out16, float* lse, const uint16_t* rows, ptrdiff_t B,
                                   ptrdiff_t b, ptrdiff_t h, ptrdiff_t T, ptrdiff_t C, ptrdiff_t NH,
                                   void* scratch, int path)
 {
@@ -198,8 +205,13 @@ static void ATTB_FN(forward_head)(float* out, float* lse, const uint16_t* rows, 
         }
         for (ptrdiff_t r = 0; r < nr; r++) {
             float inv = 1.0f / l[r];
-            float* o = out + (b * T + i0 + r) * C + h * hs;
-            for (ptrdiff_t d = 0; d < hs; d++) o[d] = accT[d * N + r] * inv;
+            if (out16) {    /* bf16: rounded to nearest even, as convert.cast_to_bf16 would */
+                uint16_t* o = out16 + (b * T + i0 + r) * C + h * hs;
+                for (ptrdiff_t d = 0; d < hs; d++) o[d] = llmctl_f32_to_bf16(accT[d * N + r] * inv);
+            } else {
+                float* o = out + (b * T + i0 + r) * C + h * hs;
+                for (ptrdiff_t d = 0; d < hs; d++) o[d] = accT[d * N + r] * inv;
+            }
             lse[(b * NH + h) * T + i0 + r] = m[r] + logf(l[r]);
         }
     }

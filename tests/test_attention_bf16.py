@@ -234,6 +234,28 @@ def test_bf16_qkv_gives_the_bits_of_its_fp32_values(path):
     np.testing.assert_array_equal(d16, d)
 
 
+def test_bf16_output_is_the_rounded_fp32_output(path):
+    # the bf16 model keeps the attention output in bf16 (attproj reads it rounded): the kernel
+    # writes it rounded to nearest even, and the backward's D = dout . out reads it widened
+    B, T, C, NH = 2, 45, 64, 2
+    qkv, dout = _inputs(B, T, C, seed=7)
+    out, lse = _forward(qkv, NH, 2)
+    o16, lse16 = np.full(out.size, 0xFFFF, np.uint16), np.full_like(lse, np.nan)
+    A.attention_forward_bf16(o16, lse16, qkv.ravel(), B, T, C, NH, 2)
+    want16 = np.empty(out.size, np.uint16)
+    convert.cast_to_bf16(want16, out, 2)
+    np.testing.assert_array_equal(o16, want16)
+    np.testing.assert_array_equal(lse16, lse)
+    widened = np.empty(out.size, np.float32)
+    convert.widen_bf16(widened, o16, 2)
+    d16 = np.full(qkv.size, np.nan, np.float32)
+    A.attention_backward_bf16(d16, dout.ravel(), qkv.ravel(), o16, lse, B, T, C, NH, 2, accumulate=False)
+    np.testing.assert_array_equal(d16, _backward(dout, qkv, widened, lse, NH, 2))
+    with pytest.raises(ValueError, match="overlap"):
+        A.attention_forward_bf16(qkv.ravel()[:B * T * C].view(np.uint16)[:B * T * C], lse16, qkv.ravel(),
+                                 B, T, C, NH, 2)
+
+
 def test_paths_agree_far_closer_than_with_fp32_attention():
     # same rounding points on every path; only the order of fp32 additions differs (which can
     # move a P or dS across a bf16 rounding boundary, rarely), so the paths agree far more

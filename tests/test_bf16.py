@@ -696,11 +696,14 @@ def test_bf16_cached_forward_matches_the_training_forward(bf16_ok):
     m = _init("bf16")
     x, _ = _data(B=2, T=20, seed=3)
     # the cached forward's attention is fp32 (kvcache.pyx) on fp32 q, k, v; the bf16 training
-    # forward keeps q, k, v in bf16 and rounds P too (attention_forward_bf16, ~2e-3 on these
-    # logits): compare the rest of the model with the training forward's attention run in fp32
-    # on the q, k, v it keeps, and the cached forward's fed those same rounded values
-    def fp32_attention(out, lse, qkv, B, T, C, NH, nt):
-        attention.attention_forward(out, lse, from_bf16(qkv), B, T, C, NH, nt)
+    # forward keeps q, k, v and the attention output in bf16 and rounds P too
+    # (attention_forward_bf16, ~2e-3 on these logits): compare the rest of the model with the
+    # training forward's attention run in fp32 on the q, k, v it keeps, and the cached forward's
+    # fed those same rounded values (its output is rounded for attproj in both)
+    def fp32_attention(out, lse, qkv, B, T, C, NH, nt):   # q, k, v and its output in bf16
+        o32 = np.empty(out.size, np.float32)
+        attention.attention_forward(o32, lse, from_bf16(qkv), B, T, C, NH, nt)
+        out[:] = to_bf16(o32)
 
     def rounding_matmul(out, inp, name, l, bias, N, C, OC, nt):
         Bf16Ops.matmul(m.ops, out, inp, name, l, bias, N, C, OC, nt)

@@ -79,8 +79,8 @@ def test_forward_backward_vs_reference(n_threads, B, T):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("recompute", [True, False, 0, 1, 2])
 def test_recompute_modes_agree(recompute, precision, monkeypatch):
-    # default (None) keeps fch_gelu, ln1, ln2 (atty16) per layer for tiny B*T; recomputing them
-    # in backward (llm.c's -r 1: fch_gelu; -r 2 and True: also ln1, ln2, atty16) gives the same
+    # default (None) keeps fch_gelu, ln1, ln2 per layer for tiny B*T; recomputing them
+    # in backward (llm.c's -r 1: fch_gelu; -r 2 and True: also ln1, ln2) gives the same
     # loss, gradients and updated parameters, bit for bit
     from llmctl._ext import matmul
 
@@ -104,9 +104,9 @@ def test_recompute_modes_agree(recompute, precision, monkeypatch):
     assert m.loss0 == base.loss0
     level = 2 if recompute is True else int(recompute)
     assert m.plan.recompute == level and base.plan.recompute == 0
-    # -r 1 holds fch_gelu for one layer, not L; -r 2 also ln1, ln2 (bf16: atty16): exactly those bytes less
+    # -r 1 holds fch_gelu for one layer, not L; -r 2 also ln1, ln2: exactly those bytes less
     C, BT, bf16 = CFG.channels, 2 * 9, precision == "bf16"
-    held = (4 * C if level >= 1 else 0) + ((2 * C + (C if bf16 else 0)) if level >= 2 else 0)
+    held = (4 * C if level >= 1 else 0) + (2 * C if level >= 2 else 0)
     layer_bytes = BT * held * (2 if bf16 else 4)
     assert base.activation_bytes() - m.activation_bytes() == (CFG.num_layers - 1) * layer_bytes
     assert m.grads.tobytes() == base.grads.tobytes()

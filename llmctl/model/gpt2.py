@@ -16,9 +16,9 @@ logging: see llmctl/train.py), a sampler (llmctl/sample.py), or the shape table
 
 Differences from train_gpt2.c, on purpose:
 - Attention is flash-style: only the per-row log-sum-exp (B,NH,T) is kept, never (B,NH,T,T).
-- attproj/fcproj outputs are written straight into the residual-stream buffers; fch_gelu, ln1,
-  ln2 (and bf16's atty copy) are kept per layer only while fch_gelu is small (<= 256 MiB), else
-  recomputed in backward from what it keeps (fch, the residual stream, LN mean/rstd, atty);
+- attproj/fcproj outputs are written straight into the residual-stream buffers; fch_gelu, ln1
+  and ln2 are kept per layer only while fch_gelu is small (<= 256 MiB), else recomputed in
+  backward from what it keeps (fch, the residual stream, LN mean/rstd);
   activation gradients exist for ONE layer at a time; the logits buffer is reused in place as
   probs and then as dlogits.
 - AdamW is llm.c's GPU trainer's (llmc/adamw.cuh `adamw_kernel3`): weight decay only on the
@@ -95,7 +95,7 @@ class ActPlan:
     """What the activation buffers hold, decided once where they are sized (GPT2._ensure_acts)."""
     rows: int          # B*T the buffers take
     layers: int        # layers of saved activations: L (training) or 1 (a forward that keeps nothing)
-    recompute: int     # llm.c's -r level: 0 keep every layer's fch_gelu, ln1, ln2 (bf16: atty16);
+    recompute: int     # llm.c's -r level: 0 keep every layer's fch_gelu, ln1, ln2;
                        # 1 hold fch_gelu for one layer and recompute it in backward; 2 also the rest
     logits_rows: int   # rows of logits held: `rows`, or LMHEAD_ROWS when a bf16 training forward
                        # runs the lm head and the loss in blocks (recomputed in backward)
@@ -139,10 +139,10 @@ class GPT2:
     def __init__(self, config, n_threads=None, engine=None, recompute=None, precision=DEFAULT_PRECISION,
                  matmul=None):
         """recompute: the matmul inputs that one cheap kernel reproduces from what backward keeps
-        anyway (fch_gelu = GELU(fch), ln1/ln2 = layernorm(x) with the saved mean/rstd, and bf16's
-        copy of atty) are kept per layer, or recomputed in backward into one layer of scratch, the
-        same bits either way. llm.c's -r levels: 0 = keep all, 1 = recompute fch_gelu, 2 = also
-        ln1/ln2 (and bf16's atty copy). None = 0 while fch_gelu costs <= 256 MiB (small B*T: saves
+        anyway (fch_gelu = GELU(fch), ln1/ln2 = layernorm(x) with the saved mean/rstd) are kept
+        per layer, or recomputed in backward into one layer of scratch, the same bits either way.
+        llm.c's -r levels: 0 = keep all, 1 = recompute fch_gelu, 2 = also
+        ln1/ln2. None = 0 while fch_gelu costs <= 256 MiB (small B*T: saves
         those kernels in backward), else 2; True = 2, False = 0.
         engine: the GEMM engine (None: the default, oneDNN where built, else scipy's BLAS);
         `matmul=` is its former name, still accepted.
@@ -276,7 +276,7 @@ class GPT2:
         c = self.config
         BT, L, C, NH, Vp = plan.rows, plan.layers, c.channels, c.num_heads, c.padded_vocab_size
         Lg = 1 if plan.recompute >= 1 else L   # fch_gelu: all layers, or one
-        Lr = 1 if plan.recompute >= 2 else L   # ln1, ln2 (and atty16) likewise
+        Lr = 1 if plan.recompute >= 2 else L   # ln1, ln2 likewise
         z = lambda *shape: np.zeros(shape, dtype=np.float32)
         zm = lambda *shape: np.zeros(shape, dtype=self.ops.act_dtype)   # matmul inputs
         self._acts = None  # free the old buffers before allocating bigger ones
@@ -286,7 +286,7 @@ class GPT2:
             "res2": z(L, BT * C),
             "ln1": zm(Lr, BT * C), "ln1_mean": z(L, BT), "ln1_rstd": z(L, BT),
             "qkv": zm(L, BT * 3 * C),    # bf16: attention reads q, k, v only rounded to bf16
-            "atty": z(L, BT * C), "lse": z(L, BT * NH),
+            "atty": zm(L, BT * C), "lse": z(L, BT * NH),   # bf16: the attention writes it rounded
             "ln2": zm(Lr, BT * C), "ln2_mean": z(L, BT), "ln2_rstd": z(L, BT),
             "fch": zm(L, BT * 4 * C),    # bf16: the fc matmul rounds its output (GELU reads only that)
             "gelu": zm(Lg, BT * 4 * C),
@@ -294,8 +294,6 @@ class GPT2:
             "logits": z(plan.logits_rows * Vp),   # logits -> probs -> dlogits, in place (fp32)
             "losses": z(BT), "dlosses": z(BT),
         }
-        if self.precision == "bf16":
-            self._acts["atty16"] = zm(Lr, BT * C)   # attention backward needs the fp32 atty too
         self.plan = plan
 
     def _layer_acts(self, l, BT, keep):
@@ -312,7 +310,7 @@ class GPT2:
             x=a["resid"][xr, :n], x2=a["res2"][r, :n], out=a["resid"][outr, :n],
             ln1=a["ln1"][rr, :n], ln1_mean=a["ln1_mean"][r, :BT], ln1_rstd=a["ln1_rstd"][r, :BT],
             qkv=a["qkv"][r, :3 * n], atty=a["atty"][r, :n], lse=a["lse"][r, :BT * NH],
-            atty16=a["atty16"][rr, :n] if "atty16" in a else None,
+            atty16=None,   # the attention writes atty in the matmul precision itself
             ln2=a["ln2"][rr, :n], ln2_mean=a["ln2_mean"][r, :BT], ln2_rstd=a["ln2_rstd"][r, :BT],
             fch=a["fch"][r, :4 * n], gelu=a["gelu"][rg, :4 * n])
 
@@ -700,7 +698,6 @@ class GPT2:
         if self.plan.recompute >= 2:
             o.layernorm(a.ln2, a.ln2_mean, a.ln2_rstd, a.x2, p["ln2w"][l], p["ln2b"][l], BT, C, nt)
             o.layernorm(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, p["ln1w"][l], p["ln1b"][l], BT, C, nt)
-            o.mm_input(a.atty16, a.atty, nt)
         # out = x2 + fcproj(gelu(fc(ln2(x2)))); the activation gradients are written (accumulate=False)
         o.matmul_backward(dbig, gW("fcprojw"), gb("fcprojw"), dres, d16, a.gelu, "fcprojw", l, BT, 4 * C, C, nt,
                           accumulate=False)
@@ -711,8 +708,7 @@ class GPT2:
         Ly.layernorm_backward(dres, g["ln2w"][l], g["ln2b"][l], dsmall, a.x2, p["ln2w"][l],
                               a.ln2_mean, a.ln2_rstd, BT, C, nt)
         # x2 = x + attproj(attention(qkv(ln1(x))))
-        atty = a.atty if a.atty16 is None else a.atty16
-        o.matmul_backward(dsmall, gW("attprojw"), gb("attprojw"), dres, d16, atty, "attprojw", l, BT, C, C, nt,
+        o.matmul_backward(dsmall, gW("attprojw"), gb("attprojw"), dres, d16, a.atty, "attprojw", l, BT, C, C, nt,
                           accumulate=False)
         dqkv = dbig[:3 * n]
         o.attention_backward(dqkv, dsmall, a.qkv, a.atty, a.lse, B, T, C, NH, nt, accumulate=False)

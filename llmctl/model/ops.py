@@ -122,6 +122,8 @@ class Bf16Ops(Fp32Ops):
         self.k.layers.gelu_forward_bf16(out, x, n, nt)
 
     def mm_input(self, dst, x, nt):
+        if x.dtype == self.act_dtype:   # written in bf16 by its kernel (the training attention)
+            return x
         self.k.convert.cast_to_bf16(dst, x, nt)
         return dst
 
