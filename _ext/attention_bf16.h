@@ -253,7 +253,7 @@ static ptrdiff_t attb_backward_scratch_bytes(ptrdiff_t T, ptrdiff_t hs)
 {
     ptrdiff_t Tp = attb_pad(T, ATTB_BLK), hsp = attb_pad(hs, 32), BB = ATTB_BLK * ATTB_BLK;
     return 5 * Tp * hsp * 2 + 4 * BB * 2                        /* Qr Kc Kr Vc Or, P, dS */
-           + (Tp * hsp + 2 * BB + 2 * ATTB_BLK * hsp) * 4;       /* dq, S, dP, dk, dv */
+           + (Tp * hsp + 2 * BB + 4 * ATTB_BLK * hsp) * 4;       /* dq, S, dP, dk^T, dv^T, dk, dv */
 }
 
 /* shared by the threads: pack_heads' bf16 rows of q, k, v (and dout, and D, for backward) */
