@@ -730,14 +730,9 @@ def attention_forward_bf16(aout_t[::1] out, float[::1] lse, const qkv_t[::1] qkv
     check_len("qkv", qkv.shape[0], BT * 3 * C, f"B*T*3C = {B}*{T}*3*{C}")
     if BT == 0:
         return
-    cdef Py_ssize_t osz = BT * C * 4, lsz = BT * NH * 4, qsz = BT * 3 * C * 4
-    if aout_t is uint16_t:
-        osz = BT * C * 2
-    if qkv_t is uint16_t:
-        qsz = BT * 3 * C * 2
-    _check_apart("out", <const char*>&out[0], osz, "qkv", <const char*>&qkv[0], qsz)
-    _check_apart("out", <const char*>&out[0], osz, "lse", <const char*>&lse[0], lsz)
-    _check_apart("lse", <const char*>&lse[0], lsz, "qkv", <const char*>&qkv[0], qsz)
+    _check_apart("out", <const char*>&out[0], out.nbytes, "qkv", <const char*>&qkv[0], qkv.nbytes)
+    _check_apart("out", <const char*>&out[0], out.nbytes, "lse", <const char*>&lse[0], lse.nbytes)
+    _check_apart("lse", <const char*>&lse[0], lse.nbytes, "qkv", <const char*>&qkv[0], qkv.nbytes)
     cdef float* o32 = NULL
     cdef uint16_t* o16 = NULL
     if aout_t is float:
@@ -791,13 +786,8 @@ def attention_backward_bf16(float[::1] dqkv, const float[::1] dout, const qkv_t[
     _check_disjoint("dqkv", dqkv, "lse", lse)
     if BT == 0:
         return
-    cdef Py_ssize_t dsz = BT * 3 * C * 4, osz = BT * C * 4, qsz = BT * 3 * C * 4
-    if aout_t is uint16_t:
-        osz = BT * C * 2
-    if qkv_t is uint16_t:
-        qsz = BT * 3 * C * 2
-    _check_apart("dqkv", <const char*>&dqkv[0], dsz, "qkv", <const char*>&qkv[0], qsz)
-    _check_apart("dqkv", <const char*>&dqkv[0], dsz, "out", <const char*>&out[0], osz)
+    _check_apart("dqkv", <const char*>&dqkv[0], dqkv.nbytes, "qkv", <const char*>&qkv[0], qkv.nbytes)
+    _check_apart("dqkv", <const char*>&dqkv[0], dqkv.nbytes, "out", <const char*>&out[0], out.nbytes)
     cdef const float* o32 = NULL
     cdef const uint16_t* o16 = NULL
     if aout_t is float:

@@ -406,12 +406,17 @@ def layernorm_backward(float[::1] dinp, float[::1] dweight, float[::1] dbias, co
                             &mean[0], &rstd[0], N, C, n_threads)
 
 
-cdef int _checked_gelu_forward(out_t[::1] out, const float[::1] inp, long N, int n_threads) except -1:
+cdef int _gelu_threads(Py_ssize_t out_len, Py_ssize_t inp_len, long N, int n_threads) except -1:
+    # the checks of GELU's forward kernels -> the threads to run on
     check_threads(n_threads)
     check_positive("N", N)
-    check_len("out", out.shape[0], N)
-    check_len("inp", inp.shape[0], N)
-    n_threads = eff_threads(n_threads, N, _grain)
+    check_len("out", out_len, N)
+    check_len("inp", inp_len, N)
+    return eff_threads(n_threads, N, _grain)
+
+
+cdef int _checked_gelu_forward(out_t[::1] out, const float[::1] inp, long N, int n_threads) except -1:
+    n_threads = _gelu_threads(out.shape[0], inp.shape[0], N, n_threads)
     with nogil:
         _gelu_forward(&out[0], &inp[0], N, n_threads)
     return 0
@@ -439,11 +444,7 @@ def gelu_forward_bf16(uint16_t[::1] out, inp, long N, int n_threads=1):
         _checked_gelu_forward(out, in32, N, n_threads)
         return
     in16 = inp
-    check_threads(n_threads)
-    check_positive("N", N)
-    check_len("out", out.shape[0], N)
-    check_len("inp", in16.shape[0], N)
-    n_threads = eff_threads(n_threads, N, _grain)
+    n_threads = _gelu_threads(out.shape[0], in16.shape[0], N, n_threads)
     with nogil:
         _gelu_forward_b16(&out[0], &in16[0], N, n_threads)
 
