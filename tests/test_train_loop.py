@@ -151,3 +151,34 @@ def test_poisoned_weights_are_never_checkpointed(data, tmp_path):
         tr.run()
     assert "NaN/Inf" in e.value.message and "no complete checkpoint exists" in e.value.message
     assert not [n for n in os.listdir(out) if n.startswith(("DONE_", "model_", "state_"))]
+
+
+def test_bf16_training_makes_the_blocked_lm_heads_gradient_in_its_forward(data, tmp_path, monkeypatch):
+    # `llmctl train` passes each micro-step's loss_scale to forward: where the bf16 lm head runs
+    # in row blocks, every block's logits are then computed once (no recompute in backward), with
+    # gradient accumulation too, and training matches the run that holds all its logits
+    import llmctl.model.gpt2 as gpt2
+    from llmctl._ext import matmul
+
+    if not matmul.bf16_native():
+        monkeypatch.setenv("LLMCTL_BF16_EMULATE", "1")   # the same numerics on fp32 GEMMs
+    kw = dict(max_steps=3, val_loss_every=0, total_batch_size=2 * 4 * 32, precision="bf16")
+    train(cfg_for(data, tmp_path / "held", **kw))
+    monkeypatch.setattr(gpt2, "LOGITS_KEEP_BYTES", 1024)
+    monkeypatch.setattr(gpt2, "LMHEAD_ROWS", 32)
+    monkeypatch.setattr(gpt2, "LMHEAD_GRAD_ROWS", 64)
+    rows = []
+    lmhead_forward = matmul.matmul_forward_bf16
+
+    def counting(out, inp, weight, bias, BT, C, OC, *a, **k):
+        if OC == 256:   # the tiny model's padded vocabulary: the lm head
+            rows.append(BT)
+        return lmhead_forward(out, inp, weight, bias, BT, C, OC, *a, **k)
+
+    monkeypatch.setattr(matmul, "matmul_forward_bf16", counting)
+    train(cfg_for(data, tmp_path / "blocked", **kw))
+    assert max(rows) == 32 and sum(rows) == 3 * 2 * 4 * 32   # steps x micro-steps x B x T, once
+    a = [r["train_loss"] for r in metrics(tmp_path / "held") if "train_loss" in r]
+    b = [r["train_loss"] for r in metrics(tmp_path / "blocked") if "train_loss" in r]
+    assert len(a) == len(b) == 3
+    np.testing.assert_allclose(b, a, rtol=1e-4)
