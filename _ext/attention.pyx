@@ -415,38 +415,50 @@ def set_isa(name=None):
     within {"avx2", "avx512"} (the latter fuse multiply-adds), and differ by rounding between them."""
     global _kern
     prev = isa()
-    if name is None or name == "auto":
-        name = best_isa()
-    if name not in ISA_NAMES:
-        raise ValueError(f"attention: unknown kernel set {name!r}; expected one of {', '.join(ISA_NAMES)} or auto")
-    i = ISA_NAMES.index(name)
-    if not att_isa_runs(i):
-        why = "this CPU lacks it" if att_isa_compiled(i) else "this build did not compile it"
-        raise ValueError(f"attention: kernel set {name!r} is not available ({why}); "
-                         f"available: {', '.join(available_isas())}")
+    i = _choose("kernel set", name, ISA_NAMES, [att_isa_runs(i) for i in range(len(ISA_NAMES))],
+                best_isa(), lambda i: "this CPU lacks it" if att_isa_compiled(i) else "this build did not compile it")
     _kern = att_kern(i)
     return prev
 
 
-def _isa_ran(bint reset=False):
-    """Names of the kernel sets whose micro-kernels ran since the last reset (test hook)."""
-    bits = att_ran_take(reset)
-    return [n for i, n in enumerate(ISA_NAMES) if bits & (1u << i)]
+# the selection of a kernel set (fp32) or of a path (bf16), shared by the two
+
+def _choose(str kind, name, names, runs, best, why):
+    """The index of `name` in `names` (None or "auto": `best`), or ValueError: unknown, or not
+    available (runs[i] false) for why(i)."""
+    if name is None or name == "auto":
+        name = best
+    if name not in names:
+        raise ValueError(f"attention: unknown {kind} {name!r}; expected one of {', '.join(names)} or auto")
+    i = names.index(name)
+    if not runs[i]:
+        raise ValueError(f"attention: {kind} {name!r} is not available ({why(i)}); "
+                         f"available: {', '.join(n for n, r in zip(names, runs) if r)}")
+    return i
 
 
-def _init_isa():
+def _ran_names(names, unsigned bits):
+    return [n for i, n in enumerate(names) if bits & (1u << i)]
+
+
+def _from_env(str env, setter, best):
     # read once at import; a bad value warns and falls back rather than breaking `import llmctl`
     import os
     import warnings
-    want = os.environ.get(ISA_ENV, "").strip().lower() or None
+    want = os.environ.get(env, "").strip().lower() or None
     try:
-        set_isa(want)
+        setter(want)
     except ValueError as e:
-        warnings.warn(f"{e} (from {ISA_ENV}); using {best_isa()!r}", RuntimeWarning, stacklevel=2)
-        set_isa(None)
+        warnings.warn(f"{e} (from {env}); using {best()!r}", RuntimeWarning, stacklevel=3)
+        setter(None)
 
 
-_init_isa()
+def _isa_ran(bint reset=False):
+    """Names of the kernel sets whose micro-kernels ran since the last reset (test hook)."""
+    return _ran_names(ISA_NAMES, att_ran_take(reset))
+
+
+_from_env(ISA_ENV, set_isa, best_isa)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -620,36 +632,17 @@ def set_bf16_path(name=None):
     order of fp32 additions (attention_bf16.h)."""
     global _bf16
     prev = bf16_path()
-    if name is None or name == "auto":
-        name = bf16_best_path()
-    if name not in BF16_PATHS:
-        raise ValueError(f"attention: unknown bf16 path {name!r}; expected one of {', '.join(BF16_PATHS)} or auto")
-    i = BF16_PATHS.index(name)
-    if not _bf16_runs[i]:
-        raise ValueError(f"attention: bf16 path {name!r} is not available on this CPU/build; "
-                         f"available: {', '.join(bf16_available_paths())}")
-    _bf16 = i
+    _bf16 = _choose("bf16 path", name, BF16_PATHS, _bf16_runs, bf16_best_path(),
+                    lambda i: "this CPU or build cannot run it")
     return prev
 
 
 def _bf16_ran(bint reset=False):
     """Names of the bf16 paths that ran since the last reset (test hook)."""
-    bits = attb_ran_take(reset)
-    return [n for i, n in enumerate(BF16_PATHS) if bits & (1u << i)]
+    return _ran_names(BF16_PATHS, attb_ran_take(reset))
 
 
-def _init_bf16():
-    import os
-    import warnings
-    want = os.environ.get(BF16_ENV, "").strip().lower() or None
-    try:
-        set_bf16_path(want)
-    except ValueError as e:
-        warnings.warn(f"{e} (from {BF16_ENV}); using {bf16_best_path()!r}", RuntimeWarning, stacklevel=2)
-        set_bf16_path(None)
-
-
-_init_bf16()
+_from_env(BF16_ENV, set_bf16_path, bf16_best_path)
 
 
 cdef enum:
