@@ -25,7 +25,7 @@ from libc.stdint cimport uint16_t
 from libc.string cimport memset
 
 from bf16 cimport out_t
-from kernels cimport check_threads, check_len, check_positive, check_disjoint, eff_threads, imin
+from kernels cimport check_threads, check_len, check_positive, check_disjoint, col_chunk, eff_threads, imin
 
 cdef enum:
     CCHUNK = 64         # channels per task in the column-parallel reductions (stack accumulators)
@@ -192,11 +192,9 @@ cdef void _layernorm_dparams_chunk(float* dw, float* db, const float* dout, cons
 cdef void _layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout,
                               const float* inp, const float* weight, const float* mean,
                               const float* rstd, int N, int C, int n_threads) noexcept nogil:
-    # the parameter gradients: one wide chunk of channels per thread, down every row (rows of
-    # 64-channel chunks are each a new page: the same pattern measured 2x slower in the bias
-    # gradient); each channel sums its rows in order whatever the chunks: the same bits
+    # the parameter gradients over wide chunks of channels (col_chunk): the same bits
     cdef Py_ssize_t n, ch
-    cdef int w = imin(LN_CHUNK_MAX, (((C + n_threads - 1) // n_threads) + 15) // 16 * 16)
+    cdef int w = col_chunk(C, n_threads, LN_CHUNK_MAX)
     cdef Py_ssize_t nch = _nchunks(C, w)
     cdef int c0, c1
     for n in prange(N, schedule='static', num_threads=n_threads):
@@ -484,10 +482,8 @@ cdef void _gelu_bwd_bf16_cols(uint16_t* dinp, float* dbias, const gin_t* inp, co
 
 cdef void _gelu_backward_bf16(uint16_t* dinp, float* dbias, const gin_t* inp, const float* dout,
                               Py_ssize_t BT, int OC, int n_threads) noexcept nogil:
-    # each thread one wide chunk of columns down every row (rows of a narrow chunk would each be a
-    # new page: 64 columns measured 2x slower); each column's sum runs over the rows in order
-    # whatever the chunks, so the bits do not depend on the thread count
-    cdef int w = imin(LLMCTL_GELU_COLS, (((OC + n_threads - 1) // n_threads) + 15) // 16 * 16)
+    # wide chunks of columns (col_chunk): the bits do not depend on the thread count
+    cdef int w = col_chunk(OC, n_threads, LLMCTL_GELU_COLS)
     cdef int ch
     for ch in prange((OC + w - 1) // w, schedule='static', num_threads=n_threads):
         _gelu_bwd_bf16_cols(dinp, dbias, inp, dout, BT, OC, ch * w, w)

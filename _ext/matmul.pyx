@@ -37,8 +37,8 @@ from libc.stdint cimport uintptr_t, uint16_t, int64_t
 from scipy.linalg.cython_blas cimport sgemm
 
 from _openmp cimport omp_get_thread_num
-from bf16 cimport llmctl_f32_to_bf16, llmctl_widen_bf16
-from kernels cimport check_threads, check_len, check_positive, check_disjoint, eff_threads, imin
+from bf16 cimport llmctl_cast_bf16, llmctl_f32_to_bf16, llmctl_widen_bf16, out_t
+from kernels cimport check_threads, check_len, check_positive, check_disjoint, col_chunk, eff_threads, imin
 
 cdef extern from "dnnl_gemm.h" nogil:
     int llmctl_cpu_bf16_flags()
@@ -264,11 +264,10 @@ cdef void _bias_grad(float* dbias, uint16_t* dst, const float* dout, int BT, int
                      int n_threads) noexcept nogil:
     # dbias (OC) += sum_bt dout (BT,OC) (dbias may be NULL), and dst = bf16(dout) unless dst is
     # NULL: the bf16 copy the backward GEMMs read costs no extra pass, and dbias is the same sum
-    # whatever the precision of the GEMMs. Parallel over chunks of columns, one wide chunk a thread
-    # (rows of a narrow chunk are each a new page: 64 columns measured 2x slower); each column
-    # sums its rows in order whatever the chunks: the same bits at any thread count
+    # whatever the precision of the GEMMs. Parallel over wide chunks of columns (col_chunk): the
+    # same bits at any thread count
     n_threads = eff_threads(n_threads, <Py_ssize_t>BT * OC, _grain)
-    cdef int w = imin(BIAS_CHUNK, (((OC + n_threads - 1) // n_threads) + 15) // 16 * 16)
+    cdef int w = col_chunk(OC, n_threads, BIAS_CHUNK)
     cdef int ch, o0
     for ch in prange((OC + w - 1) // w, schedule='static', num_threads=n_threads):
         o0 = ch * w
@@ -663,12 +662,21 @@ cdef enum:
     ECHUNK = 16384      # elements per task in the widening/casting loops
 
 
-cdef void _widen(float* dst, const uint16_t* src, Py_ssize_t n, int n_threads) noexcept nogil:
+cdef void _convert(out_t* dst, const void* src, Py_ssize_t n, int n_threads) noexcept nogil:
+    # dst = src converted, in chunks over the threads: fp32 dst widens bf16 src (exact), bf16 dst
+    # rounds fp32 src to nearest even
     cdef Py_ssize_t ch, s
     n_threads = eff_threads(n_threads, n, _grain)
     for ch in prange((n + ECHUNK - 1) // ECHUNK, schedule='static', num_threads=n_threads):
         s = ch * ECHUNK
-        llmctl_widen_bf16(dst + s, src + s, imin(ECHUNK, n - s))
+        if out_t is float:
+            llmctl_widen_bf16(dst + s, <const uint16_t*>src + s, imin(ECHUNK, n - s))
+        else:
+            llmctl_cast_bf16(dst + s, <const float*>src + s, imin(ECHUNK, n - s))
+
+
+cdef inline void _widen(float* dst, const uint16_t* src, Py_ssize_t n, int n_threads) noexcept nogil:
+    _convert(dst, src, n, n_threads)
 
 
 cdef float* _widened(const uint16_t* src, Py_ssize_t n, int n_threads) except NULL:
@@ -819,16 +827,6 @@ cdef void _gemv_bf16(float* out, const uint16_t* inp, const uint16_t* weight, co
         llmctl_gemv_bf16(out, inp, weight, bias, R, C, OC, o0, o1)
 
 
-cdef void _round_rows(uint16_t* dst, const float* src, Py_ssize_t n, int n_threads) noexcept nogil:
-    cdef Py_ssize_t ch, i, s, e
-    n_threads = eff_threads(n_threads, n, _grain)
-    for ch in prange((n + ECHUNK - 1) // ECHUNK, schedule='static', num_threads=n_threads):
-        s = ch * ECHUNK
-        e = imin(s + ECHUNK, n)
-        for i in range(s, e):
-            dst[i] = llmctl_f32_to_bf16(src[i])
-
-
 def matmul_forward_bf16(out, const uint16_t[::1] inp, const uint16_t[::1] weight, bias,
                         int BT, int C, int OC, int n_threads=1, engine=None):
     """out (BT,OC) = inp (BT,C) bf16 @ weight (OC,C)^T bf16 + bias (OC) fp32, accumulated in
@@ -838,6 +836,7 @@ def matmul_forward_bf16(out, const uint16_t[::1] inp, const uint16_t[::1] weight
     BT <= set_gemv_rows() rows (a decode step) run on gemv_bf16.h where the CPU has AVX512_BF16."""
     cdef uint16_t[::1] out16
     cdef float[::1] tmp
+    cdef const float* bias_ptr
     cdef int st = 0
     cdef int which
     if getattr(out, "dtype", None) != "uint16":
@@ -857,7 +856,7 @@ def matmul_forward_bf16(out, const uint16_t[::1] inp, const uint16_t[::1] weight
     tmp = memoryview(bytearray(<Py_ssize_t>BT * OC * 4)).cast("f")
     _matmul_forward_bf16_f32(tmp, inp, weight, bias, BT, C, OC, n_threads, engine)
     with nogil:
-        _round_rows(&out16[0], &tmp[0], <Py_ssize_t>BT * OC, n_threads)
+        _convert(&out16[0], &tmp[0], <Py_ssize_t>BT * OC, n_threads)
 
 
 cdef const float* _bias_ptr(bias, int OC) except? NULL:
