@@ -7,9 +7,10 @@
  * the probabilities P before P V, P^T dout, and dS before dS K, dS^T Q. Every product of two bf16
  * is exact in fp32 and is added into an fp32 accumulator. Everything else (scores, the running
  * max and sum, lse, D = dout.out, dS = P (dP - D) / sqrt(hs), the accumulation of dQ, dK, dV) is
- * fp32, as in the fp32 kernels (the exp is attention_kernels.h's polynomial in its unfused
- * "default" form, written as loops gcc vectorises, so the bf16 results do not depend on the fp32
- * kernel set). The paths differ only in the order of fp32 additions:
+ * fp32, as in the fp32 kernels (the exp is attention_kernels.h's range reduction and polynomial,
+ * written here, so the bf16 results do not depend on the fp32 kernel set). The native paths run
+ * the per-block steps in AVX-512 (attention_bf16_avx512.h: the exp with FMAs, row sums two keys
+ * at a time); the paths' GEMMs differ in the order of their fp32 additions:
  *   "amx"          AMX tiles (TDPBF16PS), 32 x 32 output blocks of four 16 x 16 tiles;
  *   "avx512_bf16"  VDPBF16PS, 4 rows x 32 columns of accumulators in registers;
  *   "emulated"     plain C on fp32: each pair adds a[2r+1] b[2r+1], then a[2r] b[2r] (VDPBF16PS's
@@ -246,7 +247,7 @@ static ptrdiff_t attb_forward_scratch_bytes(ptrdiff_t T, ptrdiff_t hs)
 {
     ptrdiff_t Tp = attb_pad(T, ATTB_BLK), hsp = attb_pad(hs, 32);
     return 2 * Tp * hsp * 2 + ATTB_BLK * ATTB_BLK * 2                  /* Q^T, V^T, P^T */
-           + (ATTB_BLK * ATTB_BLK + ATTB_BLK * hsp + 4 * ATTB_BLK) * 4;   /* S^T, out^T, m l corr max */
+           + (ATTB_BLK * ATTB_BLK + ATTB_BLK * hsp + 3 * ATTB_BLK) * 4;   /* S^T, out^T, m l corr */
 }
 
 static ptrdiff_t attb_backward_scratch_bytes(ptrdiff_t T, ptrdiff_t hs)
@@ -267,10 +268,13 @@ static ptrdiff_t attb_shared_bytes(ptrdiff_t B, ptrdiff_t T, ptrdiff_t C, ptrdif
 #include "attention_bf16_body.h"
 #undef ATTB_FN
 #ifdef ATTB_X86
+#include "attention_bf16_avx512.h"
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw")
 #define ATTB_FN(name) attb_##name##_avx512
+#define ATTB_V512 1
 #include "attention_bf16_body.h"
+#undef ATTB_V512
 #undef ATTB_FN
 #pragma GCC pop_options
 #define ATTB_NATIVE(name) attb_##name##_avx512

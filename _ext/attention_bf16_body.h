@@ -1,8 +1,8 @@
 /* The body of attention_bf16.h, compiled twice: for the build's baseline (ATTB_FN(x) = x_base,
  * the "emulated" path) and with AVX-512 enabled (x_avx512, the native paths, whose CPUs have it),
- * so the packing, rounding and softmax loops vectorise 16 wide there. Both copies run the same
- * C operations (no -ffast-math, no FP contraction under -std=c11), so they give the same bits;
- * only the GEMM behind `gemm` differs between paths. Not a header to include on its own. */
+ * so the packing loops vectorise 16 wide there. The per-block steps between ATTB_V512's guards
+ * (softmax, output, P and dS, the pairings and transposes) are the emulated copy's; the native
+ * copy takes attention_bf16_avx512.h's forms of them. Not a header to include on its own. */
 /* ---- packing (fp32 strided source -> bf16), zero padded to Tp rows and hsp columns ---- */
 
 /* Rows [t0, t1) of batch b of src (B,T,n*C) fp32 -> bf16, row-major per head:
@@ -92,6 +92,7 @@ static inline void ATTB_FN(exp_row)(float* x)
     for (int c = 0; c < ATTB_BLK; c++) x[c] = ATTB_FN(exp1)(x[c]);
 }
 
+#ifndef ATTB_V512   /* the native copy takes these from attention_bf16_avx512.h */
 /* rows paired (Tp/2 x hsp x 2), from row-major R: the B form of X when X's rows are the K
    dimension (V in P V, dout in P^T dout, Q in dS^T Q, K in dS K) */
 static void ATTB_FN(rowpairs)(uint16_t* dst, const uint16_t* R, ptrdiff_t Tp, ptrdiff_t hsp)
@@ -120,8 +121,6 @@ static void ATTB_FN(colpairs)(uint16_t* dst, const uint16_t* R, ptrdiff_t Tp, pt
     }
 }
 
-/* ---- forward: one (batch, head) ---- */
-
 /* dst (hsp x Tp) = R (Tp x hsp)^T: V, Q, dout as the A of out^T += V^T P^T, dK^T += Q^T dS, dV^T += dout^T P */
 static void ATTB_FN(transpose)(uint16_t* dst, const uint16_t* R, ptrdiff_t Tp, ptrdiff_t hsp)
 {
@@ -129,6 +128,93 @@ static void ATTB_FN(transpose)(uint16_t* dst, const uint16_t* R, ptrdiff_t Tp, p
         for (ptrdiff_t d = 0; d < hsp; d++)
             for (ptrdiff_t t = t0; t < t0 + ATTB_BLK; t++) dst[d * Tp + t] = R[t * hsp + d];
 }
+
+/* The forward's online-softmax step on one block of S^T (keys x 32 query rows), in place:
+   scale it, mask it (on a diagonal block, key c is seen by rows r >= c; rows r >= nr are
+   padding), move the running max m, write corr = exp(m_old - m_new) and l = l corr + the row
+   sums of P^T = exp(S^T - m), and P^T in bf16 with keys paired into Pp. Returns nonzero when
+   every corr is 1, so the caller can skip rescaling its accumulator. */
+static int ATTB_FN(fwd_softmax)(float* ST, float* m, float* l, float* corr, uint16_t* Pp,
+                                float scale, int diag, ptrdiff_t nr)
+{
+    enum { N = ATTB_BLK };
+    float mx[ATTB_BLK];
+    int same = 1;
+    for (int r = 0; r < N; r++) mx[r] = m[r];
+    for (int c = 0; c < N; c++) {
+        float* s = ST + c * N;
+        for (int r = 0; r < N; r++) {
+            float v = ((!diag || c <= r) && r < nr) ? s[r] * scale : -INFINITY;
+            s[r] = v;
+            mx[r] = v > mx[r] ? v : mx[r];
+        }
+    }
+    for (int r = 0; r < N; r++) {            /* -inf only on padding rows: keep them 0 */
+        if (mx[r] == -INFINITY) mx[r] = 0.0f;
+        corr[r] = ATTB_FN(exp1)(m[r] - mx[r]);   /* 0 on the first block (m = -inf) */
+        l[r] *= corr[r];
+        m[r] = mx[r];
+        same &= corr[r] == 1.0f;
+    }
+    for (int c = 0; c < N; c++) {            /* P^T = exp(S^T - max), row sums */
+        float* s = ST + c * N;
+        for (int r = 0; r < N; r++) {
+            s[r] = ATTB_FN(exp1)(s[r] - mx[r]);
+            l[r] += s[r];
+        }
+    }
+    for (int c = 0; c < N; c += 2) {         /* bf16, keys paired */
+        uint16_t* o = Pp + c * N;
+        for (int r = 0; r < N; r++) {
+            o[2 * r] = attb_rnd(ST[c * N + r]);
+            o[2 * r + 1] = attb_rnd(ST[(c + 1) * N + r]);
+        }
+    }
+    return same;
+}
+
+/* The forward's output for nr query rows: out's rows (fp32, or with out16 non-NULL bf16, each
+   C apart) = accT's columns / l, and lse = m + log(l) */
+static void ATTB_FN(fwd_out)(float* out, uint16_t* out16, float* lse, const float* accT,
+                             const float* m, const float* l, ptrdiff_t C, ptrdiff_t hs, ptrdiff_t nr)
+{
+    for (ptrdiff_t r = 0; r < nr; r++) {
+        float inv = 1.0f / l[r];
+        if (out16)      /* bf16: rounded to nearest even, as convert.cast_to_bf16 would */
+            for (ptrdiff_t d = 0; d < hs; d++) out16[r * C + d] = llmctl_f32_to_bf16(accT[d * ATTB_BLK + r] * inv);
+        else
+            for (ptrdiff_t d = 0; d < hs; d++) out[r * C + d] = accT[d * ATTB_BLK + r] * inv;
+        lse[r] = m[r] + logf(l[r]);
+    }
+}
+
+/* The backward's P = exp(S/sqrt(hs) - lse) and dS = P (dP - D) / sqrt(hs) of the block of query
+   rows i0.. and keys j0.. (0 where masked or past T), rounded to bf16: P with rows paired (Pp),
+   dS row-major (dSb) and with rows paired (dSp) */
+static void ATTB_FN(bwd_block)(float* S, const float* dP, uint16_t* Pb, uint16_t* Pp, uint16_t* dSb,
+                               uint16_t* dSp, const float* lb, const float* D, ptrdiff_t i0,
+                               ptrdiff_t j0, ptrdiff_t T, float scale)
+{
+    for (ptrdiff_t r = 0; r < ATTB_BLK; r++) {
+        float* srow = S + r * ATTB_BLK;
+        const float* dprow = dP + r * ATTB_BLK;
+        ptrdiff_t i = i0 + r, ncr = i + 1 - j0;
+        float li = i < T ? lb[i] : 0.0f, Di = i < T ? D[i] : 0.0f;
+        if (i >= T) ncr = 0;
+        for (int c = 0; c < ATTB_BLK; c++)       /* P = exp(s/sqrt(hs) - lse), 0 if masked */
+            srow[c] = c < ncr ? srow[c] * scale - li : -INFINITY;
+        ATTB_FN(exp_row)(srow);
+        for (int c = 0; c < ATTB_BLK; c++) {
+            Pb[r * ATTB_BLK + c] = attb_rnd(srow[c]);
+            dSb[r * ATTB_BLK + c] = attb_rnd(srow[c] * (dprow[c] - Di) * scale);
+        }
+    }
+    ATTB_FN(rowpairs)(Pp, Pb, ATTB_BLK, ATTB_BLK);
+    ATTB_FN(rowpairs)(dSp, dSb, ATTB_BLK, ATTB_BLK);
+}
+#endif
+
+/* ---- forward: one (batch, head) ---- */
 
 /* Works on transposed blocks, S^T = K Q^T (keys x query rows) and out^T += V^T P^T, so that the
    online softmax runs down the keys with the 32 query rows in the vector lanes: the running max,
@@ -154,7 +240,6 @@ static void ATTB_FN(forward_head)(float* out, uint16_t* out16, float* lse, const
     float* m = accT + N * hsp;                       /* per row: running max, sum, correction */
     float* l = m + N;
     float* corr = l + N;
-    float* mx = corr + N;
 
     attb_mark(path);
     ATTB_FN(colpairs)(Qc, Qa, Tp, hsp);
@@ -169,51 +254,15 @@ static void ATTB_FN(forward_head)(float* out, uint16_t* out16, float* lse, const
         }
         for (ptrdiff_t j0 = 0; j0 <= i0; j0 += N) {
             gemm(ST, N, Kw + j0 * hsp, hsp, Qc + i0 * hsp, 2 * N, N, N, (int)hsp, 0);
-            for (int r = 0; r < N; r++) mx[r] = m[r];
-            for (int c = 0; c < N; c++) {            /* scale, mask (key j0+c visible to row i0+r
-                                                        when j0+c <= i0+r, and the row is real) */
-                float* s = ST + c * N;
-                for (int r = 0; r < N; r++) {
-                    float v = (j0 + c <= i0 + r && r < nr) ? s[r] * scale : -INFINITY;
-                    s[r] = v;
-                    mx[r] = v > mx[r] ? v : mx[r];
-                }
-            }
-            for (int r = 0; r < N; r++) {            /* -inf only on padding rows: keep them 0 */
-                if (mx[r] == -INFINITY) mx[r] = 0.0f;
-                corr[r] = ATTB_FN(exp1)(m[r] - mx[r]);   /* 0 on the first block (m = -inf) */
-                l[r] *= corr[r];
-                m[r] = mx[r];
-            }
-            for (int c = 0; c < N; c++) {            /* P^T = exp(S^T - max), row sums */
-                float* s = ST + c * N;
-                for (int r = 0; r < N; r++) {
-                    s[r] = ATTB_FN(exp1)(s[r] - mx[r]);
-                    l[r] += s[r];
-                }
-            }
-            for (int c = 0; c < N; c += 2) {         /* bf16, keys paired */
-                uint16_t* o = Pp + c * N;
-                for (int r = 0; r < N; r++) {
-                    o[2 * r] = attb_rnd(ST[c * N + r]);
-                    o[2 * r + 1] = attb_rnd(ST[(c + 1) * N + r]);
-                }
-            }
-            for (ptrdiff_t d = 0; d < hsp; d++)
-                for (int r = 0; r < N; r++) accT[d * N + r] *= corr[r];
+            /* blocks before the diagonal one are all visible (key j0+c <= row i0+r) */
+            if (!ATTB_FN(fwd_softmax)(ST, m, l, corr, Pp, scale, j0 == i0, nr) && j0 > 0)
+                for (ptrdiff_t d = 0; d < hsp; d++)
+                    for (int r = 0; r < N; r++) accT[d * N + r] *= corr[r];
             gemm(accT, N, VT + j0, Tp, Pp, 2 * N, (int)hsp, N, N, 1);
         }
-        for (ptrdiff_t r = 0; r < nr; r++) {
-            float inv = 1.0f / l[r];
-            if (out16) {    /* bf16: rounded to nearest even, as convert.cast_to_bf16 would */
-                uint16_t* o = out16 + (b * T + i0 + r) * C + h * hs;
-                for (ptrdiff_t d = 0; d < hs; d++) o[d] = llmctl_f32_to_bf16(accT[d * N + r] * inv);
-            } else {
-                float* o = out + (b * T + i0 + r) * C + h * hs;
-                for (ptrdiff_t d = 0; d < hs; d++) o[d] = accT[d * N + r] * inv;
-            }
-            lse[(b * NH + h) * T + i0 + r] = m[r] + logf(l[r]);
-        }
+        ATTB_FN(fwd_out)(out16 ? NULL : out + (b * T + i0) * C + h * hs,
+                         out16 ? out16 + (b * T + i0) * C + h * hs : NULL,
+                         lse + (b * NH + h) * T + i0, accT, m, l, C, hs, nr);
     }
     if (path == ATTB_AMX) attb_amx_end();
 }
@@ -267,24 +316,9 @@ static void ATTB_FN(backward_head)(float* dqkv, const uint16_t* rows, const uint
         for (ptrdiff_t i0 = j0; i0 < T; i0 += ATTB_BLK) {
             gemm(S, ATTB_BLK, Qa + i0 * hsp, hsp, Kc + j0 * hsp, 2 * ATTB_BLK, ATTB_BLK, ATTB_BLK, (int)hsp, 0);
             gemm(dP, ATTB_BLK, Oa + i0 * hsp, hsp, Vc + j0 * hsp, 2 * ATTB_BLK, ATTB_BLK, ATTB_BLK, (int)hsp, 0);
-            for (ptrdiff_t r = 0; r < ATTB_BLK; r++) {
-                float* srow = S + r * ATTB_BLK;
-                float* dprow = dP + r * ATTB_BLK;
-                ptrdiff_t i = i0 + r, ncr = i + 1 - j0;
-                float li = i < T ? lb[i] : 0.0f, Di = i < T ? D[i] : 0.0f;
-                if (i >= T) ncr = 0;
-                for (int c = 0; c < ATTB_BLK; c++)       /* P = exp(s/sqrt(hs) - lse), 0 if masked */
-                    srow[c] = c < ncr ? srow[c] * scale - li : -INFINITY;
-                ATTB_FN(exp_row)(srow);
-                for (int c = 0; c < ATTB_BLK; c++) {
-                    Pb[r * ATTB_BLK + c] = attb_rnd(srow[c]);
-                    dSb[r * ATTB_BLK + c] = attb_rnd(srow[c] * (dprow[c] - Di) * scale);
-                }
-            }
+            ATTB_FN(bwd_block)(S, dP, Pb, Pp, dSb, dSp, lb, D, i0, j0, T, scale);
             /* dV^T += dout^T P and dK^T += Q^T dS: the same products and sums over the rows as
                dV += P^T dout, dK += dS^T Q, without transposing P and dS (only pairing rows) */
-            ATTB_FN(rowpairs)(Pp, Pb, ATTB_BLK, ATTB_BLK);
-            ATTB_FN(rowpairs)(dSp, dSb, ATTB_BLK, ATTB_BLK);
             gemm(dvT, ATTB_BLK, OT + i0, Tp, Pp, 2 * ATTB_BLK, (int)hsp, ATTB_BLK, ATTB_BLK, 1);
             gemm(dkT, ATTB_BLK, QT + i0, Tp, dSp, 2 * ATTB_BLK, (int)hsp, ATTB_BLK, ATTB_BLK, 1);
             gemm(dq + i0 * hsp, hsp, dSb, ATTB_BLK, Kr + j0 * hsp, 2 * hsp, ATTB_BLK, (int)hsp, ATTB_BLK, 1);

@@ -36,6 +36,7 @@ SHAPES = [
     (1, 65, 128, 2),   # one past; hs=64, two heads
     (1, 100, 96, 2),   # hs=48: padded to 64
     (1, 130, 64, 1),   # five blocks, the last partial
+    (1, 40, 30, 2),    # hs=15: odd, padded to 32
 ]
 PATHS = A.bf16_available_paths()
 U = 2.0 ** -8
@@ -234,10 +235,11 @@ def test_bf16_qkv_gives_the_bits_of_its_fp32_values(path):
     np.testing.assert_array_equal(d16, d)
 
 
-def test_bf16_output_is_the_rounded_fp32_output(path):
+@pytest.mark.parametrize("C,NH", [(64, 2), (30, 2), (15, 1)])   # hs even; odd, C even; both odd
+def test_bf16_output_is_the_rounded_fp32_output(path, C, NH):
     # the bf16 model keeps the attention output in bf16 (attproj reads it rounded): the kernel
     # writes it rounded to nearest even, and the backward's D = dout . out reads it widened
-    B, T, C, NH = 2, 45, 64, 2
+    B, T = 2, 45
     qkv, dout = _inputs(B, T, C, seed=7)
     out, lse = _forward(qkv, NH, 2)
     o16, lse16 = np.full(out.size, 0xFFFF, np.uint16), np.full_like(lse, np.nan)
@@ -254,6 +256,19 @@ def test_bf16_output_is_the_rounded_fp32_output(path):
     with pytest.raises(ValueError, match="overlap"):
         A.attention_forward_bf16(qkv.ravel()[:B * T * C].view(np.uint16)[:B * T * C], lse16, qkv.ravel(),
                                  B, T, C, NH, 2)
+
+
+def test_nan_in_a_query_stays_in_its_row(path):
+    # a NaN is not masked away as a -inf is: the row it is in comes out NaN, earlier rows and
+    # the other head do not; backward carries it into the gradient
+    B, T, C, NH = 1, 70, 64, 2
+    qkv, dout = _inputs(B, T, C, seed=9)
+    qkv[0, 40, 3] = np.nan                        # q of row 40, head 0
+    out, lse = _forward(qkv, NH, 2)
+    o = out.reshape(T, NH, C // NH)
+    assert np.isnan(o[40, 0]).all() and np.isnan(lse.reshape(NH, T)[0, 40])
+    assert np.isfinite(o[:40]).all() and np.isfinite(o[:, 1]).all()
+    assert np.isnan(_backward(dout, qkv, out, lse, NH, 2)).any()
 
 
 def test_paths_agree_far_closer_than_with_fp32_attention():

@@ -1,0 +1,227 @@
+/* AVX-512 forms of the per-block steps of attention_bf16_body.h, for the copy the native paths
+ * ("avx512_bf16", "amx") run; every CPU with those paths has AVX-512. The body's plain loops
+ * (the "emulated" path's copy) stay the definition; these do the same steps 16 lanes at a time:
+ *   - the exp uses FMAs (the same range reduction and polynomial, one rounding fewer per step);
+ *   - the row sums add two keys per step;
+ *   - the forward does not mask the padding rows of a last, partial block of queries (their
+ *     scores are finite, as padded q rows are zeros, and their outputs are never written);
+ *   - bf16 rounding is attb_rnd's (nearest even, a subnormal result flushed to a signed zero).
+ * So results differ from the emulated path's in the last bits of P and dS, well inside the
+ * bounds tests/test_attention_bf16.py derives. The transposes run on 32-bit gathers and the
+ * bf16 pair packing on whole words. Included by attention_bf16.h only. */
+#ifndef LLMCTL_ATTENTION_BF16_AVX512_H
+#define LLMCTL_ATTENTION_BF16_AVX512_H
+
+#define ATTB_TGT_V __attribute__((target("avx512f,avx512bw")))
+
+/* exp(v) in 16 lanes; v below ATT_EXP_LO (a masked -inf) -> 0; a NaN stays NaN */
+ATTB_TGT_V static inline __m512 attb_v_exp(__m512 v)
+{
+    const __m512 lo = _mm512_set1_ps(ATT_EXP_LO), shift = _mm512_set1_ps(ATT_SHIFT);
+    __m512 xc = _mm512_min_ps(_mm512_set1_ps(ATT_EXP_HI), _mm512_max_ps(lo, v));   /* NaN passes */
+    __m512 t = _mm512_fmadd_ps(xc, _mm512_set1_ps(ATT_LOG2E), shift);
+    __m512 n = _mm512_sub_ps(t, shift);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(ATT_LN2_HI), xc);
+    __m512 y = _mm512_set1_ps(ATT_P0);
+    __m512i e;
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(ATT_LN2_LO), r);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(ATT_P1));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(ATT_P2));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(ATT_P3));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(ATT_P4));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(ATT_P5));
+    y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    e = _mm512_slli_epi32(_mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(0x4B400000 - 127)), 23);
+    return _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(v, lo, _CMP_NLT_UQ), y, _mm512_castsi512_ps(e));
+}
+
+/* attb_rnd in 16 lanes: the bf16 in the top half of each 32-bit word (the low half is junk) */
+ATTB_TGT_V static inline __m512i attb_v_rnd(__m512 x)
+{
+    __m512i u = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    __mmask16 normal = _mm512_test_epi32_mask(r, _mm512_set1_epi32(0x7F800000));
+    return _mm512_mask_mov_epi32(_mm512_and_si512(r, _mm512_set1_epi32((int)0x80000000u)), normal, r);
+}
+
+/* two rounded vectors as 16 words: a's bf16 in the low half, b's in the high half */
+ATTB_TGT_V static inline __m512i attb_v_pair(__m512i a, __m512i b)
+{
+    return _mm512_or_si512(_mm512_srli_epi32(a, 16), _mm512_and_si512(b, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* llmctl_f32_to_bf16 in 16 lanes (nearest even, NaN -> 0x7FC0, no flush), in the top halves */
+ATTB_TGT_V static inline __m512i attb_v_bf16(__m512 x)
+{
+    __m512i u = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+}
+
+/* rows r >= c of a diagonal block see key c: the lanes of rows 0-15 (half 0) or 16-31 */
+static inline __mmask16 attb_v_diag_rows(int c, int half)
+{
+    int k = c - 16 * half;
+    return k <= 0 ? (__mmask16)0xFFFF : (k >= 16 ? (__mmask16)0 : (__mmask16)(0xFFFFu << k));
+}
+
+/* keys c <= r of a diagonal block seen by row r: the lanes of keys 0-15 (half 0) or 16-31 */
+static inline __mmask16 attb_v_diag_keys(int r, int half)
+{
+    int k = r - 16 * half;
+    return k < 0 ? (__mmask16)0 : (k >= 15 ? (__mmask16)0xFFFF : (__mmask16)((1u << (k + 1)) - 1));
+}
+
+/* the forward's online-softmax step on one block: see attention_bf16_body.h's fwd_softmax */
+ATTB_TGT_V static int attb_fwd_softmax_avx512(float* ST, float* m, float* l, float* corr, uint16_t* Pp,
+                                              float scale, int diag, ptrdiff_t nr)
+{
+    const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    __m512 m0 = _mm512_loadu_ps(m), m1 = _mm512_loadu_ps(m + 16), x0 = m0, x1 = m1, c0, c1, l0, l1;
+    (void)nr;
+    for (int c = 0; c < 32; c++) {
+        __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(ST + c * 32), sc);
+        __m512 s1 = _mm512_mul_ps(_mm512_loadu_ps(ST + c * 32 + 16), sc);
+        if (diag) {
+            s0 = _mm512_mask_mov_ps(ninf, attb_v_diag_rows(c, 0), s0);
+            s1 = _mm512_mask_mov_ps(ninf, attb_v_diag_rows(c, 1), s1);
+        }
+        _mm512_storeu_ps(ST + c * 32, s0);
+        _mm512_storeu_ps(ST + c * 32 + 16, s1);
+        x0 = _mm512_max_ps(x0, s0);
+        x1 = _mm512_max_ps(x1, s1);
+    }
+    c0 = attb_v_exp(_mm512_sub_ps(m0, x0));        /* 0 on the first block (m = -inf) */
+    c1 = attb_v_exp(_mm512_sub_ps(m1, x1));
+    l0 = _mm512_mul_ps(_mm512_loadu_ps(l), c0);
+    l1 = _mm512_mul_ps(_mm512_loadu_ps(l + 16), c1);
+    _mm512_storeu_ps(corr, c0);
+    _mm512_storeu_ps(corr + 16, c1);
+    _mm512_storeu_ps(m, x0);
+    _mm512_storeu_ps(m + 16, x1);
+    for (int c = 0; c < 32; c += 2) {
+        __m512 e00 = attb_v_exp(_mm512_sub_ps(_mm512_loadu_ps(ST + c * 32), x0));
+        __m512 e01 = attb_v_exp(_mm512_sub_ps(_mm512_loadu_ps(ST + c * 32 + 16), x1));
+        __m512 e10 = attb_v_exp(_mm512_sub_ps(_mm512_loadu_ps(ST + c * 32 + 32), x0));
+        __m512 e11 = attb_v_exp(_mm512_sub_ps(_mm512_loadu_ps(ST + c * 32 + 48), x1));
+        l0 = _mm512_add_ps(l0, _mm512_add_ps(e00, e10));
+        l1 = _mm512_add_ps(l1, _mm512_add_ps(e01, e11));
+        _mm512_storeu_si512((void*)(Pp + c * 32), attb_v_pair(attb_v_rnd(e00), attb_v_rnd(e10)));
+        _mm512_storeu_si512((void*)(Pp + c * 32 + 32), attb_v_pair(attb_v_rnd(e01), attb_v_rnd(e11)));
+    }
+    _mm512_storeu_ps(l, l0);
+    _mm512_storeu_ps(l + 16, l1);
+    return _mm512_cmp_ps_mask(c0, _mm512_set1_ps(1.0f), _CMP_EQ_OQ) == 0xFFFF
+           && _mm512_cmp_ps_mask(c1, _mm512_set1_ps(1.0f), _CMP_EQ_OQ) == 0xFFFF;
+}
+
+/* the forward's output of one block of query rows: see attention_bf16_body.h's fwd_out */
+ATTB_TGT_V static void attb_fwd_out_avx512(float* out, uint16_t* out16, float* lse, const float* accT,
+                                           const float* m, const float* l, ptrdiff_t C, ptrdiff_t hs,
+                                           ptrdiff_t nr)
+{
+    __mmask16 k0 = nr >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nr) - 1);
+    __mmask16 k1 = nr >= 32 ? (__mmask16)0xFFFF : (nr <= 16 ? (__mmask16)0 : (__mmask16)((1u << (nr - 16)) - 1));
+    __m512 one = _mm512_set1_ps(1.0f);
+    __m512 inv0 = _mm512_div_ps(one, _mm512_loadu_ps(l)), inv1 = _mm512_div_ps(one, _mm512_loadu_ps(l + 16));
+    __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (ptrdiff_t r = 0; r < nr; r++) lse[r] = m[r] + logf(l[r]);
+    if (out16 && (hs & 1)) {    /* no whole words: one element at a time */
+        for (ptrdiff_t r = 0; r < nr; r++)
+            for (ptrdiff_t d = 0; d < hs; d++)
+                out16[r * C + d] = llmctl_f32_to_bf16(accT[d * 32 + r] * (1.0f / l[r]));
+    } else if (out16) {    /* words of two columns, at (r*C + d)/2: C and hs are even here */    /* words of two columns, at (r*C + d)/2: C and hs are even here */
+        __m512i i0 = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)(C / 2)));
+        __m512i i1 = _mm512_add_epi32(i0, _mm512_set1_epi32((int)(8 * C)));
+        for (ptrdiff_t d = 0; d < hs; d += 2) {
+            const float* a = accT + d * 32;
+            __m512i w0 = attb_v_pair(attb_v_bf16(_mm512_mul_ps(_mm512_loadu_ps(a), inv0)),
+                                     attb_v_bf16(_mm512_mul_ps(_mm512_loadu_ps(a + 32), inv0)));
+            __m512i w1 = attb_v_pair(attb_v_bf16(_mm512_mul_ps(_mm512_loadu_ps(a + 16), inv1)),
+                                     attb_v_bf16(_mm512_mul_ps(_mm512_loadu_ps(a + 48), inv1)));
+            _mm512_mask_i32scatter_epi32((void*)(out16 + d), k0, i0, w0, 4);
+            _mm512_mask_i32scatter_epi32((void*)(out16 + d), k1, i1, w1, 4);
+        }
+    } else {
+        __m512i i0 = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)C));
+        __m512i i1 = _mm512_add_epi32(i0, _mm512_set1_epi32((int)(16 * C)));
+        for (ptrdiff_t d = 0; d < hs; d++) {
+            _mm512_mask_i32scatter_ps(out + d, k0, i0, _mm512_mul_ps(_mm512_loadu_ps(accT + d * 32), inv0), 4);
+            _mm512_mask_i32scatter_ps(out + d, k1, i1, _mm512_mul_ps(_mm512_loadu_ps(accT + d * 32 + 16), inv1), 4);
+        }
+    }
+}
+
+/* dst (hsp x Tp) = R (Tp x hsp)^T, 16 rows of R and two columns per 32-bit gather */
+ATTB_TGT_V static void attb_transpose_avx512(uint16_t* dst, const uint16_t* R, ptrdiff_t Tp, ptrdiff_t hsp)
+{
+    __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                     _mm512_set1_epi32((int)(hsp / 2)));
+    for (ptrdiff_t t0 = 0; t0 < Tp; t0 += 16)
+        for (ptrdiff_t d = 0; d < hsp; d += 2) {
+            __m512i w = _mm512_i32gather_epi32(idx, (const void*)(R + t0 * hsp + d), 4);
+            _mm256_storeu_si256((__m256i*)(dst + d * Tp + t0), _mm512_cvtepi32_epi16(w));
+            _mm256_storeu_si256((__m256i*)(dst + (d + 1) * Tp + t0), _mm512_cvtepi32_epi16(_mm512_srli_epi32(w, 16)));
+        }
+}
+
+/* columns paired per block of 32 rows: a transpose of 32-bit words, one gather per 16 */
+ATTB_TGT_V static void attb_colpairs_avx512(uint16_t* dst, const uint16_t* R, ptrdiff_t Tp, ptrdiff_t hsp)
+{
+    __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                     _mm512_set1_epi32((int)(hsp / 2)));
+    for (ptrdiff_t t0 = 0; t0 < Tp; t0 += ATTB_BLK)
+        for (ptrdiff_t r = 0; r < hsp / 2; r++)
+            for (ptrdiff_t n0 = 0; n0 < ATTB_BLK; n0 += 16)
+                _mm512_storeu_si512((void*)(dst + t0 * hsp + (r * ATTB_BLK + n0) * 2),
+                                    _mm512_i32gather_epi32(idx, (const void*)(R + (t0 + n0) * hsp + 2 * r), 4));
+}
+
+/* rows paired: word d of pair p = R[2p][d] | R[2p+1][d] << 16 */
+ATTB_TGT_V static void attb_rowpairs_avx512(uint16_t* dst, const uint16_t* R, ptrdiff_t Tp, ptrdiff_t hsp)
+{
+    for (ptrdiff_t p = 0; p < Tp / 2; p++) {
+        const uint16_t* a = R + 2 * p * hsp;
+        for (ptrdiff_t d = 0; d < hsp; d += 16) {
+            __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(a + d)));
+            __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(a + hsp + d)));
+            _mm512_storeu_si512((void*)(dst + 2 * p * hsp + 2 * d), _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+    }
+}
+
+/* the backward's P and dS of one block: see attention_bf16_body.h's bwd_block */
+ATTB_TGT_V static void attb_bwd_block_avx512(const float* S, const float* dP, uint16_t* Pb, uint16_t* Pp,
+                                             uint16_t* dSb, uint16_t* dSp, const float* lb, const float* D,
+                                             ptrdiff_t i0, ptrdiff_t j0, ptrdiff_t T, float scale)
+{
+    const __m512 sc = _mm512_set1_ps(scale);
+    __m512i p[2][2], q[2][2];
+    (void)Pb;
+    for (int r = 0; r < 32; r++) {
+        ptrdiff_t i = i0 + r;
+        for (int h = 0; h < 2; h++) {
+            __m512 P, dS;
+            if (i < T) {
+                __mmask16 k = i0 == j0 ? attb_v_diag_keys(r, h) : (__mmask16)0xFFFF;
+                __m512 s = _mm512_fmsub_ps(_mm512_loadu_ps(S + r * 32 + 16 * h), sc, _mm512_set1_ps(lb[i]));
+                P = _mm512_maskz_mov_ps(k, attb_v_exp(s));
+                dS = _mm512_mul_ps(_mm512_mul_ps(P, _mm512_sub_ps(_mm512_loadu_ps(dP + r * 32 + 16 * h),
+                                                                  _mm512_set1_ps(D[i]))), sc);
+            } else {
+                P = dS = _mm512_setzero_ps();
+            }
+            p[r & 1][h] = attb_v_rnd(P);
+            q[r & 1][h] = attb_v_rnd(dS);
+            _mm256_storeu_si256((__m256i*)(dSb + r * 32 + 16 * h), _mm512_cvtepi32_epi16(_mm512_srli_epi32(q[r & 1][h], 16)));
+        }
+        if (r & 1)
+            for (int h = 0; h < 2; h++) {
+                _mm512_storeu_si512((void*)(Pp + (r - 1) * 32 + 32 * h), attb_v_pair(p[0][h], p[1][h]));
+                _mm512_storeu_si512((void*)(dSp + (r - 1) * 32 + 32 * h), attb_v_pair(q[0][h], q[1][h]));
+            }
+    }
+}
+#endif /* LLMCTL_ATTENTION_BF16_AVX512_H */
