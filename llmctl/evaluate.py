@@ -79,7 +79,23 @@ def check_examples(examples, config, path="<examples>"):
                 raise FormatError(f"{path}: example {ex.index} has token id {int(np.max(toks))} >= vocab size {V}")
 
 
-def _token_losses(model, h, targets, chunk=256):
+class _Scratch:
+    """float32 buffers a scoring pass keeps across its batches, each grown to the largest size
+    asked for. A batch's KV caches and logits are tens of MB: as fresh arrays they were fresh
+    mappings whose pages fault in (zeroed) on first write, every batch."""
+
+    def __init__(self):
+        self._bufs = {}
+
+    def take(self, name, shape):
+        n = int(np.prod(shape))
+        b = self._bufs.get(name)
+        if b is None or b.size < n:
+            b = self._bufs[name] = np.empty(max(n, 0 if b is None else b.size * 3 // 2), np.float32)
+        return b[:n].reshape(shape)
+
+
+def _token_losses(model, h, targets, chunk=256, scratch=None):
     """Cross-entropy of final-normed hidden rows h (M,C) against targets (M,) or (M,k) (k targets
     scored from the same row's distribution) -> float64, the same shape as targets. The fused
     softmax + cross-entropy kernel scores the first target of each row (log(sum) - (x_t - max),
@@ -89,7 +105,8 @@ def _token_losses(model, h, targets, chunk=256):
     out = np.empty(targets.shape, dtype=np.float64)
     V = model.config.vocab_size
     for s in range(0, h.shape[0], chunk):
-        lg = model.logits_from_hidden(h[s:s + chunk])          # (m, V) float32
+        m = min(chunk, h.shape[0] - s)
+        lg = model.logits_from_hidden(h[s:s + m], None if scratch is None else scratch.take("logits", (m, V)))
         m = lg.shape[0]
         tg = targets[s:s + chunk].reshape(m, -1)
         x_t = np.take_along_axis(lg, tg, axis=1).astype(np.float64)   # before the kernel overwrites lg
@@ -101,8 +118,10 @@ def _token_losses(model, h, targets, chunk=256):
     return out
 
 
-def _score_batch(model, batch):
-    """-> (losses_sum (E,4), num_tokens (E,4)) for a list of EvalExample."""
+def _score_batch(model, batch, scratch=None):
+    """-> (losses_sum (E,4), num_tokens (E,4)) for a list of EvalExample; scratch: a _Scratch
+    kept across batches."""
+    scratch = _Scratch() if scratch is None else scratch
     cfg = model.config
     C, NH = cfg.channels, cfg.num_heads
     E = len(batch)
@@ -126,18 +145,18 @@ def _score_batch(model, batch):
                 t = comps[e][c][:-1]
                 comp_tok[e * NUM_COMPLETIONS + c, :t.size] = t
         x_comp = model.embed(comp_tok, pos4)
-    k = np.empty((E, NH, Tcap, C // NH), dtype=np.float32)
-    v = np.empty_like(k)
-    k4 = np.empty((E * NUM_COMPLETIONS,) + k.shape[1:], dtype=np.float32) if Tc > 0 else None
-    v4 = np.empty_like(k4) if Tc > 0 else None
-    for l in range(cfg.num_layers):
-        x_ctx = model.block_forward(l, x_ctx, k, v, zero_pos)
+    k = scratch.take("k", (E, NH, Tcap, C // NH))
+    v = scratch.take("v", k.shape)
+    k4 = scratch.take("k4", (E * NUM_COMPLETIONS,) + k.shape[1:]) if Tc > 0 else None
+    v4 = scratch.take("v4", k4.shape) if Tc > 0 else None
+    for l in range(cfg.num_layers):   # the residual streams are updated in place
+        x_ctx = model.block_forward(l, x_ctx, k, v, zero_pos, out=x_ctx)
         if Tc > 0:
             # each completion row gets its context's K/V (positions past the context are the
             # completion's own, written by its block_forward)
             for kv4, kv in ((k4, k), (v4, v)):
                 kv4.reshape((E, NUM_COMPLETIONS) + k.shape[1:])[:, :, :, :Tx] = kv[:, None, :, :Tx]
-            x_comp = model.block_forward(l, x_comp, k4, v4, pos4)
+            x_comp = model.block_forward(l, x_comp, k4, v4, pos4, out=x_comp)
 
     # rows of hidden states that predict a completion token, and those tokens
     h_last = model.final_norm(x_ctx.reshape(E, Tx, C)[np.arange(E), n_ctx - 1])  # predicts comp[0]
@@ -145,7 +164,7 @@ def _score_batch(model, batch):
     losses = np.zeros((E, NUM_COMPLETIONS), dtype=np.float64)
     counts = np.array([[len(c) for c in cs] for cs in comps], dtype=np.int64)
     # the first completion token of each row: one distribution per example serves all four
-    losses += _token_losses(model, h_last, first_t)
+    losses += _token_losses(model, h_last, first_t, scratch=scratch)
     if Tc > 0:
         r_idx, t_idx, tgt = [], [], []
         for e in range(E):
@@ -157,7 +176,7 @@ def _score_batch(model, batch):
         if r_idx:
             r_idx = np.array(r_idx)
             h = model.final_norm(x_comp.reshape(-1, Tc, C)[r_idx, np.array(t_idx)])
-            tl = _token_losses(model, h, np.array(tgt, dtype=np.int64))
+            tl = _token_losses(model, h, np.array(tgt, dtype=np.int64), scratch=scratch)
             np.add.at(losses.reshape(-1), r_idx, tl)
     return losses, counts
 
@@ -201,8 +220,9 @@ def score_examples(model, examples, norm="tokens", tokenizer=None, batch_tokens=
 def _score_all(model, examples, norm, tokenizer, batch_tokens, on_progress):
     scores = [None] * len(examples)
     done = 0
+    scratch = _Scratch()
     for idxs in _batches(examples, batch_tokens):
-        losses, counts = _score_batch(model, [examples[i] for i in idxs])
+        losses, counts = _score_batch(model, [examples[i] for i in idxs], scratch)
         for j, i in enumerate(idxs):
             ex = examples[i]
             s = losses[j].tolist()

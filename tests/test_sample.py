@@ -122,6 +122,34 @@ def test_cached_logits_equal_full_forward_at_every_position(tiny):
         model.forward_cached(cache, ids[:, :1])  # the cache is full
 
 
+def test_block_forward_and_logits_write_into_a_given_buffer(tiny):
+    # HellaSwag scoring keeps its residual streams and logits across batches: out=x (in place)
+    # and a kept logits buffer give the same bits as fresh arrays; a wrong buffer is refused
+    model, _, cfg, _ = tiny
+    ids = np.random.default_rng(1).integers(0, V, size=(2, 6)).astype(np.int32)
+    L, NH, C = model.config.num_layers, model.config.num_heads, model.config.channels
+    pos = np.zeros(2, np.int32)
+    outs = []
+    for inplace in (False, True):
+        x = model.embed(ids, pos)
+        k = np.full((2, NH, 6, C // NH), np.nan, np.float32)
+        v = np.full_like(k, np.nan)
+        for l in range(L):
+            y = model.block_forward(l, x, k, v, pos, out=x if inplace else None)
+            assert np.shares_memory(y, x) == inplace
+            x = y
+        h = model.final_norm(x)
+        buf = np.full(h.shape[0] * V, np.nan, np.float32) if inplace else None
+        lg = model.logits_from_hidden(h, buf)
+        assert np.shares_memory(lg, buf) if inplace else True
+        outs.append(lg.copy())
+    np.testing.assert_array_equal(outs[0], outs[1])
+    with pytest.raises(ValueError, match="out must be"):
+        model.logits_from_hidden(h, np.empty(h.shape[0] * V + 1, np.float32))
+    with pytest.raises(ValueError, match="out must be"):
+        model.block_forward(0, model.embed(ids, pos), k, v, pos, out=np.empty(12 * C, np.float64))
+
+
 def test_cached_forward_refuses_beyond_maxT(tiny):
     model = tiny[0]
     cache = KVCache(model.config, 1, 40)

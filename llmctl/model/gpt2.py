@@ -320,11 +320,12 @@ class GPT2:
         HellaSwag pass inside training, whose batches are far bigger than a decode step's."""
         self._step_bufs = None
 
-    def _cached_layer_acts(self, x):
+    def _cached_layer_acts(self, x, out=None):
         """One layer's buffers for the rows of x (N, C) in a cached forward. The intermediates live
         in buffers kept across calls (grown to the most rows seen; each kernel overwrites its
         part whole): newly allocated ones cost page faults on every layer of every call, which
-        measured a third of a HellaSwag batch. `out`, which the caller keeps, is new each call."""
+        measured a third of a HellaSwag batch. `out`, which the caller keeps, is the caller's
+        (N*C float32, it may be x itself) or new."""
         N, C = x.shape
         n, m = N * C, self._step_bufs
         if m is None or m["ln1_mean"].size < N:
@@ -335,7 +336,11 @@ class GPT2:
                 "ln2": em(n), "ln2_mean": e(N), "ln2_rstd": e(N), "fch": em(4 * n), "gelu": em(4 * n)}
         cut = {"ln1_mean": N, "ln1_rstd": N, "ln2_mean": N, "ln2_rstd": N, "qkv": 3 * n, "fch": 4 * n, "gelu": 4 * n}
         views = {k: (None if b is None else b[:cut.get(k, n)]) for k, b in m.items()}
-        return SimpleNamespace(x=x.reshape(-1), out=np.empty(n, np.float32), lse=None, **views)
+        if out is None:
+            out = np.empty(n, np.float32)
+        elif out.dtype != np.float32 or out.size != n or not out.flags.c_contiguous or not out.flags.writeable:
+            raise ValueError(f"out must be a writable C-contiguous float32 array of {n} (rows x C) elements")
+        return SimpleNamespace(x=x.reshape(-1), out=out.reshape(-1), lse=None, **views)
 
     def _lmhead_blocks(self, BT, tg, losses):
         """-> (r0, nr, buf) for row blocks of plan.logits_rows, each block's logits computed then
@@ -524,13 +529,14 @@ class GPT2:
         x += self.p["wpe"][t.reshape(-1)]
         return x
 
-    def block_forward(self, l, x, k, v, pos):
+    def block_forward(self, l, x, k, v, pos, out=None):
         """Layer l over x (B*Tq, C) whose row b holds positions pos[b] .. pos[b]+Tq-1: their K/V
         are written into k, v (B, NH, Tcap, hs: layer l's cache) and they attend to every cached
-        position up to themselves. -> the new residual stream (B*Tq, C)."""
+        position up to themselves. -> the new residual stream (B*Tq, C), in out if given (a
+        float32 array of x's size; x itself is fine: x is last read before out is written)."""
         self._sync_bf16()
         B = k.shape[0]
-        a = self._cached_layer_acts(np.ascontiguousarray(x, dtype=np.float32))
+        a = self._cached_layer_acts(np.ascontiguousarray(x, dtype=np.float32), out)
         self._block_forward(l, a, B, x.shape[0] // B, (k, v, np.ascontiguousarray(pos, dtype=np.int32)))
         return a.out.reshape(x.shape)
 
@@ -544,15 +550,20 @@ class GPT2:
                                               self.p["lnfb"], N, C, self.n_threads)
         return out
 
-    def logits_from_hidden(self, h):
+    def logits_from_hidden(self, h, out=None):
         """Logits (..., V) over the real vocab (the padded rows are zero and never sampled) for
-        final-normed hidden states h (..., C)."""
+        final-normed hidden states h (..., C); written into out if given (a float32 array of
+        h's rows x V elements: callers scoring many batches keep one)."""
         self._sync_bf16()
         h = np.asarray(h, dtype=np.float32)
         C, V = self.config.channels, self.config.vocab_size
         x = np.ascontiguousarray(h).reshape(-1)
         N = x.size // C
-        out = np.empty(N * V, dtype=np.float32)
+        if out is None:
+            out = np.empty(N * V, dtype=np.float32)
+        elif out.dtype != np.float32 or out.size != N * V or not out.flags.c_contiguous or not out.flags.writeable:
+            raise ValueError(f"out must be a writable C-contiguous float32 array of {N} x {V} (rows x vocab) elements")
+        out = out.reshape(-1)
         xm = self.ops.mm_input(np.empty(x.size, self.ops.act_dtype), x, self.n_threads)
         self.ops.matmul(out, xm, "wte", None, None, N, C, V, self.n_threads)
         return out.reshape(h.shape[:-1] + (V,))
