@@ -15,7 +15,8 @@ Layouts (flat float32, C order):
   pos     (B,) int32          row b's new position t sits at cache index pos[b] + t
   out     (B, Tq, C)          attention output (heads concatenated), like llm.c's atty
 Every query is computed by one thread start to finish, so results do not depend on the
-thread count.
+thread count. On CPUs with AVX-512 the per-query kernel is kvcache_avx512.h's vector form of
+the loops below (set_isa picks either, for tests); results agree to float32 rounding, not bits.
 """
 from cython.parallel cimport prange
 from libc.math cimport expf, sqrtf
@@ -27,6 +28,15 @@ from _openmp cimport omp_get_thread_num
 
 # ----------------------------------------------------------------------------------------------
 # C-level kernels
+
+cdef extern from "kvcache_avx512.h" nogil:
+    int llmctl_kv_avx512_runs()
+    void llmctl_kv_attend_avx512(float* out, const float* q, const float* k, const float* v,
+                                 int n, int hs, float scale, float* scores)
+
+ISAS = ("baseline", "avx512")
+cdef bint _avx512_runs = llmctl_kv_avx512_runs() != 0
+cdef bint _avx512 = _avx512_runs    # the copy attention_cached runs; decided at import
 
 cdef enum:
     MAX_HS = 512   # largest head size the attention kernel accepts (GPT-2/3 use 64..128)
@@ -103,27 +113,55 @@ cdef int attention_cached_forward(float* out, const float* qkv, const float* kca
     cdef int hs = C // NH
     cdef float scale = 1.0 / sqrtf(<float>hs)
     cdef long total = <long>B * NH * Tq
-    cdef long idx
+    cdef long idx, row = (Tcap + 15) // 16 * 16
     cdef int b, h, t
-    # one score row of Tcap floats per thread, picked by thread number
-    cdef float* scratch = <float*>malloc(<size_t>n_threads * Tcap * sizeof(float))
+    cdef bint wide = _avx512
+    # one score row of Tcap floats (rounded up to whole vectors) per thread, by thread number
+    cdef float* scratch = <float*>malloc(<size_t>n_threads * row * sizeof(float))
     if scratch == NULL:
         return -1
     for idx in prange(total, schedule='static', num_threads=n_threads):
         b = <int>(idx // (NH * Tq))
         h = <int>((idx // Tq) % NH)
         t = <int>(idx % Tq)
-        _attend_one(out + (<long>b * Tq + t) * C + h * hs,
-                    qkv + (<long>b * Tq + t) * 3 * C + h * hs,
-                    kcache + (<long>b * NH + h) * Tcap * hs,
-                    vcache + (<long>b * NH + h) * Tcap * hs,
-                    pos[b] + t + 1, hs, scale, scratch + <long>omp_get_thread_num() * Tcap)
+        if wide:
+            llmctl_kv_attend_avx512(out + (<long>b * Tq + t) * C + h * hs,
+                                    qkv + (<long>b * Tq + t) * 3 * C + h * hs,
+                                    kcache + (<long>b * NH + h) * Tcap * hs,
+                                    vcache + (<long>b * NH + h) * Tcap * hs,
+                                    pos[b] + t + 1, hs, scale, scratch + <long>omp_get_thread_num() * row)
+        else:
+            _attend_one(out + (<long>b * Tq + t) * C + h * hs,
+                        qkv + (<long>b * Tq + t) * 3 * C + h * hs,
+                        kcache + (<long>b * NH + h) * Tcap * hs,
+                        vcache + (<long>b * NH + h) * Tcap * hs,
+                        pos[b] + t + 1, hs, scale, scratch + <long>omp_get_thread_num() * row)
     free(scratch)
     return 0
 
 
 # ----------------------------------------------------------------------------------------------
 # Python wrappers: validate sizes (ValueError), then call the C kernel without the GIL
+
+def isa():
+    """The copy of the per-query kernel attention_cached runs: "baseline" or "avx512"."""
+    return ISAS[_avx512]
+
+
+def set_isa(name=None):
+    """Run the named copy ("baseline", or "avx512" where the CPU has it); None: the best this CPU
+    runs (the default at import). -> the name now in force."""
+    global _avx512
+    if name is None:
+        _avx512 = _avx512_runs
+    elif name not in ISAS:
+        raise ValueError(f"unknown kernel copy {name!r}: use one of {', '.join(ISAS)}")
+    elif name == "avx512" and not _avx512_runs:
+        raise ValueError("the avx512 copy needs a CPU with AVX-512 (and a build for x86-64 with GCC >= 11)")
+    else:
+        _avx512 = name == "avx512"
+    return ISAS[_avx512]
+
 
 def _check(name, Py_ssize_t got, Py_ssize_t want):
     if got != want:

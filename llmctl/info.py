@@ -84,13 +84,14 @@ def simd_info():
     x86-64; wider copies are picked by cpuid): attention ("default", "avx2", "avx512"), the row
     loops of GELU, layernorm, softmax + cross-entropy and the bf16 cast ("baseline", "avx2",
     "avx512"), AdamW ("baseline", "avx"), the few-row bf16 matmul of decoding
-    ("avx512_bf16", or "off": the bf16 GEMM engine does those rows too), and the products of the
-    bf16 attention ("amx", "avx512_bf16", or "emulated": the same bf16 rounding done on fp32)."""
-    from llmctl._ext import adamw, attention, layers, matmul
+    ("avx512_bf16", or "off": the bf16 GEMM engine does those rows too), the attention over a KV
+    cache of decoding and HellaSwag ("baseline", "avx512"), and the products of the bf16
+    attention ("amx", "avx512_bf16", or "emulated": the same bf16 rounding done on fp32)."""
+    from llmctl._ext import adamw, attention, kvcache, layers, matmul
 
     return {"attention": attention.isa(), "layers": layers.simd(), "adamw": adamw.simd(),
             "bf16_gemv": "avx512_bf16" if matmul.gemv_bf16_available() else "off",
-            "attention_bf16": attention.bf16_path()}
+            "kv_attention": kvcache.isa(), "attention_bf16": attention.bf16_path()}
 
 
 def roof_info():
@@ -183,7 +184,7 @@ def format_info(info):
             f"{_engine_line(info)}\n"
             f"{_precision_line(info)}\n"
             f"kernels: attention {k['attention']}, layers {k['layers']}, AdamW {k['adamw']}, "
-            f"bf16 GEMV {k['bf16_gemv']}\n"
+            f"bf16 GEMV {k['bf16_gemv']}, KV-cache attention {k['kv_attention']}\n"
             f"attention-bf16: {k['attention_bf16']} (available: {', '.join(info['attention_bf16_paths'])})\n"
             f"BLAS: {info['blas'] or 'unknown'}\n"
             f"{_roof_line(info)}")

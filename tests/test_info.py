@@ -42,7 +42,7 @@ def test_info_json_reports_version_openmp_threads_and_blas():
 
 
 def test_info_and_version_print_the_same_eight_lines():
-    from llmctl._ext import adamw, attention, layers, matmul
+    from llmctl._ext import adamw, attention, kvcache, layers, matmul
 
     text = _cli("info", env={"OMP_NUM_THREADS": "2"})
     lines = text.splitlines()
@@ -62,7 +62,7 @@ def test_info_and_version_print_the_same_eight_lines():
     # the kernels' instruction sets, as the modules report them in this process
     gemv = "avx512_bf16" if matmul.gemv_bf16_available() else "off"
     assert lines[4] == (f"kernels: attention {attention.isa()}, layers {layers.simd()}, AdamW {adamw.simd()}, "
-                        f"bf16 GEMV {gemv}"), lines[4]
+                        f"bf16 GEMV {gemv}, KV-cache attention {kvcache.isa()}"), lines[4]
     assert lines[5] == (f"attention-bf16: {attention.bf16_path()} "
                         f"(available: {', '.join(attention.bf16_available_paths())})"), lines[5]
     assert re.fullmatch(r"BLAS: \S+ \S+ \(.*\)|BLAS: unknown", lines[6]), lines[6]
@@ -72,7 +72,8 @@ def test_info_and_version_print_the_same_eight_lines():
     info = json.loads(_cli("info", "--json"))
     assert info["engine"] == matmul.default_engine() and ("bf16" in info["precisions"]) == matmul.bf16_native()
     assert info["kernels"] == {"attention": attention.isa(), "layers": layers.simd(), "adamw": adamw.simd(),
-                               "bf16_gemv": gemv, "attention_bf16": attention.bf16_path()}
+                               "bf16_gemv": gemv, "kv_attention": kvcache.isa(),
+                               "attention_bf16": attention.bf16_path()}
 
 
 def test_ci_build_has_openmp():

@@ -55,12 +55,40 @@ def _attention_ref(qkv, kc, vc, pos, NH):
     return out
 
 
-@pytest.mark.parametrize("B,Tq,NH,hs,threads", [(1, 1, 4, 8, 1), (3, 5, 2, 16, 2), (2, 7, 3, 5, 2)])
-def test_attention_cached_kernel_matches_numpy(B, Tq, NH, hs, threads):
+def _kv_isas():
+    from llmctl._ext import kvcache
+
+    prev, runs = kvcache.isa(), []
+    try:
+        for name in kvcache.ISAS:
+            try:
+                runs.append(kvcache.set_isa(name))
+            except ValueError:
+                pass
+    finally:
+        kvcache.set_isa(prev)
+    return runs
+
+
+@pytest.fixture(params=_kv_isas())
+def kv_isa(request):
+    """Run the test on one copy of the cached-attention kernel (each this CPU has)."""
+    from llmctl._ext import kvcache
+
+    prev = kvcache.set_isa(request.param)
+    try:
+        yield request.param
+    finally:
+        kvcache.set_isa(prev)
+
+
+@pytest.mark.parametrize("B,Tq,NH,hs,threads,Tcap", [(1, 1, 4, 8, 1, 16), (3, 5, 2, 16, 2, 16), (2, 7, 3, 5, 2, 16),
+                                                     (2, 9, 2, 64, 2, 103), (1, 3, 1, 40, 1, 37)])
+def test_attention_cached_kernel_matches_numpy(B, Tq, NH, hs, threads, Tcap, kv_isa):
     from llmctl._ext.kvcache import attention_cached, kvcache_append_forward
 
     rng = np.random.default_rng(B * 100 + Tq)
-    C, Tcap = NH * hs, 16
+    C = NH * hs
     pos = np.array([Tcap - Tq - b for b in range(B)], dtype=np.int32)   # different past per row
     kc = rng.normal(size=(B, NH, Tcap, hs)).astype(np.float32)
     vc = rng.normal(size=(B, NH, Tcap, hs)).astype(np.float32)
@@ -73,12 +101,23 @@ def test_attention_cached_kernel_matches_numpy(B, Tq, NH, hs, threads):
     out = np.empty((B, Tq, C), dtype=np.float32)
     attention_cached(out.reshape(-1), qkv.reshape(-1), kc.reshape(-1), vc.reshape(-1), pos,
                      B, Tq, C, NH, Tcap, threads)
-    # float32 dot products of <= 16 terms and a <= 16-term softmax: 1e-5 is ~100 ulp of O(1) values
+    # float32 dot products of <= 64 terms and a <= 103-term softmax: 1e-5 is ~100 ulp of O(1) values
     np.testing.assert_allclose(out, _attention_ref(qkv, kc, vc, pos, NH), atol=1e-5, rtol=1e-5)
     out1 = np.empty_like(out)
     attention_cached(out1.reshape(-1), qkv.reshape(-1), kc.reshape(-1), vc.reshape(-1), pos,
                      B, Tq, C, NH, Tcap, 1)
     np.testing.assert_array_equal(out, out1)  # one thread computes each query whole
+
+
+def test_attention_cached_isa_selection():
+    from llmctl._ext import kvcache
+
+    assert kvcache.isa() == kvcache.set_isa(None) == _kv_isas()[-1]   # the best, by default
+    with pytest.raises(ValueError, match="unknown kernel copy"):
+        kvcache.set_isa("avx2")
+    if "avx512" not in _kv_isas():
+        with pytest.raises(ValueError, match="needs a CPU with AVX-512"):
+            kvcache.set_isa("avx512")
 
 
 def test_kernel_rejects_bad_sizes():
