@@ -4,7 +4,8 @@
  * and AVX-512 (16), and the copy rows.h's run-time switch picks runs (the build itself stays
  * baseline, so a wheel never hits SIGILL). GELU is elementwise and written with plain float
  * arithmetic (mathf.h's tanh/sech^2, no FMA: -std=c11 does not contract), so all copies give
- * the same bits. Elsewhere (not GCC on x86-64) only the plain loop exists.
+ * the same bits. Elsewhere (not GCC on x86-64) only the plain loop exists. For bf16 input the
+ * loops read tables of GELU and gelu' over all 65536 bf16 values, built by these loops.
  */
 #ifndef LLMCTL_GELU_H
 #define LLMCTL_GELU_H
@@ -28,18 +29,19 @@
 #define LLMCTL_STORE_F32(dst, v) (dst) = (v)
 #define LLMCTL_STORE_BF16(dst, v) (dst) = llmctl_f32_to_bf16(v)
 
+/* gelu'(x), llm.c's gelu_backward: 0.5 (1 + tanh u) + x 0.5 sech^2(u) k (1 + 3 c3 x^2) */
+static inline float llmctl_gelu_grad(float xi, float k) {
+    float u = k * (xi + LLMCTL_GELU_C3 * xi * xi * xi);
+    float th = llmctl_tanhf(u), sech2 = llmctl_sech2f(u);
+    return 0.5f * (1.0f + th) + xi * 0.5f * sech2 * k * (1.0f + LLMCTL_GELU_3C3 * xi * xi);
+}
+
 /* dx += gelu'(x) dy */
 #define LLMCTL_GELU_BWD_LOOP                                                          \
-    for (ptrdiff_t i = 0; i < n; i++) {                                             \
-        float xi = x[i];                                                            \
-        float u = k * (xi + LLMCTL_GELU_C3 * xi * xi * xi);                         \
-        float th = llmctl_tanhf(u), sech2 = llmctl_sech2f(u);                       \
-        float g = 0.5f * (1.0f + th) + xi * 0.5f * sech2 * k * (1.0f + LLMCTL_GELU_3C3 * xi * xi); \
-        dx[i] += g * dy[i];                                                         \
-    }
+    for (ptrdiff_t i = 0; i < n; i++) dx[i] += llmctl_gelu_grad(x[i], k) * dy[i];
 
 /* Columns [0, n) (n <= LLMCTL_GELU_COLS) of BT rows of stride OC (pointers at the first column):
-   x fp32 or (b16) bf16; g = 0 + gelu'(x) dy, the fp32 gradient exactly as a zero fill and gelu_bwd's += leave it
+   x fp32 (bf16 x: the table loops below); g = 0 + gelu'(x) dy, the fp32 gradient exactly as a zero fill and gelu_bwd's += leave it
    (0 + v turns -0 into +0); out = bf16(g); acc[c] += g in double, rows in order (the dbias sum
    of matmul_backward_bf16's cast pass, which this replaces for the fc layer). */
 #define LLMCTL_GELU_COLS 2048
@@ -48,17 +50,39 @@
     {                                                                               \
         const float* dr = dy + bt * OC;                                             \
         uint16_t* orow = out + bt * OC;                                             \
-        for (ptrdiff_t i = 0; i < n; i++) {                                         \
-            float xi = (xr)[i];                                                     \
-            float u = k * (xi + LLMCTL_GELU_C3 * xi * xi * xi);                     \
-            float th = llmctl_tanhf(u), sech2 = llmctl_sech2f(u);                   \
-            float gg = 0.5f * (1.0f + th) + xi * 0.5f * sech2 * k * (1.0f + LLMCTL_GELU_3C3 * xi * xi); \
-            g[i] = 0.0f + gg * dr[i];                                               \
-        }                                                                           \
+        for (ptrdiff_t i = 0; i < n; i++) g[i] = 0.0f + llmctl_gelu_grad((xr)[i], k) * dr[i]; \
         for (ptrdiff_t i = 0; i < n; i++) {                                         \
             acc[i] += (double)g[i];                                                 \
             orow[i] = llmctl_f32_to_bf16(g[i]);                                     \
         }                                                                           \
+    }
+
+/* For bf16 input (the bf16 model's fch) every input is one of 65536 values: GELU and gelu'
+   of each are computed once (llmctl_gelu_tables, by the loops here, so the same bits) and the
+   loops below read them instead of evaluating tanh per element. fwd: bf16(gelu(x)) widened to
+   32 bits (what a 32-bit gather loads); grad: gelu'(x) in fp32. */
+static uint32_t llmctl_gelu_tab_fwd[65536];
+static float llmctl_gelu_tab_grad[65536];
+static float llmctl_gelu_tab_k = 0.0f;   /* the k they were built for; 0: not built */
+
+#define LLMCTL_GELU_TAB_KERNELS(SUFFIX, ATTR)                                                   \
+    ATTR static void llmctl_gelu_fwd_tab_##SUFFIX(uint16_t* out, const uint16_t* x, ptrdiff_t n) { \
+        for (ptrdiff_t i = 0; i < n; i++) out[i] = (uint16_t)llmctl_gelu_tab_fwd[x[i]];        \
+    }                                                                                          \
+    ATTR static void llmctl_gelu_bwd_tab_cols_##SUFFIX(uint16_t* out, double* acc, const uint16_t* x, \
+                                                       const float* dy, ptrdiff_t BT, ptrdiff_t OC, \
+                                                       ptrdiff_t n) {                          \
+        float g[LLMCTL_GELU_COLS];                                                             \
+        for (ptrdiff_t bt = 0; bt < BT; bt++) {                                                \
+            const uint16_t* xr = x + bt * OC;                                                  \
+            const float* dr = dy + bt * OC;                                                    \
+            uint16_t* orow = out + bt * OC;                                                    \
+            for (ptrdiff_t i = 0; i < n; i++) g[i] = 0.0f + llmctl_gelu_tab_grad[xr[i]] * dr[i]; \
+            for (ptrdiff_t i = 0; i < n; i++) {                                                \
+                acc[i] += (double)g[i];                                                        \
+                orow[i] = llmctl_f32_to_bf16(g[i]);                                            \
+            }                                                                                  \
+        }                                                                                      \
     }
 
 #define LLMCTL_GELU_KERNELS(SUFFIX, ATTR)                                                        \
@@ -67,17 +91,6 @@
     }                                                                                          \
     ATTR static void llmctl_gelu_fwd_bf16_##SUFFIX(uint16_t* out, const float* x, ptrdiff_t n, float k) { \
         LLMCTL_GELU_FWD_LOOP(LLMCTL_STORE_BF16, x, out, n)                                     \
-    }                                                                                          \
-    /* bf16 in: widened a block at a time into fp32 (the loop above on uint16 input measured   \
-       1.4x slower than on fp32: gcc vectorises the mixed widths worse) */                     \
-    ATTR static void llmctl_gelu_fwd_b16_bf16_##SUFFIX(uint16_t* out, const uint16_t* x, ptrdiff_t n, \
-                                                       float k) {                              \
-        float xw[1024];                                                                        \
-        for (ptrdiff_t s = 0; s < n; s += 1024) {                                              \
-            ptrdiff_t m = n - s < 1024 ? n - s : 1024;                                         \
-            for (ptrdiff_t i = 0; i < m; i++) xw[i] = llmctl_bf16_to_f32(x[s + i]);           \
-            LLMCTL_GELU_FWD_LOOP(LLMCTL_STORE_BF16, xw, out + s, m)                            \
-        }                                                                                      \
     }                                                                                          \
     ATTR static void llmctl_gelu_bwd_##SUFFIX(float* dx, const float* x, const float* dy, ptrdiff_t n, \
                                               float k) {                                       \
@@ -88,24 +101,33 @@
                                                         ptrdiff_t n, float k) {                \
         float g[LLMCTL_GELU_COLS];                                                             \
         for (ptrdiff_t bt = 0; bt < BT; bt++) LLMCTL_GELU_BWD_COLS_ROW(x + bt * OC)            \
-    }                                                                                          \
-    /* bf16 in: each row widened first (as the forward's blocks) */                            \
-    ATTR static void llmctl_gelu_bwd_b16_cols_##SUFFIX(uint16_t* out, double* acc, const uint16_t* x, \
-                                                       const float* dy, ptrdiff_t BT, ptrdiff_t OC, \
-                                                       ptrdiff_t n, float k) {                 \
-        float g[LLMCTL_GELU_COLS], xw[LLMCTL_GELU_COLS];                                       \
-        for (ptrdiff_t bt = 0; bt < BT; bt++) {                                                \
-            for (ptrdiff_t i = 0; i < n; i++) xw[i] = llmctl_bf16_to_f32(x[bt * OC + i]);       \
-            LLMCTL_GELU_BWD_COLS_ROW(xw)                                                       \
-        }                                                                                      \
     }
 
 LLMCTL_GELU_KERNELS(base, )
+LLMCTL_GELU_TAB_KERNELS(base, )
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(LLMCTL_NO_AVX_DISPATCH)
 LLMCTL_GELU_KERNELS(avx2, __attribute__((target("avx2"))))
 LLMCTL_GELU_KERNELS(avx512, __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,prefer-vector-width=512"))))
+LLMCTL_GELU_TAB_KERNELS(avx2, __attribute__((target("avx2"))))
+LLMCTL_GELU_TAB_KERNELS(avx512, __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,prefer-vector-width=512"))))
 #endif
+
+/* Fill the tables for k (once; the callers' k is a constant), with the baseline loops */
+static void llmctl_gelu_tables(float k) {
+    float in[1024];
+    uint16_t out[1024];
+    if (llmctl_gelu_tab_k == k) return;
+    for (int s = 0; s < 65536; s += 1024) {
+        for (int i = 0; i < 1024; i++) in[i] = llmctl_bf16_to_f32((uint16_t)(s + i));
+        llmctl_gelu_fwd_bf16_base(out, in, 1024, k);
+        for (int i = 0; i < 1024; i++) {
+            llmctl_gelu_tab_fwd[s + i] = out[i];
+            llmctl_gelu_tab_grad[s + i] = llmctl_gelu_grad(in[i], k);
+        }
+    }
+    llmctl_gelu_tab_k = k;
+}
 
 static inline void llmctl_gelu_fwd_f32(float* out, const float* x, ptrdiff_t n, float k) {
     LLMCTL_ROWS_DISPATCH(llmctl_gelu_fwd_f32, out, x, n, k);
@@ -120,11 +142,13 @@ static inline void llmctl_gelu_bwd_bf16_cols(uint16_t* out, double* acc, const f
                                              ptrdiff_t BT, ptrdiff_t OC, ptrdiff_t n, float k) {
     LLMCTL_ROWS_DISPATCH(llmctl_gelu_bwd_bf16_cols, out, acc, x, dy, BT, OC, n, k);
 }
-static inline void llmctl_gelu_fwd_b16_bf16(uint16_t* out, const uint16_t* x, ptrdiff_t n, float k) {
-    LLMCTL_ROWS_DISPATCH(llmctl_gelu_fwd_b16_bf16, out, x, n, k);
+/* GELU and its gradient pass for bf16 input, from the tables (llmctl_gelu_tables(k) first):
+   the bits of the fp32-input loops on the widened input */
+static inline void llmctl_gelu_fwd_tab(uint16_t* out, const uint16_t* x, ptrdiff_t n) {
+    LLMCTL_ROWS_DISPATCH(llmctl_gelu_fwd_tab, out, x, n);
 }
-static inline void llmctl_gelu_bwd_b16_cols(uint16_t* out, double* acc, const uint16_t* x, const float* dy,
-                                            ptrdiff_t BT, ptrdiff_t OC, ptrdiff_t n, float k) {
-    LLMCTL_ROWS_DISPATCH(llmctl_gelu_bwd_b16_cols, out, acc, x, dy, BT, OC, n, k);
+static inline void llmctl_gelu_bwd_tab_cols(uint16_t* out, double* acc, const uint16_t* x, const float* dy,
+                                            ptrdiff_t BT, ptrdiff_t OC, ptrdiff_t n) {
+    LLMCTL_ROWS_DISPATCH(llmctl_gelu_bwd_tab_cols, out, acc, x, dy, BT, OC, n);
 }
 #endif

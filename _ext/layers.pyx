@@ -40,9 +40,10 @@ cdef extern from "gelu.h" nogil:
     void llmctl_gelu_bwd(float* dx, const float* x, const float* dy, Py_ssize_t n, float k)
     void llmctl_gelu_bwd_bf16_cols(uint16_t* out, double* acc, const float* x, const float* dy,
                                    Py_ssize_t BT, Py_ssize_t OC, Py_ssize_t n, float k)
-    void llmctl_gelu_fwd_b16_bf16(uint16_t* out, const uint16_t* x, Py_ssize_t n, float k)
-    void llmctl_gelu_bwd_b16_cols(uint16_t* out, double* acc, const uint16_t* x, const float* dy,
-                                  Py_ssize_t BT, Py_ssize_t OC, Py_ssize_t n, float k)
+    void llmctl_gelu_tables(float k)
+    void llmctl_gelu_fwd_tab(uint16_t* out, const uint16_t* x, Py_ssize_t n)
+    void llmctl_gelu_bwd_tab_cols(uint16_t* out, double* acc, const uint16_t* x, const float* dy,
+                                  Py_ssize_t BT, Py_ssize_t OC, Py_ssize_t n)
     enum: LLMCTL_GELU_COLS
 
 cdef extern from "rows.h" nogil:
@@ -59,6 +60,7 @@ cdef extern from "rows.h" nogil:
 
 ISAS = ("baseline", "avx2", "avx512")
 llmctl_rows_set_isa(-1)   # the widest copy of the loops this CPU runs, decided once at import
+llmctl_gelu_tables(GELU_SCALE)   # GELU of every bf16 input, for the bf16-input loops
 
 # Elements of work per thread below which a kernel uses fewer threads than asked (see
 # kernels.pxd eff_threads). Every kernel here gives the same bits at any thread count.
@@ -429,7 +431,7 @@ cdef void _gelu_forward_b16(uint16_t* out, const uint16_t* inp, Py_ssize_t N, in
     cdef Py_ssize_t ch, s
     for ch in prange(_nchunks(N, ECHUNK), schedule='static', num_threads=n_threads):
         s = ch * ECHUNK
-        llmctl_gelu_fwd_b16_bf16(out + s, inp + s, imin(ECHUNK, N - s), GELU_SCALE)
+        llmctl_gelu_fwd_tab(out + s, inp + s, imin(ECHUNK, N - s))
 
 
 def gelu_forward_bf16(uint16_t[::1] out, inp, long N, int n_threads=1):
@@ -474,7 +476,7 @@ cdef void _gelu_bwd_bf16_cols(uint16_t* dinp, float* dbias, const gin_t* inp, co
     if gin_t is float:
         llmctl_gelu_bwd_bf16_cols(dinp + o0, acc, inp + o0, dout + o0, BT, OC, n, GELU_SCALE)
     else:
-        llmctl_gelu_bwd_b16_cols(dinp + o0, acc, inp + o0, dout + o0, BT, OC, n, GELU_SCALE)
+        llmctl_gelu_bwd_tab_cols(dinp + o0, acc, inp + o0, dout + o0, BT, OC, n)
     if dbias != NULL:
         for o in range(n):
             dbias[o0 + o] += <float>acc[o]

@@ -427,12 +427,16 @@ def test_gelu_backward_bf16_is_the_zeroed_accumulate_cast_and_bias_sum(BT, OC):
         layers.gelu_backward_bf16(got16, np.zeros(2, np.float32), x, dy, BT, OC, 2)
 
 
-def test_gelu_bf16_kernels_read_bf16_input_as_its_exact_widening():
-    # the bf16 model keeps fch in bf16: GELU forward and backward widen it exactly, so reading
-    # bf16 gives the bits of reading the same values in fp32 (ragged blocks of 1024 included)
+@pytest.mark.parametrize("BT, OC", [(37, 131), (512, 128)])
+def test_gelu_bf16_kernels_read_bf16_input_as_its_exact_widening(BT, OC):
+    # the bf16 model keeps fch in bf16: GELU forward and backward read it through tables of
+    # every bf16 value, which must give the bits of the fp32 loops on the same values (37 x 131:
+    # ragged rows and chunks; 512 x 128: all 65536 bf16 values, NaNs and infinities included)
     rng = np.random.default_rng(3)
-    BT, OC = 37, 131
-    xb = to_bf16(_f32(rng, BT * OC, scale=3.0))
+    if BT * OC == 65536:
+        xb = rng.permutation(np.arange(65536, dtype=np.uint32)).astype(np.uint16)
+    else:
+        xb = to_bf16(_f32(rng, BT * OC, scale=3.0))
     x32, dy = from_bf16(xb), _f32(rng, BT * OC)
     outs = []
     for x in (x32, xb):
