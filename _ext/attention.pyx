@@ -116,9 +116,10 @@ cdef extern from "attention_bf16.h" nogil:
     void attb_forward_head(float* out, uint16_t* out16, float* lse, const uint16_t* rows, Py_ssize_t B, Py_ssize_t b,
                            Py_ssize_t h, Py_ssize_t T, Py_ssize_t C, Py_ssize_t NH, void* scratch,
                            int path)
-    void attb_backward_head(float* dqkv, const uint16_t* rows, const uint16_t* drows, const float* D,
-                            const float* lse, Py_ssize_t B, Py_ssize_t b, Py_ssize_t h, Py_ssize_t T,
-                            Py_ssize_t C, Py_ssize_t NH, void* scratch, int path, int acc)
+    void attb_backward_head(float* dqkv, uint16_t* dqkv16, double* part, const uint16_t* rows,
+                            const uint16_t* drows, const float* D, const float* lse, Py_ssize_t B,
+                            Py_ssize_t b, Py_ssize_t h, Py_ssize_t T, Py_ssize_t C, Py_ssize_t NH,
+                            void* scratch, int path, int acc)
 
 # tile sizes: BR query rows per forward work item, BC keys per key tile, BQ query rows per
 # backward block; the transposed (hs, BC) key/value tiles are 16 KB each at hs=64
@@ -758,29 +759,57 @@ def attention_forward_bf16(aout_t[::1] out, float[::1] lse, const qkv_t[::1] qkv
         _give_scratch(scratch, own)
 
 
-def attention_backward_bf16(float[::1] dqkv, const float[::1] dout, const qkv_t[::1] qkv,
+def attention_backward_bf16(dqkv, const float[::1] dout, const qkv_t[::1] qkv,
                             const aout_t[::1] out, const float[::1] lse,
-                            int B, int T, int C, int NH, int n_threads=1, bint accumulate=True):
+                            int B, int T, int C, int NH, int n_threads=1, bint accumulate=True,
+                            dbias=None):
     """attention_backward with bf16 products: q, k, v, dout, P and dS rounded to bf16, fp32
     accumulation (attention_bf16.h). Same arguments and semantics (dqkv +=); out and lse are
     those of attention_forward_bf16. Bit-identical for any n_threads (on a given path).
     accumulate=False: dqkv is written instead (the same bits as zeroing it first; its old
     contents are not read). qkv and out fp32 or bf16, as attention_forward_bf16 takes and
     writes them (D = dout . out then reads out rounded).
+    dqkv may be uint16 (with accumulate=False): the gradient rounded to bf16 (nearest even, the
+    bits convert.cast_to_bf16 gives the fp32 one), what the qkv layer's backward GEMMs read.
+    dbias (3C float32, or None): += the column sums of the fp32 gradient (the qkv layer's bias
+    gradient), in double: each batch row's T rows in order, then the batch rows in order.
     """
     _check_dims(B, T, C, NH, n_threads)
     cdef Py_ssize_t BT = <Py_ssize_t>B * T
-    check_len("dqkv", dqkv.shape[0], BT * 3 * C, f"B*T*3C = {B}*{T}*3*{C}")
+    cdef float[::1] d32
+    cdef uint16_t[::1] d16
+    cdef float[::1] db
+    cdef float* dq32 = NULL
+    cdef uint16_t* dq16 = NULL
+    cdef const char* dptr
+    if getattr(dqkv, "dtype", None) == "uint16":
+        if accumulate:
+            raise ValueError("a bf16 (uint16) dqkv is written, not accumulated: pass accumulate=False")
+        d16 = dqkv
+        check_len("dqkv", d16.shape[0], BT * 3 * C, f"B*T*3C = {B}*{T}*3*{C}")
+        dq16 = &d16[0] if BT else NULL
+        dptr = <const char*>dq16
+    else:
+        d32 = dqkv
+        check_len("dqkv", d32.shape[0], BT * 3 * C, f"B*T*3C = {B}*{T}*3*{C}")
+        dq32 = &d32[0] if BT else NULL
+        dptr = <const char*>dq32
+    cdef Py_ssize_t dbytes = BT * 3 * C * (2 if dq16 != NULL else 4)
+    if dbias is not None:
+        db = dbias
+        check_len("dbias", db.shape[0], 3 * C, f"3C = 3*{C}")
     check_len("dout", dout.shape[0], BT * C, f"B*T*C = {B}*{T}*{C}")
     check_len("qkv", qkv.shape[0], BT * 3 * C, f"B*T*3C = {B}*{T}*3*{C}")
     check_len("out", out.shape[0], BT * C, f"B*T*C = {B}*{T}*{C}")
     check_len("lse", lse.shape[0], BT * NH, f"B*NH*T = {B}*{NH}*{T}")
-    _check_disjoint("dqkv", dqkv, "dout", dout)
-    _check_disjoint("dqkv", dqkv, "lse", lse)
     if BT == 0:
         return
-    _check_apart("dqkv", <const char*>&dqkv[0], dqkv.nbytes, "qkv", <const char*>&qkv[0], qkv.nbytes)
-    _check_apart("dqkv", <const char*>&dqkv[0], dqkv.nbytes, "out", <const char*>&out[0], out.nbytes)
+    _check_apart("dqkv", dptr, dbytes, "dout", <const char*>&dout[0], dout.nbytes)
+    _check_apart("dqkv", dptr, dbytes, "lse", <const char*>&lse[0], lse.nbytes)
+    _check_apart("dqkv", dptr, dbytes, "qkv", <const char*>&qkv[0], qkv.nbytes)
+    _check_apart("dqkv", dptr, dbytes, "out", <const char*>&out[0], out.nbytes)
+    if dbias is not None:
+        _check_apart("dbias", <const char*>&db[0], db.nbytes, "dqkv", dptr, dbytes)
     cdef const float* o32 = NULL
     cdef const uint16_t* o16 = NULL
     if aout_t is float:
@@ -790,21 +819,28 @@ def attention_backward_bf16(float[::1] dqkv, const float[::1] dout, const qkv_t[
     cdef Py_ssize_t nwork = <Py_ssize_t>B * NH
     cdef int nt = n_threads if n_threads < nwork else <int>nwork
     cdef int path = _bf16
-    cdef Py_ssize_t per = _align64(attb_backward_scratch_bytes(T, C // NH))
+    cdef Py_ssize_t hs = C // NH
+    cdef Py_ssize_t per = _align64(attb_backward_scratch_bytes(T, hs))
     cdef Py_ssize_t shared = _align64(attb_shared_bytes(B, T, C, NH, 1))
+    cdef Py_ssize_t nparts = nwork * 3 * hs if dbias is not None else 0   # doubles: (b, h, q/k/v, d)
     cdef Py_ssize_t nchunk = (T + TILE_T - 1) // TILE_T
-    cdef Py_ssize_t nrows = <Py_ssize_t>B * NH * attb_pad(T, 32) * attb_pad(C // NH, 32)
+    cdef Py_ssize_t nrows = <Py_ssize_t>B * NH * attb_pad(T, 32) * attb_pad(hs, 32)
     cdef bint own = False
-    cdef char* scratch = _take_scratch(shared + nt * per, &own)
+    cdef char* scratch = _take_scratch(shared + nt * per + nparts * 8, &own)
     cdef char* base
     cdef uint16_t* rows
     cdef uint16_t* drows
     cdef float* D
-    cdef Py_ssize_t w, t0
+    cdef double* parts = NULL
+    cdef double acc
+    cdef Py_ssize_t w, t0, bb, hh, k, d
     base = scratch + (64 - (<size_t>scratch) % 64) % 64
     rows = <uint16_t*>base
     drows = rows + 3 * nrows
     D = <float*>(drows + nrows)
+    if nparts:
+        parts = <double*>(base + shared + nt * per)
+        memset(parts, 0, nparts * 8)
     try:
         with nogil:
             for w in prange(B * nchunk, num_threads=n_threads, schedule='static'):
@@ -814,8 +850,17 @@ def attention_backward_bf16(float[::1] dqkv, const float[::1] dout, const qkv_t[
                                 D, o32, o16, path)
             with parallel(num_threads=nt):
                 for w in prange(nwork, schedule='static', chunksize=1):
-                    attb_backward_head(&dqkv[0], rows, drows, D, &lse[0], B, w // NH, w % NH,
+                    attb_backward_head(dq32, dq16, parts + w * 3 * hs if parts != NULL else NULL,
+                                       rows, drows, D, &lse[0], B, w // NH, w % NH,
                                        T, C, NH, base + shared + omp_get_thread_num() * per, path,
                                        accumulate)
+            if parts != NULL:    # the batch rows' sums, in order: the bits do not depend on threads
+                for hh in range(NH):
+                    for k in range(3):
+                        for d in range(hs):
+                            acc = 0.0
+                            for bb in range(B):
+                                acc = acc + parts[((bb * NH + hh) * 3 + k) * hs + d]
+                            db[k * C + hh * hs + d] += <float>acc
     finally:
         _give_scratch(scratch, own)

@@ -309,13 +309,15 @@ static void attb_forward_head(float* out, uint16_t* out16, float* lse, const uin
         (out, out16, lse, rows, B, b, h, T, C, NH, scratch, path);
 }
 
-/* dqkv (B,T,3C) += (acc) or = the gradient of head h, from pack_heads' rows of qkv and dout, and D */
-static void attb_backward_head(float* dqkv, const uint16_t* rows, const uint16_t* drows,
-                               const float* D, const float* lse, ptrdiff_t B, ptrdiff_t b,
-                               ptrdiff_t h, ptrdiff_t T, ptrdiff_t C, ptrdiff_t NH, void* scratch,
-                               int path, int acc)
+/* dqkv (B,T,3C) += (acc) or = the gradient of head h, or (dqkv NULL) dqkv16 = its bf16
+   rounding; part: 3 x hs column sums of that gradient (+=), or NULL. From pack_heads' rows of
+   qkv and dout, and D */
+static void attb_backward_head(float* dqkv, uint16_t* dqkv16, double* part, const uint16_t* rows,
+                               const uint16_t* drows, const float* D, const float* lse, ptrdiff_t B,
+                               ptrdiff_t b, ptrdiff_t h, ptrdiff_t T, ptrdiff_t C, ptrdiff_t NH,
+                               void* scratch, int path, int acc)
 {
     (path == ATTB_EMULATED ? attb_backward_head_base : ATTB_NATIVE(backward_head))
-        (dqkv, rows, drows, D, lse, B, b, h, T, C, NH, scratch, path, acc);
+        (dqkv, dqkv16, part, rows, drows, D, lse, B, b, h, T, C, NH, scratch, path, acc);
 }
 #endif /* LLMCTL_ATTENTION_BF16_H */

@@ -267,19 +267,37 @@ static void ATTB_FN(forward_head)(float* out, uint16_t* out16, float* lse, const
     if (path == ATTB_AMX) attb_amx_end();
 }
 
-/* ---- backward: one (batch, head); dqkv += (acc) or = 0 + (the same bits as zeroing first) ---- */
+/* one row of a gradient (hs values x) into dqkv's row: fp32 o32 (+= with acc, else 0 + x: the
+   bits of a zeroed +=) or, with o16, bf16(0 + x); part (hs doubles, or NULL) += x */
+static inline void ATTB_FN(put_row)(float* o32, uint16_t* o16, double* part, const float* x,
+                                    ptrdiff_t hs, int acc)
+{
+    if (o16)
+        for (ptrdiff_t d = 0; d < hs; d++) o16[d] = llmctl_f32_to_bf16(0.0f + x[d]);
+    else if (acc)
+        for (ptrdiff_t d = 0; d < hs; d++) o32[d] += x[d];
+    else
+        for (ptrdiff_t d = 0; d < hs; d++) o32[d] = 0.0f + x[d];
+    if (part)
+        for (ptrdiff_t d = 0; d < hs; d++) part[d] += (double)x[d];
+}
 
-static void ATTB_FN(backward_head)(float* dqkv, const uint16_t* rows, const uint16_t* drows,
-                                   const float* Dall, const float* lse, ptrdiff_t B, ptrdiff_t b,
-                                   ptrdiff_t h, ptrdiff_t T, ptrdiff_t C, ptrdiff_t NH,
-                                   void* scratch, int path, int acc)
+/* ---- backward: one (batch, head); dqkv += (acc) or = 0 + (the same bits as zeroing first),
+   or with dqkv16 (dqkv NULL) its bf16 rounding written; part (3 x hs doubles: q, k, v, or NULL)
+   += the column sums of this head's gradient over its T rows, in row order ---- */
+
+static void ATTB_FN(backward_head)(float* dqkv, uint16_t* dqkv16, double* part, const uint16_t* rows,
+                                   const uint16_t* drows, const float* Dall, const float* lse,
+                                   ptrdiff_t B, ptrdiff_t b, ptrdiff_t h, ptrdiff_t T, ptrdiff_t C,
+                                   ptrdiff_t NH, void* scratch, int path, int acc)
 {
     const ptrdiff_t hs = C / NH, C3 = 3 * C, Tp = attb_pad(T, ATTB_BLK), hsp = attb_pad(hs, 32);
     const ptrdiff_t BB = ATTB_BLK * ATTB_BLK, TH = Tp * hsp, BNH = B * NH;
     const float scale = 1.0f / sqrtf((float)hs);
     const float* lb = lse + (b * NH + h) * T;
     const float* D = Dall + (b * NH + h) * T;
-    float* dqb = dqkv + b * T * C3 + h * hs;
+    float* dqb = dqkv ? dqkv + b * T * C3 + h * hs : NULL;
+    uint16_t* dqb16 = dqkv16 ? dqkv16 + b * T * C3 + h * hs : NULL;
     attb_gemm_t gemm = attb_gemms[path];
     const uint16_t* Qa = rows + (b * NH + h) * TH;   /* Q as A (S = Q K^T) */
     const uint16_t* Kw = Qa + BNH * TH;
@@ -331,26 +349,14 @@ static void ATTB_FN(backward_head)(float* dqkv, const uint16_t* rows, const uint
                 dvr[c * hsp + d] = dvT[d * ATTB_BLK + c];
             }
         for (ptrdiff_t c = 0; c < ATTB_BLK && j0 + c < T; c++) {
-            float* ko = dqb + C + (j0 + c) * C3;
-            float* vo = dqb + 2 * C + (j0 + c) * C3;
-            const float* kr = dkr + c * hsp;
-            const float* vr = dvr + c * hsp;
-            if (acc)
-                for (ptrdiff_t d = 0; d < hs; d++) {
-                    ko[d] += kr[d];
-                    vo[d] += vr[d];
-                }
-            else   /* 0 + x: the bits of a zeroed += */
-                for (ptrdiff_t d = 0; d < hs; d++) {
-                    ko[d] = 0.0f + kr[d];
-                    vo[d] = 0.0f + vr[d];
-                }
+            ptrdiff_t o = (j0 + c) * C3;
+            ATTB_FN(put_row)(dqb ? dqb + C + o : NULL, dqb16 ? dqb16 + C + o : NULL, part ? part + hs : NULL,
+                             dkr + c * hsp, hs, acc);
+            ATTB_FN(put_row)(dqb ? dqb + 2 * C + o : NULL, dqb16 ? dqb16 + 2 * C + o : NULL,
+                             part ? part + 2 * hs : NULL, dvr + c * hsp, hs, acc);
         }
     }
     if (path == ATTB_AMX) attb_amx_end();
     for (ptrdiff_t i = 0; i < T; i++)
-        if (acc)
-            for (ptrdiff_t d = 0; d < hs; d++) dqb[i * C3 + d] += dq[i * hsp + d];
-        else
-            for (ptrdiff_t d = 0; d < hs; d++) dqb[i * C3 + d] = 0.0f + dq[i * hsp + d];
+        ATTB_FN(put_row)(dqb ? dqb + i * C3 : NULL, dqb16 ? dqb16 + i * C3 : NULL, part, dq + i * hsp, hs, acc);
 }

@@ -258,6 +258,42 @@ def test_bf16_output_is_the_rounded_fp32_output(path, C, NH):
                                  B, T, C, NH, 2)
 
 
+@pytest.mark.parametrize("B,T,C,NH", [(2, 45, 64, 2), (3, 70, 30, 2)])
+def test_backward_writes_bf16_dqkv_and_sums_the_bias_gradient(B, T, C, NH, path):
+    # the bf16 model's qkv layer reads d(qkv) in bf16 and wants its bias gradient: the kernel
+    # writes the rounding of the fp32 gradient it would write (convert.cast_to_bf16's bits) and
+    # adds its column sums into dbias, the same bits for any thread count
+    qkv, dout = _inputs(B, T, C, seed=10)
+    out, lse = _forward(qkv, NH, 2)
+    d32 = np.full(qkv.size, np.nan, np.float32)
+    A.attention_backward_bf16(d32, dout.ravel(), qkv.ravel(), out, lse, B, T, C, NH, 2, accumulate=False)
+    want16 = np.empty(qkv.size, np.uint16)
+    convert.cast_to_bf16(want16, d32, 2)
+    db0 = np.random.default_rng(1).standard_normal(3 * C).astype(np.float32)
+    got = []
+    for nt in (1, 3):
+        d16, db = np.full(qkv.size, 0xFFFF, np.uint16), db0.copy()
+        A.attention_backward_bf16(d16, dout.ravel(), qkv.ravel(), out, lse, B, T, C, NH, nt,
+                                  accumulate=False, dbias=db)
+        np.testing.assert_array_equal(d16, want16)
+        got.append(db)
+    np.testing.assert_array_equal(got[0], got[1])
+    sums = d32.reshape(B * T, 3 * C).astype(np.float64).sum(0)
+    np.testing.assert_allclose(got[0], (db0 + sums).astype(np.float32), rtol=1e-6, atol=1e-6)
+    db = db0.copy()    # the fp32 output sums the same
+    A.attention_backward_bf16(np.empty_like(d32), dout.ravel(), qkv.ravel(), out, lse, B, T, C, NH, 2,
+                              accumulate=False, dbias=db)
+    np.testing.assert_array_equal(db, got[0])
+    with pytest.raises(ValueError, match="accumulate=False"):
+        A.attention_backward_bf16(d16, dout.ravel(), qkv.ravel(), out, lse, B, T, C, NH, 2)
+    with pytest.raises(ValueError, match="dbias has"):
+        A.attention_backward_bf16(d16, dout.ravel(), qkv.ravel(), out, lse, B, T, C, NH, 2,
+                                  accumulate=False, dbias=db[:-1])
+    with pytest.raises(ValueError, match="overlap"):
+        A.attention_backward_bf16(d32, dout.ravel(), qkv.ravel(), out, lse, B, T, C, NH, 2,
+                                  accumulate=False, dbias=d32[:3 * C])
+
+
 def test_nan_in_a_query_stays_in_its_row(path):
     # a NaN is not masked away as a -inf is: the row it is in comes out NaN, earlier rows and
     # the other head do not; backward carries it into the gradient

@@ -722,9 +722,9 @@ class GPT2:
         # x2 = x + attproj(attention(qkv(ln1(x))))
         o.matmul_backward(dsmall, gW("attprojw"), gb("attprojw"), dres, d16, a.atty, "attprojw", l, BT, C, C, nt,
                           accumulate=False)
-        dqkv = dbig[:3 * n]
-        o.attention_backward(dqkv, dsmall, a.qkv, a.atty, a.lse, B, T, C, NH, nt, accumulate=False)
-        o.matmul_backward(dsmall, gW("qkvw"), gb("qkvw"), dqkv, d16, a.ln1, "qkvw", l, BT, C, 3 * C, nt,
+        # fp32: d(qkv) over dbig; bf16: straight into d16 with qkv's dbias, as fc's above
+        dqkv, dbqkv = o.attention_backward(dbig, d16, gb("qkvw"), dsmall, a.qkv, a.atty, a.lse, B, T, C, NH, nt)
+        o.matmul_backward(dsmall, gW("qkvw"), dbqkv, dqkv, d16, a.ln1, "qkvw", l, BT, C, 3 * C, nt,
                           accumulate=False)
         Ly.layernorm_backward(dres, g["ln1w"][l], g["ln1b"][l], dsmall, a.x, p["ln1w"][l],
                               a.ln1_mean, a.ln1_rstd, BT, C, nt)

@@ -86,10 +86,13 @@ class Fp32Ops:
     def attention_forward(self, out, lse, qkv, B, T, C, NH, nt):
         self.k.attention.attention_forward(out, lse, qkv, B, T, C, NH, nt)
 
-    def attention_backward(self, dqkv, dout, qkv, out, lse, B, T, C, NH, nt, accumulate=True):
-        if not accumulate:
-            self.k.layers.zero_fill(dqkv, nt)
+    def attention_backward(self, free, dout_mm, db, dout, qkv, out, lse, B, T, C, NH, nt):
+        """-> (dout, dbias) for the qkv layer's matmul_backward: d(qkv) written over `free` (fp32,
+        B*T*3C), its bias gradient still to sum (db)."""
+        dqkv = free[:B * T * 3 * C]
+        self.k.layers.zero_fill(dqkv, nt)
         self.k.attention.attention_backward(dqkv, dout, qkv, out, lse, B, T, C, NH, nt)
+        return dqkv, db
 
     def loss_backward(self, dst16, probs, targets, dlosses, N, V, Vp, nt):
         """-> (dout, dout_mm) for matmul_backward: dlogits overwrite the probs in place."""
@@ -145,8 +148,12 @@ class Bf16Ops(Fp32Ops):
     def attention_forward(self, out, lse, qkv, B, T, C, NH, nt):
         self.k.attention.attention_forward_bf16(out, lse, qkv, B, T, C, NH, nt)
 
-    def attention_backward(self, dqkv, dout, qkv, out, lse, B, T, C, NH, nt, accumulate=True):
-        self.k.attention.attention_backward_bf16(dqkv, dout, qkv, out, lse, B, T, C, NH, nt, accumulate)
+    def attention_backward(self, free, dout_mm, db, dout, qkv, out, lse, B, T, C, NH, nt):
+        """-> (None, None): d(qkv) written in bf16 into dout_mm and its bias gradient summed into
+        db by the attention's backward itself (no fp32 d(qkv), no cast pass); `free` is not needed."""
+        self.k.attention.attention_backward_bf16(dout_mm[:B * T * 3 * C], dout, qkv, out, lse, B, T, C, NH, nt,
+                                                 accumulate=False, dbias=db)
+        return None, None
 
     def loss_backward(self, dst16, probs, targets, dlosses, N, V, Vp, nt):
         """-> (None, dlogits in bf16, written straight into dst16; the probs stay fp32)."""
