@@ -43,7 +43,28 @@ LLMCTL_GEMV_TARGET static void llmctl_gemv_bf16(float* out, const uint16_t* x, c
                                                 const float* bias, int R, int64_t C, int64_t OC,
                                                 int64_t o0, int64_t o1) {
     int64_t o = o0;
-    if (R == 1) {   /* sampling: one sequential pass over the rows, four chains to hide latency */
+    if (R == 1) {   /* sampling: one sequential pass over the rows, four rows (chains) at a time,
+                       the rows 8 ahead prefetched (the decode's weights moved at 23 GB/s without,
+                       29-30 with, on 2 cores of an AMX Xeon) */
+        for (; o + 4 <= o1; o += 4) {
+            const uint16_t* w = W + o * C;
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t c = 0; c < C; c += 32) {
+                __m512i xv = llmctl_gemv_load(x + c, C - c);
+                _mm_prefetch((const char*)(w + 8 * C + c), _MM_HINT_T0);
+                _mm_prefetch((const char*)(w + 9 * C + c), _MM_HINT_T0);
+                _mm_prefetch((const char*)(w + 10 * C + c), _MM_HINT_T0);
+                _mm_prefetch((const char*)(w + 11 * C + c), _MM_HINT_T0);
+                a0 = LLMCTL_DP(a0, xv, llmctl_gemv_load(w + c, C - c));
+                a1 = LLMCTL_DP(a1, xv, llmctl_gemv_load(w + C + c, C - c));
+                a2 = LLMCTL_DP(a2, xv, llmctl_gemv_load(w + 2 * C + c, C - c));
+                a3 = LLMCTL_DP(a3, xv, llmctl_gemv_load(w + 3 * C + c, C - c));
+            }
+            out[o] = _mm512_reduce_add_ps(a0) + (bias ? bias[o] : 0.0f);
+            out[o + 1] = _mm512_reduce_add_ps(a1) + (bias ? bias[o + 1] : 0.0f);
+            out[o + 2] = _mm512_reduce_add_ps(a2) + (bias ? bias[o + 2] : 0.0f);
+            out[o + 3] = _mm512_reduce_add_ps(a3) + (bias ? bias[o + 3] : 0.0f);
+        }
         for (; o < o1; o++) {
             const uint16_t* w = W + o * C;
             __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
