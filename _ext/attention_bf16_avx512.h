@@ -1,7 +1,7 @@
 /* AVX-512 forms of the per-block steps of attention_bf16_body.h, for the copy the native paths
  * ("avx512_bf16", "amx") run; every CPU with those paths has AVX-512. The body's plain loops
  * (the "emulated" path's copy) stay the definition; these do the same steps 16 lanes at a time:
- *   - the exp uses FMAs (the same range reduction and polynomial, one rounding fewer per step);
+ *   - the exp is mathf_avx512.h's (the same range reduction and polynomial, with FMAs);
  *   - the row sums add two keys per step;
  *   - the forward does not mask the padding rows of a last, partial block of queries (their
  *     scores are finite, as padded q rows are zeros, and their outputs are never written);
@@ -12,28 +12,9 @@
 #ifndef LLMCTL_ATTENTION_BF16_AVX512_H
 #define LLMCTL_ATTENTION_BF16_AVX512_H
 
-#define ATTB_TGT_V __attribute__((target("avx512f,avx512bw")))
+#include "mathf_avx512.h"
 
-/* exp(v) in 16 lanes; v below ATT_EXP_LO (a masked -inf) -> 0; a NaN stays NaN */
-ATTB_TGT_V static inline __m512 attb_v_exp(__m512 v)
-{
-    const __m512 lo = _mm512_set1_ps(ATT_EXP_LO), shift = _mm512_set1_ps(ATT_SHIFT);
-    __m512 xc = _mm512_min_ps(_mm512_set1_ps(ATT_EXP_HI), _mm512_max_ps(lo, v));   /* NaN passes */
-    __m512 t = _mm512_fmadd_ps(xc, _mm512_set1_ps(ATT_LOG2E), shift);
-    __m512 n = _mm512_sub_ps(t, shift);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(ATT_LN2_HI), xc);
-    __m512 y = _mm512_set1_ps(ATT_P0);
-    __m512i e;
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(ATT_LN2_LO), r);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(ATT_P1));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(ATT_P2));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(ATT_P3));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(ATT_P4));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(ATT_P5));
-    y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-    e = _mm512_slli_epi32(_mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(0x4B400000 - 127)), 23);
-    return _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(v, lo, _CMP_NLT_UQ), y, _mm512_castsi512_ps(e));
-}
+#define ATTB_TGT_V __attribute__((target("avx512f,avx512bw")))
 
 /* attb_rnd in 16 lanes: the bf16 in the top half of each 32-bit word (the low half is junk) */
 ATTB_TGT_V static inline __m512i attb_v_rnd(__m512 x)
@@ -93,8 +74,8 @@ ATTB_TGT_V static int attb_fwd_softmax_avx512(float* ST, float* m, float* l, flo
         x0 = _mm512_max_ps(x0, s0);
         x1 = _mm512_max_ps(x1, s1);
     }
-    c0 = attb_v_exp(_mm512_sub_ps(m0, x0));        /* 0 on the first block (m = -inf) */
-    c1 = attb_v_exp(_mm512_sub_ps(m1, x1));
+    c0 = llmctl_expf16(_mm512_sub_ps(m0, x0));        /* 0 on the first block (m = -inf) */
+    c1 = llmctl_expf16(_mm512_sub_ps(m1, x1));
     l0 = _mm512_mul_ps(_mm512_loadu_ps(l), c0);
     l1 = _mm512_mul_ps(_mm512_loadu_ps(l + 16), c1);
     _mm512_storeu_ps(corr, c0);
@@ -102,10 +83,10 @@ ATTB_TGT_V static int attb_fwd_softmax_avx512(float* ST, float* m, float* l, flo
     _mm512_storeu_ps(m, x0);
     _mm512_storeu_ps(m + 16, x1);
     for (int c = 0; c < 32; c += 2) {
-        __m512 e00 = attb_v_exp(_mm512_sub_ps(_mm512_loadu_ps(ST + c * 32), x0));
-        __m512 e01 = attb_v_exp(_mm512_sub_ps(_mm512_loadu_ps(ST + c * 32 + 16), x1));
-        __m512 e10 = attb_v_exp(_mm512_sub_ps(_mm512_loadu_ps(ST + c * 32 + 32), x0));
-        __m512 e11 = attb_v_exp(_mm512_sub_ps(_mm512_loadu_ps(ST + c * 32 + 48), x1));
+        __m512 e00 = llmctl_expf16(_mm512_sub_ps(_mm512_loadu_ps(ST + c * 32), x0));
+        __m512 e01 = llmctl_expf16(_mm512_sub_ps(_mm512_loadu_ps(ST + c * 32 + 16), x1));
+        __m512 e10 = llmctl_expf16(_mm512_sub_ps(_mm512_loadu_ps(ST + c * 32 + 32), x0));
+        __m512 e11 = llmctl_expf16(_mm512_sub_ps(_mm512_loadu_ps(ST + c * 32 + 48), x1));
         l0 = _mm512_add_ps(l0, _mm512_add_ps(e00, e10));
         l1 = _mm512_add_ps(l1, _mm512_add_ps(e01, e11));
         _mm512_storeu_si512((void*)(Pp + c * 32), attb_v_pair(attb_v_rnd(e00), attb_v_rnd(e10)));
@@ -207,7 +188,7 @@ ATTB_TGT_V static void attb_bwd_block_avx512(const float* S, const float* dP, ui
             if (i < T) {
                 __mmask16 k = i0 == j0 ? attb_v_diag_keys(r, h) : (__mmask16)0xFFFF;
                 __m512 s = _mm512_fmsub_ps(_mm512_loadu_ps(S + r * 32 + 16 * h), sc, _mm512_set1_ps(lb[i]));
-                P = _mm512_maskz_mov_ps(k, attb_v_exp(s));
+                P = _mm512_maskz_mov_ps(k, llmctl_expf16(s));
                 dS = _mm512_mul_ps(_mm512_mul_ps(P, _mm512_sub_ps(_mm512_loadu_ps(dP + r * 32 + 16 * h),
                                                                   _mm512_set1_ps(D[i]))), sc);
             } else {

@@ -3,7 +3,7 @@
  * exp(x - max), the max starting at -10000, a multiply by 1/sum, out = sum_j att_j v_j).
  *
  * What differs from the plain loops: each dot product is one vector FMA chain over hs and a
- * horizontal sum, four keys at a time; the exp is the Cephes polynomial of mathf.h with FMAs
+ * horizontal sum, four keys at a time; the exp is mathf_avx512.h's (mathf.h's with FMAs)
  * (1-2 ulp, where the plain loops call libm's expf); the sum of the exps keeps 16 lane partials.
  * So results differ from the plain loops' in the last bits (tests/test_sample.py holds both to
  * a float64 reference). Every query is still computed by one thread, whole.
@@ -14,6 +14,7 @@
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(LLMCTL_NO_AVX_DISPATCH) && __GNUC__ >= 11
 #include <immintrin.h>
+#include "mathf_avx512.h"
 #define LLMCTL_KV_AVX512 1
 #define LLMCTL_KV_TGT __attribute__((target("avx512f")))
 
@@ -21,27 +22,6 @@ static int llmctl_kv_avx512_runs(void)
 {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f");
-}
-
-/* exp(x) for x <= 0 in 16 lanes: 0 below ln(FLT_MIN) */
-LLMCTL_KV_TGT static inline __m512 llmctl_kv_exp16(__m512 x)
-{
-    const __m512 lo = _mm512_set1_ps(-87.3365447504f), shift = _mm512_set1_ps(12582912.0f);
-    __m512 xc = _mm512_max_ps(lo, x);
-    __m512 t = _mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), shift);
-    __m512 fn = _mm512_sub_ps(t, shift);
-    __m512 r = _mm512_fnmadd_ps(fn, _mm512_set1_ps(0.693359375f), xc);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    __m512i e;
-    r = _mm512_fnmadd_ps(fn, _mm512_set1_ps(-2.12194440e-4f), r);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-    e = _mm512_slli_epi32(_mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(0x4B400000 - 127)), 23);
-    return _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ), p, _mm512_castsi512_ps(e));
 }
 
 /* the lanes of hs's last partial chunk of 16 (all 16 when hs is a multiple of 16) */
@@ -86,7 +66,7 @@ LLMCTL_KV_TGT static void llmctl_kv_attend_avx512(float* out, const float* q, co
     maxval = _mm512_reduce_max_ps(mx);
     mx = _mm512_set1_ps(maxval);
     for (j = 0; j < n16; j += 16) {
-        __m512 e = llmctl_kv_exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + j), mx));
+        __m512 e = llmctl_expf16(_mm512_sub_ps(_mm512_loadu_ps(scores + j), mx));
         _mm512_storeu_ps(scores + j, e);
         sum = _mm512_add_ps(sum, e);
     }
