@@ -107,7 +107,6 @@ def _token_losses(model, h, targets, chunk=256, scratch=None):
     for s in range(0, h.shape[0], chunk):
         m = min(chunk, h.shape[0] - s)
         lg = model.logits_from_hidden(h[s:s + m], None if scratch is None else scratch.take("logits", (m, V)))
-        m = lg.shape[0]
         tg = targets[s:s + chunk].reshape(m, -1)
         x_t = np.take_along_axis(lg, tg, axis=1).astype(np.float64)   # before the kernel overwrites lg
         loss0 = np.empty(m, dtype=np.float32)

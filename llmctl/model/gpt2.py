@@ -129,6 +129,16 @@ def _engine_arg(engine, matmul):
 # ----------------------------------------------------------------------------------------------
 # model
 
+
+def _out_buffer(out, n, what):
+    """The flat float32 output of n elements: out itself (checked) or, if None, a new array."""
+    if out is None:
+        return np.empty(n, np.float32)
+    if out.dtype != np.float32 or out.size != n or not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(f"out must be a writable C-contiguous float32 array of {n} ({what}) elements")
+    return out.reshape(-1)
+
+
 class GPT2:
     """GPT-2 with flat float32 parameters/gradients and kernel-driven forward/backward.
 
@@ -336,11 +346,7 @@ class GPT2:
                 "ln2": em(n), "ln2_mean": e(N), "ln2_rstd": e(N), "fch": em(4 * n), "gelu": em(4 * n)}
         cut = {"ln1_mean": N, "ln1_rstd": N, "ln2_mean": N, "ln2_rstd": N, "qkv": 3 * n, "fch": 4 * n, "gelu": 4 * n}
         views = {k: (None if b is None else b[:cut.get(k, n)]) for k, b in m.items()}
-        if out is None:
-            out = np.empty(n, np.float32)
-        elif out.dtype != np.float32 or out.size != n or not out.flags.c_contiguous or not out.flags.writeable:
-            raise ValueError(f"out must be a writable C-contiguous float32 array of {n} (rows x C) elements")
-        return SimpleNamespace(x=x.reshape(-1), out=out.reshape(-1), lse=None, **views)
+        return SimpleNamespace(x=x.reshape(-1), out=_out_buffer(out, n, "rows x C"), lse=None, **views)
 
     def _lmhead_blocks(self, BT, tg, losses):
         """-> (r0, nr, buf) for row blocks of plan.logits_rows, each block's logits computed then
@@ -559,11 +565,7 @@ class GPT2:
         C, V = self.config.channels, self.config.vocab_size
         x = np.ascontiguousarray(h).reshape(-1)
         N = x.size // C
-        if out is None:
-            out = np.empty(N * V, dtype=np.float32)
-        elif out.dtype != np.float32 or out.size != N * V or not out.flags.c_contiguous or not out.flags.writeable:
-            raise ValueError(f"out must be a writable C-contiguous float32 array of {N} x {V} (rows x vocab) elements")
-        out = out.reshape(-1)
+        out = _out_buffer(out, N * V, f"{N} x {V}, rows x vocab")
         xm = self.ops.mm_input(np.empty(x.size, self.ops.act_dtype), x, self.n_threads)
         self.ops.matmul(out, xm, "wte", None, None, N, C, V, self.n_threads)
         return out.reshape(h.shape[:-1] + (V,))
