@@ -19,8 +19,9 @@ stated. Differences from llm.c, all deliberate:
 
 What it is not: attention (attention.pyx) or matmul (matmul.pyx).
 """
-from cython.parallel cimport prange
+from cython.parallel cimport parallel, prange
 from libc.math cimport sqrt
+from libc.stdlib cimport free, malloc
 from libc.stdint cimport uint16_t
 from libc.string cimport memset
 
@@ -296,14 +297,24 @@ cdef void _softmax_crossentropy_backward(out_t* dlogits, const float* probs, con
         _xent_bwd_row(dlogits + bt * Vp, probs + bt * Vp, targets[bt], dlosses[bt], V, Vp)
 
 
-cdef void _xent_forward_backward_bf16(float* losses, uint16_t* dlogits, float* logits, const int* targets,
-                                      const float* dlosses, int BT, int V, int Vp,
-                                      int n_threads) noexcept nogil:
-    # row by row: the backward reads the probs while the row (201 KB at GPT-2's Vp) is in cache
+cdef int _xent_forward_backward_bf16(float* losses, uint16_t* dlogits, const float* logits, const int* targets,
+                                     const float* dlosses, int BT, int V, int Vp, int n_threads) noexcept nogil:
+    # row by row, each row's probs in a row of the thread's own (201 KB at GPT-2's Vp: it stays in
+    # L2 for the backward); the logits are only read, so the block is never written back to memory
     cdef Py_ssize_t bt
-    for bt in prange(BT, schedule='static', num_threads=n_threads):
-        llmctl_xent_fwd(losses + bt, logits + bt * Vp, logits + bt * Vp, targets[bt], V, Vp)
-        llmctl_xent_bwd_bf16(dlogits + bt * Vp, logits + bt * Vp, targets[bt], dlosses[bt], V, Vp)
+    cdef float* probs
+    cdef int failed = 0
+    cdef int* failed_p = &failed   # (a plain assignment in the parallel block would make it thread-private)
+    with parallel(num_threads=n_threads):
+        probs = <float*>malloc(<size_t>Vp * sizeof(float))
+        if probs == NULL:
+            failed_p[0] = 1
+        else:
+            for bt in prange(BT, schedule='static'):
+                llmctl_xent_fwd(losses + bt, probs, logits + bt * Vp, targets[bt], V, Vp)
+                llmctl_xent_bwd_bf16(dlogits + bt * Vp, probs, targets[bt], dlosses[bt], V, Vp)
+            free(probs)
+    return failed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -597,18 +608,22 @@ def softmax_crossentropy_backward(float[::1] dlogits, const float[::1] probs, co
     _checked_softmax_crossentropy_backward(dlogits, probs, targets, dlosses, BT, V, Vp, n_threads)
 
 
-def softmax_crossentropy_forward_backward_bf16(float[::1] losses, uint16_t[::1] dlogits, float[::1] logits,
+def softmax_crossentropy_forward_backward_bf16(float[::1] losses, uint16_t[::1] dlogits, const float[::1] logits,
                                                const int[::1] targets, const float[::1] dlosses,
                                                int BT, int V, int Vp, int n_threads=1):
-    """softmax_crossentropy_forward in place (logits -> probs, losses) and then
-    softmax_crossentropy_backward_bf16 (dlogits) one row after the other, the same bits as the two
-    calls, with each row's probs read back from cache instead of memory (the bf16 lm head's blocks)."""
+    """softmax_crossentropy_forward (losses) and then softmax_crossentropy_backward_bf16 (dlogits)
+    one row after the other, the same bits as the two calls. Each row's probs live only in a row
+    buffer of the thread, read back from cache; logits is left as it was (the bf16 lm head's
+    blocks: only read, it is never written back to memory)."""
     _check_xent("logits", logits.shape[0], "losses", losses.shape[0], logits, targets, BT, V, Vp, n_threads)
     _check_xent("dlogits", dlogits.shape[0], "dlosses", dlosses.shape[0], logits, targets, BT, V, Vp, n_threads)
     n_threads = eff_threads(n_threads, <Py_ssize_t>BT * V, _grain)
+    cdef int failed
     with nogil:
-        _xent_forward_backward_bf16(&losses[0], &dlogits[0], &logits[0], &targets[0], &dlosses[0], BT, V, Vp,
-                                    n_threads)
+        failed = _xent_forward_backward_bf16(&losses[0], &dlogits[0], &logits[0], &targets[0], &dlosses[0],
+                                             BT, V, Vp, n_threads)
+    if failed:
+        raise MemoryError("softmax_crossentropy_forward_backward_bf16: cannot allocate a row of probs")
 
 
 def softmax_crossentropy_backward_bf16(uint16_t[::1] dlogits, const float[::1] probs, const int[::1] targets,

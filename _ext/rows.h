@@ -26,6 +26,16 @@
 #define LLMCTL_ROW_LANES 16      /* independent partial sums of a row reduction (fixed order) */
 #define LLMCTL_SMBLOCK 1024      /* softmax exp block through the stack (a multiple of the lanes) */
 
+/* a float's bits as an int32 that orders as the float does (-0 just below +0; NaNs beyond the
+   infinities), and back (it is its own inverse): the row max as an integer max, which gcc
+   vectorises (a float max it compiles lane by lane). A row with a NaN gives NaN everywhere either way. */
+#define LLMCTL_ORDKEY(b) ((b) ^ (int32_t)((uint32_t)((b) >> 31) >> 1))
+#ifdef __GNUC__
+typedef int32_t __attribute__((may_alias)) llmctl_i32a;   /* a float's bits read in place */
+#else
+typedef int32_t llmctl_i32a;
+#endif
+
 #define LLMCTL_ST_F32(dst, i, v) (dst)[i] = (v)
 #define LLMCTL_ST_BF16(dst, i, v) (dst)[i] = llmctl_f32_to_bf16(v)
 
@@ -88,21 +98,20 @@
    as log(sum) - (x_target - max). The exp pass goes through a stack block: with the stores
    going straight to a possibly aliased probs, gcc would not vectorise the exp. */
 #define LLMCTL_XENT_FWD_BODY                                                                   \
-    float mx[LLMCTL_ROW_LANES], buf[LLMCTL_SMBLOCK], maxv, xt, e, inv;                         \
+    float buf[LLMCTL_SMBLOCK], maxv, xt, e, inv;                                               \
+    int32_t mk = LLMCTL_ORDKEY(-8388609), k;   /* -FLT_MAX */                                  \
     double s[LLMCTL_ROW_LANES], tot = 0.0;                                                     \
     int vm = V - V % LLMCTL_ROW_LANES;                                                         \
-    for (int j = 0; j < LLMCTL_ROW_LANES; j++) mx[j] = -3.4028234663852886e38f;                \
-    for (int i = 0; i < vm; i += LLMCTL_ROW_LANES)                                             \
-        for (int j = 0; j < LLMCTL_ROW_LANES; j++)                                             \
-            mx[j] = logits[i + j] > mx[j] ? logits[i + j] : mx[j];                             \
-    maxv = mx[0];                                                                              \
-    for (int j = 1; j < LLMCTL_ROW_LANES; j++) if (mx[j] > maxv) maxv = mx[j];                 \
-    for (int i = vm; i < V; i++) if (logits[i] > maxv) maxv = logits[i];                       \
+    const llmctl_i32a* lb = (const llmctl_i32a*)logits;                                        \
+    for (int i = 0; i < V; i++) { k = LLMCTL_ORDKEY(lb[i]); mk = k > mk ? k : mk; }            \
+    mk = LLMCTL_ORDKEY(mk);                                                                    \
+    memcpy(&maxv, &mk, 4);                                                                     \
     xt = logits[target];   /* read before probs (which may alias logits) is written */         \
     for (int j = 0; j < LLMCTL_ROW_LANES; j++) s[j] = 0.0;                                     \
     for (int b0 = 0; b0 < vm; b0 += LLMCTL_SMBLOCK) {                                          \
         int nb = vm - b0 < LLMCTL_SMBLOCK ? vm - b0 : LLMCTL_SMBLOCK;                          \
-        for (int i = 0; i < nb; i++) buf[i] = llmctl_expf(logits[b0 + i] - maxv);              \
+        const float* lr = logits + b0;   /* (logits[b0 + i]: gcc loads it lane by lane) */     \
+        for (int i = 0; i < nb; i++) buf[i] = llmctl_expf(lr[i] - maxv);                       \
         for (int i = 0; i < nb; i += LLMCTL_ROW_LANES)                                         \
             for (int j = 0; j < LLMCTL_ROW_LANES; j++) s[j] += buf[i + j];                     \
         memcpy(probs + b0, buf, (size_t)nb * sizeof(float));                                   \

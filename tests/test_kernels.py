@@ -535,6 +535,29 @@ def test_softmax_crossentropy_extreme_logits_stay_finite():
     assert losses[0] == np.float32(1e30) and losses[1] == 0.0  # -log p without log(0) = inf
 
 
+def test_softmax_crossentropy_row_max_of_signed_zeros_infinities_and_nan():
+    # the row max compares the floats' bits as integers: check the orders that could go wrong
+    BT, V, Vp = 4, 37, 48
+    logits = np.full((BT, Vp), -np.inf, np.float32)
+    logits[:, V:] = 5.0                                   # padding: never part of the max
+    logits[0, :] = -3.0 - np.arange(Vp, dtype=np.float32)  # all negative: the max is -3, not 0 or -FLT_MAX
+    logits[1, [4, 9]] = [-0.0, 0.0]                       # -0 beside +0, the rest -inf
+    logits[2, :V] = np.linspace(-2, 2, V, dtype=np.float32)
+    logits[2, 6] = np.nan                                 # NaN poisons its row only
+    logits[3, :V] = -np.inf                               # no finite logit at all
+    targets = np.array([0, 9, 1, 2], np.int32)
+    losses, probs = np.empty(BT, np.float32), np.empty(BT * Vp, np.float32)
+    layers.softmax_crossentropy_forward(losses, probs, logits.ravel(), targets, BT, V, Vp)
+    p = probs.reshape(BT, Vp)
+    rl, rp = ref.softmax_crossentropy_forward(logits[:2].astype(np.float64), targets[:2], V)
+    np.testing.assert_allclose(p[:2, :V], rp[:, :V], rtol=1e-6, atol=1e-30)
+    np.testing.assert_allclose(losses[:2], rl, rtol=1e-6)
+    assert p[1, 4] == p[1, 9] == 0.5 and losses[1] == np.float32(np.log(2.0))
+    assert np.isnan(p[2, :V]).all() and np.isnan(losses[2])
+    assert not np.isfinite(losses[3])                     # as before: -inf over -inf has no value
+    assert np.all(p[:, V:] == 0)
+
+
 def test_softmax_crossentropy_backward_finite_differences():
     # d/dlogits of sum_bt dloss_bt * loss_bt, from the kernel's own float32 forward
     BT, V, Vp = 2, 7, 16
@@ -789,10 +812,13 @@ def _row_kernel_outputs(n_threads, rng):
     din, dw, db = _f32(rng, R * C), np.zeros(C, np.float32), np.zeros(C, np.float32)
     layers.layernorm_backward(din, dw, db, _f32(rng, R * C), xs, w, mean, rstd, R, C, n_threads)
     out += [y.tobytes(), y16.tobytes(), mean.tobytes(), rstd.tobytes(), din.tobytes(), dw.tobytes(), db.tobytes()]
-    BT, V, Vp = 5, 1000 + 13, 1040
+    BT, V, Vp = 7, 1000 + 13, 1040
     logits = (rng.standard_normal(BT * Vp) * 5).astype(np.float32)
     logits[3] = np.inf
     logits[Vp + 7] = -np.inf
+    logits[5 * Vp + 11] = np.nan                          # the row max reads the bits as integers:
+    logits[6 * Vp:7 * Vp] = -np.inf                       # NaN, a row of -inf, -0 beside +0
+    logits[6 * Vp + 2], logits[6 * Vp + 900] = -0.0, 0.0
     tg = rng.integers(0, V, BT).astype(np.int32)
     losses, probs = np.empty(BT, np.float32), np.empty(BT * Vp, np.float32)
     layers.softmax_crossentropy_forward(losses, probs, logits, tg, BT, V, Vp, n_threads)
@@ -801,6 +827,8 @@ def _row_kernel_outputs(n_threads, rng):
     layers.softmax_crossentropy_backward(d32, probs, tg, dl, BT, V, Vp, n_threads)
     layers.softmax_crossentropy_backward_bf16(d16, probs, tg, dl, BT, V, Vp, n_threads)
     out += [losses.tobytes(), probs.tobytes(), d32.tobytes(), d16.tobytes()]
+    layers.softmax_crossentropy_forward_backward_bf16(losses, d16, logits, tg, dl, BT, V, Vp, n_threads)
+    out += [losses.tobytes(), d16.tobytes()]
     g = x[12:].copy()                      # finite: the grad norm and AdamW's bf16 copy
     out.append(float(adamw.global_norm_sq(g, n_threads)).hex())
     p, m, v, pb = _f32(rng, g.size), np.zeros(g.size, np.float32), np.zeros(g.size, np.float32), np.empty(g.size, np.uint16)

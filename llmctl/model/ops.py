@@ -162,7 +162,8 @@ class Bf16Ops(Fp32Ops):
         return None, d16
 
     def loss_forward_backward(self, losses, dst16, logits, targets, dlosses, N, V, Vp, nt):
-        """The same bits as the two calls, each row's probs read back from cache (one kernel)."""
+        """The same bits as the two calls in one kernel: each row's probs kept in a row buffer of
+        its thread while its dlogits are written, and the logits block only read."""
         d16 = dst16[:N * Vp]
         self.k.layers.softmax_crossentropy_forward_backward_bf16(losses, d16, logits, targets, dlosses,
                                                                  N, V, Vp, nt)
