@@ -372,21 +372,29 @@ class GPT2:
     def _ensure_scratch(self):
         if self._scratch is None:
             C, BT = self.config.channels, self.plan.rows
-            self._scratch = {"dres": np.zeros(BT * C, np.float32), "dsmall": np.zeros(BT * C, np.float32),
-                             "dbig": np.zeros(BT * 4 * C, np.float32)}
-            if self.precision == "bf16":
-                # every backward GEMM's bf16 dout (d(fch) too: gelu_backward writes it there),
-                # and the lm head's dlogits staged LMHEAD_GRAD_ROWS rows at a time
-                Vp = self.config.padded_vocab_size
-                self._scratch.update(dout16=np.zeros(BT * 4 * C, np.uint16),
-                                     dlogits16=np.zeros(min(BT, LMHEAD_GRAD_ROWS) * Vp, np.uint16))
+            self._scratch = {"dres": np.zeros(BT * C, np.float32), "dsmall": np.zeros(BT * C, np.float32)}
+            if self.precision == "fp32":
+                self._scratch["dbig"] = np.zeros(BT * 4 * C, np.float32)
+            else:
+                # dbig, every backward GEMM's bf16 dout (d(fch) too: gelu_backward writes it there)
+                # and the lm head's dlogits staged LMHEAD_GRAD_ROWS rows at a time, in one buffer:
+                # the staging is done with before the first layer's backward uses the other two
+                n16, nbig = min(BT, LMHEAD_GRAD_ROWS) * self.config.padded_vocab_size, BT * 4 * C
+                buf = np.zeros(max(n16, 3 * nbig), np.uint16)
+                self._scratch.update(dbig=buf[:2 * nbig].view(np.float32), dout16=buf[2 * nbig:3 * nbig],
+                                     dlogits16=buf[:n16])
         return self._scratch
 
     def activation_bytes(self):
-        """Bytes currently held by activation and activation-gradient buffers."""
-        n = sum(a.nbytes for a in (self._acts or {}).values())
-        n += sum(a.nbytes for a in (self._step_bufs or {}).values() if a is not None)
-        return n + sum(a.nbytes for a in (self._scratch or {}).values())
+        """Bytes currently held by activation and activation-gradient buffers (views of one
+        buffer counted once)."""
+        held = {}
+        for d in (self._acts, self._step_bufs, self._scratch):
+            for a in (d or {}).values():
+                if a is not None:
+                    b = a if a.base is None else a.base
+                    held[id(b)] = b.nbytes
+        return sum(held.values())
 
     # -- validation -----------------------------------------------------------------------------
     def _check_ids(self, x, what):
