@@ -109,8 +109,58 @@ LLMCTL_GELU_TAB_KERNELS(base, )
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(LLMCTL_NO_AVX_DISPATCH)
 LLMCTL_GELU_KERNELS(avx2, __attribute__((target("avx2"))))
 LLMCTL_GELU_KERNELS(avx512, __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,prefer-vector-width=512"))))
-LLMCTL_GELU_TAB_KERNELS(avx2, __attribute__((target("avx2"))))
-LLMCTL_GELU_TAB_KERNELS(avx512, __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,prefer-vector-width=512"))))
+#include <immintrin.h>
+/* The table reads as gathers: gcc's generic tuning will not emit them and loads lane by lane
+   instead (4.6x slower here). The same table entries and the same float operations: the same bits. */
+#define LLMCTL_GELU_TAB_GATHER_KERNELS(SUFFIX, ATTR, W, VI, VF, LOADX, GATHER_I, GATHER_F, NARROW, STOREO, \
+                                       LOADF, MULF, ADDF, ZEROF, STOREF)                          \
+    ATTR static void llmctl_gelu_fwd_tab_##SUFFIX(uint16_t* out, const uint16_t* x, ptrdiff_t n) { \
+        ptrdiff_t i = 0;                                                                       \
+        for (; i + W <= n; i += W) {                                                           \
+            VI v = GATHER_I(LOADX(x + i), (const void*)llmctl_gelu_tab_fwd);                   \
+            STOREO(out + i, NARROW(v));                                                        \
+        }                                                                                      \
+        for (; i < n; i++) out[i] = (uint16_t)llmctl_gelu_tab_fwd[x[i]];                       \
+    }                                                                                          \
+    ATTR static void llmctl_gelu_bwd_tab_cols_##SUFFIX(uint16_t* out, double* acc, const uint16_t* x, \
+                                                       const float* dy, ptrdiff_t BT, ptrdiff_t OC, \
+                                                       ptrdiff_t n) {                          \
+        float g[LLMCTL_GELU_COLS];                                                             \
+        for (ptrdiff_t bt = 0; bt < BT; bt++) {                                                \
+            const uint16_t* xr = x + bt * OC;                                                  \
+            const float* dr = dy + bt * OC;                                                    \
+            uint16_t* orow = out + bt * OC;                                                    \
+            ptrdiff_t i = 0;                                                                   \
+            for (; i + W <= n; i += W) {                                                       \
+                VF t = GATHER_F(LOADX(xr + i), llmctl_gelu_tab_grad);                          \
+                STOREF(g + i, ADDF(ZEROF(), MULF(t, LOADF(dr + i))));                          \
+            }                                                                                  \
+            for (; i < n; i++) g[i] = 0.0f + llmctl_gelu_tab_grad[xr[i]] * dr[i];              \
+            for (i = 0; i < n; i++) {                                                          \
+                acc[i] += (double)g[i];                                                        \
+                orow[i] = llmctl_f32_to_bf16(g[i]);                                            \
+            }                                                                                  \
+        }                                                                                      \
+    }
+
+#define LLMCTL_AVX2_ATTR __attribute__((target("avx2")))
+#define LLMCTL_AVX512_ATTR __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,prefer-vector-width=512")))
+#define LLMCTL_LDX8(p) _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p)))
+#define LLMCTL_GI8(ix, t) _mm256_i32gather_epi32((const int*)(t), ix, 4)
+#define LLMCTL_GF8(ix, t) _mm256_i32gather_ps(t, ix, 4)
+/* 8 lanes of uint32 < 65536 to 8 uint16: pack pairs within each 128-bit half, then join the halves */
+#define LLMCTL_NARROW8(v) _mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1))
+#define LLMCTL_ST8(p, v) _mm_storeu_si128((__m128i*)(p), v)
+#define LLMCTL_LDX16(p) _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(p)))
+#define LLMCTL_GI16(ix, t) _mm512_i32gather_epi32(ix, t, 4)
+#define LLMCTL_GF16(ix, t) _mm512_i32gather_ps(ix, t, 4)
+#define LLMCTL_ST16(p, v) _mm256_storeu_si256((__m256i*)(p), v)
+LLMCTL_GELU_TAB_GATHER_KERNELS(avx2, LLMCTL_AVX2_ATTR, 8, __m256i, __m256, LLMCTL_LDX8, LLMCTL_GI8, LLMCTL_GF8,
+                               LLMCTL_NARROW8, LLMCTL_ST8, _mm256_loadu_ps, _mm256_mul_ps, _mm256_add_ps,
+                               _mm256_setzero_ps, _mm256_storeu_ps)
+LLMCTL_GELU_TAB_GATHER_KERNELS(avx512, LLMCTL_AVX512_ATTR, 16, __m512i, __m512, LLMCTL_LDX16, LLMCTL_GI16,
+                               LLMCTL_GF16, _mm512_cvtepi32_epi16, LLMCTL_ST16, _mm512_loadu_ps, _mm512_mul_ps,
+                               _mm512_add_ps, _mm512_setzero_ps, _mm512_storeu_ps)
 #endif
 
 /* Fill the tables for k (once; the callers' k is a constant), with the baseline loops */

@@ -302,7 +302,7 @@ cdef int _xent_forward_backward_bf16(float* losses, uint16_t* dlogits, const flo
     # row by row, each row's probs in a row of the thread's own (201 KB at GPT-2's Vp: it stays in
     # L2 for the backward); the logits are only read, so the block is never written back to memory
     cdef Py_ssize_t bt
-    cdef float* probs
+    cdef float* probs = NULL
     cdef int failed = 0
     cdef int* failed_p = &failed   # (a plain assignment in the parallel block would make it thread-private)
     with parallel(num_threads=n_threads):
