@@ -29,10 +29,9 @@ rounded inputs, for CPUs without native bf16 and for tests. The backward casts f
 
 What it is not: a general GEMM. Shapes are llm.c's row-major (BT,C) x (OC,C)^T.
 """
-import os
 
 from cython.parallel cimport prange
-from libc.stdlib cimport malloc, free
+from libc.stdlib cimport free, getenv, malloc
 from libc.stdint cimport uintptr_t, uint16_t, int64_t
 from scipy.linalg.cython_blas cimport sgemm
 
@@ -139,8 +138,12 @@ def set_widen_block(int rows):
 # ---------------------------------------------------------------------------------------------
 # Engines and precisions available in this build, on this CPU
 
-def _env_flag(name):
-    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
+def _env_flag(str name):
+    # libc's getenv, not os.environ (which setting os.environ keeps in step through putenv):
+    # every bf16 matmul call asks, and a decode step makes 49 of them
+    cdef bytes key = name.encode()
+    cdef const char* v = getenv(key)
+    return v != NULL and v.decode("utf-8", "replace").strip().lower() not in ("", "0", "false", "no")
 
 
 def dnnl_built():
