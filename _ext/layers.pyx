@@ -56,6 +56,8 @@ cdef extern from "rows.h" nogil:
     void llmctl_xent_fwd(float* loss, float* probs, const float* logits, int target, int V, int Vp)
     void llmctl_xent_bwd_f32(float* dlogits, const float* probs, int target, float dloss, int V, int Vp)
     void llmctl_xent_bwd_bf16(uint16_t* dlogits, const float* probs, int target, float dloss, int V, int Vp)
+    void llmctl_ln_dparams(float* dw, float* db, double* aw, double* ab, const float* dy, const float* x,
+                           const float* mean, const float* rstd, Py_ssize_t N, Py_ssize_t C, int n)
     int llmctl_rows_set_isa(int level)
     int llmctl_rows_isa()
 
@@ -170,26 +172,7 @@ cdef void _layernorm_dparams_chunk(float* dw, float* db, const float* dout, cons
     # dw[c0:c1] += sum_n dout*norm ; db[c0:c1] += sum_n dout  (rows in order, double accumulators)
     cdef double aw[LN_CHUNK_MAX]
     cdef double ab[LN_CHUNK_MAX]
-    cdef int c, k = c1 - c0
-    cdef Py_ssize_t n
-    cdef float m, r, norm
-    cdef const float* x
-    cdef const float* dy
-    for c in range(k):
-        aw[c] = 0.0
-        ab[c] = 0.0
-    for n in range(N):
-        m = mean[n]
-        r = rstd[n]
-        x = inp + n * C + c0
-        dy = dout + n * C + c0
-        for c in range(k):
-            norm = (x[c] - m) * r
-            aw[c] += norm * dy[c]
-            ab[c] += dy[c]
-    for c in range(k):
-        dw[c0 + c] += <float>aw[c]
-        db[c0 + c] += <float>ab[c]
+    llmctl_ln_dparams(dw + c0, db + c0, aw, ab, dout + c0, inp + c0, mean, rstd, N, C, c1 - c0)
 
 
 cdef void _layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout,

@@ -39,6 +39,22 @@ from _openmp cimport omp_get_thread_num
 from bf16 cimport llmctl_cast_bf16, llmctl_f32_to_bf16, llmctl_widen_bf16, out_t
 from kernels cimport check_threads, check_len, check_positive, check_disjoint, col_chunk, eff_threads, imin
 
+cdef extern from "rows.h" nogil:
+    # the bias gradient's column sums (and the bf16 copy of dout) in the widest copy this CPU
+    # runs; the same bits in every copy
+    void llmctl_bias_grad(float* db, uint16_t* dst, double* acc, const float* dy, Py_ssize_t N,
+                          Py_ssize_t ld, int n)
+    int llmctl_rows_set_isa(int level)
+
+llmctl_rows_set_isa(-1)
+
+
+def set_isa(int level):
+    """The copy of the bias-gradient loop that runs: 0 baseline, 1 AVX2, 2 AVX-512, -1 the widest
+    this CPU runs (the default); capped at what the CPU has. -> the level now in use."""
+    return llmctl_rows_set_isa(level)
+
+
 cdef extern from "dnnl_gemm.h" nogil:
     int llmctl_cpu_bf16_flags()
     int llmctl_dnnl_sgemm(char ta, char tb, int64_t M, int64_t N, int64_t K, const float* A,
@@ -238,29 +254,10 @@ cdef void _fill_bias_rows(float* out, const float* bias, int BT, int OC, int n_t
 cdef void _bias_grad_chunk(float* dbias, uint16_t* dst, const float* dout, int BT, int OC,
                            int o0, int o1) noexcept nogil:
     # dbias[o0:o1] += sum over bt (in order) of dout[bt, o0:o1], double accumulators; and, if dst
-    # is not NULL, dst[:, o0:o1] = bf16(dout[:, o0:o1]) in the same pass
+    # is not NULL, dst[:, o0:o1] = bf16(dout[:, o0:o1]) in the same pass (rows.h, the widest copy)
     cdef double acc[BIAS_CHUNK]
-    cdef int o, bt, n = o1 - o0
-    cdef const float* row
-    cdef uint16_t* drow
-    for o in range(n):
-        acc[o] = 0.0
-    # the test is outside the row loop: gcc unrolls and jams the fp32 nest (two rows a pass)
-    if dst == NULL:
-        for bt in range(BT):
-            row = dout + <Py_ssize_t>bt * OC + o0
-            for o in range(n):
-                acc[o] += row[o]
-    else:
-        for bt in range(BT):
-            row = dout + <Py_ssize_t>bt * OC + o0
-            drow = dst + <Py_ssize_t>bt * OC + o0
-            for o in range(n):
-                acc[o] += row[o]
-                drow[o] = llmctl_f32_to_bf16(row[o])
-    if dbias != NULL:
-        for o in range(n):
-            dbias[o0 + o] += <float>acc[o]
+    llmctl_bias_grad(NULL if dbias == NULL else dbias + o0, NULL if dst == NULL else dst + o0, acc,
+                     dout + o0, BT, OC, o1 - o0)
 
 
 cdef void _bias_grad(float* dbias, uint16_t* dst, const float* dout, int BT, int OC,

@@ -144,6 +144,45 @@ typedef int32_t llmctl_i32a;
     for (ptrdiff_t i = nm; i < n; i++) { x = g[i]; tot += x * x; }                             \
     return tot;
 
+/* Column sums over rows in row order, double accumulators (acc, n of them, set here) added to
+   the float outputs at the end. layernorm's parameter gradients over columns c0..c0+n:
+   dw += sum_r (float)(norm * dy), db += sum_r dy, norm = (x - mean[r]) * rstd[r] */
+#define LLMCTL_LN_DPARAMS_BODY                                                                 \
+    for (int c = 0; c < n; c++) { aw[c] = 0.0; ab[c] = 0.0; }                                  \
+    for (ptrdiff_t r = 0; r < N; r++) {                                                        \
+        const float* xr = x + r * C;                                                           \
+        const float* dr = dy + r * C;                                                          \
+        float m = mean[r], rs = rstd[r];                                                       \
+        for (int c = 0; c < n; c++) {                                                          \
+            float norm = (xr[c] - m) * rs;                                                     \
+            aw[c] += (double)(norm * dr[c]);                                                   \
+            ab[c] += (double)dr[c];                                                            \
+        }                                                                                      \
+    }                                                                                          \
+    for (int c = 0; c < n; c++) { dw[c] += (float)aw[c]; db[c] += (float)ab[c]; }
+
+/* a bias gradient over columns 0..n of rows of width ld (db may be NULL), and, unless dst is
+   NULL, dst = bf16(dy) in the same pass (matmul.pyx's backward) */
+#define LLMCTL_BIAS_GRAD_BODY                                                                  \
+    for (int c = 0; c < n; c++) acc[c] = 0.0;                                                  \
+    if (dst == NULL) {                                                                         \
+        for (ptrdiff_t r = 0; r < N; r++) {                                                    \
+            const float* dr = dy + r * ld;                                                     \
+            for (int c = 0; c < n; c++) acc[c] += (double)dr[c];                               \
+        }                                                                                      \
+    } else {                                                                                   \
+        for (ptrdiff_t r = 0; r < N; r++) {                                                    \
+            const float* dr = dy + r * ld;                                                     \
+            uint16_t* o = dst + r * ld;                                                        \
+            for (int c = 0; c < n; c++) {                                                      \
+                acc[c] += (double)dr[c];                                                       \
+                o[c] = llmctl_f32_to_bf16(dr[c]);                                              \
+            }                                                                                  \
+        }                                                                                      \
+    }                                                                                          \
+    if (db != NULL)                                                                            \
+        for (int c = 0; c < n; c++) db[c] += (float)acc[c];
+
 #define LLMCTL_ROW_KERNELS(SFX, ATTR)                                                                      \
     ATTR static void llmctl_ln_fwd_f32_##SFX(float* out, float* mean, float* rstd, const float* x,         \
                                              const float* w, const float* b, int C) {                      \
@@ -174,6 +213,15 @@ typedef int32_t llmctl_i32a;
     }                                                                                                      \
     ATTR static double llmctl_sumsq_##SFX(const float* g, ptrdiff_t n) {                                   \
         LLMCTL_SUMSQ_BODY                                                                                  \
+    }                                                                                                      \
+    ATTR static void llmctl_ln_dparams_##SFX(float* dw, float* db, double* aw, double* ab, const float* dy, \
+                                             const float* x, const float* mean, const float* rstd,         \
+                                             ptrdiff_t N, ptrdiff_t C, int n) {                            \
+        LLMCTL_LN_DPARAMS_BODY                                                                             \
+    }                                                                                                      \
+    ATTR static void llmctl_bias_grad_##SFX(float* db, uint16_t* dst, double* acc, const float* dy,        \
+                                            ptrdiff_t N, ptrdiff_t ld, int n) {                            \
+        LLMCTL_BIAS_GRAD_BODY                                                                              \
     }
 
 LLMCTL_ROW_KERNELS(base, )
@@ -231,5 +279,15 @@ static inline void llmctl_cast_bf16_isa(uint16_t* dst, const float* src, ptrdiff
 }
 static inline double llmctl_sumsq(const float* g, ptrdiff_t n) {
     return LLMCTL_ROWS_DISPATCH(llmctl_sumsq, g, n);
+}
+/* layernorm's dw, db over columns c0..c0+n (pointers offset by the caller), aw/ab n doubles of scratch */
+static inline void llmctl_ln_dparams(float* dw, float* db, double* aw, double* ab, const float* dy, const float* x,
+                                     const float* mean, const float* rstd, ptrdiff_t N, ptrdiff_t C, int n) {
+    LLMCTL_ROWS_DISPATCH(llmctl_ln_dparams, dw, db, aw, ab, dy, x, mean, rstd, N, C, n);
+}
+/* db (may be NULL) += column sums of dy (N rows of stride ld, n columns); dst (or NULL) = bf16(dy) */
+static inline void llmctl_bias_grad(float* db, uint16_t* dst, double* acc, const float* dy, ptrdiff_t N,
+                                    ptrdiff_t ld, int n) {
+    LLMCTL_ROWS_DISPATCH(llmctl_bias_grad, db, dst, acc, dy, N, ld, n);
 }
 #endif

@@ -829,6 +829,15 @@ def _row_kernel_outputs(n_threads, rng):
     out += [losses.tobytes(), probs.tobytes(), d32.tobytes(), d16.tobytes()]
     layers.softmax_crossentropy_forward_backward_bf16(losses, d16, logits, tg, dl, BT, V, Vp, n_threads)
     out += [losses.tobytes(), d16.tobytes()]
+    Rb, Cb, OCb = 37, 16, 131               # a bias gradient with the bf16 copy of dout (rows.h)
+    dout = _f32(rng, Rb * OCb)
+    dout[5] = np.nan
+    i16, w16 = np.empty(Rb * Cb, np.uint16), np.empty(OCb * Cb, np.uint16)
+    convert.cast_to_bf16(i16, _f32(rng, Rb * Cb), n_threads)
+    convert.cast_to_bf16(w16, _f32(rng, OCb * Cb), n_threads)
+    d16b, dbb, dWb = np.empty(Rb * OCb, np.uint16), _f32(rng, OCb), np.zeros(OCb * Cb, np.float32)
+    matmul.matmul_backward_bf16(None, dWb, dbb, dout, d16b, i16, w16, Rb, Cb, OCb, n_threads, "blas")
+    out += [d16b.tobytes(), dbb.tobytes()]
     g = x[12:].copy()                      # finite: the grad norm and AdamW's bf16 copy
     out.append(float(adamw.global_norm_sq(g, n_threads)).hex())
     p, m, v, pb = _f32(rng, g.size), np.zeros(g.size, np.float32), np.zeros(g.size, np.float32), np.empty(g.size, np.uint16)
@@ -851,12 +860,14 @@ def test_row_loops_give_identical_bits_in_every_instruction_set(n_threads):
             assert layers.set_simd(isa) == isa     # what `llmctl info` reports
             assert convert.set_isa(levels.index(isa)) == levels.index(isa)
             assert adamw.set_isa(levels.index(isa)) == levels.index(isa)
+            assert matmul.set_isa(levels.index(isa)) == levels.index(isa)
             res[isa] = _row_kernel_outputs(n_threads, np.random.default_rng(14))
         assert layers.set_simd(False) == "baseline"
     finally:
         layers.set_simd(True)
         convert.set_isa(-1)
         adamw.set_isa(-1)
+        matmul.set_isa(-1)
     assert layers.simd() == levels[-1]
     for isa in levels[1:]:
         diff = [i for i, (a, b) in enumerate(zip(res["baseline"], res[isa])) if a != b]
