@@ -443,8 +443,11 @@ class GPT2:
             kf, vf = k.reshape(-1), v.reshape(-1)
             KV.kvcache_append_forward(kf, vf, a.qkv, pos, B, T, C, NH, Tcap)
             # the cache is read from memory (the matmuls in between evict it): two threads read
-            # it faster once it holds a few hundred KB (d12: a capacity of 86 positions or more)
-            nta = nt if B * Tcap * C >= _MIN_PARALLEL else 1
+            # it faster once it holds a few hundred KB (d12: a capacity of 86 positions or more).
+            # Not where the one-row matmuls run on NumPy's BLAS (fp32): an OpenMP region between
+            # them leaves its threads spinning against BLAS's (decode 7x slower, measured)
+            small = o.gemv_on_openmp and B * Tcap * C >= _MIN_PARALLEL
+            nta = nt if small or BT * Tcap * C >= _MIN_PARALLEL * 16 else 1
             KV.attention_cached(a.atty, a.qkv, kf, vf, pos, B, T, C, NH, Tcap, nta)
         o.matmul(a.x2, o.mm_input(a.atty16, a.atty, nte), "attprojw", l, p["attprojb"][l], BT, C, C, nt)
         Ly.residual_forward(a.x2, a.x2, a.x, n, nte)

@@ -41,6 +41,8 @@ class Fp32Ops:
     """fp32 everywhere: llm.c's train_gpt2.c."""
 
     act_dtype = np.float32
+    # a one-row matmul (decode) runs on NumPy's BLAS and its own threads, not on OpenMP's
+    gemv_on_openmp = False
 
     def __init__(self, k, params, engine):
         """k: Kernels; params: dict name -> fp32 parameter view; engine: the GEMM engine (None: default)."""
@@ -109,6 +111,7 @@ class Bf16Ops(Fp32Ops):
     """Mixed precision as PyTorch autocast on CPU: bf16 matmul inputs, fp32 accumulation and outputs."""
 
     act_dtype = np.uint16
+    gemv_on_openmp = True    # gemv_bf16.h, on the OpenMP threads the other kernels use
 
     def __init__(self, k, params, engine, params_bf16):
         """params_bf16: dict name -> the bf16 copy of the weights the matmuls read."""
