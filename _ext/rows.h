@@ -7,11 +7,17 @@
  * give the same bits (tests/test_kernels.py checks it); llmctl_rows_set_isa() picks one, for
  * those tests. Elsewhere (not GCC on x86-64) only the plain copy exists.
  *
- * Also the sum of squares of adamw.pyx's global grad norm (a fixed-order double reduction).
+ * Also the sum of squares of adamw.pyx's global grad norm (a fixed-order double reduction), and
+ * two column sums over rows: layernorm's dweight/dbias and matmul.pyx's bias gradient (with the
+ * bf16 copy of dout), each column summed in row order in double.
  *
- * The math is llm.c's train_gpt2.c: layernorm_forward / layernorm_backward (the dinp half; the
- * dweight/dbias reduction over rows stays in layers.pyx), softmax_forward + crossentropy_forward
- * fused, crossentropy_softmax_backward. Row statistics and the softmax sum accumulate in double.
+ * The math is llm.c's train_gpt2.c: layernorm_forward / layernorm_backward, softmax_forward +
+ * crossentropy_forward fused, crossentropy_softmax_backward, matmul_backward's dbias. Row
+ * statistics and the softmax sum accumulate in double.
+ *
+ * gcc vectorises a loop only in some shapes: a row max as a float ?: and loads at logits[b0 + i]
+ * (int index arithmetic) came out lane by lane, so the row max compares the floats' bits as
+ * integers and the loops read through row pointers (objdump shows which; bench/kernels.py times).
  */
 #ifndef LLMCTL_ROWS_H
 #define LLMCTL_ROWS_H

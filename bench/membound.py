@@ -10,7 +10,8 @@ What it measures, all in ONE run (best wall time of --repeat runs each):
   lengths): AdamW (fp32; with the bf16 copy; with the gradient zeroing of train), the global
   grad norm, layernorm forward (fp32 and bf16 output) and backward, GELU forward and backward,
   the residual add, the softmax + cross-entropy forward and backward (fp32 and bf16 dlogits),
-  and the fp32 -> bf16 cast;
+  the bf16 model's GELU of bf16 input (forward, and backward with fc's bias gradient) and its
+  fused softmax + cross-entropy + bf16 dlogits, and the fp32 -> bf16 cast;
 - per kernel: bytes moved, GB/s achieved, the floor's GB/s at that size, and `x floor` = the
   kernel's time / the time the floor's bandwidth needs for its bytes (the target: <= 1.5);
 - the row loops (layernorm, GELU, softmax + cross-entropy, the cast) in every copy this CPU
@@ -83,6 +84,8 @@ def kernels(BT, nt):
     layers.layernorm_forward(out, mean, rstd, x, w, bias, BT, C, nt)
     h, dh, dh_in = f(n4), f(n4), np.zeros(n4, np.float32)
     h_out, h16 = np.empty(n4, np.float32), np.empty(n4, np.uint16)
+    hb, gb = np.empty(n4, np.uint16), np.zeros(4 * C, np.float32)   # bf16 fch, fc's dbias
+    convert.cast_to_bf16(hb, h, nt)
     logits = f(nv)
     probs = np.empty(nv, np.float32)
     d16 = np.empty(nv, np.uint16)
@@ -98,6 +101,9 @@ def kernels(BT, nt):
         ("gelu_forward", 8 * n4, lambda: layers.gelu_forward(h_out, h, n4, nt)),
         ("gelu_forward_bf16", 6 * n4, lambda: layers.gelu_forward_bf16(h16, h, n4, nt)),
         ("gelu_backward", 16 * n4, lambda: layers.gelu_backward(dh_in, h, dh, n4, nt)),
+        ("gelu_forward_bf16 (bf16 in)", 4 * n4, lambda: layers.gelu_forward_bf16(h16, hb, n4, nt)),
+        ("gelu_backward_bf16 (bf16 in, dbias)", 8 * n4,
+         lambda: layers.gelu_backward_bf16(h16, gb, hb, dh, BT, 4 * C, nt)),
         ("residual_forward", 12 * n, lambda: layers.residual_forward(out, x, dout, n, nt)),
         ("softmax_crossentropy_forward", 8 * nv,
          lambda: layers.softmax_crossentropy_forward(losses, probs, logits, tg, BT, V, Vp, nt)),
@@ -105,6 +111,9 @@ def kernels(BT, nt):
          lambda: layers.softmax_crossentropy_backward(logits, probs, tg, dlosses, BT, V, Vp, nt)),
         ("softmax_crossentropy_backward_bf16", 6 * nv,
          lambda: layers.softmax_crossentropy_backward_bf16(d16, probs, tg, dlosses, BT, V, Vp, nt)),
+        ("softmax_crossentropy_fwd_bwd_bf16", 6 * nv,
+         lambda: layers.softmax_crossentropy_forward_backward_bf16(losses, d16, logits, tg, dlosses, BT, V, Vp,
+                                                                   nt)),
         ("cast_to_bf16", 6 * n4, lambda: convert.cast_to_bf16(h16, h, nt)),
     ]
 
@@ -167,9 +176,9 @@ def main(argv=None):
         print(json.dumps({"threads": nt, "rows": rows}, indent=1))
         return
     print(f"threads {nt}; floor = np.add split over {nt} threads at the same bytes; x floor = time / (bytes / floor)")
-    print(f"{'group':<15} {'kernel':<34} {'isa':<8} {'MB':>7} {'ms':>8} {'GB/s':>6} {'floor':>6} {'x floor':>7}")
+    print(f"{'group':<15} {'kernel':<42} {'isa':<8} {'MB':>7} {'ms':>8} {'GB/s':>6} {'floor':>6} {'x floor':>7}")
     for r in rows:
-        print(f"{r['group']:<15} {r['kernel']:<34} {r['isa']:<8} {r['bytes'] / 1e6:7.1f} {r['ms']:8.2f} "
+        print(f"{r['group']:<15} {r['kernel']:<42} {r['isa']:<8} {r['bytes'] / 1e6:7.1f} {r['ms']:8.2f} "
               f"{r['GB_per_s']:6.1f} {r['floor_GB_per_s']:6.1f} {r['x_floor']:7.2f}")
 
 
