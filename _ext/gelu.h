@@ -65,9 +65,12 @@ static uint32_t llmctl_gelu_tab_fwd[65536];
 static float llmctl_gelu_tab_grad[65536];
 static float llmctl_gelu_tab_k = 0.0f;   /* the k they were built for; 0: not built */
 
+/* The table loops; VEC(SUFFIX) functions do a vector prefix of a row and return how many
+   elements they did (none in the baseline copy), the plain loops do the rest */
 #define LLMCTL_GELU_TAB_KERNELS(SUFFIX, ATTR)                                                   \
     ATTR static void llmctl_gelu_fwd_tab_##SUFFIX(uint16_t* out, const uint16_t* x, ptrdiff_t n) { \
-        for (ptrdiff_t i = 0; i < n; i++) out[i] = (uint16_t)llmctl_gelu_tab_fwd[x[i]];        \
+        for (ptrdiff_t i = llmctl_gelu_fwd_tab_vec_##SUFFIX(out, x, n); i < n; i++)            \
+            out[i] = (uint16_t)llmctl_gelu_tab_fwd[x[i]];                                      \
     }                                                                                          \
     ATTR static void llmctl_gelu_bwd_tab_cols_##SUFFIX(uint16_t* out, double* acc, const uint16_t* x, \
                                                        const float* dy, ptrdiff_t BT, ptrdiff_t OC, \
@@ -77,13 +80,23 @@ static float llmctl_gelu_tab_k = 0.0f;   /* the k they were built for; 0: not bu
             const uint16_t* xr = x + bt * OC;                                                  \
             const float* dr = dy + bt * OC;                                                    \
             uint16_t* orow = out + bt * OC;                                                    \
-            for (ptrdiff_t i = 0; i < n; i++) g[i] = 0.0f + llmctl_gelu_tab_grad[xr[i]] * dr[i]; \
+            for (ptrdiff_t i = llmctl_gelu_grad_tab_vec_##SUFFIX(g, xr, dr, n); i < n; i++)    \
+                g[i] = 0.0f + llmctl_gelu_tab_grad[xr[i]] * dr[i];                             \
             for (ptrdiff_t i = 0; i < n; i++) {                                                \
                 acc[i] += (double)g[i];                                                        \
                 orow[i] = llmctl_f32_to_bf16(g[i]);                                            \
             }                                                                                  \
         }                                                                                      \
     }
+
+static inline ptrdiff_t llmctl_gelu_fwd_tab_vec_base(uint16_t* out, const uint16_t* x, ptrdiff_t n) {
+    (void)out; (void)x; (void)n;
+    return 0;
+}
+static inline ptrdiff_t llmctl_gelu_grad_tab_vec_base(float* g, const uint16_t* x, const float* dy, ptrdiff_t n) {
+    (void)g; (void)x; (void)dy; (void)n;
+    return 0;
+}
 
 #define LLMCTL_GELU_KERNELS(SUFFIX, ATTR)                                                        \
     ATTR static void llmctl_gelu_fwd_f32_##SUFFIX(float* out, const float* x, ptrdiff_t n, float k) { \
@@ -112,35 +125,24 @@ LLMCTL_GELU_KERNELS(avx512, __attribute__((target("avx512f,avx512bw,avx512dq,avx
 #include <immintrin.h>
 /* The table reads as gathers: gcc's generic tuning will not emit them and loads lane by lane
    instead (4.6x slower here). The same table entries and the same float operations: the same bits. */
-#define LLMCTL_GELU_TAB_GATHER_KERNELS(SUFFIX, ATTR, W, VI, VF, LOADX, GATHER_I, GATHER_F, NARROW, STOREO, \
-                                       LOADF, MULF, ADDF, ZEROF, STOREF)                          \
-    ATTR static void llmctl_gelu_fwd_tab_##SUFFIX(uint16_t* out, const uint16_t* x, ptrdiff_t n) { \
+#define LLMCTL_GELU_TAB_GATHERS(SUFFIX, ATTR, W, VI, VF, LOADX, GATHER_I, GATHER_F, NARROW, STOREO,      \
+                                LOADF, MULF, ADDF, ZEROF, STOREF)                                        \
+    ATTR static ptrdiff_t llmctl_gelu_fwd_tab_vec_##SUFFIX(uint16_t* out, const uint16_t* x, ptrdiff_t n) { \
         ptrdiff_t i = 0;                                                                       \
         for (; i + W <= n; i += W) {                                                           \
             VI v = GATHER_I(LOADX(x + i), (const void*)llmctl_gelu_tab_fwd);                   \
             STOREO(out + i, NARROW(v));                                                        \
         }                                                                                      \
-        for (; i < n; i++) out[i] = (uint16_t)llmctl_gelu_tab_fwd[x[i]];                       \
+        return i;                                                                              \
     }                                                                                          \
-    ATTR static void llmctl_gelu_bwd_tab_cols_##SUFFIX(uint16_t* out, double* acc, const uint16_t* x, \
-                                                       const float* dy, ptrdiff_t BT, ptrdiff_t OC, \
-                                                       ptrdiff_t n) {                          \
-        float g[LLMCTL_GELU_COLS];                                                             \
-        for (ptrdiff_t bt = 0; bt < BT; bt++) {                                                \
-            const uint16_t* xr = x + bt * OC;                                                  \
-            const float* dr = dy + bt * OC;                                                    \
-            uint16_t* orow = out + bt * OC;                                                    \
-            ptrdiff_t i = 0;                                                                   \
-            for (; i + W <= n; i += W) {                                                       \
-                VF t = GATHER_F(LOADX(xr + i), llmctl_gelu_tab_grad);                          \
-                STOREF(g + i, ADDF(ZEROF(), MULF(t, LOADF(dr + i))));                          \
-            }                                                                                  \
-            for (; i < n; i++) g[i] = 0.0f + llmctl_gelu_tab_grad[xr[i]] * dr[i];              \
-            for (i = 0; i < n; i++) {                                                          \
-                acc[i] += (double)g[i];                                                        \
-                orow[i] = llmctl_f32_to_bf16(g[i]);                                            \
-            }                                                                                  \
+    ATTR static ptrdiff_t llmctl_gelu_grad_tab_vec_##SUFFIX(float* g, const uint16_t* x, const float* dy, \
+                                                            ptrdiff_t n) {                     \
+        ptrdiff_t i = 0;                                                                       \
+        for (; i + W <= n; i += W) {                                                           \
+            VF t = GATHER_F(LOADX(x + i), llmctl_gelu_tab_grad);                               \
+            STOREF(g + i, ADDF(ZEROF(), MULF(t, LOADF(dy + i))));                              \
         }                                                                                      \
+        return i;                                                                              \
     }
 
 #define LLMCTL_AVX2_ATTR __attribute__((target("avx2")))
@@ -155,12 +157,14 @@ LLMCTL_GELU_KERNELS(avx512, __attribute__((target("avx512f,avx512bw,avx512dq,avx
 #define LLMCTL_GI16(ix, t) _mm512_i32gather_epi32(ix, t, 4)
 #define LLMCTL_GF16(ix, t) _mm512_i32gather_ps(ix, t, 4)
 #define LLMCTL_ST16(p, v) _mm256_storeu_si256((__m256i*)(p), v)
-LLMCTL_GELU_TAB_GATHER_KERNELS(avx2, LLMCTL_AVX2_ATTR, 8, __m256i, __m256, LLMCTL_LDX8, LLMCTL_GI8, LLMCTL_GF8,
-                               LLMCTL_NARROW8, LLMCTL_ST8, _mm256_loadu_ps, _mm256_mul_ps, _mm256_add_ps,
-                               _mm256_setzero_ps, _mm256_storeu_ps)
-LLMCTL_GELU_TAB_GATHER_KERNELS(avx512, LLMCTL_AVX512_ATTR, 16, __m512i, __m512, LLMCTL_LDX16, LLMCTL_GI16,
-                               LLMCTL_GF16, _mm512_cvtepi32_epi16, LLMCTL_ST16, _mm512_loadu_ps, _mm512_mul_ps,
-                               _mm512_add_ps, _mm512_setzero_ps, _mm512_storeu_ps)
+LLMCTL_GELU_TAB_GATHERS(avx2, LLMCTL_AVX2_ATTR, 8, __m256i, __m256, LLMCTL_LDX8, LLMCTL_GI8, LLMCTL_GF8,
+                        LLMCTL_NARROW8, LLMCTL_ST8, _mm256_loadu_ps, _mm256_mul_ps, _mm256_add_ps,
+                        _mm256_setzero_ps, _mm256_storeu_ps)
+LLMCTL_GELU_TAB_GATHERS(avx512, LLMCTL_AVX512_ATTR, 16, __m512i, __m512, LLMCTL_LDX16, LLMCTL_GI16,
+                        LLMCTL_GF16, _mm512_cvtepi32_epi16, LLMCTL_ST16, _mm512_loadu_ps, _mm512_mul_ps,
+                        _mm512_add_ps, _mm512_setzero_ps, _mm512_storeu_ps)
+LLMCTL_GELU_TAB_KERNELS(avx2, LLMCTL_AVX2_ATTR)
+LLMCTL_GELU_TAB_KERNELS(avx512, LLMCTL_AVX512_ATTR)
 #endif
 
 /* Fill the tables for k (once; the callers' k is a constant), with the baseline loops */
