@@ -161,6 +161,37 @@ def test_cached_logits_equal_full_forward_at_every_position(tiny):
         model.forward_cached(cache, ids[:, :1])  # the cache is full
 
 
+@pytest.mark.parametrize("precision,engine", [("fp32", None), ("bf16", None), ("bf16", "blas")])
+def test_cached_attention_threads_only_beside_openmp_matmuls(precision, engine):
+    # a cache of 64K floats or more is read on both threads, but only where decode's one-row
+    # matmuls run on OpenMP too: an OpenMP region between BLAS calls (fp32's GEMV, emulated
+    # bf16's) leaves its threads spinning against BLAS's, and fp32 decoding went 7x slower
+    from llmctl._ext import matmul
+
+    if engine is None and precision == "bf16" and not matmul.bf16_native():
+        engine = "blas"   # without native bf16 the default engine is the emulation
+    from llmctl.model import GPT2Config
+
+    m = GPT2(GPT2Config(**tiny_cfg(maxT=320, L=1, NH=4, C=256)), n_threads=2, precision=precision, engine=engine)
+    used = []
+    kv = m.kernels.kvcache
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(kv, name)
+
+        def attention_cached(self, *a):
+            used.append(a[-1])
+            return kv.attention_cached(*a)
+
+    m.kernels.kvcache = Recording()
+    cache = KVCache(m.config, 1, 300)     # B * Tcap * C = 76,800 floats
+    m.forward_cached(cache, np.array([[1, 2, 3]], dtype=np.int32))
+    m.forward_cached(cache, np.array([[4]], dtype=np.int32))
+    want = 2 if precision == "bf16" and engine != "blas" else 1
+    assert used == [want, want]
+
+
 def test_block_forward_and_logits_write_into_a_given_buffer(tiny):
     # HellaSwag scoring keeps its residual streams and logits across batches: out=x (in place)
     # and a kept logits buffer give the same bits as fresh arrays; a wrong buffer is refused

@@ -111,12 +111,14 @@ class Bf16Ops(Fp32Ops):
     """Mixed precision as PyTorch autocast on CPU: bf16 matmul inputs, fp32 accumulation and outputs."""
 
     act_dtype = np.uint16
-    gemv_on_openmp = True    # gemv_bf16.h, on the OpenMP threads the other kernels use
 
     def __init__(self, k, params, engine, params_bf16):
         """params_bf16: dict name -> the bf16 copy of the weights the matmuls read."""
         super().__init__(k, params, engine)
         self.pb = params_bf16
+        # decode's one-row products run on OpenMP's threads (gemv_bf16.h, oneDNN), or, emulated
+        # on fp32 sgemm ("blas"), on the BLAS's own
+        self.gemv_on_openmp = (engine or k.matmul.get_bf16_engines()[0]) != "blas"
 
     def weight(self, name, l):
         return (self.pb[name] if l is None else self.pb[name][l]).reshape(-1)
