@@ -11,7 +11,8 @@ What it reports, all measured in ONE run so the ratios are meaningful on a share
   - a per-kernel breakdown of one step (matmul / attention / other kernels / AdamW / Python) and
     the non-matmul share of the step;
   - PyTorch on the same model and batch (torch.set_num_threads(n)): fp32 eager and bf16
-    `torch.autocast("cpu", dtype=torch.bfloat16)`, if torch is importable;
+    `torch.autocast("cpu", dtype=torch.bfloat16)` (only beside llmctl bf16 on a CPU with native
+    bf16: elsewhere torch's bf16 GEMMs are a scalar fallback), if torch is importable;
   - peak RSS of a d12 training step at B=4, T=1024 and T=64 per precision (a child process,
     /usr/bin/time -v or getrusage).
 On a CPU without native bf16 (no AVX512_BF16/AMX) llmctl's bf16 is skipped unless
@@ -318,6 +319,11 @@ def main(argv=None):
     if "bf16" in precisions and not K.bf16_native() and not a.bf16_emulate:
         precisions.remove("bf16")
         skipped.append("llmctl bf16: this CPU has no native bf16 (AVX512_BF16/AMX); --bf16-emulate runs it anyway")
+    # PyTorch's bf16 autocast is the yardstick of llmctl's bf16 only: without native bf16 its GEMMs
+    # fall back to a scalar loop that takes hours at T=1024 and say nothing about a target
+    torch_precisions = ["fp32"] + (["bf16"] if "bf16" in precisions and K.bf16_native() else [])
+    if "bf16" not in torch_precisions and not a.no_torch:
+        skipped.append("torch bf16 autocast: run only beside llmctl bf16 on a CPU with native bf16")
     # MFU is over the roof of the precision the GEMMs multiply in: emulated bf16's are fp32 sgemm
     roof_of = {p: mfu_roof_precision(p) for p in {"fp32", *precisions}}
     roofs = {p: gemm_roof_gflops(n, p) for p in sorted(set(roof_of.values()), reverse=True)}
@@ -349,7 +355,7 @@ def main(argv=None):
             out["runs"].append(r)
             progress(f"{desc} {B}x{T} llmctl bf16 {a.compare_bf16_engine}", r)
         if not a.no_torch:
-            for prec in ("fp32", "bf16"):
+            for prec in torch_precisions:
                 tr = bench_torch(desc, B, T, n, steps, prec)
                 if tr:
                     tr["flops_per_step"] = out["runs"][-1]["flops_per_step"]
