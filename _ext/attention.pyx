@@ -65,7 +65,7 @@ from cython.parallel cimport parallel, prange
 from cpython.mem cimport PyMem_RawFree, PyMem_RawMalloc
 from libc.math cimport INFINITY, logf, sqrtf
 from libc.stdint cimport uint16_t
-from libc.string cimport memset
+from libc.string cimport memcpy, memset
 
 from _openmp cimport omp_get_thread_num  # index of the thread's slice of the scratch block
 from kernels cimport check_disjoint, check_len, check_threads
@@ -152,24 +152,53 @@ cdef inline void _transpose_tile(float* dst, const float* src, Py_ssize_t ld,
 # ----------------------------------------------------------------------------------------------
 # forward
 
-cdef inline Py_ssize_t _forward_scratch_floats(Py_ssize_t hs) noexcept nogil:
-    # kt (hs*BC) + S (BR*BC) + acc (BR*hs) + m (BR) + l (BR)
-    return hs * BC + BR * BC + BR * hs + 2 * BR
+cdef inline Py_ssize_t _forward_scratch_floats(Py_ssize_t T, Py_ssize_t hs) noexcept nogil:
+    # header (16) + the head's K^T tiles (hs * T rounded up to BC) and V rows (T*hs) + S (BR*BC)
+    # + acc (BR*hs) + m (BR) + l (BR)
+    return 16 + hs * ((T + BC - 1) // BC) * BC + T * hs + BR * BC + BR * hs + 2 * BR
+
+
+cdef void _transpose_keys(float* kt, const float* kb, Py_ssize_t ld, Py_ssize_t j0, Py_ssize_t j1,
+                          Py_ssize_t hs) noexcept nogil:
+    # keys j0..j1-1 into kt, one (hs, BC) tile per BC keys: key j is column j % BC of tile j // BC
+    cdef Py_ssize_t j, k
+    cdef const float* row
+    cdef float* col
+    for j in range(j0, j1):
+        row = kb + j * ld
+        col = kt + (j // BC) * hs * BC + j % BC
+        for k in range(hs):
+            col[k * BC] = row[k]
+
+
+cdef inline void _pack_rows(float* dst, const float* src, Py_ssize_t ld, Py_ssize_t j0, Py_ssize_t j1,
+                            Py_ssize_t hs) noexcept nogil:
+    # rows j0..j1-1 of one head, hs floats each ld apart in qkv, to dst's contiguous (T, hs):
+    # a micro-kernel's B operand read from qkv directly strides 3C floats per k, and those rows
+    # fall into a few L1 sets and evict each other
+    cdef Py_ssize_t j
+    for j in range(j0, j1):
+        memcpy(dst + j * hs, src + j * ld, hs * sizeof(float))
 
 
 cdef void _forward_block(float* out, float* lse, const float* qkv,
                          Py_ssize_t b, Py_ssize_t h, Py_ssize_t i0, Py_ssize_t nr,
                          Py_ssize_t T, Py_ssize_t C, Py_ssize_t NH, float* scratch,
                          const att_kern_t* K) noexcept nogil:
-    # out rows i0..i0+nr-1 of head h in batch b, and their lse; online softmax over key tiles
+    # out rows i0..i0+nr-1 of head h in batch b, and their lse; online softmax over key tiles.
+    # The thread's K^T tiles stay in its scratch between blocks: its blocks of one head come in
+    # order of i0, so each key is transposed once per head and thread, not once per block.
     cdef Py_ssize_t hs = C // NH
     cdef Py_ssize_t C3 = 3 * C
     cdef float scale = 1.0 / sqrtf(<float>hs)
     cdef const float* qb = qkv + b * T * C3 + h * hs
     cdef const float* kb = qb + C
     cdef const float* vb = qb + 2 * C
-    cdef float* kt = scratch
-    cdef float* S = kt + hs * BC
+    cdef Py_ssize_t* held = <Py_ssize_t*>scratch    # [0]: b*NH+h whose keys kt holds, [1]: how many
+    cdef float* ktall = scratch + 16
+    cdef float* kt
+    cdef float* vall = ktall + hs * ((T + BC - 1) // BC) * BC
+    cdef float* S = vall + T * hs
     cdef float* acc = S + BR * BC
     cdef float* m = acc + BR * hs
     cdef float* l = m + BR
@@ -179,6 +208,13 @@ cdef void _forward_block(float* out, float* lse, const float* qkv,
     cdef float* orow
     cdef float mx, corr, tot, inv
 
+    if held[0] != b * NH + h or held[1] > kend:
+        held[0] = b * NH + h
+        held[1] = 0
+    if held[1] < kend:
+        _transpose_keys(ktall, kb, C3, held[1], kend, hs)
+        _pack_rows(vall, vb, C3, held[1], kend, hs)
+        held[1] = kend
     memset(acc, 0, nr * hs * sizeof(float))
     for r in range(nr):
         m[r] = -INFINITY
@@ -186,7 +222,7 @@ cdef void _forward_block(float* out, float* lse, const float* qkv,
     for jt in range((kend + BC - 1) // BC):
         j0 = jt * BC
         nc = _imin(BC, kend - j0)
-        _transpose_tile(kt, kb + j0 * C3, C3, nc, hs)
+        kt = ktall + jt * hs * BC
         memset(S, 0, nr * BC * sizeof(float))
         for gb in range((nr + MR - 1) // MR):    # scores, only up to the keys row g+gr-1 sees
             g = gb * MR
@@ -219,7 +255,7 @@ cdef void _forward_block(float* out, float* lse, const float* qkv,
             gr = _imin(MR, nr - g)
             ncg = _imin(nc, i0 + g + gr - j0)
             if ncg > 0:
-                att_gemm_acc(K, acc + g * hs, hs, S + g * BC, BC, 1, vb + j0 * C3, C3, gr, hs, ncg)
+                att_gemm_acc(K, acc + g * hs, hs, S + g * BC, BC, 1, vall + j0 * hs, hs, gr, hs, ncg)
     for r in range(nr):
         i = i0 + r
         inv = 1.0 / l[r]                         # l >= 1: the row max contributes exp(0)
@@ -233,14 +269,15 @@ cdef void _forward_block(float* out, float* lse, const float* qkv,
 cdef void attention_forward_c(float* out, float* lse, const float* qkv,
                               Py_ssize_t B, Py_ssize_t T, Py_ssize_t C, Py_ssize_t NH,
                               int n_threads, float* scratch, const att_kern_t* K) noexcept nogil:
-    # out (B,T,C), lse (B,NH,T), qkv (B,T,3C); scratch: n_threads * _forward_scratch_floats(hs)
-    cdef Py_ssize_t per_thread = _forward_scratch_floats(C // NH)
+    # out (B,T,C), lse (B,NH,T), qkv (B,T,3C); scratch: n_threads * _forward_scratch_floats(T, hs)
+    cdef Py_ssize_t per_thread = _forward_scratch_floats(T, C // NH)
     cdef Py_ssize_t nqb = (T + BR - 1) // BR
     cdef Py_ssize_t nwork = B * NH * nqb
     cdef Py_ssize_t w, bh, qb, i0, nr
     cdef float* scr = NULL
     with parallel(num_threads=n_threads):
         scr = scratch + omp_get_thread_num() * per_thread
+        (<Py_ssize_t*>scr)[0] = -1               # no head's keys held yet
         # chunksize 1: causal blocks grow in cost with qb; round-robin keeps threads balanced
         for w in prange(nwork, schedule='static', chunksize=1):
             bh = w // nqb
@@ -255,7 +292,8 @@ cdef void attention_forward_c(float* out, float* lse, const float* qkv,
 
 cdef inline Py_ssize_t _backward_scratch_floats(Py_ssize_t T, Py_ssize_t hs) noexcept nogil:
     # D (T) + dq (T*hs) + kt, vt (hs*BC each) + dk, dv (BC*hs each) + P, dS (BQ*BC each)
-    return T + T * hs + 4 * hs * BC + 2 * BQ * BC
+    # + the head's Q, K and dout rows packed (T*hs each)
+    return T + T * hs + 4 * hs * BC + 2 * BQ * BC + 3 * T * hs
 
 
 cdef void _backward_head(float* dqkv, const float* dout, const float* qkv, const float* out,
@@ -285,6 +323,9 @@ cdef void _backward_head(float* dqkv, const float* dout, const float* qkv, const
     cdef float* dv = dk + BC * hs
     cdef float* P = dv + BC * hs
     cdef float* dS = P + BQ * BC
+    cdef float* qp = dS + BQ * BC                # Q, K, dout rows of this head, contiguous
+    cdef float* kp = qp + T * hs
+    cdef float* dop = kp + T * hs
     cdef Py_ssize_t i, i0, i0b, nr, r, g, gb, gr, jt, j0, nc, ncg, ncr, c, k, ks
     cdef float* prow
     cdef float* srow
@@ -298,10 +339,13 @@ cdef void _backward_head(float* dqkv, const float* dout, const float* qkv, const
             acc = acc + dob[i * C + k] * ob[i * C + k]
         D[i] = acc
     memset(dq, 0, T * hs * sizeof(float))
+    _pack_rows(qp, qb, C3, 0, T, hs)
+    _pack_rows(kp, kb, C3, 0, T, hs)
+    _pack_rows(dop, dob, C, 0, T, hs)
     for jt in range((T + BC - 1) // BC):
         j0 = jt * BC
         nc = _imin(BC, T - j0)
-        _transpose_tile(kt, kb + j0 * C3, C3, nc, hs)
+        _transpose_tile(kt, kp + j0 * hs, hs, nc, hs)
         _transpose_tile(vt, vb + j0 * C3, C3, nc, hs)
         memset(dk, 0, nc * hs * sizeof(float))
         memset(dv, 0, nc * hs * sizeof(float))
@@ -314,8 +358,8 @@ cdef void _backward_head(float* dqkv, const float* dout, const float* qkv, const
                 g = gb * MR
                 gr = _imin(MR, nr - g)
                 ncg = _imin(nc, i0 + g + gr - j0)
-                att_gemm_acc(K, P + g * BC, BC, qb + (i0 + g) * C3, C3, 1, kt, BC, gr, ncg, hs)
-                att_gemm_acc(K, dS + g * BC, BC, dob + (i0 + g) * C, C, 1, vt, BC, gr, ncg, hs)
+                att_gemm_acc(K, P + g * BC, BC, qp + (i0 + g) * hs, hs, 1, kt, BC, gr, ncg, hs)
+                att_gemm_acc(K, dS + g * BC, BC, dop + (i0 + g) * hs, hs, 1, vt, BC, gr, ncg, hs)
             for r in range(nr):                  # the forward's score bits, exp(s - lse)
                 i = i0 + r
                 prow = P + r * BC
@@ -337,13 +381,13 @@ cdef void _backward_head(float* dqkv, const float* dout, const float* qkv, const
                     ks = 0
                 if ks >= nr:
                     continue
-                att_gemm_acc(K, dv + g * hs, hs, P + ks * BC + g, 1, BC, dob + (i0 + ks) * C, C, gr, hs, nr - ks)
-                att_gemm_acc(K, dk + g * hs, hs, dS + ks * BC + g, 1, BC, qb + (i0 + ks) * C3, C3, gr, hs, nr - ks)
+                att_gemm_acc(K, dv + g * hs, hs, P + ks * BC + g, 1, BC, dop + (i0 + ks) * hs, hs, gr, hs, nr - ks)
+                att_gemm_acc(K, dk + g * hs, hs, dS + ks * BC + g, 1, BC, qp + (i0 + ks) * hs, hs, gr, hs, nr - ks)
             for gb in range((nr + MR - 1) // MR):  # dQ += dS K_tile
                 g = gb * MR
                 gr = _imin(MR, nr - g)
                 ncg = _imin(nc, i0 + g + gr - j0)
-                att_gemm_acc(K, dq + (i0 + g) * hs, hs, dS + g * BC, BC, 1, kb + j0 * C3, C3, gr, hs, ncg)
+                att_gemm_acc(K, dq + (i0 + g) * hs, hs, dS + g * BC, BC, 1, kp + j0 * hs, hs, gr, hs, ncg)
         for c in range(nc):
             drow = dkb + (j0 + c) * C3
             src = dk + c * hs
@@ -507,9 +551,9 @@ cdef void _pack_qkv(uint16_t* rows, const qkv_t* qkv, Py_ssize_t B, Py_ssize_t b
 
 
 def forward_scratch_bytes(int T, int C, int NH, int n_threads=1):
-    """Bytes of scratch attention_forward allocates (independent of T: O(BR*hs + hs*BC))."""
+    """Bytes of scratch attention_forward allocates: O(T*hs) per thread (one head's K^T), never O(T*T)."""
     _check_dims(1, T, C, NH, n_threads)
-    return n_threads * _forward_scratch_floats(C // NH) * sizeof(float)
+    return n_threads * _forward_scratch_floats(T, C // NH) * sizeof(float)
 
 
 def backward_scratch_bytes(int T, int C, int NH, int n_threads=1):
@@ -538,7 +582,7 @@ def attention_forward(float[::1] out, float[::1] lse, const float[::1] qkv,
     cdef Py_ssize_t nwork = <Py_ssize_t>B * NH * ((T + BR - 1) // BR)
     cdef int nt = n_threads if n_threads < nwork else <int>nwork
     cdef const att_kern_t* K = _kern        # read once: a whole call runs on one kernel set
-    cdef float* scratch = <float*>PyMem_RawMalloc(nt * _forward_scratch_floats(C // NH) * sizeof(float))
+    cdef float* scratch = <float*>PyMem_RawMalloc(nt * _forward_scratch_floats(T, C // NH) * sizeof(float))
     if scratch == NULL:
         raise MemoryError("attention_forward: could not allocate scratch")
     try:
