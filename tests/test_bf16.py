@@ -631,7 +631,10 @@ def test_bf16_lmhead_in_blocks_matches_the_full_lmhead(bf16_ok, monkeypatch, gra
         return loss, m.grads.copy()
 
     l_ref, g_ref = grads(_init("bf16"))       # the logits held, one GEMM over all 192 rows
-    tol = 1e-6 * np.abs(g_ref).max()
+    # emulated bf16 multiplies on fp32 sgemm, whose sums over K may take another order for another
+    # number of rows (64 or 100 rows here, not 96 or 128): a last-bit change in d(lnf) then flips
+    # some later bf16 roundings of the gradients (2^-9 each). A wrong or missing block is O(1).
+    tol = (1e-6 if matmul.bf16_native() else 1e-3) * np.abs(g_ref).max()
     monkeypatch.setattr(gpt2, "LMHEAD_GRAD_ROWS", grad_rows)
     l_full, g_full = grads(_init("bf16"))     # held, the GEMMs grad_rows at a time
     assert l_full == l_ref

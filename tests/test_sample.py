@@ -162,14 +162,16 @@ def test_cached_logits_equal_full_forward_at_every_position(tiny):
 
 
 @pytest.mark.parametrize("precision,engine", [("fp32", None), ("bf16", None), ("bf16", "blas")])
-def test_cached_attention_threads_only_beside_openmp_matmuls(precision, engine):
+def test_cached_attention_threads_only_beside_openmp_matmuls(precision, engine, monkeypatch):
     # a cache of 64K floats or more is read on both threads, but only where decode's one-row
     # matmuls run on OpenMP too: an OpenMP region between BLAS calls (fp32's GEMV, emulated
     # bf16's) leaves its threads spinning against BLAS's, and fp32 decoding went 7x slower
     from llmctl._ext import matmul
 
-    if engine is None and precision == "bf16" and not matmul.bf16_native():
-        engine = "blas"   # without native bf16 the default engine is the emulation
+    if precision == "bf16" and not matmul.bf16_native():
+        monkeypatch.setenv("LLMCTL_BF16_EMULATE", "1")
+        if engine is None:
+            engine = "blas"   # without native bf16 the default engine is the emulation
     from llmctl.model import GPT2Config
 
     m = GPT2(GPT2Config(**tiny_cfg(maxT=320, L=1, NH=4, C=256)), n_threads=2, precision=precision, engine=engine)
