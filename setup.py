@@ -6,6 +6,7 @@ Environment switches (all off by default):
   LLMCTL_DEBUG_CYTHON=1    turn boundscheck/wraparound/initializedcheck back on
   LLMCTL_NATIVE=1          add -march=native (never in wheels: SIGILL on older CPUs)
   LLMCTL_EXTS=a,b          build only these extensions (development convenience)
+  LLMCTL_BUILD_JOBS=N      compile N extensions at once (default: one per CPU; pip passes no -j)
   LLMCTL_NO_DNNL=1         build matmul without oneDNN (scipy's BLAS is then its GEMM engine)
   LLMCTL_FAIL_NO_DNNL=1    make a missing oneDNN a build error on x86-64 Linux
 
@@ -30,6 +31,7 @@ import textwrap
 import numpy as np
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -174,6 +176,20 @@ def onednn_build_args(openmp):
     return [("LLMCTL_DNNL_BUILD", "0")], [], []
 
 
+def _build_jobs():
+    return int(os.environ.get("LLMCTL_BUILD_JOBS") or os.cpu_count() or 1)
+
+
+class BuildExt(build_ext):
+    """build_ext compiling the extensions in parallel unless -j says otherwise: `pip install`
+    has no way to pass -j, and a serial build of the kernels takes minutes."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        if not self.parallel:
+            self.parallel = _build_jobs()
+
+
 def main():
     openmp = None
     if _env_flag("LLMCTL_NO_OPENMP"):
@@ -231,8 +247,9 @@ def main():
             extensions,
             compiler_directives=directives,
             include_path=["_ext"],
-            nthreads=int(os.environ.get("LLMCTL_BUILD_JOBS", "0")),
+            nthreads=_build_jobs() if _build_jobs() > 1 else 0,
         ),
+        cmdclass={"build_ext": BuildExt},
     )
 
 
