@@ -177,7 +177,12 @@ def onednn_build_args(openmp):
 
 
 def _build_jobs():
-    return int(os.environ.get("LLMCTL_BUILD_JOBS") or os.cpu_count() or 1)
+    value = os.environ.get("LLMCTL_BUILD_JOBS", "").strip()
+    if not value:
+        return os.cpu_count() or 1
+    if not value.isdigit():
+        sys.exit(f"error: LLMCTL_BUILD_JOBS must be a whole number of jobs, not {value!r}")
+    return max(int(value), 1)
 
 
 class BuildExt(build_ext):
@@ -242,12 +247,13 @@ def main():
             )
         )
 
+    jobs = _build_jobs()
     setup(
         ext_modules=cythonize(
             extensions,
             compiler_directives=directives,
             include_path=["_ext"],
-            nthreads=_build_jobs() if _build_jobs() > 1 else 0,
+            nthreads=jobs if jobs > 1 else 0,
         ),
         cmdclass={"build_ext": BuildExt},
     )
