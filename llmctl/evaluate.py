@@ -10,8 +10,9 @@ What it is:
 - `eval_loss`: mean per-token loss and perplexity over token shards, in llm.c's val-loader order
   (non-overlapping B*T windows, each with its next-token targets).
 What it is not: llm.c's padding of every row to T. Examples are sorted by length and packed into
-batches padded only to their longest row; the context runs ONCE per example and its cached keys/
-values serve all four completions (exact: attention is causal, so no context position sees a
+batches padded only to their longest context, their completion rows run in groups of similar
+length (_length_groups), each padded to its own longest row; the context runs ONCE per example
+and its cached keys/values serve all four completions (exact: attention is causal, so no context position sees a
 completion). Logits are computed only where a loss is needed. Results do not depend on batching
 beyond float32 rounding.
 Mirrors: llm.c `llmc/dataloader.h` EvalLoader (next_batch/stat_losses), `dev/data/hellaswag.py`
@@ -117,6 +118,50 @@ def _token_losses(model, h, targets, chunk=256, scratch=None):
     return out
 
 
+# an extra group of completion rows costs about this many padded positions (its calls per layer,
+# and a smaller GEMM): _length_groups cuts a batch's rows where the padding saved is worth more
+GROUP_COST = 16
+
+
+def _length_groups(lengths, cost=GROUP_COST):
+    """Split rows of the given lengths into groups that are each padded to their longest row,
+    for the fewest padded positions plus `cost` per group (exact, over the rows sorted by length).
+    -> list of index arrays into lengths, each ascending in length."""
+    order = np.argsort(lengths, kind="stable")
+    ls = [int(x) for x in np.asarray(lengths)[order]]
+    n = len(ls)
+    best, cut = [0] + [None] * n, [0] * (n + 1)
+    for j in range(1, n + 1):   # the last group is sorted rows i..j-1, padded to ls[j-1]
+        for i in range(j):
+            c = best[i] + (j - i) * ls[j - 1] + cost
+            if best[j] is None or c < best[j]:
+                best[j], cut[j] = c, i
+    groups, j = [], n
+    while j > 0:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
+    return groups[::-1]
+
+
+def _completion_rows(comps):
+    """The completion rows a batch runs: (example, completion) of every completion longer than one
+    token, and the tokens each feeds (all but its last, which is only ever a target)."""
+    rows = [(e, c) for e, cs in enumerate(comps) for c in range(NUM_COMPLETIONS) if len(cs[c]) > 1]
+    return rows, np.array([len(comps[e][c]) - 1 for e, c in rows], dtype=np.int64)
+
+
+def positions_run(examples, batch_tokens=2048):
+    """Positions the model runs to score these examples, padding included: each batch's contexts
+    padded to its longest, each group of completion rows to its longest (bench/eval.py)."""
+    n = 0
+    for idxs in _batches(examples, batch_tokens):
+        batch = [examples[i] for i in idxs]
+        n += len(batch) * max(len(ex.context) for ex in batch)
+        _, fed = _completion_rows([ex.endings for ex in batch])
+        n += sum(len(g) * int(fed[g].max()) for g in _length_groups(fed))
+    return n
+
+
 def _score_batch(model, batch, scratch=None):
     """-> (losses_sum (E,4), num_tokens (E,4)) for a list of EvalExample; scratch: a _Scratch
     kept across batches."""
@@ -127,35 +172,38 @@ def _score_batch(model, batch, scratch=None):
     n_ctx = np.array([len(ex.context) for ex in batch], dtype=np.int32)
     comps = [[np.asarray(e, dtype=np.int64) for e in ex.endings] for ex in batch]
     Tx = int(n_ctx.max())
-    # completion rows feed all but their last token (which is only ever a target)
-    Tc = max(len(c) - 1 for cs in comps for c in cs)
-    Tcap = Tx + Tc
 
     ctx_tok = np.zeros((E, Tx), dtype=np.int64)
     for e, ex in enumerate(batch):
         ctx_tok[e, :n_ctx[e]] = ex.context
     zero_pos = np.zeros(E, dtype=np.int32)
     x_ctx = model.embed(ctx_tok, zero_pos)
-    pos4 = np.repeat(n_ctx, NUM_COMPLETIONS).astype(np.int32)
-    if Tc > 0:
-        comp_tok = np.zeros((E * NUM_COMPLETIONS, Tc), dtype=np.int64)
-        for e in range(E):
-            for c in range(NUM_COMPLETIONS):
-                t = comps[e][c][:-1]
-                comp_tok[e * NUM_COMPLETIONS + c, :t.size] = t
-        x_comp = model.embed(comp_tok, pos4)
-    k = scratch.take("k", (E, NH, Tcap, C // NH))
+    k = scratch.take("k", (E, NH, Tx, C // NH))
     v = scratch.take("v", k.shape)
-    k4 = scratch.take("k4", (E * NUM_COMPLETIONS,) + k.shape[1:]) if Tc > 0 else None
-    v4 = scratch.take("v4", k4.shape) if Tc > 0 else None
+    # completion rows feed all but their last token (which is only ever a target); their lengths
+    # differ a lot (HellaSwag endings run from 1 to 40+ tokens), so they run in groups of similar
+    # length, each padded only to its own longest row (one padded group did twice the work)
+    rows, fed = _completion_rows(comps)
+    groups = []
+    for g in _length_groups(fed):
+        ex_idx = np.array([rows[r][0] for r in g])
+        Tq = int(fed[g].max())
+        tok = np.zeros((len(g), Tq), dtype=np.int64)
+        for i, r in enumerate(g):
+            e, c = rows[r]
+            tok[i, :fed[r]] = comps[e][c][:-1]
+        pos = n_ctx[ex_idx].astype(np.int32)
+        groups.append((g, ex_idx, Tq, pos, model.embed(tok, pos)))
     for l in range(cfg.num_layers):   # the residual streams are updated in place
         x_ctx = model.block_forward(l, x_ctx, k, v, zero_pos, out=x_ctx)
-        if Tc > 0:
+        for g, ex_idx, Tq, pos, x in groups:
             # each completion row gets its context's K/V (positions past the context are the
             # completion's own, written by its block_forward)
-            for kv4, kv in ((k4, k), (v4, v)):
-                kv4.reshape((E, NUM_COMPLETIONS) + k.shape[1:])[:, :, :, :Tx] = kv[:, None, :, :Tx]
-            x_comp = model.block_forward(l, x_comp, k4, v4, pos4, out=x_comp)
+            kg = scratch.take("kg", (len(g), NH, Tx + Tq, C // NH))
+            vg = scratch.take("vg", kg.shape)
+            np.take(k, ex_idx, axis=0, out=kg[:, :, :Tx], mode="clip")
+            np.take(v, ex_idx, axis=0, out=vg[:, :, :Tx], mode="clip")
+            model.block_forward(l, x, kg, vg, pos, out=x)
 
     # rows of hidden states that predict a completion token, and those tokens
     h_last = model.final_norm(x_ctx.reshape(E, Tx, C)[np.arange(E), n_ctx - 1])  # predicts comp[0]
@@ -164,19 +212,19 @@ def _score_batch(model, batch, scratch=None):
     counts = np.array([[len(c) for c in cs] for cs in comps], dtype=np.int64)
     # the first completion token of each row: one distribution per example serves all four
     losses += _token_losses(model, h_last, first_t, scratch=scratch)
-    if Tc > 0:
-        r_idx, t_idx, tgt = [], [], []
-        for e in range(E):
-            for c in range(NUM_COMPLETIONS):
-                n = len(comps[e][c])
-                r_idx.extend([e * NUM_COMPLETIONS + c] * (n - 1))
-                t_idx.extend(range(n - 1))
+    if rows:
+        hs, r_idx, tgt = [], [], []
+        for g, _, Tq, _, x in groups:
+            sel_r = np.repeat(np.arange(len(g)), fed[g])
+            sel_t = np.concatenate([np.arange(fed[r]) for r in g])
+            hs.append(x.reshape(len(g), Tq, C)[sel_r, sel_t])
+            for r in g:
+                e, c = rows[r]
+                r_idx.extend([e * NUM_COMPLETIONS + c] * int(fed[r]))
                 tgt.extend(comps[e][c][1:].tolist())
-        if r_idx:
-            r_idx = np.array(r_idx)
-            h = model.final_norm(x_comp.reshape(-1, Tc, C)[r_idx, np.array(t_idx)])
-            tl = _token_losses(model, h, np.array(tgt, dtype=np.int64), scratch=scratch)
-            np.add.at(losses.reshape(-1), r_idx, tl)
+        h = model.final_norm(np.concatenate(hs))
+        tl = _token_losses(model, h, np.array(tgt, dtype=np.int64), scratch=scratch)
+        np.add.at(losses.reshape(-1), np.array(r_idx), tl)
     return losses, counts
 
 

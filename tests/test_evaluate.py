@@ -99,6 +99,48 @@ def test_batching_does_not_change_results(tiny, real_bin):
         np.testing.assert_allclose(a.losses_sum, b.losses_sum, rtol=1e-5)
 
 
+def test_completion_groups_do_not_change_results(tiny, real_bin, monkeypatch):
+    """Completion rows run in groups of similar length: one group per batch (the old padding),
+    or a group per distinct length, scores the same (float32 rounding only), and fewer
+    positions are run."""
+    import llmctl.evaluate as E
+
+    model = tiny[0]
+    examples = formats.read_evalfile(real_bin)
+    monkeypatch.setattr(E._length_groups, "__defaults__", (10**9,))   # one padded group
+    one, ran_one = score_examples(model, examples, batch_tokens=100000), E.positions_run(examples, 100000)
+    monkeypatch.setattr(E._length_groups, "__defaults__", (0,))       # no padding at all
+    many, ran_many = score_examples(model, examples, batch_tokens=100000), E.positions_run(examples, 100000)
+    for a, b in zip(one, many):
+        assert (a.pred, a.pred_norm) == (b.pred, b.pred_norm)
+        np.testing.assert_allclose(a.losses_sum, b.losses_sum, rtol=1e-5)
+    needed = sum(len(ex.context) + sum(len(e) - 1 for e in ex.endings) for ex in examples)
+    # one batch of 12: the contexts padded to the longest, completions padded or not
+    assert ran_many == 12 * max(len(ex.context) for ex in examples) + needed - sum(len(ex.context) for ex in examples)
+    assert ran_one > ran_many
+
+
+def test_length_groups_are_the_cheapest_split():
+    """_length_groups against every split of the sorted rows into consecutive groups."""
+    from itertools import combinations
+
+    from llmctl.evaluate import _length_groups
+
+    rng = np.random.default_rng(0)
+    for n in range(1, 8):
+        for _ in range(20):
+            lengths = rng.integers(1, 30, n)
+            cost = int(rng.integers(0, 20))
+            srt = np.sort(lengths)
+
+            def price(bounds, srt=srt, cost=cost):
+                return sum((j - i) * srt[j - 1] + cost for i, j in zip(bounds[:-1], bounds[1:]))
+            best = min(price((0,) + c + (n,)) for k in range(n) for c in combinations(range(1, n), k))
+            groups = _length_groups(lengths, cost)
+            assert sorted(np.concatenate(groups).tolist()) == list(range(n))   # each row once
+            assert sum(len(g) * lengths[g].max() + cost for g in groups) == best
+
+
 def test_norm_chars(tiny, real_bin):
     from llmctl.tokenizer import get_tokenizer
 
