@@ -2,9 +2,10 @@
 
 What it reports, for each --precision asked, side by side in ONE run (the same examples, the
 same weights): examples/s and the projected time for the full 10,042-example validation set
-(from the measured subset: the first --examples examples of the HellaSwag validation jsonl,
-prepro'd to a temporary llm.c eval file), with random-init weights (speed does not depend on
-their values), plus the positions actually computed vs. llm.c's 4 rows x T=1024 per example.
+(from the measured subset: --examples examples spread evenly over the HellaSwag validation
+jsonl, prepro'd to a temporary llm.c eval file), with random-init weights (speed does not depend on
+their values), plus the positions run per example (padding included) and those needed, vs.
+llm.c's 4 rows x T=1024.
 bf16 needs a CPU that multiplies bf16 natively (AVX512_BF16/AMX); elsewhere it is skipped
 unless --bf16-emulate (the same numerics on fp32 GEMMs: slower than fp32, shown only to check
 the path runs).
@@ -71,6 +72,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     from llmctl._ext import matmul
+    from llmctl import evaluate
     from llmctl.evaluate import eval_hellaswag
     from llmctl.formats import read_evalfile
     from llmctl.model import GPT2, load
@@ -80,9 +82,13 @@ def main(argv=None):
     runs = []
     with tempfile.TemporaryDirectory() as d:
         part = os.path.join(d, "part.jsonl")
-        with open(args.jsonl, encoding="utf-8") as f, open(part, "w", encoding="utf-8") as g:
-            for _ in range(args.examples):
-                g.write(next(f))
+        # a stride through the whole split: its first examples are shorter than its average (the
+        # first 50 need 77 positions each, all 10,042 173), so a prefix underestimates the full run
+        with open(args.jsonl, encoding="utf-8") as f:
+            lines = f.readlines()
+        n = min(args.examples, len(lines))
+        with open(part, "w", encoding="utf-8") as g:
+            g.writelines(lines[i * len(lines) // n] for i in range(n))
         path = prepro_hellaswag(out_dir=d, source=part)["path"]
         exs = read_evalfile(path)
         # positions run: each context once + each completion minus its last token (a target only)
@@ -106,6 +112,9 @@ def main(argv=None):
                          "full_val_minutes": round(FULL_VAL / eps / 60, 1), "acc_norm": res["acc_norm"]})
     out = {"model": args.model, "threads": args.threads, "examples": len(exs), "runs": runs,
            "full_val_examples": FULL_VAL, "positions_per_example": round(positions / len(exs), 1),
+           # (a tree before the completion groups has no positions_run: --other-style comparisons)
+           "positions_run_per_example": (round(evaluate.positions_run(exs, args.batch_tokens) / len(exs), 1)
+                                         if hasattr(evaluate, "positions_run") else None),
            "llmc_positions_per_example": 4 * 1024, "skipped": skipped,
            "loadavg_1min": round(os.getloadavg()[0], 2)}
     if args.json:
@@ -127,8 +136,8 @@ def main(argv=None):
             print(f"  target full d12 HellaSwag <= {TARGET_MIN} min, {r['precision']}: {met}")
     for line in skipped:
         print("  skipped: " + line)
-    print(f"  positions computed per example: {out['positions_per_example']} "
-          f"(llm.c pads 4 rows to T=1024: 4096)")
+    print(f"  positions run per example: {out['positions_run_per_example']}, of which "
+          f"{out['positions_per_example']} are needed (llm.c pads 4 rows to T=1024: 4096)")
 
 
 if __name__ == "__main__":
