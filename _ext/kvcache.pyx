@@ -15,8 +15,9 @@ Layouts (flat float32, C order):
   pos     (B,) int32          row b's new position t sits at cache index pos[b] + t
   out     (B, Tq, C)          attention output (heads concatenated), like llm.c's atty
 Every query is computed by one thread start to finish, so results do not depend on the
-thread count. On CPUs with AVX-512 the per-query kernel is kvcache_avx512.h's vector form of
-the loops below (set_isa picks either, for tests); results agree to float32 rounding, not bits.
+thread count. The per-query kernel is the vector form of the loops below the CPU runs best,
+picked at import: kvcache_avx512.h's on CPUs with AVX-512, kvcache_avx2.h's on those with AVX2
+and FMA (set_isa picks any, for tests); results agree to float32 rounding, not bits.
 """
 from cython.parallel cimport prange
 from libc.math cimport expf, sqrtf
@@ -34,9 +35,16 @@ cdef extern from "kvcache_avx512.h" nogil:
     void llmctl_kv_attend_avx512(float* out, const float* q, const float* k, const float* v,
                                  int n, int hs, float scale, float* scores)
 
-ISAS = ("baseline", "avx512")
+cdef extern from "kvcache_avx2.h" nogil:
+    int llmctl_kv_avx2_runs()
+    void llmctl_kv_attend_avx2(float* out, const float* q, const float* k, const float* v,
+                               int n, int hs, float scale, float* scores)
+
+ISAS = ("baseline", "avx2", "avx512")
+cdef bint _avx2_runs = llmctl_kv_avx2_runs() != 0
 cdef bint _avx512_runs = llmctl_kv_avx512_runs() != 0
-cdef bint _avx512 = _avx512_runs    # the copy attention_cached runs; decided at import
+cdef int _best = 2 if _avx512_runs else (1 if _avx2_runs else 0)
+cdef int _isa = _best    # the copy attention_cached runs (an index into ISAS); decided at import
 
 cdef enum:
     MAX_HS = 512   # largest head size the attention kernel accepts (GPT-2/3 use 64..128)
@@ -115,7 +123,7 @@ cdef int attention_cached_forward(float* out, const float* qkv, const float* kca
     cdef long total = <long>B * NH * Tq
     cdef long idx, row = (Tcap + 15) // 16 * 16
     cdef int b, h, t
-    cdef bint wide = _avx512
+    cdef int isa = _isa
     # one score row of Tcap floats (rounded up to whole vectors) per thread, by thread number
     cdef float* scratch = <float*>malloc(<size_t>n_threads * row * sizeof(float))
     if scratch == NULL:
@@ -124,12 +132,18 @@ cdef int attention_cached_forward(float* out, const float* qkv, const float* kca
         b = <int>(idx // (NH * Tq))
         h = <int>((idx // Tq) % NH)
         t = <int>(idx % Tq)
-        if wide:
+        if isa == 2:
             llmctl_kv_attend_avx512(out + (<long>b * Tq + t) * C + h * hs,
                                     qkv + (<long>b * Tq + t) * 3 * C + h * hs,
                                     kcache + (<long>b * NH + h) * Tcap * hs,
                                     vcache + (<long>b * NH + h) * Tcap * hs,
                                     pos[b] + t + 1, hs, scale, scratch + <long>omp_get_thread_num() * row)
+        elif isa == 1:
+            llmctl_kv_attend_avx2(out + (<long>b * Tq + t) * C + h * hs,
+                                  qkv + (<long>b * Tq + t) * 3 * C + h * hs,
+                                  kcache + (<long>b * NH + h) * Tcap * hs,
+                                  vcache + (<long>b * NH + h) * Tcap * hs,
+                                  pos[b] + t + 1, hs, scale, scratch + <long>omp_get_thread_num() * row)
         else:
             _attend_one(out + (<long>b * Tq + t) * C + h * hs,
                         qkv + (<long>b * Tq + t) * 3 * C + h * hs,
@@ -144,23 +158,25 @@ cdef int attention_cached_forward(float* out, const float* qkv, const float* kca
 # Python wrappers: validate sizes (ValueError), then call the C kernel without the GIL
 
 def isa():
-    """The copy of the per-query kernel attention_cached runs: "baseline" or "avx512"."""
-    return ISAS[_avx512]
+    """The copy of the per-query kernel attention_cached runs: "baseline", "avx2" or "avx512"."""
+    return ISAS[_isa]
 
 
 def set_isa(name=None):
-    """Run the named copy ("baseline", or "avx512" where the CPU has it); None: the best this CPU
-    runs (the default at import). -> the name now in force."""
-    global _avx512
+    """Run the named copy ("baseline", or "avx2" / "avx512" where the CPU has it); None: the best
+    this CPU runs (the default at import). -> the name now in force."""
+    global _isa
     if name is None:
-        _avx512 = _avx512_runs
+        _isa = _best
     elif name not in ISAS:
         raise ValueError(f"unknown kernel copy {name!r}: use one of {', '.join(ISAS)}")
     elif name == "avx512" and not _avx512_runs:
         raise ValueError("the avx512 copy needs a CPU with AVX-512 (and a build for x86-64 with GCC >= 11)")
+    elif name == "avx2" and not _avx2_runs:
+        raise ValueError("the avx2 copy needs a CPU with AVX2 and FMA (and a build for x86-64 with GCC >= 10)")
     else:
-        _avx512 = name == "avx512"
-    return ISAS[_avx512]
+        _isa = ISAS.index(name)
+    return ISAS[_isa]
 
 
 def _check(name, Py_ssize_t got, Py_ssize_t want):

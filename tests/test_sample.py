@@ -83,7 +83,7 @@ def kv_isa(request):
 
 
 @pytest.mark.parametrize("B,Tq,NH,hs,threads,Tcap", [(1, 1, 4, 8, 1, 16), (3, 5, 2, 16, 2, 16), (2, 7, 3, 5, 2, 16),
-                                                     (2, 9, 2, 64, 2, 103), (1, 3, 1, 40, 1, 37)])
+                                                     (2, 9, 2, 64, 2, 103), (1, 3, 1, 40, 1, 37), (2, 4, 2, 20, 2, 29)])
 def test_attention_cached_kernel_matches_numpy(B, Tq, NH, hs, threads, Tcap, kv_isa):
     from llmctl._ext.kvcache import attention_cached, kvcache_append_forward
 
@@ -114,10 +114,13 @@ def test_attention_cached_isa_selection():
 
     assert kvcache.isa() == kvcache.set_isa(None) == _kv_isas()[-1]   # the best, by default
     with pytest.raises(ValueError, match="unknown kernel copy"):
-        kvcache.set_isa("avx2")
+        kvcache.set_isa("sse4")
     if "avx512" not in _kv_isas():
         with pytest.raises(ValueError, match="needs a CPU with AVX-512"):
             kvcache.set_isa("avx512")
+    if "avx2" not in _kv_isas():
+        with pytest.raises(ValueError, match="needs a CPU with AVX2"):
+            kvcache.set_isa("avx2")
 
 
 def test_kernel_rejects_bad_sizes():
