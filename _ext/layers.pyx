@@ -56,6 +56,8 @@ cdef extern from "rows.h" nogil:
     void llmctl_xent_fwd(float* loss, float* probs, const float* logits, int target, int V, int Vp)
     void llmctl_xent_bwd_f32(float* dlogits, const float* probs, int target, float dloss, int V, int Vp)
     void llmctl_xent_bwd_bf16(uint16_t* dlogits, const float* probs, int target, float dloss, int V, int Vp)
+    void llmctl_xent_fwd_bwd_bf16(float* loss, uint16_t* dlogits, float* probs, const float* logits, int target,
+                                  float dloss, int V, int Vp)
     void llmctl_ln_dparams(float* dw, float* db, double* aw, double* ab, const float* dy, const float* x,
                            const float* mean, const float* rstd, Py_ssize_t N, Py_ssize_t C, int n)
     int llmctl_rows_set_isa(int level)
@@ -294,8 +296,8 @@ cdef int _xent_forward_backward_bf16(float* losses, uint16_t* dlogits, const flo
             failed_p[0] = 1
         else:
             for bt in prange(BT, schedule='static'):
-                llmctl_xent_fwd(losses + bt, probs, logits + bt * Vp, targets[bt], V, Vp)
-                llmctl_xent_bwd_bf16(dlogits + bt * Vp, probs, targets[bt], dlosses[bt], V, Vp)
+                llmctl_xent_fwd_bwd_bf16(losses + bt, dlogits + bt * Vp, probs, logits + bt * Vp, targets[bt],
+                                         dlosses[bt], V, Vp)
             free(probs)
     return failed
 

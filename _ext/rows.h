@@ -100,10 +100,10 @@ typedef int32_t llmctl_i32a;
         dx[i] += r * (dnorm - dmean - norm * dnmean);                                          \
     }
 
-/* probs = softmax(logits[0:V]) (probs[V:Vp] = 0; probs may alias logits), loss = -log p[target]
-   as log(sum) - (x_target - max). The exp pass goes through a stack block: with the stores
-   going straight to a possibly aliased probs, gcc would not vectorise the exp. */
-#define LLMCTL_XENT_FWD_BODY                                                                   \
+/* probs[0:V] = exp(logits - max) (probs may alias logits), inv = 1 / their sum, and loss =
+   -log p[target] as log(sum) - (x_target - max). The exp pass goes through a stack block: with
+   the stores going straight to a possibly aliased probs, gcc would not vectorise the exp. */
+#define LLMCTL_XENT_EXPS_BODY                                                                  \
     float buf[LLMCTL_SMBLOCK], maxv, xt, e, inv;                                               \
     int32_t mk = LLMCTL_ORDKEY(-8388609), k;   /* -FLT_MAX */                                  \
     double s[LLMCTL_ROW_LANES], tot = 0.0;                                                     \
@@ -125,9 +125,23 @@ typedef int32_t llmctl_i32a;
     for (int j = 0; j < LLMCTL_ROW_LANES; j++) tot += s[j];                                    \
     for (int i = vm; i < V; i++) { e = llmctl_expf(logits[i] - maxv); probs[i] = e; tot += e; } \
     inv = (float)(1.0 / tot);                                                                  \
-    for (int i = 0; i < V; i++) probs[i] = probs[i] * inv;                                     \
-    for (int i = V; i < Vp; i++) probs[i] = 0.0f;                                              \
     *loss = (float)(log(tot) - ((double)xt - (double)maxv));
+
+/* probs = softmax(logits[0:V]) (probs[V:Vp] = 0; probs may alias logits), loss = -log p[target] */
+#define LLMCTL_XENT_FWD_BODY                                                                   \
+    LLMCTL_XENT_EXPS_BODY                                                                      \
+    for (int i = 0; i < V; i++) probs[i] = probs[i] * inv;                                     \
+    for (int i = V; i < Vp; i++) probs[i] = 0.0f;
+
+/* the forward's loss and the backward's bf16 dlogits of one row in one go, probs a row of
+   scratch: the exps are scaled to probs as they are read for dlogits, in the same float
+   operations as the forward's pass over probs and the backward's pass over them (the same bits) */
+#define LLMCTL_XENT_FWD_BWD_BF16_BODY                                                          \
+    LLMCTL_XENT_EXPS_BODY                                                                      \
+    float pt = probs[target] * inv;                                                            \
+    for (int i = 0; i < V; i++) dlogits[i] = llmctl_f32_to_bf16((probs[i] * inv) * dloss);     \
+    dlogits[target] = llmctl_f32_to_bf16((pt - 1.0f) * dloss);                                 \
+    for (int i = V; i < Vp; i++) dlogits[i] = 0;
 
 /* dlogits = (probs - onehot(target)) * dloss over V, 0 over the padding (dlogits may alias an
    fp32 probs: p[target] is read first) */
@@ -206,6 +220,11 @@ typedef int32_t llmctl_i32a;
                                            int V, int Vp) {                                                \
         LLMCTL_XENT_FWD_BODY                                                                               \
     }                                                                                                      \
+    ATTR static void llmctl_xent_fwd_bwd_bf16_##SFX(float* loss, uint16_t* dlogits, float* probs,          \
+                                                    const float* logits, int target, float dloss, int V,   \
+                                                    int Vp) {                                              \
+        LLMCTL_XENT_FWD_BWD_BF16_BODY                                                                      \
+    }                                                                                                      \
     ATTR static void llmctl_xent_bwd_f32_##SFX(float* dlogits, const float* probs, int target, float dloss, \
                                                int V, int Vp) {                                            \
         LLMCTL_XENT_BWD_BODY(LLMCTL_ST_F32)                                                                \
@@ -272,6 +291,10 @@ static inline void llmctl_ln_dinp(float* dx, const float* dy, const float* x, co
 }
 static inline void llmctl_xent_fwd(float* loss, float* probs, const float* logits, int target, int V, int Vp) {
     LLMCTL_ROWS_DISPATCH(llmctl_xent_fwd, loss, probs, logits, target, V, Vp);
+}
+static inline void llmctl_xent_fwd_bwd_bf16(float* loss, uint16_t* dlogits, float* probs, const float* logits,
+                                            int target, float dloss, int V, int Vp) {
+    LLMCTL_ROWS_DISPATCH(llmctl_xent_fwd_bwd_bf16, loss, dlogits, probs, logits, target, dloss, V, Vp);
 }
 static inline void llmctl_xent_bwd_f32(float* dlogits, const float* probs, int target, float dloss, int V, int Vp) {
     LLMCTL_ROWS_DISPATCH(llmctl_xent_bwd_f32, dlogits, probs, target, dloss, V, Vp);
