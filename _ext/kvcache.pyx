@@ -40,6 +40,10 @@ cdef extern from "kvcache_avx2.h" nogil:
     void llmctl_kv_attend_avx2(float* out, const float* q, const float* k, const float* v,
                                int n, int hs, float scale, float* scores)
 
+# one query's attention (out, q, k, v, n keys, hs, scale, scores scratch): the copy the loop calls
+ctypedef void (*attend_fn)(float* out, const float* q, const float* k, const float* v,
+                           int n, int hs, float scale, float* scores) noexcept nogil
+
 ISAS = ("baseline", "avx2", "avx512")
 cdef bint _avx2_runs = llmctl_kv_avx2_runs() != 0
 cdef bint _avx512_runs = llmctl_kv_avx512_runs() != 0
@@ -123,7 +127,11 @@ cdef int attention_cached_forward(float* out, const float* qkv, const float* kca
     cdef long total = <long>B * NH * Tq
     cdef long idx, row = (Tcap + 15) // 16 * 16
     cdef int b, h, t
-    cdef int isa = _isa
+    cdef attend_fn attend = _attend_one
+    if _isa == 2:
+        attend = llmctl_kv_attend_avx512
+    elif _isa == 1:
+        attend = llmctl_kv_attend_avx2
     # one score row of Tcap floats (rounded up to whole vectors) per thread, by thread number
     cdef float* scratch = <float*>malloc(<size_t>n_threads * row * sizeof(float))
     if scratch == NULL:
@@ -132,24 +140,9 @@ cdef int attention_cached_forward(float* out, const float* qkv, const float* kca
         b = <int>(idx // (NH * Tq))
         h = <int>((idx // Tq) % NH)
         t = <int>(idx % Tq)
-        if isa == 2:
-            llmctl_kv_attend_avx512(out + (<long>b * Tq + t) * C + h * hs,
-                                    qkv + (<long>b * Tq + t) * 3 * C + h * hs,
-                                    kcache + (<long>b * NH + h) * Tcap * hs,
-                                    vcache + (<long>b * NH + h) * Tcap * hs,
-                                    pos[b] + t + 1, hs, scale, scratch + <long>omp_get_thread_num() * row)
-        elif isa == 1:
-            llmctl_kv_attend_avx2(out + (<long>b * Tq + t) * C + h * hs,
-                                  qkv + (<long>b * Tq + t) * 3 * C + h * hs,
-                                  kcache + (<long>b * NH + h) * Tcap * hs,
-                                  vcache + (<long>b * NH + h) * Tcap * hs,
-                                  pos[b] + t + 1, hs, scale, scratch + <long>omp_get_thread_num() * row)
-        else:
-            _attend_one(out + (<long>b * Tq + t) * C + h * hs,
-                        qkv + (<long>b * Tq + t) * 3 * C + h * hs,
-                        kcache + (<long>b * NH + h) * Tcap * hs,
-                        vcache + (<long>b * NH + h) * Tcap * hs,
-                        pos[b] + t + 1, hs, scale, scratch + <long>omp_get_thread_num() * row)
+        attend(out + (<long>b * Tq + t) * C + h * hs, qkv + (<long>b * Tq + t) * 3 * C + h * hs,
+               kcache + (<long>b * NH + h) * Tcap * hs, vcache + (<long>b * NH + h) * Tcap * hs,
+               pos[b] + t + 1, hs, scale, scratch + <long>omp_get_thread_num() * row)
     free(scratch)
     return 0
 
