@@ -201,6 +201,7 @@ def _score_batch(model, batch, scratch=None):
             # completion's own, written by its block_forward)
             kg = scratch.take("kg", (len(g), NH, Tx + Tq, C // NH))
             vg = scratch.take("vg", kg.shape)
+            # (mode="clip": take writes straight into the strided out; the indices are in range)
             np.take(k, ex_idx, axis=0, out=kg[:, :, :Tx], mode="clip")
             np.take(v, ex_idx, axis=0, out=vg[:, :, :Tx], mode="clip")
             model.block_forward(l, x, kg, vg, pos, out=x)
