@@ -7,17 +7,27 @@
  * was slower than fp32. Here each weight row is read once, straight from memory, and used for
  * all R rows while it is in L1: a pass over the weights at memory speed, half the bytes of fp32.
  *
- * The inner product is AVX512_BF16's vdpbf16ps (32 bf16 pairs per instruction, each product
- * exact, added into 16 fp32 lanes), the instruction oneDNN's own bf16 GEMM uses; like it, bf16
- * subnormal inputs count as zero. Only CPUs with AVX512_BF16 run it (matmul checks that and
- * llmctl_gemv_bf16_supported); elsewhere matmul uses oneDNN. The build stays baseline x86-64: the function alone is compiled
- * for AVX-512 (target attribute) and chosen at run time.
+ * Two copies, chosen at run time (matmul.pyx):
+ * - llmctl_gemv_bf16: AVX512_BF16's vdpbf16ps (32 bf16 pairs per instruction, each product
+ *   exact, added into 16 fp32 lanes), the instruction oneDNN's own bf16 GEMM uses; like it,
+ *   bf16 subnormal inputs count as zero.
+ * - llmctl_gemv_bf16_avx2: any CPU with AVX2 and FMA. A decode step is bound by the bytes of
+ *   the weights, not by the multiplies, so bf16 weights widened in registers (a shift or a mask:
+ *   bf16 is the top half of an fp32) decode faster than fp32 ones without native bf16. It adds
+ *   in vdpbf16ps's order as the Intel SDM defines it: lane j of 16 takes the pair (2j+1, 2j) of
+ *   each 32-element chunk, odd element first, each an FMA; then the same loops, accumulators and
+ *   final tree (GCC's _mm512_reduce_add_ps) as the AVX-512 copy. So the two give the same bits,
+ *   except where an input, product or partial sum is subnormal (vdpbf16ps flushes those to
+ *   zero; FMA keeps them). tests/test_bf16.py checks both against one NumPy model of that order.
+ * The build stays baseline x86-64: each function alone is compiled for its instruction set
+ * (target attribute) and chosen at run time.
  *
  * Rows [o0, o1) of the output channels are computed, so threads can split OC.
  */
 #ifndef LLMCTL_GEMV_BF16_H
 #define LLMCTL_GEMV_BF16_H
 #include <stdint.h>
+#include <string.h>
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(LLMCTL_NO_AVX_DISPATCH) \
     && (__GNUC__ >= 10 || defined(__clang__))
@@ -114,10 +124,153 @@ LLMCTL_GEMV_TARGET static void llmctl_gemv_bf16(float* out, const uint16_t* x, c
 }
 #undef LLMCTL_DP
 #undef LLMCTL_GEMV_TARGET
+
+static int llmctl_gemv_bf16_avx2_supported(void) {
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+#define LLMCTL_GEMV2_TARGET __attribute__((target("avx2,fma")))
+
+/* 32 bf16 at p (zeros past n) as vdpbf16ps sees them: the odd and even elements of the first 16
+   (lanes 0-7) and of the last 16 (lanes 8-15), widened to fp32 */
+typedef struct { __m256 o0, e0, o1, e1; } llmctl_bf16x32;
+
+LLMCTL_GEMV2_TARGET static inline llmctl_bf16x32 llmctl_gemv2_load(const uint16_t* p, int64_t n) {
+    const __m256i hi = _mm256_set1_epi32((int)0xFFFF0000u);
+    __m256i v0, v1;
+    llmctl_bf16x32 r;
+    if (n >= 32) {
+        v0 = _mm256_loadu_si256((const __m256i*)p);
+        v1 = _mm256_loadu_si256((const __m256i*)(p + 16));
+    } else {
+        uint16_t t[32] = {0};
+        memcpy(t, p, (size_t)n * sizeof(uint16_t));
+        v0 = _mm256_loadu_si256((const __m256i*)t);
+        v1 = _mm256_loadu_si256((const __m256i*)(t + 16));
+    }
+    r.o0 = _mm256_castsi256_ps(_mm256_and_si256(v0, hi));
+    r.e0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16));
+    r.o1 = _mm256_castsi256_ps(_mm256_and_si256(v1, hi));
+    r.e1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16));
+    return r;
+}
+
+/* 16 fp32 lanes (a: 0-7, b: 8-15) as one vdpbf16ps accumulator */
+typedef struct { __m256 a, b; } llmctl_acc16;
+
+LLMCTL_GEMV2_TARGET static inline llmctl_acc16 llmctl_gemv2_zero(void) {
+    llmctl_acc16 z;
+    z.a = _mm256_setzero_ps();
+    z.b = z.a;
+    return z;
+}
+
+/* acc += x . w over one chunk, in vdpbf16ps's order */
+LLMCTL_GEMV2_TARGET static inline llmctl_acc16 llmctl_gemv2_dp(llmctl_acc16 acc, llmctl_bf16x32 x,
+                                                               llmctl_bf16x32 w) {
+    acc.a = _mm256_fmadd_ps(x.o0, w.o0, acc.a);
+    acc.b = _mm256_fmadd_ps(x.o1, w.o1, acc.b);
+    acc.a = _mm256_fmadd_ps(x.e0, w.e0, acc.a);
+    acc.b = _mm256_fmadd_ps(x.e1, w.e1, acc.b);
+    return acc;
+}
+
+LLMCTL_GEMV2_TARGET static inline llmctl_acc16 llmctl_gemv2_add(llmctl_acc16 x, llmctl_acc16 y) {
+    x.a = _mm256_add_ps(x.a, y.a);
+    x.b = _mm256_add_ps(x.b, y.b);
+    return x;
+}
+
+/* GCC's _mm512_reduce_add_ps: t[k] = v[k] + v[k+8]; u[k] = t[k] + t[k+4]; (u0 + u2) + (u1 + u3) */
+LLMCTL_GEMV2_TARGET static inline float llmctl_gemv2_sum(llmctl_acc16 acc) {
+    __m256 t = _mm256_add_ps(acc.b, acc.a);
+    __m128 u = _mm_add_ps(_mm256_extractf128_ps(t, 1), _mm256_castps256_ps128(t));
+    __m128 v = _mm_add_ps(u, _mm_shuffle_ps(u, u, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(v) + _mm_cvtss_f32(_mm_shuffle_ps(v, v, _MM_SHUFFLE(1, 1, 1, 1)));
+}
+
+/* llmctl_gemv_bf16 above, loop for loop */
+LLMCTL_GEMV2_TARGET static void llmctl_gemv_bf16_avx2(float* out, const uint16_t* x, const uint16_t* W,
+                                                      const float* bias, int R, int64_t C, int64_t OC,
+                                                      int64_t o0, int64_t o1) {
+    int64_t o = o0;
+    if (R == 1) {
+        for (; o + 4 <= o1; o += 4) {
+            const uint16_t* w = W + o * C;
+            llmctl_acc16 a0 = llmctl_gemv2_zero(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t c = 0; c < C; c += 32) {
+                llmctl_bf16x32 xv = llmctl_gemv2_load(x + c, C - c);
+                _mm_prefetch((const char*)(w + 8 * C + c), _MM_HINT_T0);
+                _mm_prefetch((const char*)(w + 9 * C + c), _MM_HINT_T0);
+                _mm_prefetch((const char*)(w + 10 * C + c), _MM_HINT_T0);
+                _mm_prefetch((const char*)(w + 11 * C + c), _MM_HINT_T0);
+                a0 = llmctl_gemv2_dp(a0, xv, llmctl_gemv2_load(w + c, C - c));
+                a1 = llmctl_gemv2_dp(a1, xv, llmctl_gemv2_load(w + C + c, C - c));
+                a2 = llmctl_gemv2_dp(a2, xv, llmctl_gemv2_load(w + 2 * C + c, C - c));
+                a3 = llmctl_gemv2_dp(a3, xv, llmctl_gemv2_load(w + 3 * C + c, C - c));
+            }
+            out[o] = llmctl_gemv2_sum(a0) + (bias ? bias[o] : 0.0f);
+            out[o + 1] = llmctl_gemv2_sum(a1) + (bias ? bias[o + 1] : 0.0f);
+            out[o + 2] = llmctl_gemv2_sum(a2) + (bias ? bias[o + 2] : 0.0f);
+            out[o + 3] = llmctl_gemv2_sum(a3) + (bias ? bias[o + 3] : 0.0f);
+        }
+        for (; o < o1; o++) {
+            const uint16_t* w = W + o * C;
+            llmctl_acc16 a0 = llmctl_gemv2_zero(), a1 = a0, a2 = a0, a3 = a0;
+            int64_t c = 0;
+            for (; c + 128 <= C; c += 128) {
+                a0 = llmctl_gemv2_dp(a0, llmctl_gemv2_load(x + c, 32), llmctl_gemv2_load(w + c, 32));
+                a1 = llmctl_gemv2_dp(a1, llmctl_gemv2_load(x + c + 32, 32), llmctl_gemv2_load(w + c + 32, 32));
+                a2 = llmctl_gemv2_dp(a2, llmctl_gemv2_load(x + c + 64, 32), llmctl_gemv2_load(w + c + 64, 32));
+                a3 = llmctl_gemv2_dp(a3, llmctl_gemv2_load(x + c + 96, 32), llmctl_gemv2_load(w + c + 96, 32));
+            }
+            for (; c < C; c += 32)
+                a0 = llmctl_gemv2_dp(a0, llmctl_gemv2_load(x + c, C - c), llmctl_gemv2_load(w + c, C - c));
+            a0 = llmctl_gemv2_add(llmctl_gemv2_add(a0, a1), llmctl_gemv2_add(a2, a3));
+            out[o] = llmctl_gemv2_sum(a0) + (bias ? bias[o] : 0.0f);
+        }
+        return;
+    }
+    for (; o + 4 <= o1; o += 4) {
+        const uint16_t* w0 = W + o * C;
+        for (int r = 0; r < R; r++) {
+            const uint16_t* xr = x + (int64_t)r * C;
+            llmctl_acc16 a0 = llmctl_gemv2_zero(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t c = 0; c < C; c += 32) {
+                llmctl_bf16x32 xv = llmctl_gemv2_load(xr + c, C - c);
+                a0 = llmctl_gemv2_dp(a0, xv, llmctl_gemv2_load(w0 + c, C - c));
+                a1 = llmctl_gemv2_dp(a1, xv, llmctl_gemv2_load(w0 + C + c, C - c));
+                a2 = llmctl_gemv2_dp(a2, xv, llmctl_gemv2_load(w0 + 2 * C + c, C - c));
+                a3 = llmctl_gemv2_dp(a3, xv, llmctl_gemv2_load(w0 + 3 * C + c, C - c));
+            }
+            float* y = out + (int64_t)r * OC + o;
+            y[0] = llmctl_gemv2_sum(a0) + (bias ? bias[o] : 0.0f);
+            y[1] = llmctl_gemv2_sum(a1) + (bias ? bias[o + 1] : 0.0f);
+            y[2] = llmctl_gemv2_sum(a2) + (bias ? bias[o + 2] : 0.0f);
+            y[3] = llmctl_gemv2_sum(a3) + (bias ? bias[o + 3] : 0.0f);
+        }
+    }
+    for (; o < o1; o++) {
+        const uint16_t* w0 = W + o * C;
+        for (int r = 0; r < R; r++) {
+            const uint16_t* xr = x + (int64_t)r * C;
+            llmctl_acc16 a0 = llmctl_gemv2_zero();
+            for (int64_t c = 0; c < C; c += 32)
+                a0 = llmctl_gemv2_dp(a0, llmctl_gemv2_load(xr + c, C - c), llmctl_gemv2_load(w0 + c, C - c));
+            out[(int64_t)r * OC + o] = llmctl_gemv2_sum(a0) + (bias ? bias[o] : 0.0f);
+        }
+    }
+}
+#undef LLMCTL_GEMV2_TARGET
 #else
 static int llmctl_gemv_bf16_supported(void) { return 0; }
+static int llmctl_gemv_bf16_avx2_supported(void) { return 0; }
 static void llmctl_gemv_bf16(float* out, const uint16_t* x, const uint16_t* W, const float* bias,
                              int R, int64_t C, int64_t OC, int64_t o0, int64_t o1) {
+    (void)out; (void)x; (void)W; (void)bias; (void)R; (void)C; (void)OC; (void)o0; (void)o1;
+}
+static void llmctl_gemv_bf16_avx2(float* out, const uint16_t* x, const uint16_t* W, const float* bias,
+                                  int R, int64_t C, int64_t OC, int64_t o0, int64_t o1) {
     (void)out; (void)x; (void)W; (void)bias; (void)R; (void)C; (void)OC; (void)o0; (void)o1;
 }
 #endif

@@ -75,8 +75,11 @@ cdef extern from "dnnl_gemm.h" nogil:
 
 cdef extern from "gemv_bf16.h" nogil:
     int llmctl_gemv_bf16_supported()
+    int llmctl_gemv_bf16_avx2_supported()
     void llmctl_gemv_bf16(float* out, const uint16_t* x, const uint16_t* W, const float* bias,
                           int R, int64_t C, int64_t OC, int64_t o0, int64_t o1)
+    void llmctl_gemv_bf16_avx2(float* out, const uint16_t* x, const uint16_t* W, const float* bias,
+                               int R, int64_t C, int64_t OC, int64_t o0, int64_t o1)
 
 cdef extern from *:
     """
@@ -755,9 +758,14 @@ cdef int _bf16_engine_id(engine) except -1:
 # decoding: at most this many rows go through gemv_bf16.h instead of oneDNN's bf16 GEMM (which
 # packs the weight on every call). Measured on d12's layer shapes, weights streamed from memory:
 # 1 row took 0.58-0.82x oneDNN's time on each; 2-4 rows 0.57-0.92x, but 1.04-1.09x on the lm
-# head; 8 rows were mixed (0.80-1.34x). See docs/performance.md.
+# head; 8 rows were mixed (0.80-1.34x). See docs/performance.md. Without native bf16 the GEMV's
+# AVX2 copy takes those rows from the emulation (bf16 widened to fp32 for NumPy's sgemm), which
+# copies and widens the whole weight on every call.
 cdef int _gemv_rows = 4
-cdef bint _gemv_ok = (_cpu_bf16_flags & 1) != 0 and llmctl_gemv_bf16_supported() != 0   # AVX512_BF16
+GEMV_ISAS = ("off", "avx2", "avx512_bf16")   # index: _gemv_isa
+cdef int _gemv_best = (2 if (_cpu_bf16_flags & 1) != 0 and llmctl_gemv_bf16_supported() != 0   # AVX512_BF16
+                       else 1 if llmctl_gemv_bf16_avx2_supported() != 0 else 0)
+cdef int _gemv_isa = _gemv_best
 cdef enum:
     GEMV_BLOCK = 64      # output channels per task
 # weight elements per thread (128 KB of bf16): below that one core is faster than two. With idle
@@ -810,8 +818,34 @@ def set_gemv_rows(int rows):
 
 
 def gemv_bf16_available():
-    """True when matmul_forward_bf16 runs few-row products on gemv_bf16.h here (AVX512_BF16)."""
-    return bool(_gemv_ok)
+    """True when matmul_forward_bf16 runs few-row products on gemv_bf16.h here."""
+    return _gemv_isa != 0
+
+
+def gemv_bf16_isa():
+    """The gemv_bf16.h copy few-row bf16 products run on: "avx512_bf16" (vdpbf16ps), "avx2"
+    (bf16 widened in registers, the same bits), or "off" (no AVX2 and FMA, or set off)."""
+    return GEMV_ISAS[_gemv_isa]
+
+
+def gemv_bf16_isas():
+    """The gemv_bf16.h copies this CPU runs, worst to best (for tests and benchmarks)."""
+    return GEMV_ISAS[1:_gemv_best + 1]
+
+
+def set_gemv_isa(name=None):
+    """Run few-row bf16 products on this gemv_bf16.h copy (one of gemv_bf16_isas(), or "off";
+    None: the best this CPU runs). Returns the old name."""
+    global _gemv_isa
+    old = GEMV_ISAS[_gemv_isa]
+    if name is None:
+        _gemv_isa = _gemv_best
+    elif name == "off" or name in gemv_bf16_isas():
+        _gemv_isa = GEMV_ISAS.index(name)
+    else:
+        raise ValueError(f"bf16 GEMV {name!r} does not run here; choose one of "
+                         f"{('off',) + gemv_bf16_isas()}")
+    return old
 
 
 cdef void _gemv_bf16(float* out, const uint16_t* inp, const uint16_t* weight, const float* bias,
@@ -819,12 +853,16 @@ cdef void _gemv_bf16(float* out, const uint16_t* inp, const uint16_t* weight, co
     cdef Py_ssize_t nblk = (OC + GEMV_BLOCK - 1) // GEMV_BLOCK
     cdef Py_ssize_t blk, o0, o1
     n_threads = eff_threads(n_threads, <Py_ssize_t>OC * C, _gemv_grain)
+    cdef int isa = _gemv_isa
     for blk in prange(nblk, schedule='static', num_threads=n_threads):
         o0 = blk * GEMV_BLOCK
         o1 = o0 + GEMV_BLOCK
         if o1 > OC:
             o1 = OC
-        llmctl_gemv_bf16(out, inp, weight, bias, R, C, OC, o0, o1)
+        if isa == 2:
+            llmctl_gemv_bf16(out, inp, weight, bias, R, C, OC, o0, o1)
+        else:
+            llmctl_gemv_bf16_avx2(out, inp, weight, bias, R, C, OC, o0, o1)
 
 
 def matmul_forward_bf16(out, const uint16_t[::1] inp, const uint16_t[::1] weight, bias,
@@ -833,7 +871,7 @@ def matmul_forward_bf16(out, const uint16_t[::1] inp, const uint16_t[::1] weight
     fp32. Overwrites out: float32, or uint16 for bf16 (the fp32 result rounded to nearest even;
     for an output that only feeds bf16 kernels, at half the bytes: oneDNN's primitive writes it
     so itself, the other paths round an fp32 result). bias may be None. On the dnnl engines,
-    BT <= set_gemv_rows() rows (a decode step) run on gemv_bf16.h where the CPU has AVX512_BF16."""
+    BT <= set_gemv_rows() rows (a decode step) run on gemv_bf16.h (gemv_bf16_isa()) on every engine."""
     cdef uint16_t[::1] out16
     cdef float[::1] tmp
     cdef const float* bias_ptr
@@ -844,7 +882,7 @@ def matmul_forward_bf16(out, const uint16_t[::1] inp, const uint16_t[::1] weight
         return
     out16 = out
     which = _bf16_engine_id(engine)
-    if which == DNNL and not (_gemv_ok and BT <= _gemv_rows):
+    if which == DNNL and not (_gemv_isa and BT <= _gemv_rows):
         _check_sizes("out", out16.shape[0], inp.shape[0], weight.shape[0], BT, C, OC, n_threads)
         bias_ptr = _bias_ptr(bias, OC)
         with nogil:
@@ -882,7 +920,7 @@ def _matmul_forward_bf16_f32(float[::1] out, const uint16_t[::1] inp, const uint
         check_len("bias", bias_mv.shape[0], OC)
         bias_ptr = &bias_mv[0]
         check_disjoint("out", &out[0], out.shape[0], "bias", bias_ptr, OC)
-    if (which == DNNL or which == DNNL_GEMM) and _gemv_ok and BT <= _gemv_rows:
+    if _gemv_isa and BT <= _gemv_rows:
         with nogil:
             _gemv_bf16(&out[0], &inp[0], &weight[0], bias_ptr, BT, C, OC, n_threads)
         return

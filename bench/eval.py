@@ -45,14 +45,18 @@ def add_precision_args(ap):
     ap.add_argument("--bf16-emulate", action="store_true", help="run bf16 even without native bf16")
 
 
-def runnable_precisions(ap, args):
-    """-> (the asked precisions this CPU runs, notes on those left out); none left is a usage error."""
+def runnable_precisions(ap, args, sampling=False):
+    """-> (the asked precisions this CPU runs, notes on those left out); none left is a usage error.
+    sampling: bf16 also runs where `llmctl sample` runs it without native bf16 (the bf16 GEMV's
+    AVX2 copy)."""
     from llmctl._ext import matmul
+    from llmctl.info import bf16_sampling
 
     if args.bf16_emulate:
         os.environ["LLMCTL_BF16_EMULATE"] = "1"
     precisions, skipped = list(args.precision), []
-    if "bf16" in precisions and not matmul.bf16_native() and not args.bf16_emulate:
+    if "bf16" in precisions and not matmul.bf16_native() and not args.bf16_emulate \
+            and not (sampling and bf16_sampling()):
         precisions.remove("bf16")
         skipped.append("bf16: this CPU has no native bf16 (AVX512_BF16/AMX); --bf16-emulate runs it anyway")
     if not precisions:

@@ -8,8 +8,9 @@ What it reports (random-init weights: speed does not depend on their values), fo
   - full recompute (llm.c's way: the whole sequence through the model for every new token):
     tokens/s over --full-tokens steps from the same prompt (fewer steps: it is slow; its cost
     grows with the sequence length, so at the end of a 288-token sequence it is slower still).
-bf16 needs a CPU that multiplies bf16 natively (AVX512_BF16/AMX); elsewhere it is skipped
-unless --bf16-emulate (the same numerics on fp32 GEMMs: slower than fp32).
+bf16 runs where `llmctl sample --precision bf16` does: natively (AVX512_BF16/AMX), or on any AVX2
+CPU, where decoding's products run on the bf16 GEMV's AVX2 copy and the prompt's GEMMs are
+emulated on fp32; elsewhere it is skipped unless --bf16-emulate.
 What it is not: a quality check (tests/test_sample.py checks cached == full logits).
 
     python bench/sample.py                        # d12, 32-token prompt, 256 new tokens, 2 threads
@@ -71,20 +72,22 @@ def main(argv=None):
     from llmctl._ext import matmul
     from llmctl.model import GPT2, load
 
-    precisions, skipped = runnable_precisions(ap, args)
+    precisions, skipped = runnable_precisions(ap, args, sampling=True)
     t0 = time.perf_counter()
     ref = load(args.model, n_threads=args.threads)   # one init: the same weights for all
     init_s = time.perf_counter() - t0
     prompt = np.random.default_rng(0).integers(0, ref.config.vocab_size, args.prompt_tokens).tolist()
     runs = []
     for prec in precisions:
-        model = ref if prec == "fp32" else GPT2(ref.config, n_threads=args.threads, precision=prec)
+        model = ref if prec == "fp32" else GPT2(ref.config, n_threads=args.threads, precision=prec,
+                                                bf16_emulate=True if prec == "bf16" else None)
         if model is not ref:
             model.params[:] = ref.params
             model.params_changed()
         runs.append(_measure(model, prompt, args))
         if prec == "bf16":
-            runs[-1]["gemm"] = "native" if matmul.bf16_native() else "emulated on fp32"
+            runs[-1]["gemm"] = ("native" if matmul.bf16_native() else "emulated on fp32") + \
+                f"; decode GEMV {matmul.gemv_bf16_isa()}"
 
     res = {"model": args.model, "threads": args.threads, "num_parameters": ref.num_parameters,
            "init_s": round(init_s, 2), "prompt_tokens": args.prompt_tokens, "runs": runs,

@@ -562,14 +562,15 @@ app.command("inspect-bin")(_interruptible()(inspect_bin_cmd))
 # --- eval / sample (llmctl/evaluate.py, llmctl/sample.py) ------------------------------------
 
 
-def _resolve_model(spec, precision, json_out=False):
+def _resolve_model(spec, precision, json_out=False, sampling=False):
     """What -e names (a checkpoint, descriptor, pretrained name or HF directory; None = llm.c's
-    default, llmctl.model.resolve_init), after checking --precision: before a large model is
-    read or any data fetched. Says which model a missing -e meant."""
+    default, llmctl.model.resolve_init), after checking --precision (for sampling, or training
+    and eval): before a large model is read or any data fetched. Says which model a missing -e
+    meant."""
     from llmctl.info import check_precision
     from llmctl.model import resolve_init
 
-    check_precision(precision)
+    check_precision(precision, sampling=sampling)
     log = _prepro_log(json_out)
     spec, note = resolve_init(spec, log=log, progress=not json_out)
     if note and log:
@@ -577,12 +578,14 @@ def _resolve_model(spec, precision, json_out=False):
     return spec
 
 
-def _load_model(spec, threads, precision, json_out=False):
-    """A GPT2 from -e (see _resolve_model); threads resolved as llmctl.threads does."""
+def _load_model(spec, threads, precision, json_out=False, sampling=False):
+    """A GPT2 from -e (see _resolve_model); threads resolved as llmctl.threads does. Sampling in
+    bf16 without native bf16 (the bf16 GEMV's AVX2 copy decodes) emulates the prompt's GEMMs."""
     from llmctl.model import load
 
-    spec = _resolve_model(spec, precision, json_out)
-    return load(spec, n_threads=threads or None, precision=precision)
+    spec = _resolve_model(spec, precision, json_out, sampling)
+    emulate = True if sampling and precision == "bf16" else None
+    return load(spec, n_threads=threads or None, precision=precision, bf16_emulate=emulate)
 
 
 def _rate_progress(unit):
@@ -799,7 +802,7 @@ def _sample(cfg, checkpoint, threads, precision, json_out):
     num_tokens, num_samples = cfg.num_tokens, cfg.num_samples
     tok = get_tokenizer()
     prompt_tokens = tok.encoding.encode(prompt, allowed_special={"<|endoftext|>"}) if prompt else []
-    model = _load_model(checkpoint, threads, precision, json_out)
+    model = _load_model(checkpoint, threads, precision, json_out, sampling=True)
     prompt_tokens = prompt_tokens or [_start_token(model, tok)]
     n, msg = check_sample_length(model.config, len(prompt_tokens), num_tokens)
     if msg:

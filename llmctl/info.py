@@ -24,19 +24,36 @@ def bf16_unavailable():
             "oneDNN's bf16 GEMM does not run on this CPU")
 
 
-def check_precision(precision):
+def bf16_sampling():
+    """How `llmctl sample --precision bf16` multiplies here: "native" (oneDNN and the AVX512_BF16
+    GEMV), "avx2" (no native bf16, but the bf16 GEMV's AVX2 copy: decoding's products, bound by
+    the weights' bytes, read half the bytes of fp32; the prompt's few GEMMs run emulated), or
+    None (neither)."""
+    from llmctl._ext import matmul
+
+    if matmul.bf16_native():
+        return "native"
+    return "avx2" if "avx2" in matmul.gemv_bf16_isas() else None
+
+
+def check_precision(precision, sampling=False, emulate=None):
     """precision if this machine can run it, else ConfigError: the one precision check. bf16
-    needs a CPU that multiplies bf16 natively (AVX512_BF16 or AMX, through oneDNN);
-    LLMCTL_BF16_EMULATE=1 runs the same bf16 numerics on fp32 GEMMs instead (slower than fp32:
-    for tests and checks on any CPU)."""
+    needs a CPU that multiplies bf16 natively (AVX512_BF16 or AMX, through oneDNN), or, with
+    sampling=True, one where bf16_sampling() is not None. emulate=True (None: the environment's
+    LLMCTL_BF16_EMULATE=1) runs bf16 anyway, the same numerics with the GEMMs on fp32 (slower
+    than fp32: for tests and checks on any CPU)."""
     from llmctl.errors import ConfigError
 
     if precision not in PRECISIONS:
         raise ConfigError(f"unknown precision {precision!r}", hint=f"choose one of {', '.join(PRECISIONS)}")
-    if precision == "bf16" and os.environ.get(BF16_EMULATE_ENV, "") in ("", "0"):
+    if emulate is None:
+        emulate = os.environ.get(BF16_EMULATE_ENV, "") not in ("", "0")
+    if precision == "bf16" and not emulate and not (sampling and bf16_sampling()):
         why = bf16_unavailable()
         if why:
-            raise ConfigError(f"--precision bf16 is not available: {why}",
+            also = ("; `llmctl sample --precision bf16` runs on the bf16 GEMV's AVX2 copy"
+                    if not sampling and bf16_sampling() else "")
+            raise ConfigError(f"--precision bf16 is not available: {why}{also}",
                               hint=f"use --precision fp32 (`llmctl info` lists the precisions); "
                                    f"{BF16_EMULATE_ENV}=1 emulates bf16 on fp32 GEMMs (slower)")
     return precision
@@ -64,7 +81,8 @@ def gemm_info():
     engine: the default fp32 GEMM engine ("dnnl" or "blas"); engines: every fp32 engine accepted;
     onednn: oneDNN's version string or None; cpu_bf16: the native bf16 instruction sets found;
     precisions: ["fp32"] plus "bf16" where the CPU multiplies bf16 natively through oneDNN;
-    bf16_unavailable: why not, or None."""
+    bf16_unavailable: why not, or None; bf16_sampling: how bf16 sampling runs here (bf16_sampling()),
+    or None."""
     from llmctl._ext import matmul
 
     v = matmul.dnnl_version()
@@ -76,6 +94,7 @@ def gemm_info():
         "cpu_bf16": list(matmul.cpu_bf16_features()),
         "precisions": ["fp32", "bf16"] if matmul.bf16_native() else ["fp32"],
         "bf16_unavailable": bf16_unavailable(),
+        "bf16_sampling": bf16_sampling(),
     }
 
 
@@ -84,13 +103,13 @@ def simd_info():
     x86-64; wider copies are picked by cpuid): attention ("default", "avx2", "avx512"), the row
     loops of GELU, layernorm, softmax + cross-entropy and the bf16 cast ("baseline", "avx2",
     "avx512"), AdamW ("baseline", "avx"), the few-row bf16 matmul of decoding
-    ("avx512_bf16", or "off": the bf16 GEMM engine does those rows too), the attention over a KV
+    ("avx512_bf16", "avx2", or "off": the bf16 GEMM engine does those rows too), the attention over a KV
     cache of decoding and HellaSwag ("baseline", "avx512"), and the products of the bf16
     attention ("amx", "avx512_bf16", or "emulated": the same bf16 rounding done on fp32)."""
     from llmctl._ext import adamw, attention, kvcache, layers, matmul
 
     return {"attention": attention.isa(), "layers": layers.simd(), "adamw": adamw.simd(),
-            "bf16_gemv": "avx512_bf16" if matmul.gemv_bf16_available() else "off",
+            "bf16_gemv": matmul.gemv_bf16_isa(),
             "kv_attention": kvcache.isa(), "attention_bf16": attention.bf16_path()}
 
 
@@ -161,6 +180,9 @@ def _engine_line(info):
 def _precision_line(info):
     if "bf16" in info["precisions"]:
         return f"precisions: fp32, bf16 (native: {', '.join(info['cpu_bf16'])}; oneDNN matmul primitive)"
+    if info.get("bf16_sampling") == "avx2":
+        return (f"precisions: fp32; bf16 for `llmctl sample` only, on the bf16 GEMV's AVX2 copy "
+                f"(training and eval: no, {info['bf16_unavailable']})")
     return f"precisions: fp32 (bf16: no, {info['bf16_unavailable']})"
 
 

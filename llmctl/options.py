@@ -20,4 +20,4 @@ THREADS_HELP = ("Kernel/BLAS threads (0 = OMP_NUM_THREADS or all cores; -1 = all
                 "machine 1 is often fastest.")
 
 PRECISION_HELP = ("Matmul precision: fp32, or bf16 (bf16 inputs, fp32 accumulate; needs AVX512_BF16 "
-                  "or AMX, see `llmctl info`).")
+                  "or AMX, except `sample`, which decodes in bf16 on any AVX2 CPU; see `llmctl info`).")

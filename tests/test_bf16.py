@@ -10,6 +10,8 @@ fp32 value and write it as bf16 must give exactly to_bf16(their fp32 kernel's ou
 The "dnnl" bf16 engine runs only on CPUs with AVX512_BF16 or AMX; "blas" (fp32 sgemm on the
 widened operands) everywhere, so both are tested where they exist.
 """
+import json
+
 import numpy as np
 import pytest
 from errcheck import assert_cli_error, raises_error
@@ -282,11 +284,110 @@ def test_matmul_bf16_backward_runs_each_product_on_the_faster_path():
 
 
 GEMV_SHAPES = [(1, 1, 1), (1, 768, 67), (1, 130, 5), (1, 33, 130), (2, 31, 9), (3, 128, 70),
-               (4, 300, 66), (5, 64, 8)]   # C: tails of 32/128 lanes; OC: ragged 4-row and 64-row blocks
+               (4, 300, 66), (1, 300, 7), (5, 64, 8)]   # C: tails of 32/128 lanes; OC: ragged 4-row and 64-row blocks
+GEMV_ISAS = ["avx2", "avx512_bf16"]
+GEMV_BLOCK = 64   # output channels per call of the kernel (matmul.pyx), each call its own 4-row tail
 
 
-@pytest.mark.skipif(not matmul.gemv_bf16_available(), reason="no AVX512_BF16 here: few-row bf16 "
-                    "products run on oneDNN (or the emulation), tested above")
+def _gemv_isa_or_skip(isa):
+    if isa not in matmul.gemv_bf16_isas():
+        pytest.skip(f"this CPU does not run the bf16 GEMV's {isa} copy (it runs: "
+                    f"{', '.join(matmul.gemv_bf16_isas()) or 'none'})")
+    return matmul.set_gemv_isa(isa)
+
+
+def vdpbf16ps_gemv(x16, w16, bias, R, C, OC):
+    """gemv_bf16.h's result as the Intel SDM defines vdpbf16ps, in NumPy: 16 fp32 lanes per
+    32-element chunk, lane j adding the products of elements 2j+1 then 2j, each exact and rounded
+    once (an FMA), chunks in order; R = 1 channels past a 64-channel block's last multiple of 4
+    spread the chunks over four such accumulators (chunk k of each 128 into accumulator k) and
+    add them as (a0 + a1) + (a2 + a3); the 16 lanes are summed as GCC's _mm512_reduce_add_ps
+    does, then the bias added."""
+    Cp = -(-C // 32) * 32
+    X = np.zeros((R, Cp), np.float64)
+    W = np.zeros((OC, Cp), np.float64)
+    X[:, :C] = from_bf16(x16).reshape(R, C)
+    W[:, :C] = from_bf16(w16).reshape(OC, C)
+
+    def chunk(acc, r, o, k):   # acc (16,) float32 += chunk k of row r . channel o
+        xs, ws = X[r, 32 * k:32 * k + 32], W[o, 32 * k:32 * k + 32]
+        acc = (acc + xs[1::2] * ws[1::2]).astype(np.float32)   # float64 sum of a float32 and an exact
+        return (acc + xs[0::2] * ws[0::2]).astype(np.float32)  # 16-bit product: one rounding to float32
+
+    def lanes(a):
+        t = (a[8:] + a[:8]).astype(np.float32)
+        u = (t[4:] + t[:4]).astype(np.float32)
+        return np.float32(np.float32(u[0] + u[2]) + np.float32(u[1] + u[3]))
+
+    out = np.zeros((R, OC), np.float32)
+    for o in range(OC):
+        b0 = o - o % GEMV_BLOCK
+        in_tail = o - b0 >= (min(GEMV_BLOCK, OC - b0) // 4) * 4
+        for r in range(R):
+            if R == 1 and in_tail:
+                acc = [np.zeros(16, np.float32) for _ in range(4)]
+                k = 0
+                while 32 * k + 128 <= C:
+                    for q in range(4):
+                        acc[q] = chunk(acc[q], r, o, k + q)
+                    k += 4
+                while 32 * k < C:
+                    acc[0] = chunk(acc[0], r, o, k)
+                    k += 1
+                a = ((acc[0] + acc[1]).astype(np.float32) + (acc[2] + acc[3]).astype(np.float32)).astype(np.float32)
+            else:
+                a = np.zeros(16, np.float32)
+                for k in range(Cp // 32):
+                    a = chunk(a, r, o, k)
+            out[r, o] = lanes(a) + (bias[o] if bias is not None else np.float32(0.0))
+    return out
+
+
+@pytest.mark.parametrize("isa", GEMV_ISAS)
+@pytest.mark.parametrize("shape", GEMV_SHAPES)
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_gemv_copies_give_vdpbf16ps_bits(isa, shape, with_bias, n_threads):
+    # decode-sized products (BT <= 4) run on gemv_bf16.h on every bf16 engine: the AVX-512 copy
+    # on vdpbf16ps, the AVX2 copy widening bf16 in registers; both must give the bits of the
+    # instruction's definition (so AVX2 CPUs decode as AVX512_BF16 ones do)
+    BT, C, OC = shape
+    rng = np.random.default_rng(BT * 7919 + C * 31 + OC)
+    ib, wb, b = to_bf16(_f32(rng, BT, C)), to_bf16(_f32(rng, OC, C)), _f32(rng, OC)
+    old = _gemv_isa_or_skip(isa)
+    try:
+        out = np.full(BT * OC, np.nan, np.float32)
+        matmul.matmul_forward_bf16(out, ib.ravel(), wb.ravel(), b if with_bias else None, BT, C, OC,
+                                   n_threads=n_threads, engine=matmul.get_bf16_engines()[0])
+    finally:
+        matmul.set_gemv_isa(old)
+    want = vdpbf16ps_gemv(ib, wb, b if with_bias else None, BT, C, OC)
+    if BT <= 4:
+        np.testing.assert_array_equal(out.reshape(BT, OC), want)
+    else:   # past set_gemv_rows(): the engine's GEMM, another summation order, the same bound
+        x64, w64 = from_bf16(ib).astype(np.float64), from_bf16(wb).astype(np.float64)
+        terms = np.abs(x64) @ np.abs(w64).T + (np.abs(b) if with_bias else 0.0)
+        _assert_dot_close(out.reshape(BT, OC), ref.matmul_forward(x64, w64, b.astype(np.float64) if with_bias
+                                                                   else None), terms, C, "bf16 GEMM")
+
+
+def test_gemv_model_is_not_the_plain_dot():
+    # the order model above must be able to fail: a plain float32 dot of the same operands
+    # (one accumulator, elements in order) differs from it somewhere on a decode-sized product
+    rng = np.random.default_rng(5)
+    C, OC = 768, 64
+    ib, wb = to_bf16(_f32(rng, 1, C)), to_bf16(_f32(rng, OC, C))
+    want = vdpbf16ps_gemv(ib, wb, None, 1, C, OC)
+    x, w = from_bf16(ib).reshape(C), from_bf16(wb).reshape(OC, C)
+    plain = np.zeros(OC, np.float32)
+    for c in range(C):
+        plain = (plain + x[c].astype(np.float64) * w[:, c]).astype(np.float32)
+    assert not np.array_equal(plain, want[0])
+    np.testing.assert_allclose(plain, want[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif("avx512_bf16" not in matmul.gemv_bf16_isas(), reason="no AVX512_BF16 here: few-row bf16 "
+                    "products run on the GEMV's AVX2 copy, tested above against the same order")
 @pytest.mark.parametrize("shape", GEMV_SHAPES)
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("n_threads", [1, 2])
@@ -316,31 +417,63 @@ def test_matmul_forward_bf16_few_rows_gemv_matches_rounded_reference(shape, with
         assert not np.array_equal(outs[4], outs[0])
 
 
-@pytest.mark.skipif(not matmul.gemv_bf16_available(), reason="no AVX512_BF16 here")
+def test_gemv_off_without_native_bf16_is_the_emulation():
+    # set_gemv_isa("off"): few-row products go back to the engine (here the first bf16 engine):
+    # within the bound of the float64 product, and other bits than the GEMV's
+    if not matmul.gemv_bf16_isas():
+        pytest.skip("no copy of the bf16 GEMV runs here (no AVX2 and FMA)")
+    rng = np.random.default_rng(11)
+    C, OC = 768, 130
+    ib, wb = to_bf16(_f32(rng, 1, C)), to_bf16(_f32(rng, OC, C))
+    outs = {}
+    for isa in ("off", None):
+        old = matmul.set_gemv_isa(isa)
+        try:
+            assert matmul.gemv_bf16_isa() == (isa or matmul.gemv_bf16_isas()[-1])
+            outs[isa] = np.full(OC, np.nan, np.float32)
+            matmul.matmul_forward_bf16(outs[isa], ib.ravel(), wb.ravel(), None, 1, C, OC, n_threads=2,
+                                       engine=matmul.get_bf16_engines()[0])
+        finally:
+            matmul.set_gemv_isa(old)
+    x64, w64 = from_bf16(ib).astype(np.float64), from_bf16(wb).astype(np.float64)
+    for out in outs.values():
+        _assert_dot_close(out.reshape(1, OC), ref.matmul_forward(x64, w64, None), np.abs(x64) @ np.abs(w64).T,
+                          C, "bf16 one row")
+    assert not np.array_equal(outs["off"], outs[None])
+    with pytest.raises(ValueError, match="does not run here"):
+        matmul.set_gemv_isa("avx512_bf16" if "avx512_bf16" not in matmul.gemv_bf16_isas() else "sse")
+
+
+@pytest.mark.parametrize("isa", GEMV_ISAS)
 @pytest.mark.parametrize("shape", [(1, 768, 2304), (3, 130, 517)])
-def test_matmul_forward_bf16_gemv_bits_do_not_depend_on_its_thread_split(shape):
+def test_matmul_forward_bf16_gemv_bits_do_not_depend_on_its_thread_split(isa, shape):
     # set_gemv_grain(0) splits the output channels over both threads (each channel on one
     # thread): the same bits as the default, which keeps these shapes on one thread
     BT, C, OC = shape
     rng = np.random.default_rng(OC)
     ib, wb, b = to_bf16(_f32(rng, BT, C)), to_bf16(_f32(rng, OC, C)), _f32(rng, OC)
     outs = []
-    for grain in (None, 0, 64):
-        old = matmul.set_gemv_grain(grain) if grain is not None else None
-        try:
-            out = np.full(BT * OC, np.nan, np.float32)
-            matmul.matmul_forward_bf16(out, ib.ravel(), wb.ravel(), b, BT, C, OC, n_threads=2, engine="dnnl")
-        finally:
-            if old is not None:
-                matmul.set_gemv_grain(old)
-        outs.append(out)
+    old_isa = _gemv_isa_or_skip(isa)
+    try:
+        for grain in (None, 0, 64):
+            old = matmul.set_gemv_grain(grain) if grain is not None else None
+            try:
+                out = np.full(BT * OC, np.nan, np.float32)
+                matmul.matmul_forward_bf16(out, ib.ravel(), wb.ravel(), b, BT, C, OC, n_threads=2,
+                                           engine=matmul.get_bf16_engines()[0])
+            finally:
+                if old is not None:
+                    matmul.set_gemv_grain(old)
+            outs.append(out)
+    finally:
+        matmul.set_gemv_isa(old_isa)
     assert not np.isnan(outs[0]).any()
     np.testing.assert_array_equal(outs[0], outs[1])
     np.testing.assert_array_equal(outs[0], outs[2])
 
 
-@pytest.mark.skipif(not matmul.gemv_bf16_available(), reason="no AVX512_BF16 here")
-def test_matmul_forward_bf16_gemv_keeps_nan_and_inf():
+@pytest.mark.parametrize("isa", GEMV_ISAS)
+def test_matmul_forward_bf16_gemv_keeps_nan_and_inf(isa):
     # a non-finite input must come out non-finite, not be lost in a masked tail
     C, OC = 45, 6
     x = np.ones(C, np.float32)
@@ -349,7 +482,11 @@ def test_matmul_forward_bf16_gemv_keeps_nan_and_inf():
     w[3, 3] = np.nan
     x16, w16 = to_bf16(x), to_bf16(w).ravel()
     out = np.zeros(OC, np.float32)
-    matmul.matmul_forward_bf16(out, x16, w16, None, 1, C, OC, engine="dnnl")
+    old = _gemv_isa_or_skip(isa)
+    try:
+        matmul.matmul_forward_bf16(out, x16, w16, None, 1, C, OC, engine=matmul.get_bf16_engines()[0])
+    finally:
+        matmul.set_gemv_isa(old)
     assert np.isposinf(out[1]) and np.isnan(out[3])
     np.testing.assert_array_equal(out[[0, 2, 4, 5]], np.float32(C))
 
@@ -766,12 +903,53 @@ def test_bf16_eval_hellaswag_and_loss_agree_with_fp32(bf16_ok, tmp_path):
 @pytest.mark.parametrize("cmd", [["sample", "-n", "1"], ["eval", "loss"], ["eval", "hellaswag"]])
 def test_cli_precision_bf16_without_native_bf16_is_one_clear_error(cmd, monkeypatch, capsys):
     from llmctl.cli import main
+    from llmctl.info import bf16_sampling
 
+    if cmd[0] == "sample" and bf16_sampling():
+        pytest.skip("sample runs bf16 here on the bf16 GEMV's AVX2 copy (the test below)")
     monkeypatch.delenv("LLMCTL_BF16_EMULATE", raising=False)
     with pytest.raises(SystemExit) as e:
         main(cmd + ["-e", "d6", "--precision", "bf16"])
     err = capsys.readouterr().err
     assert_cli_error(err, 2, e.value.code, names=["--precision bf16", "--precision fp32"])  # a usage error
+    if bf16_sampling() == "avx2":   # and it says where bf16 does run
+        assert "`llmctl sample --precision bf16` runs on the bf16 GEMV's AVX2 copy" in err
+
+
+@pytest.mark.skipif(matmul.bf16_native() or "avx2" not in matmul.gemv_bf16_isas(),
+                    reason="bf16 sampling without native bf16 needs a CPU with AVX2 and FMA and no "
+                           "AVX512_BF16/AMX (natively it is the bf16 sampling tested above)")
+def test_cli_sample_bf16_on_avx2_decodes_on_the_gemv(monkeypatch, capsys):
+    # no LLMCTL_BF16_EMULATE: `sample --precision bf16` runs, its decode steps on the GEMV's AVX2
+    # copy (as AVX512_BF16 would give them), and its greedy text is the emulated model's
+    import llmctl.sample as sample_mod
+    from llmctl.cli import main
+
+    monkeypatch.delenv("LLMCTL_BF16_EMULATE", raising=False)
+    with pytest.raises(ConfigError, match="--precision bf16 is not available"):   # the library: still refused
+        GPT2(GPT2Config.from_descriptor("d6"), precision="bf16")
+    rows, real = [], matmul.matmul_forward_bf16
+
+    def counting(out, inp, weight, bias, BT, *a, **kw):
+        rows.append(BT)
+        return real(out, inp, weight, bias, BT, *a, **kw)
+
+    monkeypatch.setattr(matmul, "matmul_forward_bf16", counting)
+    with pytest.raises(SystemExit) as e:
+        main(["sample", "-e", "d6", "--precision", "bf16", "-n", "6", "--seed", "7", "--json"])
+    assert e.value.code == 0
+    got = json.loads(capsys.readouterr().out.splitlines()[-1])["tokens"]
+    assert len(got) == 6 and max(rows) == 1 and len(rows) == 6 * (4 * 6 + 1)   # 6 layers and the lm head
+    monkeypatch.setattr(matmul, "matmul_forward_bf16", real)
+    m = GPT2.from_descriptor("d6", precision="bf16", bf16_emulate=True)
+    assert m.ops.gemv_on_openmp
+    for isa in ("off", None):   # the same samples with the GEMV and with the emulated GEMM
+        old = matmul.set_gemv_isa(isa)
+        try:
+            want = sample_mod.sample(m, [sample_mod.EOT], max_new_tokens=6, seed=7)[0]["tokens"]
+        finally:
+            matmul.set_gemv_isa(old)
+        assert want == got, isa
 
 
 def test_bf16_model_reads_v5_bf16_checkpoints_bit_exactly(bf16_ok, tmp_path):

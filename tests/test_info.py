@@ -57,10 +57,14 @@ def test_info_and_version_print_the_same_eight_lines():
         assert lines[2].startswith("GEMM engine: scipy BLAS ("), lines[2]
     if matmul.bf16_native():
         assert lines[3].startswith("precisions: fp32, bf16 (native: "), lines[3]
+    elif "avx2" in matmul.gemv_bf16_isas():
+        assert lines[3].startswith("precisions: fp32; bf16 for `llmctl sample` only, on the bf16 GEMV's "
+                                   "AVX2 copy (training and eval: no, "), lines[3]
     else:
         assert lines[3].startswith("precisions: fp32 (bf16: no, "), lines[3]
     # the kernels' instruction sets, as the modules report them in this process
-    gemv = "avx512_bf16" if matmul.gemv_bf16_available() else "off"
+    gemv = matmul.gemv_bf16_isa()
+    assert gemv == (matmul.gemv_bf16_isas() or ("off",))[-1]   # the best this CPU runs
     assert lines[4] == (f"kernels: attention {attention.isa()}, layers {layers.simd()}, AdamW {adamw.simd()}, "
                         f"bf16 GEMV {gemv}, KV-cache attention {kvcache.isa()}"), lines[4]
     assert lines[5] == (f"attention-bf16: {attention.bf16_path()} "
@@ -71,6 +75,8 @@ def test_info_and_version_print_the_same_eight_lines():
     # the same facts as --json gives
     info = json.loads(_cli("info", "--json"))
     assert info["engine"] == matmul.default_engine() and ("bf16" in info["precisions"]) == matmul.bf16_native()
+    assert info["bf16_sampling"] == ("native" if matmul.bf16_native() else
+                                     "avx2" if "avx2" in matmul.gemv_bf16_isas() else None)
     assert info["kernels"] == {"attention": attention.isa(), "layers": layers.simd(), "adamw": adamw.simd(),
                                "bf16_gemv": gemv, "kv_attention": kvcache.isa(),
                                "attention_bf16": attention.bf16_path()}

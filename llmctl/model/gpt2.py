@@ -148,7 +148,7 @@ class GPT2:
     """
 
     def __init__(self, config, n_threads=None, engine=None, recompute=None, precision=DEFAULT_PRECISION,
-                 matmul=None):
+                 matmul=None, bf16_emulate=None):
         """recompute: the matmul inputs that one cheap kernel reproduces from what backward keeps
         anyway (fch_gelu = GELU(fch), ln1/ln2 = layernorm(x) with the saved mean/rstd) are kept
         per layer, or recomputed in backward into one layer of scratch, the same bits either way.
@@ -157,9 +157,11 @@ class GPT2:
         those kernels in backward), else 2; True = 2, False = 0.
         engine: the GEMM engine (None: the default, oneDNN where built, else scipy's BLAS);
         `matmul=` is its former name, still accepted.
-        precision: "fp32" or "bf16" (mixed precision, see the module docstring)."""
+        precision: "fp32" or "bf16" (mixed precision, see the module docstring).
+        bf16_emulate: True runs bf16 where the CPU has no native bf16, its GEMMs emulated on fp32
+        (`llmctl sample` does where the bf16 GEMV's AVX2 copy decodes); None: LLMCTL_BF16_EMULATE."""
         self.config = config
-        self.precision = check_precision(precision)
+        self.precision = check_precision(precision, emulate=bf16_emulate)
         if recompute not in (None, True, False, 0, 1, 2):
             raise ConfigError(f"recompute must be None, 0, 1 or 2, got {recompute!r}")
         self.recompute = recompute

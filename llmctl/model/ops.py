@@ -117,8 +117,9 @@ class Bf16Ops(Fp32Ops):
         super().__init__(k, params, engine)
         self.pb = params_bf16
         # decode's one-row products run on OpenMP's threads (gemv_bf16.h, oneDNN), or, emulated
-        # on fp32 sgemm ("blas"), on the BLAS's own
-        self.gemv_on_openmp = (engine or k.matmul.get_bf16_engines()[0]) != "blas"
+        # on fp32 sgemm ("blas") where this CPU has no copy of the GEMV, on the BLAS's own
+        self.gemv_on_openmp = (k.matmul.gemv_bf16_available()
+                               or (engine or k.matmul.get_bf16_engines()[0]) != "blas")
 
     def weight(self, name, l):
         return (self.pb[name] if l is None else self.pb[name][l]).reshape(-1)
