@@ -16,9 +16,11 @@
  *   bf16 is the top half of an fp32) decode faster than fp32 ones without native bf16. It adds
  *   in vdpbf16ps's order as the Intel SDM defines it: lane j of 16 takes the pair (2j+1, 2j) of
  *   each 32-element chunk, odd element first, each an FMA; then the same loops, accumulators and
- *   final tree (GCC's _mm512_reduce_add_ps) as the AVX-512 copy. So the two give the same bits,
- *   except where an input, product or partial sum is subnormal (vdpbf16ps flushes those to
- *   zero; FMA keeps them). tests/test_bf16.py checks both against one NumPy model of that order.
+ *   final tree (GCC's _mm512_reduce_add_ps) as the AVX-512 copy. So the two give the same bits
+ *   wherever the hardware follows that definition, except where an input, product or partial
+ *   sum is subnormal (vdpbf16ps flushes those to zero; FMA keeps them). tests/test_bf16.py
+ *   checks the AVX2 copy bit for bit against a NumPy model of that order, and the AVX-512 copy
+ *   against the same model on CPUs that have it.
  * The build stays baseline x86-64: each function alone is compiled for its instruction set
  * (target attribute) and chosen at run time.
  *

@@ -349,8 +349,9 @@ def vdpbf16ps_gemv(x16, w16, bias, R, C, OC):
 @pytest.mark.parametrize("n_threads", [1, 2])
 def test_gemv_copies_give_vdpbf16ps_bits(isa, shape, with_bias, n_threads):
     # decode-sized products (BT <= 4) run on gemv_bf16.h on every bf16 engine: the AVX-512 copy
-    # on vdpbf16ps, the AVX2 copy widening bf16 in registers; both must give the bits of the
-    # instruction's definition (so AVX2 CPUs decode as AVX512_BF16 ones do)
+    # on vdpbf16ps, the AVX2 copy widening bf16 in registers and adding in the order the Intel
+    # SDM defines for vdpbf16ps (so AVX2 CPUs decode as AVX512_BF16 ones do where the hardware
+    # follows that definition: checked on CPUs that have the instruction)
     BT, C, OC = shape
     rng = np.random.default_rng(BT * 7919 + C * 31 + OC)
     ib, wb, b = to_bf16(_f32(rng, BT, C)), to_bf16(_f32(rng, OC, C)), _f32(rng, OC)
@@ -362,13 +363,18 @@ def test_gemv_copies_give_vdpbf16ps_bits(isa, shape, with_bias, n_threads):
     finally:
         matmul.set_gemv_isa(old)
     want = vdpbf16ps_gemv(ib, wb, b if with_bias else None, BT, C, OC)
-    if BT <= 4:
+    x64, w64 = from_bf16(ib).astype(np.float64), from_bf16(wb).astype(np.float64)
+    terms = np.abs(x64) @ np.abs(w64).T + (np.abs(b) if with_bias else 0.0)
+    # every path: within the float32 dot bound of the float64 product (past set_gemv_rows(): the
+    # engine's GEMM, another summation order)
+    _assert_dot_close(out.reshape(BT, OC), ref.matmul_forward(x64, w64, b.astype(np.float64) if with_bias
+                                                               else None), terms, C, f"bf16 {isa}")
+    if BT <= 4 and isa == "avx2":   # llmctl's own arithmetic: exactly the model
         np.testing.assert_array_equal(out.reshape(BT, OC), want)
-    else:   # past set_gemv_rows(): the engine's GEMM, another summation order, the same bound
-        x64, w64 = from_bf16(ib).astype(np.float64), from_bf16(wb).astype(np.float64)
-        terms = np.abs(x64) @ np.abs(w64).T + (np.abs(b) if with_bias else 0.0)
-        _assert_dot_close(out.reshape(BT, OC), ref.matmul_forward(x64, w64, b.astype(np.float64) if with_bias
-                                                                   else None), terms, C, "bf16 GEMM")
+    elif BT <= 4 and not np.array_equal(out.reshape(BT, OC), want):
+        # the instruction itself: the SDM's definition says these bits; a CPU whose vdpbf16ps
+        # rounds otherwise decodes within the bound above, and the AVX2 copy's bits are not its
+        pytest.xfail(f"this CPU's vdpbf16ps does not give the SDM model's bits ({C=}, {OC=})")
 
 
 def test_gemv_model_is_not_the_plain_dot():
