@@ -824,7 +824,8 @@ def gemv_bf16_available():
 
 def gemv_bf16_isa():
     """The gemv_bf16.h copy few-row bf16 products run on: "avx512_bf16" (vdpbf16ps), "avx2"
-    (bf16 widened in registers, the same bits), or "off" (no AVX2 and FMA, or set off)."""
+    (bf16 widened in registers, added in vdpbf16ps's order), or "off" (no AVX2 and FMA, or set
+    off: the engine does those rows too)."""
     return GEMV_ISAS[_gemv_isa]
 
 
@@ -870,8 +871,8 @@ def matmul_forward_bf16(out, const uint16_t[::1] inp, const uint16_t[::1] weight
     """out (BT,OC) = inp (BT,C) bf16 @ weight (OC,C)^T bf16 + bias (OC) fp32, accumulated in
     fp32. Overwrites out: float32, or uint16 for bf16 (the fp32 result rounded to nearest even;
     for an output that only feeds bf16 kernels, at half the bytes: oneDNN's primitive writes it
-    so itself, the other paths round an fp32 result). bias may be None. On the dnnl engines,
-    BT <= set_gemv_rows() rows (a decode step) run on gemv_bf16.h (gemv_bf16_isa()) on every engine."""
+    so itself, the other paths round an fp32 result). bias may be None. On every engine,
+    BT <= set_gemv_rows() rows (a decode step) run on gemv_bf16.h (gemv_bf16_isa()) instead."""
     cdef uint16_t[::1] out16
     cdef float[::1] tmp
     cdef const float* bias_ptr
