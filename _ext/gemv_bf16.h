@@ -41,100 +41,110 @@ static int llmctl_gemv_bf16_supported(void) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
 }
 
+/* The loops of both copies, written once so that they add in the same order: rows [o0, o1) of
+   the output channels; ACC holds 16 fp32 lanes, XT one chunk of 32 bf16 as loaded; ZERO(),
+   LOAD(p, n) (the 32 bf16 at p, zeros past n: the C tail), DP(acc, x, w) (acc += x . w over
+   one chunk, in vdpbf16ps's order), ADD(a, b) (lane by lane), SUM(acc) (the 16 lanes, as GCC's
+   _mm512_reduce_add_ps adds them). */
+#define LLMCTL_GEMV_LOOPS(NAME, ATTR, ACC, XT, ZERO, LOAD, DP, ADD, SUM)                          \
+ATTR static void NAME(float* out, const uint16_t* x, const uint16_t* W, const float* bias, int R,     \
+                      int64_t C, int64_t OC, int64_t o0, int64_t o1) {                              \
+    int64_t o = o0;                                                                                 \
+    if (R == 1) {   /* sampling: one sequential pass over the rows, four rows (chains) at a time,  \
+                       the rows 8 ahead prefetched (the decode's weights moved at 23 GB/s without, \
+                       29-30 with, on 2 cores of an AMX Xeon) */                                    \
+        for (; o + 4 <= o1; o += 4) {                                                               \
+            const uint16_t* w = W + o * C;                                                          \
+            ACC a0 = ZERO(), a1 = a0, a2 = a0, a3 = a0;                                             \
+            for (int64_t c = 0; c < C; c += 32) {                                                   \
+                XT xv = LOAD(x + c, C - c);                                                         \
+                _mm_prefetch((const char*)(w + 8 * C + c), _MM_HINT_T0);                            \
+                _mm_prefetch((const char*)(w + 9 * C + c), _MM_HINT_T0);                            \
+                _mm_prefetch((const char*)(w + 10 * C + c), _MM_HINT_T0);                           \
+                _mm_prefetch((const char*)(w + 11 * C + c), _MM_HINT_T0);                           \
+                a0 = DP(a0, xv, LOAD(w + c, C - c));                                                \
+                a1 = DP(a1, xv, LOAD(w + C + c, C - c));                                            \
+                a2 = DP(a2, xv, LOAD(w + 2 * C + c, C - c));                                        \
+                a3 = DP(a3, xv, LOAD(w + 3 * C + c, C - c));                                        \
+            }                                                                                       \
+            out[o] = SUM(a0) + (bias ? bias[o] : 0.0f);                                             \
+            out[o + 1] = SUM(a1) + (bias ? bias[o + 1] : 0.0f);                                     \
+            out[o + 2] = SUM(a2) + (bias ? bias[o + 2] : 0.0f);                                     \
+            out[o + 3] = SUM(a3) + (bias ? bias[o + 3] : 0.0f);                                     \
+        }                                                                                           \
+        for (; o < o1; o++) {                                                                       \
+            const uint16_t* w = W + o * C;                                                          \
+            ACC a0 = ZERO(), a1 = a0, a2 = a0, a3 = a0;                                             \
+            int64_t c = 0;                                                                          \
+            for (; c + 128 <= C; c += 128) {                                                        \
+                a0 = DP(a0, LOAD(x + c, 32), LOAD(w + c, 32));                                      \
+                a1 = DP(a1, LOAD(x + c + 32, 32), LOAD(w + c + 32, 32));                            \
+                a2 = DP(a2, LOAD(x + c + 64, 32), LOAD(w + c + 64, 32));                            \
+                a3 = DP(a3, LOAD(x + c + 96, 32), LOAD(w + c + 96, 32));                            \
+            }                                                                                       \
+            for (; c < C; c += 32)                                                                  \
+                a0 = DP(a0, LOAD(x + c, C - c), LOAD(w + c, C - c));                                \
+            a0 = ADD(ADD(a0, a1), ADD(a2, a3));                                                     \
+            out[o] = SUM(a0) + (bias ? bias[o] : 0.0f);                                             \
+        }                                                                                           \
+        return;                                                                                     \
+    }                                                                                               \
+    for (; o + 4 <= o1; o += 4) {   /* four weight rows (4 x 1.5 KB at C = 768) stay in L1 */       \
+        const uint16_t* w0 = W + o * C;                                                             \
+        for (int r = 0; r < R; r++) {                                                               \
+            const uint16_t* xr = x + (int64_t)r * C;                                                \
+            ACC a0 = ZERO(), a1 = a0, a2 = a0, a3 = a0;                                             \
+            for (int64_t c = 0; c < C; c += 32) {                                                   \
+                XT xv = LOAD(xr + c, C - c);                                                        \
+                a0 = DP(a0, xv, LOAD(w0 + c, C - c));                                               \
+                a1 = DP(a1, xv, LOAD(w0 + C + c, C - c));                                           \
+                a2 = DP(a2, xv, LOAD(w0 + 2 * C + c, C - c));                                       \
+                a3 = DP(a3, xv, LOAD(w0 + 3 * C + c, C - c));                                       \
+            }                                                                                       \
+            float* y = out + (int64_t)r * OC + o;                                                   \
+            y[0] = SUM(a0) + (bias ? bias[o] : 0.0f);                                               \
+            y[1] = SUM(a1) + (bias ? bias[o + 1] : 0.0f);                                           \
+            y[2] = SUM(a2) + (bias ? bias[o + 2] : 0.0f);                                           \
+            y[3] = SUM(a3) + (bias ? bias[o + 3] : 0.0f);                                           \
+        }                                                                                           \
+    }                                                                                               \
+    for (; o < o1; o++) {                                                                           \
+        const uint16_t* w0 = W + o * C;                                                             \
+        for (int r = 0; r < R; r++) {                                                               \
+            const uint16_t* xr = x + (int64_t)r * C;                                                \
+            ACC a0 = ZERO();                                                                        \
+            for (int64_t c = 0; c < C; c += 32)                                                     \
+                a0 = DP(a0, LOAD(xr + c, C - c), LOAD(w0 + c, C - c));                              \
+            out[(int64_t)r * OC + o] = SUM(a0) + (bias ? bias[o] : 0.0f);                           \
+        }                                                                                           \
+    }                                                                                               \
+}
+
+/* ---- AVX512_BF16: vdpbf16ps ---- */
 #define LLMCTL_GEMV_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
 
-/* lanes [0, n) of 32 bf16 at p, zero beyond: the C tail */
 LLMCTL_GEMV_TARGET static inline __m512i llmctl_gemv_load(const uint16_t* p, int64_t n) {
     if (n >= 32) return _mm512_loadu_si512((const void*)p);
     return _mm512_maskz_loadu_epi16((__mmask32)((1ull << n) - 1), (const void*)p);
 }
 
-#define LLMCTL_DP(acc, a, b) _mm512_dpbf16_ps((acc), (__m512bh)(a), (__m512bh)(b))
-
-LLMCTL_GEMV_TARGET static void llmctl_gemv_bf16(float* out, const uint16_t* x, const uint16_t* W,
-                                                const float* bias, int R, int64_t C, int64_t OC,
-                                                int64_t o0, int64_t o1) {
-    int64_t o = o0;
-    if (R == 1) {   /* sampling: one sequential pass over the rows, four rows (chains) at a time,
-                       the rows 8 ahead prefetched (the decode's weights moved at 23 GB/s without,
-                       29-30 with, on 2 cores of an AMX Xeon) */
-        for (; o + 4 <= o1; o += 4) {
-            const uint16_t* w = W + o * C;
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int64_t c = 0; c < C; c += 32) {
-                __m512i xv = llmctl_gemv_load(x + c, C - c);
-                _mm_prefetch((const char*)(w + 8 * C + c), _MM_HINT_T0);
-                _mm_prefetch((const char*)(w + 9 * C + c), _MM_HINT_T0);
-                _mm_prefetch((const char*)(w + 10 * C + c), _MM_HINT_T0);
-                _mm_prefetch((const char*)(w + 11 * C + c), _MM_HINT_T0);
-                a0 = LLMCTL_DP(a0, xv, llmctl_gemv_load(w + c, C - c));
-                a1 = LLMCTL_DP(a1, xv, llmctl_gemv_load(w + C + c, C - c));
-                a2 = LLMCTL_DP(a2, xv, llmctl_gemv_load(w + 2 * C + c, C - c));
-                a3 = LLMCTL_DP(a3, xv, llmctl_gemv_load(w + 3 * C + c, C - c));
-            }
-            out[o] = _mm512_reduce_add_ps(a0) + (bias ? bias[o] : 0.0f);
-            out[o + 1] = _mm512_reduce_add_ps(a1) + (bias ? bias[o + 1] : 0.0f);
-            out[o + 2] = _mm512_reduce_add_ps(a2) + (bias ? bias[o + 2] : 0.0f);
-            out[o + 3] = _mm512_reduce_add_ps(a3) + (bias ? bias[o + 3] : 0.0f);
-        }
-        for (; o < o1; o++) {
-            const uint16_t* w = W + o * C;
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            int64_t c = 0;
-            for (; c + 128 <= C; c += 128) {
-                a0 = LLMCTL_DP(a0, _mm512_loadu_si512((const void*)(x + c)), _mm512_loadu_si512((const void*)(w + c)));
-                a1 = LLMCTL_DP(a1, _mm512_loadu_si512((const void*)(x + c + 32)), _mm512_loadu_si512((const void*)(w + c + 32)));
-                a2 = LLMCTL_DP(a2, _mm512_loadu_si512((const void*)(x + c + 64)), _mm512_loadu_si512((const void*)(w + c + 64)));
-                a3 = LLMCTL_DP(a3, _mm512_loadu_si512((const void*)(x + c + 96)), _mm512_loadu_si512((const void*)(w + c + 96)));
-            }
-            for (; c < C; c += 32)
-                a0 = LLMCTL_DP(a0, llmctl_gemv_load(x + c, C - c), llmctl_gemv_load(w + c, C - c));
-            a0 = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
-            out[o] = _mm512_reduce_add_ps(a0) + (bias ? bias[o] : 0.0f);
-        }
-        return;
-    }
-    for (; o + 4 <= o1; o += 4) {   /* four weight rows (4 x 1.5 KB at C = 768) stay in L1 */
-        const uint16_t* w0 = W + o * C;
-        for (int r = 0; r < R; r++) {
-            const uint16_t* xr = x + (int64_t)r * C;
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int64_t c = 0; c < C; c += 32) {
-                __m512i xv = llmctl_gemv_load(xr + c, C - c);
-                a0 = LLMCTL_DP(a0, xv, llmctl_gemv_load(w0 + c, C - c));
-                a1 = LLMCTL_DP(a1, xv, llmctl_gemv_load(w0 + C + c, C - c));
-                a2 = LLMCTL_DP(a2, xv, llmctl_gemv_load(w0 + 2 * C + c, C - c));
-                a3 = LLMCTL_DP(a3, xv, llmctl_gemv_load(w0 + 3 * C + c, C - c));
-            }
-            float* y = out + (int64_t)r * OC + o;
-            y[0] = _mm512_reduce_add_ps(a0) + (bias ? bias[o] : 0.0f);
-            y[1] = _mm512_reduce_add_ps(a1) + (bias ? bias[o + 1] : 0.0f);
-            y[2] = _mm512_reduce_add_ps(a2) + (bias ? bias[o + 2] : 0.0f);
-            y[3] = _mm512_reduce_add_ps(a3) + (bias ? bias[o + 3] : 0.0f);
-        }
-    }
-    for (; o < o1; o++) {
-        const uint16_t* w0 = W + o * C;
-        for (int r = 0; r < R; r++) {
-            const uint16_t* xr = x + (int64_t)r * C;
-            __m512 a0 = _mm512_setzero_ps();
-            for (int64_t c = 0; c < C; c += 32)
-                a0 = LLMCTL_DP(a0, llmctl_gemv_load(xr + c, C - c), llmctl_gemv_load(w0 + c, C - c));
-            out[(int64_t)r * OC + o] = _mm512_reduce_add_ps(a0) + (bias ? bias[o] : 0.0f);
-        }
-    }
+LLMCTL_GEMV_TARGET static inline __m512 llmctl_gemv_dp(__m512 acc, __m512i a, __m512i b) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
 }
-#undef LLMCTL_DP
+
+LLMCTL_GEMV_LOOPS(llmctl_gemv_bf16, LLMCTL_GEMV_TARGET, __m512, __m512i, _mm512_setzero_ps, llmctl_gemv_load,
+                  llmctl_gemv_dp, _mm512_add_ps, _mm512_reduce_add_ps)
 #undef LLMCTL_GEMV_TARGET
 
+/* ---- AVX2 + FMA: bf16 widened in registers, added in vdpbf16ps's order ---- */
 static int llmctl_gemv_bf16_avx2_supported(void) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
 #define LLMCTL_GEMV2_TARGET __attribute__((target("avx2,fma")))
 
-/* 32 bf16 at p (zeros past n) as vdpbf16ps sees them: the odd and even elements of the first 16
-   (lanes 0-7) and of the last 16 (lanes 8-15), widened to fp32 */
+/* 32 bf16 as vdpbf16ps sees them: the odd and even elements of the first 16 (lanes 0-7) and of
+   the last 16 (lanes 8-15), widened to fp32 */
 typedef struct { __m256 o0, e0, o1, e1; } llmctl_bf16x32;
 
 LLMCTL_GEMV2_TARGET static inline llmctl_bf16x32 llmctl_gemv2_load(const uint16_t* p, int64_t n) {
@@ -167,7 +177,7 @@ LLMCTL_GEMV2_TARGET static inline llmctl_acc16 llmctl_gemv2_zero(void) {
     return z;
 }
 
-/* acc += x . w over one chunk, in vdpbf16ps's order */
+/* lane j += x[2j+1] w[2j+1], then += x[2j] w[2j], each one FMA */
 LLMCTL_GEMV2_TARGET static inline llmctl_acc16 llmctl_gemv2_dp(llmctl_acc16 acc, llmctl_bf16x32 x,
                                                                llmctl_bf16x32 w) {
     acc.a = _mm256_fmadd_ps(x.o0, w.o0, acc.a);
@@ -191,79 +201,10 @@ LLMCTL_GEMV2_TARGET static inline float llmctl_gemv2_sum(llmctl_acc16 acc) {
     return _mm_cvtss_f32(v) + _mm_cvtss_f32(_mm_shuffle_ps(v, v, _MM_SHUFFLE(1, 1, 1, 1)));
 }
 
-/* llmctl_gemv_bf16 above, loop for loop */
-LLMCTL_GEMV2_TARGET static void llmctl_gemv_bf16_avx2(float* out, const uint16_t* x, const uint16_t* W,
-                                                      const float* bias, int R, int64_t C, int64_t OC,
-                                                      int64_t o0, int64_t o1) {
-    int64_t o = o0;
-    if (R == 1) {
-        for (; o + 4 <= o1; o += 4) {
-            const uint16_t* w = W + o * C;
-            llmctl_acc16 a0 = llmctl_gemv2_zero(), a1 = a0, a2 = a0, a3 = a0;
-            for (int64_t c = 0; c < C; c += 32) {
-                llmctl_bf16x32 xv = llmctl_gemv2_load(x + c, C - c);
-                _mm_prefetch((const char*)(w + 8 * C + c), _MM_HINT_T0);
-                _mm_prefetch((const char*)(w + 9 * C + c), _MM_HINT_T0);
-                _mm_prefetch((const char*)(w + 10 * C + c), _MM_HINT_T0);
-                _mm_prefetch((const char*)(w + 11 * C + c), _MM_HINT_T0);
-                a0 = llmctl_gemv2_dp(a0, xv, llmctl_gemv2_load(w + c, C - c));
-                a1 = llmctl_gemv2_dp(a1, xv, llmctl_gemv2_load(w + C + c, C - c));
-                a2 = llmctl_gemv2_dp(a2, xv, llmctl_gemv2_load(w + 2 * C + c, C - c));
-                a3 = llmctl_gemv2_dp(a3, xv, llmctl_gemv2_load(w + 3 * C + c, C - c));
-            }
-            out[o] = llmctl_gemv2_sum(a0) + (bias ? bias[o] : 0.0f);
-            out[o + 1] = llmctl_gemv2_sum(a1) + (bias ? bias[o + 1] : 0.0f);
-            out[o + 2] = llmctl_gemv2_sum(a2) + (bias ? bias[o + 2] : 0.0f);
-            out[o + 3] = llmctl_gemv2_sum(a3) + (bias ? bias[o + 3] : 0.0f);
-        }
-        for (; o < o1; o++) {
-            const uint16_t* w = W + o * C;
-            llmctl_acc16 a0 = llmctl_gemv2_zero(), a1 = a0, a2 = a0, a3 = a0;
-            int64_t c = 0;
-            for (; c + 128 <= C; c += 128) {
-                a0 = llmctl_gemv2_dp(a0, llmctl_gemv2_load(x + c, 32), llmctl_gemv2_load(w + c, 32));
-                a1 = llmctl_gemv2_dp(a1, llmctl_gemv2_load(x + c + 32, 32), llmctl_gemv2_load(w + c + 32, 32));
-                a2 = llmctl_gemv2_dp(a2, llmctl_gemv2_load(x + c + 64, 32), llmctl_gemv2_load(w + c + 64, 32));
-                a3 = llmctl_gemv2_dp(a3, llmctl_gemv2_load(x + c + 96, 32), llmctl_gemv2_load(w + c + 96, 32));
-            }
-            for (; c < C; c += 32)
-                a0 = llmctl_gemv2_dp(a0, llmctl_gemv2_load(x + c, C - c), llmctl_gemv2_load(w + c, C - c));
-            a0 = llmctl_gemv2_add(llmctl_gemv2_add(a0, a1), llmctl_gemv2_add(a2, a3));
-            out[o] = llmctl_gemv2_sum(a0) + (bias ? bias[o] : 0.0f);
-        }
-        return;
-    }
-    for (; o + 4 <= o1; o += 4) {
-        const uint16_t* w0 = W + o * C;
-        for (int r = 0; r < R; r++) {
-            const uint16_t* xr = x + (int64_t)r * C;
-            llmctl_acc16 a0 = llmctl_gemv2_zero(), a1 = a0, a2 = a0, a3 = a0;
-            for (int64_t c = 0; c < C; c += 32) {
-                llmctl_bf16x32 xv = llmctl_gemv2_load(xr + c, C - c);
-                a0 = llmctl_gemv2_dp(a0, xv, llmctl_gemv2_load(w0 + c, C - c));
-                a1 = llmctl_gemv2_dp(a1, xv, llmctl_gemv2_load(w0 + C + c, C - c));
-                a2 = llmctl_gemv2_dp(a2, xv, llmctl_gemv2_load(w0 + 2 * C + c, C - c));
-                a3 = llmctl_gemv2_dp(a3, xv, llmctl_gemv2_load(w0 + 3 * C + c, C - c));
-            }
-            float* y = out + (int64_t)r * OC + o;
-            y[0] = llmctl_gemv2_sum(a0) + (bias ? bias[o] : 0.0f);
-            y[1] = llmctl_gemv2_sum(a1) + (bias ? bias[o + 1] : 0.0f);
-            y[2] = llmctl_gemv2_sum(a2) + (bias ? bias[o + 2] : 0.0f);
-            y[3] = llmctl_gemv2_sum(a3) + (bias ? bias[o + 3] : 0.0f);
-        }
-    }
-    for (; o < o1; o++) {
-        const uint16_t* w0 = W + o * C;
-        for (int r = 0; r < R; r++) {
-            const uint16_t* xr = x + (int64_t)r * C;
-            llmctl_acc16 a0 = llmctl_gemv2_zero();
-            for (int64_t c = 0; c < C; c += 32)
-                a0 = llmctl_gemv2_dp(a0, llmctl_gemv2_load(xr + c, C - c), llmctl_gemv2_load(w0 + c, C - c));
-            out[(int64_t)r * OC + o] = llmctl_gemv2_sum(a0) + (bias ? bias[o] : 0.0f);
-        }
-    }
-}
+LLMCTL_GEMV_LOOPS(llmctl_gemv_bf16_avx2, LLMCTL_GEMV2_TARGET, llmctl_acc16, llmctl_bf16x32, llmctl_gemv2_zero,
+                  llmctl_gemv2_load, llmctl_gemv2_dp, llmctl_gemv2_add, llmctl_gemv2_sum)
 #undef LLMCTL_GEMV2_TARGET
+#undef LLMCTL_GEMV_LOOPS
 #else
 static int llmctl_gemv_bf16_supported(void) { return 0; }
 static int llmctl_gemv_bf16_avx2_supported(void) { return 0; }
