@@ -922,6 +922,31 @@ def test_cli_precision_bf16_without_native_bf16_is_one_clear_error(cmd, monkeypa
         assert "`llmctl sample --precision bf16` runs on the bf16 GEMV's AVX2 copy" in err
 
 
+@pytest.mark.parametrize("native,gemv", [(False, None), (False, "avx2"), (True, "native")])
+def test_check_precision_for_sampling_follows_the_gemv(native, gemv, monkeypatch):
+    # the precision check's three cases on any CPU (the CPU's answers replaced): no native bf16
+    # and no AVX2 GEMV refuses bf16 everywhere; the AVX2 GEMV allows it for sampling only; native
+    # bf16 allows it everywhere. fp32 and emulate=True always pass; an unknown precision never.
+    from llmctl import info
+
+    monkeypatch.delenv("LLMCTL_BF16_EMULATE", raising=False)
+    monkeypatch.setattr(info, "bf16_sampling", lambda: gemv)
+    monkeypatch.setattr(info, "bf16_unavailable", lambda: None if native else "this CPU has no native bf16")
+    assert info.check_precision("fp32") == info.check_precision("fp32", sampling=True) == "fp32"
+    assert info.check_precision("bf16", emulate=True) == "bf16"
+    for sampling in (False, True):
+        if native or (sampling and gemv):
+            assert info.check_precision("bf16", sampling=sampling) == "bf16"
+        else:
+            with pytest.raises(ConfigError, match="bf16 is not available: this CPU has no native bf16") as e:
+                info.check_precision("bf16", sampling=sampling)
+            assert ("`llmctl sample --precision bf16` runs" in str(e.value)) == (gemv == "avx2" and not sampling)
+    monkeypatch.setenv("LLMCTL_BF16_EMULATE", "1")
+    assert info.check_precision("bf16") == "bf16"
+    with pytest.raises(ConfigError, match="unknown precision"):
+        info.check_precision("fp16", sampling=True)
+
+
 @pytest.mark.skipif(matmul.bf16_native() or "avx2" not in matmul.gemv_bf16_isas(),
                     reason="bf16 sampling without native bf16 needs a CPU with AVX2 and FMA and no "
                            "AVX512_BF16/AMX (natively it is the bf16 sampling tested above)")
