@@ -89,6 +89,12 @@ cdef extern from "attention_kernels.h":
     void att_exp_affine(const att_kern_t* k, float* x, Py_ssize_t n, float a, float b) noexcept nogil
     float att_scale_max(const att_kern_t* k, float* x, Py_ssize_t n, float a, float m0) noexcept nogil
     float att_exp_sum(const att_kern_t* k, float* x, Py_ssize_t n, float b) noexcept nogil
+    void att_softmax_tile(const att_kern_t* k, float* S, Py_ssize_t ld, Py_ssize_t nr, Py_ssize_t nc,
+                          Py_ssize_t first, float scale, float* m, float* l, float* acc,
+                          Py_ssize_t hs) noexcept nogil
+    void att_dsoftmax_tile(const att_kern_t* k, float* P, float* dS, Py_ssize_t ld, Py_ssize_t nr,
+                           Py_ssize_t nc, Py_ssize_t first, float scale, const float* lse,
+                           const float* D) noexcept nogil
     void att_gemm_acc(const att_kern_t* k, float* C, Py_ssize_t ldc, const float* A, Py_ssize_t sam,
                       Py_ssize_t sak, const float* B, Py_ssize_t ldb, Py_ssize_t M, Py_ssize_t N,
                       Py_ssize_t K) noexcept nogil
@@ -202,11 +208,10 @@ cdef void _forward_block(float* out, float* lse, const float* qkv,
     cdef float* acc = S + BR * BC
     cdef float* m = acc + BR * hs
     cdef float* l = m + BR
-    cdef Py_ssize_t r, g, gb, gr, i, jt, j0, nc, ncg, ncr, c, k, kend = i0 + nr
-    cdef float* srow
+    cdef Py_ssize_t r, g, gb, gr, i, jt, j0, nc, ncg, k, kend = i0 + nr
     cdef float* a
     cdef float* orow
-    cdef float mx, corr, tot, inv
+    cdef float inv
 
     if held[0] != b * NH + h or held[1] > kend:
         held[0] = b * NH + h
@@ -230,26 +235,9 @@ cdef void _forward_block(float* out, float* lse, const float* qkv,
             ncg = _imin(nc, i0 + g + gr - j0)
             if ncg > 0:
                 att_gemm_acc(K, S + g * BC, BC, qb + (i0 + g) * C3, C3, 1, kt, BC, gr, ncg, hs)
-        for r in range(nr):                      # online softmax; S row becomes P (0 past i)
-            i = i0 + r
-            srow = S + r * BC
-            ncr = i + 1 - j0
-            if ncr <= 0:                         # row sees none of this tile (only possible if a
-                memset(srow, 0, nc * sizeof(float))  # 4-row group straddled j0): P = 0
-                continue
-            if ncr > nc:
-                ncr = nc
-            mx = att_scale_max(K, srow, ncr, scale, m[r])
-            corr = att_expf(K, m[r] - mx)        # 0 on the first tile (m = -inf)
-            tot = att_exp_sum(K, srow, ncr, mx)
-            for c in range(ncr, nc):
-                srow[c] = 0.0
-            l[r] = l[r] * corr + tot
-            m[r] = mx
-            if corr != 1.0:
-                a = acc + r * hs
-                for k in range(hs):
-                    a[k] *= corr
+        # online softmax: each S row becomes P (0 past the keys row i sees; a row that sees none
+        # of the tile, possible where a 4-row group straddled j0, all 0), m, l and acc rescaled
+        att_softmax_tile(K, S, BC, nr, nc, i0 + 1 - j0, scale, m, l, acc, hs)
         for gb in range((nr + MR - 1) // MR):    # acc += P V_tile
             g = gb * MR
             gr = _imin(MR, nr - g)
@@ -326,12 +314,10 @@ cdef void _backward_head(float* dqkv, const float* dout, const float* qkv, const
     cdef float* qp = dS + BQ * BC                # Q, K, dout rows of this head, contiguous
     cdef float* kp = qp + T * hs
     cdef float* dop = kp + T * hs
-    cdef Py_ssize_t i, i0, i0b, nr, r, g, gb, gr, jt, j0, nc, ncg, ncr, c, k, ks
-    cdef float* prow
-    cdef float* srow
+    cdef Py_ssize_t i, i0, i0b, nr, g, gb, gr, jt, j0, nc, ncg, c, k, ks
     cdef float* drow
     cdef float* src
-    cdef float acc, li, Di
+    cdef float acc
 
     for i in range(T):                           # D_i = dout_i . out_i  (= sum_j P_ij dP_ij)
         acc = 0.0
@@ -360,19 +346,8 @@ cdef void _backward_head(float* dqkv, const float* dout, const float* qkv, const
                 ncg = _imin(nc, i0 + g + gr - j0)
                 att_gemm_acc(K, P + g * BC, BC, qp + (i0 + g) * hs, hs, 1, kt, BC, gr, ncg, hs)
                 att_gemm_acc(K, dS + g * BC, BC, dop + (i0 + g) * hs, hs, 1, vt, BC, gr, ncg, hs)
-            for r in range(nr):                  # the forward's score bits, exp(s - lse)
-                i = i0 + r
-                prow = P + r * BC
-                srow = dS + r * BC
-                ncr = _imin(nc, i + 1 - j0)
-                li = lb[i]
-                Di = D[i]
-                att_exp_affine(K, prow, ncr, scale, li)
-                for c in range(ncr):
-                    srow[c] = prow[c] * (srow[c] - Di) * scale
-                for c in range(ncr, nc):
-                    prow[c] = 0.0
-                    srow[c] = 0.0
+            # the forward's score bits, P = exp(s - lse), then dS = P (dP - D) scale
+            att_dsoftmax_tile(K, P, dS, BC, nr, nc, i0 + 1 - j0, scale, lb + i0, D + i0)
             for gb in range((nc + MR - 1) // MR):  # dV += P^T dout, dK += dS^T Q, over the rows
                 g = gb * MR                           # that see keys j0+g.. (earlier rows: P = 0)
                 gr = _imin(MR, nc - g)

@@ -90,6 +90,62 @@ ATTR static inline float att_expf_##SFX(float x)                                
 
 #define ATT_MUL_ADD(a, b, c) ((a) * (b) + (c))
 
+/* The per-row work on one score tile, instantiated once per set after its kernels, so that a
+   tile costs one call instead of three indirect calls a row (attention.pyx's loops did them).
+   Each row runs exactly the operations the loops ran, in their order, so the bits are the same.
+   softmax_tile (forward, online softmax): rows r < nr of S (row stride ld) see the first
+   ncr = min(nc, first + r) keys (ncr <= 0: none, the row becomes P = 0); the row is scaled and
+   its max taken with m[r], corr = exp(m[r] - max), the exps summed, the columns past ncr zeroed,
+   l[r] = l[r] * corr + sum, m[r] = max, and the row's hs accumulators scaled by corr unless 1.
+   dsoftmax_tile (backward): the forward's probabilities P = exp(S * scale - lse[r]) over the
+   ncr = min(nc, first + r) >= 1 keys each row sees, then dS = (P * (dP - D[r])) * scale over
+   them (dS holds dP on entry), both zeroed past ncr. */
+#define ATT_DEFINE_TILES(SFX, ATTR)                                                       \
+ATTR static void att_softmax_tile_##SFX(float* S, ptrdiff_t ld, ptrdiff_t nr, ptrdiff_t nc,   \
+                                        ptrdiff_t first, float scale, float* m, float* l,    \
+                                        float* acc, ptrdiff_t hs)                             \
+{                                                                                        \
+    ptrdiff_t r, c, k, ncr;                                                              \
+    for (r = 0; r < nr; r++) {                                                           \
+        float* srow = S + r * ld;                                                        \
+        float mx, corr, tot;                                                             \
+        ncr = first + r;                                                                 \
+        if (ncr <= 0) {                                                                  \
+            memset(srow, 0, (size_t)nc * sizeof(float));                                 \
+            continue;                                                                    \
+        }                                                                                \
+        if (ncr > nc) ncr = nc;                                                          \
+        mx = att_scale_max_##SFX(srow, ncr, scale, m[r]);                                \
+        corr = att_expf_##SFX(m[r] - mx);            /* 0 on the first tile (m = -inf) */ \
+        tot = att_exp_sum_##SFX(srow, ncr, mx);                                          \
+        for (c = ncr; c < nc; c++) srow[c] = 0.0f;                                       \
+        l[r] = l[r] * corr + tot;                                                        \
+        m[r] = mx;                                                                       \
+        if (corr != 1.0f) {                                                              \
+            float* a = acc + r * hs;                                                     \
+            for (k = 0; k < hs; k++) a[k] = a[k] * corr;                                 \
+        }                                                                                \
+    }                                                                                    \
+}                                                                                        \
+ATTR static void att_dsoftmax_tile_##SFX(float* P, float* dS, ptrdiff_t ld, ptrdiff_t nr,     \
+                                         ptrdiff_t nc, ptrdiff_t first, float scale,          \
+                                         const float* lse, const float* D)                    \
+{                                                                                        \
+    ptrdiff_t r, c, ncr;                                                                 \
+    for (r = 0; r < nr; r++) {                                                           \
+        float* prow = P + r * ld;                                                        \
+        float* srow = dS + r * ld;                                                       \
+        float Di = D[r];                                                                 \
+        ncr = first + r < nc ? first + r : nc;                                           \
+        att_exp_affine_##SFX(prow, ncr, scale, lse[r]);                                  \
+        for (c = 0; c < ncr; c++) srow[c] = (prow[c] * (srow[c] - Di)) * scale;          \
+        for (c = ncr; c < nc; c++) {                                                     \
+            prow[c] = 0.0f;                                                              \
+            srow[c] = 0.0f;                                                              \
+        }                                                                                \
+    }                                                                                    \
+}
+
 /* ---- the portable scalar set (no vector types): only when ATT_VEC is off ---- */
 #ifndef ATT_VEC
 ATT_DEFINE_EXPF(default, , ATT_MUL_ADD)
@@ -137,6 +193,7 @@ static void att_exp_affine_default(float* x, ptrdiff_t n, float a, float b)
     att_mark(1u << ATT_ISA_DEFAULT);
     for (i = 0; i < n; i++) x[i] = att_expf_default(x[i] * a - b);
 }
+ATT_DEFINE_TILES(default, )
 #endif
 
 /* ---- vector sets: one template, instantiated per ISA with its width VW and helpers ----
@@ -353,6 +410,7 @@ static inline att_vf_default default_ldm(const float* p, int rem)   /* unused: M
 { att_vf_default v = {0}; memcpy(&v, p, rem * sizeof(float)); return v; }
 static inline void default_stm(float* p, att_vf_default v, int rem) { memcpy(p, &v, rem * sizeof(float)); }
 ATT_DEFINE_SET(default, ATT_BASE_VW, att_vf_default, att_vu_default, , 1u << ATT_ISA_DEFAULT, 0)
+ATT_DEFINE_TILES(default, )
 
 #ifdef ATT_X86
 #define ATT_TGT_AVX2 __attribute__((target("avx2,fma")))
@@ -373,6 +431,7 @@ ATT_TGT_AVX2 static inline att_vf_avx2 avx2_ldm(const float* p, int rem)
 ATT_TGT_AVX2 static inline void avx2_stm(float* p, att_vf_avx2 v, int rem)
 { _mm256_maskstore_ps(p, avx2_mask(rem), (__m256)v); }
 ATT_DEFINE_SET(avx2, 8, att_vf_avx2, att_vu_avx2, ATT_TGT_AVX2, 1u << ATT_ISA_AVX2, 1)
+ATT_DEFINE_TILES(avx2, ATT_TGT_AVX2)
 
 typedef float att_vf_avx512 __attribute__((vector_size(64)));
 typedef uint32_t att_vu_avx512 __attribute__((vector_size(64)));
@@ -388,6 +447,7 @@ ATT_TGT_AVX512 static inline att_vf_avx512 avx512_ldm(const float* p, int rem)
 ATT_TGT_AVX512 static inline void avx512_stm(float* p, att_vf_avx512 v, int rem)
 { _mm512_mask_storeu_ps(p, (__mmask16)((1u << rem) - 1u), (__m512)v); }
 ATT_DEFINE_SET(avx512, 16, att_vf_avx512, att_vu_avx512, ATT_TGT_AVX512, 1u << ATT_ISA_AVX512, 1)
+ATT_DEFINE_TILES(avx512, ATT_TGT_AVX512)
 #endif
 #endif /* ATT_VEC */
 
@@ -402,9 +462,13 @@ typedef struct {
     float (*scale_max)(float*, ptrdiff_t, float, float);
     float (*exp_sum)(float*, ptrdiff_t, float);
     void (*exp_affine)(float*, ptrdiff_t, float, float);
+    void (*softmax_tile)(float*, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t, float, float*, float*, float*,
+                         ptrdiff_t);
+    void (*dsoftmax_tile)(float*, float*, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t, float, const float*,
+                          const float*);
 } att_kern_t;
 #define ATT_KERN(SFX, VW, FMA) {#SFX, VW, FMA, att_gemm_acc_##SFX, att_expf_##SFX, \
-    att_scale_max_##SFX, att_exp_sum_##SFX, att_exp_affine_##SFX}
+    att_scale_max_##SFX, att_exp_sum_##SFX, att_exp_affine_##SFX, att_softmax_tile_##SFX, att_dsoftmax_tile_##SFX}
 static const att_kern_t att_kerns[ATT_N_ISA] = {
 #ifdef ATT_VEC
     ATT_KERN(default, ATT_BASE_VW, 0),
@@ -415,8 +479,8 @@ static const att_kern_t att_kerns[ATT_N_ISA] = {
     ATT_KERN(avx2, 8, 1),
     ATT_KERN(avx512, 16, 1),
 #else
-    {"avx2", 0, 0, 0, 0, 0, 0, 0},
-    {"avx512", 0, 0, 0, 0, 0, 0, 0},
+    {"avx2", 0, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"avx512", 0, 0, 0, 0, 0, 0, 0, 0, 0},
 #endif
 };
 static int att_isa_compiled(int isa) { return isa >= 0 && isa < ATT_N_ISA && att_kerns[isa].gemm != 0; }
@@ -448,6 +512,12 @@ static inline float att_exp_sum(const att_kern_t* k, float* x, ptrdiff_t n, floa
 { return k->exp_sum(x, n, b); }
 static inline void att_exp_affine(const att_kern_t* k, float* x, ptrdiff_t n, float a, float b)
 { k->exp_affine(x, n, a, b); }
+static inline void att_softmax_tile(const att_kern_t* k, float* S, ptrdiff_t ld, ptrdiff_t nr, ptrdiff_t nc,
+                                    ptrdiff_t first, float scale, float* m, float* l, float* acc, ptrdiff_t hs)
+{ k->softmax_tile(S, ld, nr, nc, first, scale, m, l, acc, hs); }
+static inline void att_dsoftmax_tile(const att_kern_t* k, float* P, float* dS, ptrdiff_t ld, ptrdiff_t nr,
+                                     ptrdiff_t nc, ptrdiff_t first, float scale, const float* lse, const float* D)
+{ k->dsoftmax_tile(P, dS, ld, nr, nc, first, scale, lse, D); }
 static unsigned att_ran_take(int reset)
 {
     unsigned r = att_ran_bits;
