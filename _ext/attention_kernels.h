@@ -1,5 +1,6 @@
-/* The C micro-kernels of _ext/attention.pyx: exp, scale-max, exp-sum and the register-blocked
-   gemm, compiled once per instruction set from one macro template, plus the dispatch table the
+/* The C micro-kernels of _ext/attention.pyx: exp, scale-max, exp-sum, the register-blocked gemm
+   and the per-tile softmax rows of forward and backward, compiled once per instruction set from
+   macro templates, plus the dispatch table the
    Cython wrappers pick a set from. See attention.pyx's module docstring for the bit-level
    contract (two result classes: {default, scalar}, {avx2, avx512}). */
 #ifndef LLMCTL_ATTENTION_KERNELS_H
