@@ -16,6 +16,12 @@
 #include "mathf.h"
 #include "rows.h"
 
+#if defined(_MSC_VER)
+#define LLMCTL_RESTRICT __restrict
+#else
+#define LLMCTL_RESTRICT restrict
+#endif
+
 #define LLMCTL_GELU_C3 ((float)0.044715)
 #define LLMCTL_GELU_3C3 ((float)(3.0 * 0.044715))
 
@@ -39,6 +45,19 @@ static inline float llmctl_gelu_grad(float xi, float k) {
 /* dx += gelu'(x) dy */
 #define LLMCTL_GELU_BWD_LOOP                                                          \
     for (ptrdiff_t i = 0; i < n; i++) dx[i] += llmctl_gelu_grad(x[i], k) * dy[i];
+
+/* A backward that recomputes the GELU, in one pass: y = GELU(x) (for the fcproj weight
+   gradient) and d = 0 + gelu'(x) d in place (what a zero fill and += leave), tanh(u) evaluated
+   once for both. The operations of the two loops above, so their bits. */
+#define LLMCTL_GELU_FWD_BWD_LOOP                                                      \
+    for (ptrdiff_t i = 0; i < n; i++) {                                             \
+        float xi = x[i];                                                            \
+        float u = k * (xi + LLMCTL_GELU_C3 * xi * xi * xi);                         \
+        float th = llmctl_tanhf(u), sech2 = llmctl_sech2f(u);                       \
+        y[i] = 0.5f * xi * (1.0f + th);                                             \
+        float g = 0.5f * (1.0f + th) + xi * 0.5f * sech2 * k * (1.0f + LLMCTL_GELU_3C3 * xi * xi); \
+        d[i] = 0.0f + g * d[i];                                                     \
+    }
 
 /* Columns [0, n) (n <= LLMCTL_GELU_COLS) of BT rows of stride OC (pointers at the first column):
    x fp32 (bf16 x: the table loops below); g = 0 + gelu'(x) dy, the fp32 gradient exactly as a zero fill and gelu_bwd's += leave it
@@ -108,6 +127,11 @@ static inline ptrdiff_t llmctl_gelu_grad_tab_vec_base(float* g, const uint16_t* 
     ATTR static void llmctl_gelu_bwd_##SUFFIX(float* dx, const float* x, const float* dy, ptrdiff_t n, \
                                               float k) {                                       \
         LLMCTL_GELU_BWD_LOOP                                                                   \
+    }                                                                                          \
+    ATTR static void llmctl_gelu_fwd_bwd_##SUFFIX(float* LLMCTL_RESTRICT y, float* LLMCTL_RESTRICT d, \
+                                                  const float* LLMCTL_RESTRICT x, ptrdiff_t n,  \
+                                                  float k) {                                     \
+        LLMCTL_GELU_FWD_BWD_LOOP                                                               \
     }                                                                                          \
     ATTR static void llmctl_gelu_bwd_bf16_cols_##SUFFIX(uint16_t* out, double* acc, const float* x, \
                                                         const float* dy, ptrdiff_t BT, ptrdiff_t OC, \
@@ -191,6 +215,9 @@ static inline void llmctl_gelu_fwd_bf16(uint16_t* out, const float* x, ptrdiff_t
 }
 static inline void llmctl_gelu_bwd(float* dx, const float* x, const float* dy, ptrdiff_t n, float k) {
     LLMCTL_ROWS_DISPATCH(llmctl_gelu_bwd, dx, x, dy, n, k);
+}
+static inline void llmctl_gelu_fwd_bwd(float* y, float* d, const float* x, ptrdiff_t n, float k) {
+    LLMCTL_ROWS_DISPATCH(llmctl_gelu_fwd_bwd, y, d, x, n, k);
 }
 static inline void llmctl_gelu_bwd_bf16_cols(uint16_t* out, double* acc, const float* x, const float* dy,
                                              ptrdiff_t BT, ptrdiff_t OC, ptrdiff_t n, float k) {

@@ -39,6 +39,7 @@ cdef extern from "gelu.h" nogil:
     void llmctl_gelu_fwd_f32(float* out, const float* x, Py_ssize_t n, float k)
     void llmctl_gelu_fwd_bf16(uint16_t* out, const float* x, Py_ssize_t n, float k)
     void llmctl_gelu_bwd(float* dx, const float* x, const float* dy, Py_ssize_t n, float k)
+    void llmctl_gelu_fwd_bwd(float* y, float* d, const float* x, Py_ssize_t n, float k)
     void llmctl_gelu_bwd_bf16_cols(uint16_t* out, double* acc, const float* x, const float* dy,
                                    Py_ssize_t BT, Py_ssize_t OC, Py_ssize_t n, float k)
     void llmctl_gelu_tables(float k)
@@ -237,6 +238,14 @@ cdef void _gelu_backward(float* dinp, const float* inp, const float* dout, Py_ss
     for ch in prange(_nchunks(N, ECHUNK), schedule='static', num_threads=n_threads):
         s = ch * ECHUNK
         _gelu_bwd_chunk(dinp + s, inp + s, dout + s, imin(ECHUNK, N - s))
+
+
+cdef void _gelu_forward_backward(float* out, float* d, const float* inp, Py_ssize_t N,
+                                 int n_threads) noexcept nogil:
+    cdef Py_ssize_t ch, s
+    for ch in prange(_nchunks(N, ECHUNK), schedule='static', num_threads=n_threads):
+        s = ch * ECHUNK
+        llmctl_gelu_fwd_bwd(out + s, d + s, inp + s, imin(ECHUNK, N - s), GELU_SCALE)
 
 
 cdef void _residual_forward(float* out, const float* inp1, const float* inp2, Py_ssize_t N,
@@ -456,6 +465,24 @@ def gelu_backward(float[::1] dinp, const float[::1] inp, const float[::1] dout, 
     n_threads = eff_threads(n_threads, N, _grain)
     with nogil:
         _gelu_backward(&dinp[0], &inp[0], &dout[0], N, n_threads)
+
+
+def gelu_forward_backward(float[::1] out, float[::1] dinout, const float[::1] inp, long N, int n_threads=1):
+    """A backward that recomputes the GELU, in one pass over inp: out (N) = gelu_forward's
+    GELU(inp) (the fcproj weight gradient's input), and dinout (N), d(out) on entry, =
+    gelu'(inp) * d(out) on return (the bits of a zero fill and gelu_backward). out, dinout and
+    inp must not overlap."""
+    check_threads(n_threads)
+    check_positive("N", N)
+    check_len("out", out.shape[0], N)
+    check_len("dinout", dinout.shape[0], N)
+    check_len("inp", inp.shape[0], N)
+    check_disjoint("out", &out[0], N, "dinout", &dinout[0], N)
+    check_disjoint("out", &out[0], N, "inp", &inp[0], N)
+    check_disjoint("dinout", &dinout[0], N, "inp", &inp[0], N)
+    n_threads = eff_threads(n_threads, N, _grain)
+    with nogil:
+        _gelu_forward_backward(&out[0], &dinout[0], &inp[0], N, n_threads)
 
 
 ctypedef fused gin_t:

@@ -304,8 +304,9 @@ cdef void _matmul_backward_blas(float* dinp, float* dweight, float* dbias, const
     if dinp != NULL:
         # dinp (BT,C) += dout (BT,OC) @ weight (OC,C); column-major: dinp^T (C,BT) += W^T (C,OC) @ dout^T (OC,BT)
         sgemm(&tn, &tn, &C, &BT, &OC, &one, <float*>weight, &C, <float*>dout, &OC, &one, dinp, &C)
-    # dweight (OC,C) += dout^T (OC,BT) @ inp (BT,C); column-major: dW^T (C,OC) += inp^T (C,BT) @ dout (BT,OC)
-    sgemm(&tn, &tt, &C, &OC, &BT, &one, <float*>inp, &C, <float*>dout, &OC, &one, dweight, &C)
+    if dweight != NULL:
+        # dweight (OC,C) += dout^T (OC,BT) @ inp (BT,C); column-major: dW^T (C,OC) += inp^T (C,BT) @ dout (BT,OC)
+        sgemm(&tn, &tt, &C, &OC, &BT, &one, <float*>inp, &C, <float*>dout, &OC, &one, dweight, &C)
     if dbias != NULL:
         _bias_grad(dbias, NULL, dout, BT, OC, n_threads)
 
@@ -330,7 +331,7 @@ cdef int _matmul_backward_dnnl(float* dinp, float* dweight, float* dbias, const 
     if dinp != NULL:
         # dinp (BT,C) += dout (BT,OC) @ weight (OC,C)
         st = llmctl_dnnl_sgemm(b'N', b'N', BT, C, OC, dout, OC, weight, C, 1.0, dinp, C, n_threads)
-    if st == 0:
+    if st == 0 and dweight != NULL:
         # dweight (OC,C) += dout^T (OC,BT) @ inp (BT,C)
         st = llmctl_dnnl_sgemm(b'T', b'N', OC, C, BT, dout, OC, inp, C, 1.0, dweight, C, n_threads)
     if dbias != NULL:
@@ -598,7 +599,9 @@ cdef int _check_backward_disjoint(float* dinp, float* dweight, float* dbias, con
                                   const float* inp, const float* weight, int BT, int C, int OC) except -1:
     # every gradient buffer must be disjoint from every input and from the other gradients
     cdef Py_ssize_t ninp = <Py_ssize_t>BT * C, nw = <Py_ssize_t>OC * C, nout = <Py_ssize_t>BT * OC
-    outs = [("dweight", <uintptr_t>dweight, nw)]
+    outs = []
+    if dweight != NULL:
+        outs.append(("dweight", <uintptr_t>dweight, nw))
     if dinp != NULL:
         outs.append(("dinp", <uintptr_t>dinp, ninp))
     if dbias != NULL:
@@ -610,17 +613,22 @@ cdef int _check_backward_disjoint(float* dinp, float* dweight, float* dbias, con
     return 0
 
 
-def matmul_backward(dinp, float[::1] dweight, dbias, const float[::1] dout,
+def matmul_backward(dinp, dweight, dbias, const float[::1] dout,
                     const float[::1] inp, const float[::1] weight,
                     int BT, int C, int OC, int n_threads=1, engine=None):
     """Accumulate: dinp (BT,C) += dout @ weight; dweight (OC,C) += dout^T @ inp;
-    dbias (OC) += sum over BT of dout. dinp and dbias may be None (skipped)."""
+    dbias (OC) += sum over BT of dout. dinp, dweight and dbias may be None (skipped): the
+    products are independent, so calls that share them out give the bits of one call."""
     cdef int which = _engine_id(engine)
-    cdef float[::1] dinp_mv, dbias_mv
+    cdef float[::1] dinp_mv, dbias_mv, dw_mv
     cdef float* dinp_ptr = NULL
     cdef float* dbias_ptr = NULL
+    cdef float* dw_ptr = NULL
     _check_sizes("dout", dout.shape[0], inp.shape[0], weight.shape[0], BT, C, OC, n_threads)
-    check_len("dweight", dweight.shape[0], <Py_ssize_t>OC * C)
+    if dweight is not None:
+        dw_mv = dweight
+        check_len("dweight", dw_mv.shape[0], <Py_ssize_t>OC * C)
+        dw_ptr = &dw_mv[0]
     if dinp is not None:
         dinp_mv = dinp
         check_len("dinp", dinp_mv.shape[0], <Py_ssize_t>BT * C)
@@ -629,18 +637,18 @@ def matmul_backward(dinp, float[::1] dweight, dbias, const float[::1] dout,
         dbias_mv = dbias
         check_len("dbias", dbias_mv.shape[0], OC)
         dbias_ptr = &dbias_mv[0]
-    _check_backward_disjoint(dinp_ptr, &dweight[0], dbias_ptr, &dout[0], &inp[0], &weight[0], BT, C, OC)
+    _check_backward_disjoint(dinp_ptr, dw_ptr, dbias_ptr, &dout[0], &inp[0], &weight[0], BT, C, OC)
     cdef float* apack = NULL
     cdef int st
     if which == DNNL:
         with nogil:
-            st = _matmul_backward_dnnl(dinp_ptr, &dweight[0], dbias_ptr, &dout[0], &inp[0], &weight[0],
+            st = _matmul_backward_dnnl(dinp_ptr, dw_ptr, dbias_ptr, &dout[0], &inp[0], &weight[0],
                                        BT, C, OC, n_threads)
         _check_dnnl(st, "matmul_backward")
         return
     if which == BLAS:
         with nogil:
-            _matmul_backward_blas(dinp_ptr, &dweight[0], dbias_ptr, &dout[0], &inp[0], &weight[0],
+            _matmul_backward_blas(dinp_ptr, dw_ptr, dbias_ptr, &dout[0], &inp[0], &weight[0],
                                   BT, C, OC, n_threads)
         return
     try:
@@ -651,7 +659,8 @@ def matmul_backward(dinp, float[::1] dweight, dbias, const float[::1] dout,
         with nogil:
             if dinp_ptr != NULL:
                 _matmul_dinp_tiled(dinp_ptr, &dout[0], &weight[0], BT, C, OC, apack, n_threads)
-            _matmul_dweight_tiled(&dweight[0], &dout[0], &inp[0], BT, C, OC, n_threads)
+            if dw_ptr != NULL:
+                _matmul_dweight_tiled(dw_ptr, &dout[0], &inp[0], BT, C, OC, n_threads)
             if dbias_ptr != NULL:
                 _bias_grad(dbias_ptr, NULL, &dout[0], BT, OC, n_threads)
     finally:

@@ -123,6 +123,27 @@ def test_matmul_backward_skips_none(engine):
 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("n_threads", THREADS)
+def test_matmul_backward_split_in_two_calls_gives_the_same_bits(engine, n_threads):
+    # the model's fp32 backward that recomputes the GELU asks for d(inp) and d(bias) first and
+    # d(weight) after the GELU pass: each product alone, the bits of the call that makes all three
+    BT, C, OC = 37, 70, 90
+    rng = np.random.default_rng(12)
+    inp, w, dout = _f32(rng, BT * C), _f32(rng, OC * C), _f32(rng, BT * OC)
+    dinp0, dw0, db0 = _f32(rng, BT * C), _f32(rng, OC * C), _f32(rng, OC)
+    one = [dinp0.copy(), dw0.copy(), db0.copy()]
+    matmul.matmul_backward(*one, dout, inp, w, BT, C, OC, n_threads=n_threads, engine=engine)
+    two = [dinp0.copy(), dw0.copy(), db0.copy()]
+    matmul.matmul_backward(two[0], None, two[2], dout, inp, w, BT, C, OC, n_threads=n_threads, engine=engine)
+    assert two[1].tobytes() == dw0.tobytes()   # no d(weight) asked, none written
+    matmul.matmul_backward(None, two[1], None, dout, inp, w, BT, C, OC, n_threads=n_threads, engine=engine)
+    for a, b, name in zip(one, two, ("dinp", "dweight", "dbias")):
+        assert a.tobytes() == b.tobytes(), name
+    with pytest.raises(ValueError, match="dweight has 5 elements"):
+        matmul.matmul_backward(None, np.zeros(5, np.float32), None, dout, inp, w, BT, C, OC, engine=engine)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("n_threads", THREADS)
 def test_matmul_bit_identical_when_repeated(engine, n_threads):
     BT, C, OC = 37, 70, 90
     rng = np.random.default_rng(11)
@@ -419,6 +440,49 @@ def test_gelu_forward_backward_match_reference(n_threads):
     bound = 32 * U32 * ((1 + term2) * np.abs(dout) + np.abs(d0)) + 1e-30
     assert np.all(np.abs(d - want) <= bound)
     assert np.isfinite(out).all() and np.isfinite(d).all()
+
+
+@pytest.mark.parametrize("n_threads", THREADS)
+def test_gelu_forward_backward_is_gelu_then_its_gradient(n_threads):
+    # the fp32 backward's recomputing pass: GELU(x) and gelu'(x) dy from one evaluation of tanh,
+    # the bits of gelu_forward and of a zero fill + gelu_backward, specials and chunk tails included
+    rng = np.random.default_rng(21)
+    x = np.concatenate([GELU_X, rng.standard_normal(40000) * 3, [np.nan, np.inf, -np.inf, 3e38, -3e38]])
+    x = x.astype(np.float32)
+    N = x.size
+    dy = _f32(rng, N)
+    dy[7] = -0.0
+    y, d = np.empty(N, np.float32), dy.copy()
+    layers.gelu_forward_backward(y, d, x, N, n_threads)
+    y1, d1 = np.empty(N, np.float32), np.zeros(N, np.float32)
+    layers.gelu_forward(y1, x, N, n_threads)
+    layers.gelu_backward(d1, x, dy, N, n_threads)
+    assert y.tobytes() == y1.tobytes() and d.tobytes() == d1.tobytes()
+    # and against the float64 reference (the bounds of the separate kernels' test above)
+    fin = np.isfinite(x) & (np.abs(x) < 1e3)
+    x64 = x[fin].astype(np.float64)
+    assert np.all(np.abs(y[fin] - ref.gelu_forward(x64)) <= 16 * U32 * np.abs(x64) + 1e-30)
+    u = ref.GELU_SCALE * (x64 + 0.044715 * x64 ** 3)
+    term2 = np.abs(x64 * 0.5 * (1 - np.tanh(u) ** 2) * ref.GELU_SCALE * (1 + 3 * 0.044715 * x64 ** 2))
+    want = ref.gelu_backward(dy[fin].astype(np.float64), x64)
+    assert np.all(np.abs(d[fin] - want) <= 32 * U32 * (1 + term2) * np.abs(dy[fin]) + 1e-30)
+
+
+def test_gelu_forward_backward_checks_its_buffers():
+    N = 100
+    x, y, d = np.ones(N, np.float32), np.empty(N, np.float32), np.ones(N, np.float32)
+    with pytest.raises(ValueError, match="dinout and inp overlap"):
+        layers.gelu_forward_backward(y, x, x, N)
+    with pytest.raises(ValueError, match="out and dinout overlap"):
+        layers.gelu_forward_backward(d, d, x, N)
+    buf = np.ones(2 * N, np.float32)
+    with pytest.raises(ValueError, match="out and inp overlap"):
+        layers.gelu_forward_backward(buf[N // 2:N // 2 + N], d, buf[:N], N)
+    with pytest.raises(ValueError, match="dinout has 99 elements"):
+        layers.gelu_forward_backward(y, d[:99], x, N)
+    with pytest.raises(ValueError, match="N must be > 0"):
+        layers.gelu_forward_backward(y, d, x, 0)
+    layers.gelu_forward_backward(y, d, x, N)   # the same buffers, separate: fine
 
 
 def test_gelu_backward_finite_differences():
@@ -790,6 +854,9 @@ def _row_kernel_outputs(n_threads, rng):
     layers.gelu_forward_bf16(o16, x, N, n_threads)
     layers.gelu_backward(dx, x, dy, N, n_threads)
     out += [o.tobytes(), o16.tobytes(), dx.tobytes()]
+    d = dy.copy()
+    layers.gelu_forward_backward(o, d, x, N, n_threads)
+    out += [o.tobytes(), d.tobytes()]
     gb = _f32(rng, 131)                    # 131 columns: two full chunks of 64 and a tail of 3
     layers.gelu_backward_bf16(o16[:N - N % 131], gb, x[:N - N % 131], dy[:N - N % 131], N // 131, 131, n_threads)
     out += [o16.tobytes(), gb.tobytes()]

@@ -722,16 +722,24 @@ class GPT2:
         dres, dsmall, dbig, d16 = s["dres"][:n], s["dsmall"][:n], s["dbig"][:4 * n], s.get("dout16")
         gW = lambda name: g[name][l].reshape(-1)
         gb = lambda name: g[name[:-1] + "b"][l]
-        if self.plan.recompute >= 1:   # the forward's kernels on the same inputs: the same bits
+        # the GELU again, on the same inputs: the same bits; fp32 makes it in its backward's pass
+        fuse = self.plan.recompute >= 1 and o.gelu_forward_backward is not None
+        if self.plan.recompute >= 1 and not fuse:
             o.gelu(a.gelu, a.fch, 4 * n, nt)
         if self.plan.recompute >= 2:
             o.layernorm(a.ln2, a.ln2_mean, a.ln2_rstd, a.x2, p["ln2w"][l], p["ln2b"][l], BT, C, nt)
             o.layernorm(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, p["ln1w"][l], p["ln1b"][l], BT, C, nt)
         # out = x2 + fcproj(gelu(fc(ln2(x2)))); the activation gradients are written (accumulate=False)
-        o.matmul_backward(dbig, gW("fcprojw"), gb("fcprojw"), dres, d16, a.gelu, "fcprojw", l, BT, 4 * C, C, nt,
-                          accumulate=False)
-        # fp32: d(fch) over the gelu buffer, free now; bf16: straight into d16 with fc's dbias
-        dfch, dbfc = o.gelu_backward(a.gelu, d16, gb("fcw"), a.fch, dbig, BT, 4 * C, nt)
+        if fuse:   # d(gelu) first, d(fch) over it in place with the GELU, then fcproj's d(weight)
+            o.matmul_backward(dbig, None, gb("fcprojw"), dres, d16, a.gelu, "fcprojw", l, BT, 4 * C, C, nt,
+                              accumulate=False)
+            dfch, dbfc = o.gelu_forward_backward(a.gelu, dbig, gb("fcw"), a.fch, BT, 4 * C, nt)
+            o.matmul_backward(None, gW("fcprojw"), None, dres, d16, a.gelu, "fcprojw", l, BT, 4 * C, C, nt)
+        else:
+            o.matmul_backward(dbig, gW("fcprojw"), gb("fcprojw"), dres, d16, a.gelu, "fcprojw", l, BT, 4 * C, C,
+                              nt, accumulate=False)
+            # fp32: d(fch) over the gelu buffer, free now; bf16: straight into d16 with fc's dbias
+            dfch, dbfc = o.gelu_backward(a.gelu, d16, gb("fcw"), a.fch, dbig, BT, 4 * C, nt)
         o.matmul_backward(dsmall, gW("fcw"), dbfc, dfch, d16, a.ln2, "fcw", l, BT, C, 4 * C, nt, accumulate=False)
         # d(x2) = d(out) + the LN2 branch, accumulated in place
         Ly.layernorm_backward(dres, g["ln2w"][l], g["ln2b"][l], dsmall, a.x2, p["ln2w"][l],

@@ -11,6 +11,8 @@ changes the computation:
                      accumulate=False: dinp written, not added to
   gelu_backward      d(fch) as the fc layer's matmul_backward reads it (bf16: rounded, with the
                      fc bias gradient summed in the same pass)
+  gelu_forward_backward   fp32 only (bf16: None): a backward that recomputes the GELU does it
+                     in gelu_backward's pass over fch
   loss_backward      dlogits of a block of rows, as the lm head's matmul_backward reads it
                      (loss_forward_backward: the softmax and losses first, row by row)
   attention_forward / attention_backward   the flash-style attention over T positions (bf16:
@@ -85,6 +87,12 @@ class Fp32Ops:
         self.k.layers.gelu_backward(free, x, dy, N * OC, nt)
         return free, db
 
+    def gelu_forward_backward(self, out, dy, db, x, N, OC, nt):
+        """-> (dout, dbias) as gelu_backward, from one pass over x that also writes GELU(x) into out
+        (gelu's bits) and d(fch) over dy in place (gelu_backward's)."""
+        self.k.layers.gelu_forward_backward(out, dy, x, N * OC, nt)
+        return dy, db
+
     def attention_forward(self, out, lse, qkv, B, T, C, NH, nt):
         self.k.attention.attention_forward(out, lse, qkv, B, T, C, NH, nt)
 
@@ -150,6 +158,11 @@ class Bf16Ops(Fp32Ops):
         db in one pass (layers.gelu_backward_bf16); `free` is not needed."""
         self.k.layers.gelu_backward_bf16(dout_mm[:N * OC], db, x, dy, N, OC, nt)
         return None, None
+
+    # The recomputed GELU stays a pass of its own: with bf16 fch both passes read 256 KiB tables
+    # (gelu.h), and one pass reading both measured no faster on 2 threads of a Zen 3 (512 KiB L2),
+    # 8 % slower on one
+    gelu_forward_backward = None
 
     def attention_forward(self, out, lse, qkv, B, T, C, NH, nt):
         self.k.attention.attention_forward_bf16(out, lse, qkv, B, T, C, NH, nt)
