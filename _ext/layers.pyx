@@ -454,13 +454,18 @@ def gelu_forward_bf16(uint16_t[::1] out, inp, long N, int n_threads=1):
         _gelu_forward_b16(&out[0], &in16[0], N, n_threads)
 
 
-def gelu_backward(float[::1] dinp, const float[::1] inp, const float[::1] dout, long N, int n_threads=1):
-    """Accumulate: dinp (N) += gelu'(inp) * dout. dinp must not alias dout."""
+cdef _check_three_of_n(long N, int n_threads, str a, Py_ssize_t na, str b, Py_ssize_t nb, str c, Py_ssize_t nc):
+    """The checks of an elementwise kernel over three buffers of N elements each."""
     check_threads(n_threads)
     check_positive("N", N)
-    check_len("dinp", dinp.shape[0], N)
-    check_len("inp", inp.shape[0], N)
-    check_len("dout", dout.shape[0], N)
+    check_len(a, na, N)
+    check_len(b, nb, N)
+    check_len(c, nc, N)
+
+
+def gelu_backward(float[::1] dinp, const float[::1] inp, const float[::1] dout, long N, int n_threads=1):
+    """Accumulate: dinp (N) += gelu'(inp) * dout. dinp must not alias dout."""
+    _check_three_of_n(N, n_threads, "dinp", dinp.shape[0], "inp", inp.shape[0], "dout", dout.shape[0])
     check_disjoint("dinp", &dinp[0], N, "dout", &dout[0], N)
     n_threads = eff_threads(n_threads, N, _grain)
     with nogil:
@@ -472,11 +477,7 @@ def gelu_forward_backward(float[::1] out, float[::1] dinout, const float[::1] in
     GELU(inp) (the fcproj weight gradient's input), and dinout (N), d(out) on entry, =
     gelu'(inp) * d(out) on return (the bits of a zero fill and gelu_backward). out, dinout and
     inp must not overlap."""
-    check_threads(n_threads)
-    check_positive("N", N)
-    check_len("out", out.shape[0], N)
-    check_len("dinout", dinout.shape[0], N)
-    check_len("inp", inp.shape[0], N)
+    _check_three_of_n(N, n_threads, "out", out.shape[0], "dinout", dinout.shape[0], "inp", inp.shape[0])
     check_disjoint("out", &out[0], N, "dinout", &dinout[0], N)
     check_disjoint("out", &out[0], N, "inp", &inp[0], N)
     check_disjoint("dinout", &dinout[0], N, "inp", &inp[0], N)
