@@ -1,6 +1,7 @@
 """Shared test fixtures: where the repo and the shared real data are."""
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import textwrap
@@ -8,6 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+# A suite started in the background of a non-interactive shell (`pytest tests &`, some CI
+# runners) inherits SIGINT ignored, and exec hands that on to every llmctl it starts: the Ctrl-C
+# tests would find it deaf (as it should be under nohup). Catching it here restores Python's
+# handler in this process and the default disposition in its children.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data"
