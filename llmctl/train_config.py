@@ -184,8 +184,9 @@ class TrainConfig:
     recompute: int = flag(-1, "-r", "--recompute",
                           help="Recompute in backward instead of keeping per layer: 0 = none, "
                                "1 = GELU, 2 = GELU and layernorms; the same bits either way, "
-                               "less memory, a little more time (-1 = auto: 0 while L*B*T*4C "
-                               "floats fit in 256 MiB, else 2; llm.c's -r, whose default is 1).",
+                               "less memory, a little more time (-1 = auto: 2 once L*B*T*4C "
+                               "floats pass 256 MiB; below that 1 in fp32, where it is free, and 0 "
+                               "in bf16; llm.c's -r, whose default is 1).",
                           name="recompute")
     zero_stage: int = flag(0, "-z", "--zero-stage",
                            help="ZeRO stage (llm.c's -z): 0 = every rank holds all AdamW state; "

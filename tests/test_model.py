@@ -79,16 +79,16 @@ def test_forward_backward_vs_reference(n_threads, B, T):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("recompute", [True, False, 0, 1, 2])
 def test_recompute_modes_agree(recompute, precision, monkeypatch):
-    # default (None) keeps fch_gelu, ln1, ln2 per layer for tiny B*T; recomputing them
-    # in backward (llm.c's -r 1: fch_gelu; -r 2 and True: also ln1, ln2) gives the same
-    # loss, gradients and updated parameters, bit for bit
+    # keeping fch_gelu, ln1, ln2 per layer (-r 0) and recomputing them in backward (llm.c's
+    # -r 1: fch_gelu; -r 2 and True: also ln1, ln2) give the same loss, gradients and updated
+    # parameters, bit for bit
     from llmctl._ext import matmul
 
     if precision == "bf16" and not matmul.bf16_native():
         monkeypatch.setenv("LLMCTL_BF16_EMULATE", "1")
     ids, tg = _batch(2, 9, seed=3)
     src, _ = _model(1)
-    base = GPT2(CFG, n_threads=1, precision=precision)
+    base = GPT2(CFG, n_threads=1, recompute=0, precision=precision)
     m = GPT2(CFG, n_threads=1, recompute=recompute, precision=precision)
     for x in (base, m):
         x.params[:] = src.params
@@ -111,6 +111,24 @@ def test_recompute_modes_agree(recompute, precision, monkeypatch):
     assert base.activation_bytes() - m.activation_bytes() == (CFG.num_layers - 1) * layer_bytes
     assert m.grads.tobytes() == base.grads.tobytes()
     assert m.params.tobytes() == base.params.tobytes()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_recompute_auto_level_follows_the_precision_and_size(precision, monkeypatch):
+    # -r -1: while every layer's fch_gelu fits in 256 MiB, fp32 recomputes the GELU (its
+    # backward's GELU pass makes it again for free) and bf16 keeps it; beyond that, level 2
+    from llmctl._ext import matmul
+    from llmctl.model import gpt2 as G
+
+    if precision == "bf16" and not matmul.bf16_native():
+        monkeypatch.setenv("LLMCTL_BF16_EMULATE", "1")
+    small = GPT2(CFG, n_threads=1, precision=precision)
+    small._ensure_acts(18, CFG.num_layers)
+    assert small.plan.recompute == (1 if precision == "fp32" else 0)
+    monkeypatch.setattr(G, "KEEP_GELU_BYTES", CFG.num_layers * 18 * 4 * CFG.channels * 4 - 1)
+    big = GPT2(CFG, n_threads=1, precision=precision)
+    big._ensure_acts(18, CFG.num_layers)
+    assert big.plan.recompute == 2
 
 
 def test_recompute_level_checked():
@@ -188,15 +206,17 @@ def test_batch_shape_changes_reuse_buffers():
 
 
 def test_activation_memory_plan():
-    # docs/model.md: per token 12C+NH+4 floats per layer, fch_gelu 4C per layer (kept here: tiny),
-    # C+C+2+Vp+2 final, and 6C of backward scratch; never anything of size T*T
+    # docs/model.md: per token 12C+NH+4 floats per layer, fch_gelu 4C for one layer (fp32's
+    # default recomputes it: -r 1), C+C+2+Vp+2 final, and 6C of backward scratch; never anything
+    # of size T*T
     m, _ = _model(1)
     B, T = 2, 16
     ids, tg = _batch(B, T)
     m.forward(ids, tg)
     m.backward()
     L, C, NH, Vp, BT = 2, 32, 4, 128, B * T
-    floats = BT * (L * (12 * C + NH + 4) + L * 4 * C + (C + C + 2 + Vp + 2) + 6 * C)
+    assert m.plan.recompute == 1
+    floats = BT * (L * (12 * C + NH + 4) + 1 * 4 * C + (C + C + 2 + Vp + 2) + 6 * C)
     assert m.activation_bytes() == 4 * floats
 
 
@@ -216,7 +236,9 @@ def test_forward_without_keeping_activations():
     m.forward(ids, keep_activations=False)
     np.testing.assert_array_equal(m.logits(), want_logits)
     small = m.activation_bytes()
-    assert small < train.activation_bytes() * 0.6
+    keep_all = GPT2(CFG, n_threads=1, recompute=0)   # every layer's buffers (fp32's default recomputes GELU)
+    keep_all.forward(ids, tg)
+    assert small < keep_all.activation_bytes() * 0.6
     # a training forward afterwards grows the buffers to all layers and still matches the reference
     m.forward(ids, tg)
     m.backward()

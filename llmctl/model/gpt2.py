@@ -16,9 +16,10 @@ logging: see llmctl/train.py), a sampler (llmctl/sample.py), or the shape table
 
 Differences from train_gpt2.c, on purpose:
 - Attention is flash-style: only the per-row log-sum-exp (B,NH,T) is kept, never (B,NH,T,T).
-- attproj/fcproj outputs are written straight into the residual-stream buffers; fch_gelu, ln1
-  and ln2 are kept per layer only while fch_gelu is small (<= 256 MiB), else recomputed in
-  backward from what it keeps (fch, the residual stream, LN mean/rstd);
+- attproj/fcproj outputs are written straight into the residual-stream buffers; fch_gelu (bf16
+  only: fp32 recomputes it in its gradient's pass), ln1 and ln2 are kept per layer only while
+  fch_gelu is small (<= 256 MiB), else recomputed in backward from what it keeps (fch, the
+  residual stream, LN mean/rstd);
   activation gradients exist for ONE layer at a time; the logits buffer is reused in place as
   probs and then as dlogits.
 - AdamW is llm.c's GPU trainer's (llmc/adamw.cuh `adamw_kernel3`): weight decay only on the
@@ -153,8 +154,9 @@ class GPT2:
         anyway (fch_gelu = GELU(fch), ln1/ln2 = layernorm(x) with the saved mean/rstd) are kept
         per layer, or recomputed in backward into one layer of scratch, the same bits either way.
         llm.c's -r levels: 0 = keep all, 1 = recompute fch_gelu, 2 = also
-        ln1/ln2. None = 0 while fch_gelu costs <= 256 MiB (small B*T: saves
-        those kernels in backward), else 2; True = 2, False = 0.
+        ln1/ln2. None = while fch_gelu costs <= 256 MiB (small B*T), 1 in fp32 (whose backward
+        makes the GELU again in its gradient's pass, no extra kernel) and 0 in bf16 (saves that
+        kernel in backward), else 2; True = 2, False = 0.
         engine: the GEMM engine (None: the default, oneDNN where built, else scipy's BLAS);
         `matmul=` is its former name, still accepted.
         precision: "fp32" or "bf16" (mixed precision, see the module docstring).
@@ -267,8 +269,9 @@ class GPT2:
         c = self.config
         if self.plan is not None:
             BT, nl = max(BT, self.plan.rows), max(nl, self.plan.layers)
-        if self.recompute is None:
-            level = 2 if c.num_layers * BT * 4 * c.channels * 4 > KEEP_GELU_BYTES else 0
+        if self.recompute is None:   # level 1 costs nothing where the backward's GELU pass makes it again
+            free_gelu = self.ops.gelu_forward_backward is not None
+            level = 2 if c.num_layers * BT * 4 * c.channels * 4 > KEEP_GELU_BYTES else int(free_gelu)
         else:
             level = 2 if self.recompute is True else int(self.recompute)
         if nl < c.num_layers:   # a forward that keeps nothing holds one layer of everything
