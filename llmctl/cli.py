@@ -967,6 +967,13 @@ def main(argv: Optional[List[str]] = None):
         sys.exit(interrupt.EXIT_CODE)
     except BrokenPipeError:
         sys.exit(1)
+    except ImportError as e:   # a kernel module that does not load: built for another Python, a lost library
+        from llmctl import _ext
+
+        if not _ext.is_ours(e):
+            raise
+        _print_error(*_ext.load_error(e))
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -160,9 +160,43 @@ def test_onednn_wheel_library_is_loaded_by_its_installed_path():
     import llmctl._ext as ext
 
     assert ext.ONEDNN_PRELOADED is not None and os.path.exists(ext.ONEDNN_PRELOADED)
+    assert ext.ONEDNN_PRELOAD_ERROR is None
+    import llmctl._ext.matmul  # noqa: F401  (its libdnnl.so.3 dependency resolved now)
+
     with open("/proc/self/maps") as f:
-        mapped = {line.split()[-1] for line in f if line.rstrip().endswith("libdnnl.so.3") or ".so.3." in line}
-    assert os.path.realpath(ext.ONEDNN_PRELOADED) in {os.path.realpath(p) for p in mapped}
+        mapped = {line.split()[-1] for line in f if "libdnnl.so" in line}
+    # one oneDNN in the process: the wheel's file the loader matched matmul's soname against
+    assert {os.path.realpath(p) for p in mapped} == {os.path.realpath(ext.ONEDNN_PRELOADED)}
+
+
+def test_onednn_is_the_wheels_versioned_file_and_reports_its_version():
+    # another package (Intel's `onednn` wheel) can overwrite <prefix>/lib/libdnnl.so.3 with a
+    # different build: llmctl loads the wheel's libdnnl.so.3.N, the build matmul was compiled for
+    import ctypes
+    import platform
+    import re
+    from importlib import metadata
+
+    try:
+        files = metadata.distribution("onednn-cpu-gomp").files or []
+    except metadata.PackageNotFoundError:
+        pytest.skip("the onednn-cpu-gomp wheel is not installed here (llmctl uses scipy's BLAS)")
+    if not (sys.platform.startswith("linux") and platform.machine() == "x86_64"):
+        pytest.skip("the oneDNN wheel is used on x86-64 Linux only")
+    import llmctl._ext as ext
+
+    names = [str(f).rsplit("/", 1)[-1] for f in ext._onednn_candidates(files)]
+    assert names[-1] == "libdnnl.so.3" and "libdnnl.so" not in names
+    m = re.fullmatch(r"libdnnl\.so\.3\.(\d+)", os.path.basename(ext.ONEDNN_PRELOADED))
+    assert m, ext.ONEDNN_PRELOADED
+
+    class Version(ctypes.Structure):
+        _fields_ = [("major", ctypes.c_int), ("minor", ctypes.c_int), ("patch", ctypes.c_int)]
+
+    lib = ctypes.CDLL(ext.ONEDNN_PRELOADED)
+    lib.dnnl_version.restype = ctypes.POINTER(Version)
+    v = lib.dnnl_version().contents
+    assert (v.major, v.minor) == (3, int(m.group(1)))
 
 
 def _libgomp_settings(env):
@@ -228,3 +262,26 @@ def test_ranks_that_share_cores_wait_passively_unless_the_user_said(monkeypatch)
     mine = {"GOMP_SPINCOUNT": "5"}
     _no_spin_when_oversubscribed(mine, cores, 2)
     assert mine == {"GOMP_SPINCOUNT": "5"}
+
+
+@pytest.mark.parametrize("args", [["info"], ["sample", "-e", "d6", "-n", "1"]])
+def test_a_kernel_that_does_not_load_is_one_error_line(tmp_path, args):
+    # an extension built for another Python, or a shared library gone from under it: the
+    # ImportError becomes llmctl's Error/Hint lines naming the module, not a traceback
+    from errcheck import assert_cli_error
+
+    prog = ("import sys; sys.modules['llmctl._ext.matmul'] = None; sys.argv = ['llmctl'] + sys.argv[1:]\n"
+            "from llmctl.cli import main; main()")
+    r = subprocess.run([sys.executable, "-c", prog] + args, cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300)
+    assert_cli_error(r.stderr, 1, r.returncode, names=["llmctl._ext.matmul", "build_ext"])
+
+
+def test_onednn_that_does_not_load_names_the_wheel_to_reinstall():
+    import llmctl._ext as ext
+
+    e = ImportError("libdnnl.so.3: cannot open shared object file: No such file or directory",
+                    name="llmctl._ext.matmul")
+    assert ext.is_ours(e) and not ext.is_ours(ImportError("x", name="numpy.linalg"))
+    message, hint = ext.load_error(e)
+    assert "libdnnl.so.3" in message and "pip install --force-reinstall --no-deps onednn-cpu-gomp" in hint

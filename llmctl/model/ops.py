@@ -33,8 +33,9 @@ class Kernels:
         try:
             from llmctl._ext import adamw, attention, convert, kvcache, layers, matmul
         except ImportError as e:
-            raise ConfigError(f"llmctl's Cython kernels are not built ({e})",
-                              "run: python setup.py build_ext --inplace (or pip install -e .)") from e
+            from llmctl._ext import load_error
+
+            raise ConfigError(*load_error(e)) from e
         self.matmul, self.layers, self.attention = matmul, layers, attention
         self.adamw, self.convert, self.kvcache = adamw, convert, kvcache
 
