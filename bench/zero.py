@@ -7,7 +7,9 @@ What it reports, measured in ONE run so the figures sit side by side:
     each rank's peak RSS (VmHWM, read from /proc while the ranks run: shm's shared gradient
     rows count in full in every rank that touched them) and peak PSS (smaps_rollup polled every
     50 ms: shared pages split between the ranks, so the ranks' PSS add up to the host's memory);
-  - one process, -r 0 / 1 / 2: ms/step (median after the first) and peak RSS (VmHWM).
+  - one process, -r 0 / 1 / 2, --rounds runs each in rotated order: ms/step (each run's median
+    after its first step; the best and the median of the runs, the best against -r 0's) and
+    peak RSS (VmHWM).
 The model is llm.c's random-init descriptor (-e d12 by default) on random tokens: the data does
 not change time or memory. Each configuration is one `llmctl train` subprocess.
 What it is not: a convergence or correctness test (tests/test_zero.py), or a multi-host
@@ -98,6 +100,7 @@ def main():
     ap.add_argument("--zero-bt", default="1x256", help="B x T of the 2-rank -z runs")
     ap.add_argument("--recompute-bt", default="4x512", help="B x T of the -r runs")
     ap.add_argument("--threads", type=int, default=2, help="threads of the one-process -r runs")
+    ap.add_argument("--rounds", type=int, default=2, help="runs of each -r level (default 2)")
     ap.add_argument("--only", choices=("zero", "recompute", "medium"),
                     help="run one part; medium (not in the default run: minutes per step) is "
                          "`-e d24` (GPT-2 medium's shape, 355M) at -b 4 -t 1024, 2 steps")
@@ -146,14 +149,25 @@ def zero_part(a, base, rows):
 
 
 def recompute_part(a, base, rows):
-    print(f"\n# {a.model}, one process, --threads {a.threads}, B x T = {a.recompute_bt}, {a.steps} steps")
-    print(f"{'':6} {'ms/step':>9} {'peak RSS (GiB)':>15}")
-    for r in ("0", "1", "2"):
-        peaks, _ = run(base(f"r{r}", a.recompute_bt, "-r", r, "--threads", str(a.threads)), 1)
-        rec = records(os.path.join(a.dir, f"r{r}"))
-        row = {"ms": med([x["ms"] for x in rec]), "peak_rss_gib": round(max(peaks.values()) / 2**30, 3)}
+    """-r 0 / 1 / 2, --rounds times each, the order rotated every round so that load on a shared
+    machine does not fall on one level; per level the best and median of its runs' ms/step, the
+    best against -r 0's, and the largest peak RSS."""
+    levels = ("0", "1", "2")
+    print(f"\n# {a.model}, one process, --threads {a.threads}, B x T = {a.recompute_bt}, {a.steps} steps, "
+          f"{a.rounds} rounds (order rotated)")
+    ms, rss = {r: [] for r in levels}, {r: 0 for r in levels}
+    for k in range(a.rounds):
+        for r in levels[k % 3:] + levels[:k % 3]:
+            out = f"r{r}-{k}"
+            peaks, _ = run(base(out, a.recompute_bt, "-r", r, "--threads", str(a.threads)), 1)
+            ms[r].append(med([x["ms"] for x in records(os.path.join(a.dir, out))]))
+            rss[r] = max(rss[r], max(peaks.values()))
+    print(f"{'':6} {'best ms/step':>13} {'median':>9} {'best / -r 0':>12} {'peak RSS (GiB)':>15}")
+    for r in levels:
+        row = {"ms": min(ms[r]), "ms_median": statistics.median(ms[r]), "vs_r0": min(ms[r]) / min(ms["0"]),
+               "peak_rss_gib": round(rss[r] / 2**30, 3), "ms_runs": [round(x, 1) for x in ms[r]]}
         rows[f"-r {r}"] = row
-        print(f"-r {r}  {row['ms']:9.1f} {row['peak_rss_gib']:15.2f}")
+        print(f"-r {r}  {row['ms']:13.1f} {row['ms_median']:9.1f} {row['vs_r0']:11.3f}x {row['peak_rss_gib']:15.2f}")
 
 
 def medium_part(a, base, rows):
