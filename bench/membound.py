@@ -9,6 +9,7 @@ What it measures, all in ONE run (best wall time of --repeat runs each):
 - every kernel of the step whose work is a pass over memory, at d12 shapes (B=4 and the --seq
   lengths): AdamW (fp32; with the bf16 copy; with the gradient zeroing of train), the global
   grad norm, layernorm forward (fp32 and bf16 output) and backward, GELU forward and backward,
+  the fp32 GELU recompute of backward (three passes, and the one that replaced them),
   the residual add, the softmax + cross-entropy forward and backward (fp32 and bf16 dlogits),
   the bf16 model's GELU of bf16 input (forward, and backward with fc's bias gradient) and its
   fused softmax + cross-entropy + bf16 dlogits, and the fp32 -> bf16 cast;
@@ -82,7 +83,7 @@ def kernels(BT, nt):
     dw, db = np.zeros(C, np.float32), np.zeros(C, np.float32)
     mean, rstd = np.empty(BT, np.float32), np.empty(BT, np.float32)
     layers.layernorm_forward(out, mean, rstd, x, w, bias, BT, C, nt)
-    h, dh, dh_in = f(n4), f(n4), np.zeros(n4, np.float32)
+    h, dh, dh_in, dfb = f(n4), f(n4), np.zeros(n4, np.float32), f(n4)
     h_out, h16 = np.empty(n4, np.float32), np.empty(n4, np.uint16)
     hb, gb = np.empty(n4, np.uint16), np.zeros(4 * C, np.float32)   # bf16 fch, fc's dbias
     convert.cast_to_bf16(hb, h, nt)
@@ -101,6 +102,11 @@ def kernels(BT, nt):
         ("gelu_forward", 8 * n4, lambda: layers.gelu_forward(h_out, h, n4, nt)),
         ("gelu_forward_bf16", 6 * n4, lambda: layers.gelu_forward_bf16(h16, h, n4, nt)),
         ("gelu_backward", 16 * n4, lambda: layers.gelu_backward(dh_in, h, dh, n4, nt)),
+        # the fp32 backward's GELU recompute: forward, zero fill and backward, against the one pass
+        ("gelu recompute: 3 passes", 28 * n4, lambda: (layers.gelu_forward(h_out, h, n4, nt),
+                                                      layers.zero_fill(dh_in, nt),
+                                                      layers.gelu_backward(dh_in, h, dh, n4, nt))),
+        ("gelu_forward_backward (1 pass)", 16 * n4, lambda: layers.gelu_forward_backward(h_out, dfb, h, n4, nt)),
         ("gelu_forward_bf16 (bf16 in)", 4 * n4, lambda: layers.gelu_forward_bf16(h16, hb, n4, nt)),
         ("gelu_backward_bf16 (bf16 in, dbias)", 8 * n4,
          lambda: layers.gelu_backward_bf16(h16, gb, hb, dh, BT, 4 * C, nt)),
