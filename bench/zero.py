@@ -9,7 +9,8 @@ What it reports, measured in ONE run so the figures sit side by side:
     50 ms: shared pages split between the ranks, so the ranks' PSS add up to the host's memory);
   - one process, -r 0 / 1 / 2, --rounds runs each in rotated order: ms/step (each run's median
     after its first step; the best and the median of the runs, the best against -r 0's) and
-    peak RSS (VmHWM).
+    peak RSS (VmHWM); then the three levels as models in this one process, their steps taken
+    in turn (--alt-steps each), best and median ms/step and the best against -r 0's.
 The model is llm.c's random-init descriptor (-e d12 by default) on random tokens: the data does
 not change time or memory. Each configuration is one `llmctl train` subprocess.
 What it is not: a convergence or correctness test (tests/test_zero.py), or a multi-host
@@ -101,6 +102,8 @@ def main():
     ap.add_argument("--recompute-bt", default="4x512", help="B x T of the -r runs")
     ap.add_argument("--threads", type=int, default=2, help="threads of the one-process -r runs")
     ap.add_argument("--rounds", type=int, default=2, help="runs of each -r level (default 2)")
+    ap.add_argument("--alt-steps", type=int, default=3,
+                    help="steps of each -r level alternating in this process (default 3)")
     ap.add_argument("--only", choices=("zero", "recompute", "medium"),
                     help="run one part; medium (not in the default run: minutes per step) is "
                          "`-e d24` (GPT-2 medium's shape, 355M) at -b 4 -t 1024, 2 steps")
@@ -162,12 +165,42 @@ def recompute_part(a, base, rows):
             peaks, _ = run(base(out, a.recompute_bt, "-r", r, "--threads", str(a.threads)), 1)
             ms[r].append(med([x["ms"] for x in records(os.path.join(a.dir, out))]))
             rss[r] = max(rss[r], max(peaks.values()))
-    print(f"{'':6} {'best ms/step':>13} {'median':>9} {'best / -r 0':>12} {'peak RSS (GiB)':>15}")
+    alt = alternating_steps(a, levels)
+    print(f"{'':6} {'best ms/step':>13} {'median':>9} {'best / -r 0':>12} {'peak RSS (GiB)':>15} "
+          f"{'one process: best':>18} {'median':>9} {'best / -r 0':>12}")
     for r in levels:
         row = {"ms": min(ms[r]), "ms_median": statistics.median(ms[r]), "vs_r0": min(ms[r]) / min(ms["0"]),
-               "peak_rss_gib": round(rss[r] / 2**30, 3), "ms_runs": [round(x, 1) for x in ms[r]]}
+               "peak_rss_gib": round(rss[r] / 2**30, 3), "ms_runs": [round(x, 1) for x in ms[r]],
+               "alt_ms": min(alt[r]), "alt_ms_median": statistics.median(alt[r]),
+               "alt_vs_r0": min(alt[r]) / min(alt["0"])}
         rows[f"-r {r}"] = row
-        print(f"-r {r}  {row['ms']:13.1f} {row['ms_median']:9.1f} {row['vs_r0']:11.3f}x {row['peak_rss_gib']:15.2f}")
+        print(f"-r {r}  {row['ms']:13.1f} {row['ms_median']:9.1f} {row['vs_r0']:11.3f}x {row['peak_rss_gib']:15.2f} "
+              f"{row['alt_ms']:18.1f} {row['alt_ms_median']:9.1f} {row['alt_vs_r0']:11.3f}x")
+
+
+def alternating_steps(a, levels):
+    """{level: [ms of each step]}: one model per level in this process, the same weights and
+    batch, their training steps (zero_grad, forward, backward, AdamW as the trainer calls them)
+    taken in turn, --alt-steps each after one warm-up step: what the levels cost with the
+    machine's load shared alike (the separate processes above see it one at a time)."""
+    from llmctl.model import GPT2
+
+    B, T = map(int, a.recompute_bt.split("x"))
+    models = {r: GPT2.from_descriptor(a.model, n_threads=a.threads, recompute=int(r)) for r in levels}
+    x = np.random.default_rng(0).integers(0, models["0"].config.vocab_size, (B, T + 1))
+    ms = {r: [] for r in levels}
+    for k in range(a.alt_steps + 1):
+        for r in (levels if k % 2 == 0 else levels[::-1]):
+            m = models[r]
+            t0 = time.perf_counter()
+            m.zero_grad()
+            m.forward(x[:, :T], x[:, 1:], loss_scale=1.0)
+            m.backward()
+            norm = m.grad_norm()
+            m.update(3e-4, 0.9, 0.95, 1e-8, 0.0, 1.0 / max(norm, 1.0), k + 1, zero_grads=True)
+            if k:
+                ms[r].append((time.perf_counter() - t0) * 1e3)
+    return ms
 
 
 def medium_part(a, base, rows):
