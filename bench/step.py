@@ -7,7 +7,10 @@ What it reports, all measured in ONE run so the ratios are meaningful on a share
   - per run (default d12 B=4 T=64, d12 B=4 T=1024, d6 B=4 T=64) and precision: ms/step (best of
     --steps; median too), tokens/s, GFLOP/s and MFU = achieved / the roof of the SAME precision
     (for emulated bf16, fp32's: its GEMMs multiply in fp32 sgemm),
-    with model FLOPs per token = 6*N + 12*L*C*T (llm.c's / PaLM's count);
+    with model FLOPs per token = 6*N + 12*L*C*T (llm.c's / PaLM's count); and "MFU adj", each
+    step against the roof sampled just before and just after it, at B*T=256 and at the run's own
+    B*T (the roof at the start of the run can be minutes and a different machine load away from a
+    T=1024 step: MFU adj is the figure for a target);
   - a per-kernel breakdown of one step (matmul / attention / other kernels / AdamW / Python) and
     the non-matmul share of the step;
   - PyTorch on the same model and batch (torch.set_num_threads(n)): fp32 eager and bf16
@@ -42,13 +45,16 @@ import numpy as np
 D12_SHAPES = (("qkv", 768, 2304), ("fc", 768, 3072), ("fcproj", 3072, 768), ("lmhead", 768, 50304))
 
 
-def gemm_roof_gflops(n_threads, precision, BT=256, reps=6):
-    """{shape: best GFLOP/s} of llmctl's matmul_forward(_bf16) on d12's layer shapes, default engine."""
+def gemm_roof_gflops(n_threads, precision, BT=256, reps=6, lmhead_rows=None):
+    """{shape: best GFLOP/s} of llmctl's matmul_forward(_bf16) on d12's layer shapes, default
+    engine; the lm head at min(BT, lmhead_rows) rows when lmhead_rows is given."""
     from llmctl._ext import convert, matmul
 
     rng = np.random.default_rng(0)
     out = {}
+    rows = BT
     for name, C, OC in D12_SHAPES:
+        BT = min(rows, lmhead_rows) if name == "lmhead" and lmhead_rows else rows
         x = rng.standard_normal(BT * C, dtype=np.float32)
         w = rng.standard_normal(OC * C, dtype=np.float32) * np.float32(0.02)
         y = np.empty(BT * OC, np.float32)
@@ -67,6 +73,17 @@ def gemm_roof_gflops(n_threads, precision, BT=256, reps=6):
             best = min(best, time.perf_counter() - t0)
         out[name] = 2.0 * BT * C * OC / best / 1e9
     return out
+
+
+def adjacent_roof_gflops(n_threads, precision, BT, reps=2, lmhead_rows=1024):
+    """The GEMM roof taken between a run's timed steps: the best GFLOP/s of d12's layer shapes
+    at B*T=256 and at the run's own B*T (the lm head at no more than lmhead_rows rows, so a
+    sample stays near a second at T=1024), whichever is higher. A roof sampled right beside each
+    step sees the machine as that step did; the one at the start of the run may not."""
+    best = max(gemm_roof_gflops(n_threads, precision, 256, reps).values())
+    if BT != 256:
+        best = max(best, max(gemm_roof_gflops(n_threads, precision, BT, reps, lmhead_rows).values()))
+    return best
 
 
 def gemm_peak_gflops(n_threads, size=1024, reps=20):
@@ -132,18 +149,23 @@ def _step(m, x, y, t):
     return loss
 
 
-def bench_llmctl(desc, B, T, n_threads, steps, matmul, precision):
+def bench_llmctl(desc, B, T, n_threads, steps, matmul, precision, roof=None):
+    """roof: the precision whose GEMM roof is sampled before the first timed step and after each
+    one (adjacent_roof_gflops), for an MFU per step against the roof measured beside it."""
     from llmctl.model import GPT2
 
     m = GPT2.from_descriptor(desc, n_threads=n_threads, engine=matmul, precision=precision)
     x, y = _batch(m.config, B, T)
     _step(m, x, y, 1)  # warm-up: allocates activations, grads' scratch and AdamW state
-    times, cpu = [], []
+    times, cpu, roofs = [], [], []
+    sample_roof = lambda: roofs.append(adjacent_roof_gflops(n_threads, roof, B * T)) if roof else None
+    sample_roof()
     for s in range(steps):
         t0, c0 = time.perf_counter(), time.process_time()
         _step(m, x, y, s + 2)
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
+        sample_roof()
     # two more steps with every kernel call timed; keep the less disturbed one
     kern = m.kernels
     names = ("matmul", "layers", "attention", "adamw", "convert")
@@ -168,12 +190,17 @@ def bench_llmctl(desc, B, T, n_threads, steps, matmul, precision):
             g = "grad_norm"
         groups[g] += v
     groups["python+numpy"] = total - sum(acc.values())
+    flops = flops_per_step(m.config, B, T, m.num_parameters)
+    # each step against the higher of the roofs sampled just before and just after it
+    paired = [flops / t / 1e9 / max(roofs[i], roofs[i + 1]) for i, t in enumerate(times)] if roof else []
     return {"model": desc, "B": B, "T": T, "precision": precision, "engine": kern.matmul.default_engine(),
+            "roof_adjacent_gflops": roofs, "mfu_adjacent": statistics.median(paired) if paired else None,
+            "mfu_adjacent_all": paired,
             "threads": n_threads, "num_params": m.num_parameters,
             "non_matmul_share": 1.0 - groups.get("matmul", 0.0) / total,
             "step_s": min(times), "median_s": statistics.median(times), "all_steps_s": times,
             "cpu_s": cpu[times.index(min(times))],
-            "flops_per_step": flops_per_step(m.config, B, T, m.num_parameters),
+            "flops_per_step": flops,
             "breakdown_s": dict(groups), "breakdown_total_s": total,
             "kernel_calls_s": dict(sorted(acc.items(), key=lambda kv: -kv[1]))}
 
@@ -338,7 +365,7 @@ def main(argv=None):
     for desc, B, T in _parse_runs(a.runs):
         steps = a.big_steps if T >= 512 else a.steps
         for prec in precisions:
-            r = bench_llmctl(desc, B, T, n, steps, a.matmul, prec)
+            r = bench_llmctl(desc, B, T, n, steps, a.matmul, prec, roof=roof_of[prec])
             r["mfu"] = r["flops_per_step"] / r["step_s"] / 1e9 / out["roof"][prec]
             out["runs"].append(r)
             progress(f"{desc} {B}x{T} llmctl {prec}", r)
@@ -382,7 +409,10 @@ def main(argv=None):
     for line in skipped:
         print("skipped: " + line)
     print("ms/step is the best of the timed steps (the least disturbed by other processes); median in brackets")
-    print(f"{'run':16s} {'impl':18s} {'ms/step':>9s} {'(median)':>9s} {'tok/s':>8s} {'GFLOP/s':>8s} {'MFU':>6s} {'non-mm':>6s}")
+    print("MFU: the best step against the roof above; MFU adj: the median over the steps of each against the "
+          "higher roof sampled just before and after it, at B*T=256 and at the run's B*T (lm head <= 1024 rows)")
+    print(f"{'run':16s} {'impl':18s} {'ms/step':>9s} {'(median)':>9s} {'tok/s':>8s} {'GFLOP/s':>8s} {'MFU':>6s} "
+          f"{'MFU adj':>7s} {'non-mm':>6s}")
     for desc, B, T in _parse_runs(a.runs):
         tag = f"{desc} {B}x{T}"
         rows = [r for r in out["runs"] if (r["model"], r["B"], r["T"]) == (desc, B, T)]
@@ -390,7 +420,9 @@ def main(argv=None):
         for r in rows:
             gf = r["flops_per_step"] / r["step_s"] / 1e9
             print(f"{tag:16s} {'llmctl ' + r['precision']:18s} {r['step_s'] * 1e3:9.1f} {r['median_s'] * 1e3:9.1f} "
-                  f"{B * T / r['step_s']:8.1f} {gf:8.1f} {100 * r['mfu']:5.1f}% {100 * r['non_matmul_share']:5.1f}%")
+                  f"{B * T / r['step_s']:8.1f} {gf:8.1f} {100 * r['mfu']:5.1f}% "
+                  + (f"{100 * r['mfu_adjacent']:6.1f}%" if r.get("mfu_adjacent") else f"{'':7s}")
+                  + f" {100 * r['non_matmul_share']:5.1f}%")
         for t in trs:
             gf = t["flops_per_step"] / t["step_s"] / 1e9
             name = "torch eager fp32" if t["precision"] == "fp32" else "torch autocast bf16"
@@ -415,6 +447,10 @@ def main(argv=None):
                           sorted(r["breakdown_s"].items(), key=lambda kv: -kv[1]))
         print(f"{r['model']} {r['B']}x{r['T']} {r['precision']} breakdown of one step ({tot * 1e3:.0f} ms; "
               f"non-matmul {100 * r['non_matmul_share']:.0f}%): {parts}")
+        if r.get("roof_adjacent_gflops"):
+            print("   roof beside the steps (GFLOP/s, in order): "
+                  + ", ".join(f"{g:.1f}" for g in r["roof_adjacent_gflops"])
+                  + "; MFU per step: " + ", ".join(f"{100 * v:.1f}%" for v in r["mfu_adjacent_all"]))
         top = list(r["kernel_calls_s"].items())[:8]
         print("   top kernels: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in top))
     if not out["torch"] and not a.no_torch:
