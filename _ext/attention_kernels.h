@@ -212,11 +212,10 @@ ATT_DEFINE_EXPF(SFX, ATTR, SFX##_smadd)                                         
 ATTR static inline VF att_expv_##SFX(VF x)                                               \
 {                                                                                        \
     const VF lo = SFX##_bc(ATT_EXP_LO), hi = SFX##_bc(ATT_EXP_HI);                       \
-    VU below = (VU)(x < lo), above = (VU)(x > hi);    /* all-ones lanes */               \
-    VF xc = (VF)((below & (VU)lo) | (~below & (VU)x));                                   \
+    VU below = (VU)(x < lo);                          /* all-ones lanes */               \
+    VF xc = SFX##_clamp(x, lo, hi);                                                      \
     VF t, n, r, y;                                                                       \
     VU bits;                                                                             \
-    xc = (VF)((above & (VU)hi) | (~above & (VU)xc));                                     \
     t = SFX##_madd(xc, SFX##_bc(ATT_LOG2E), SFX##_bc(ATT_SHIFT));                        \
     n = t - SFX##_bc(ATT_SHIFT);                                                         \
     r = SFX##_madd(n, SFX##_bc(-ATT_LN2_HI), xc);                                        \
@@ -410,6 +409,12 @@ static inline float default_smadd(float a, float b, float c) { return a * b + c;
 static inline att_vf_default default_ldm(const float* p, int rem)   /* unused: MASKED is 0 */
 { att_vf_default v = {0}; memcpy(&v, p, rem * sizeof(float)); return v; }
 static inline void default_stm(float* p, att_vf_default v, int rem) { memcpy(p, &v, rem * sizeof(float)); }
+static inline att_vf_default default_clamp(att_vf_default x, att_vf_default lo, att_vf_default hi)
+{   /* lo below lo, hi above hi, else x (NaN included) */
+    att_vu_default below = (att_vu_default)(x < lo), above = (att_vu_default)(x > hi);
+    x = (att_vf_default)((below & (att_vu_default)lo) | (~below & (att_vu_default)x));
+    return (att_vf_default)((above & (att_vu_default)hi) | (~above & (att_vu_default)x));
+}
 ATT_DEFINE_SET(default, ATT_BASE_VW, att_vf_default, att_vu_default, , 1u << ATT_ISA_DEFAULT, 0)
 ATT_DEFINE_TILES(default, )
 
@@ -431,6 +436,11 @@ ATT_TGT_AVX2 static inline att_vf_avx2 avx2_ldm(const float* p, int rem)
 { return (att_vf_avx2)_mm256_maskload_ps(p, avx2_mask(rem)); }
 ATT_TGT_AVX2 static inline void avx2_stm(float* p, att_vf_avx2 v, int rem)
 { _mm256_maskstore_ps(p, avx2_mask(rem), (__m256)v); }
+ATT_TGT_AVX2 static inline att_vf_avx2 avx2_clamp(att_vf_avx2 x, att_vf_avx2 lo, att_vf_avx2 hi)
+{   /* maxps/minps return their second operand when either is NaN: NaN x stays NaN, as in the
+       compare-and-select form (default_clamp), and every other x gets the same value */
+    return (att_vf_avx2)_mm256_min_ps((__m256)hi, _mm256_max_ps((__m256)lo, (__m256)x));
+}
 ATT_DEFINE_SET(avx2, 8, att_vf_avx2, att_vu_avx2, ATT_TGT_AVX2, 1u << ATT_ISA_AVX2, 1)
 ATT_DEFINE_TILES(avx2, ATT_TGT_AVX2)
 
@@ -447,6 +457,8 @@ ATT_TGT_AVX512 static inline att_vf_avx512 avx512_ldm(const float* p, int rem)
 { return (att_vf_avx512)_mm512_maskz_loadu_ps((__mmask16)((1u << rem) - 1u), p); }
 ATT_TGT_AVX512 static inline void avx512_stm(float* p, att_vf_avx512 v, int rem)
 { _mm512_mask_storeu_ps(p, (__mmask16)((1u << rem) - 1u), (__m512)v); }
+ATT_TGT_AVX512 static inline att_vf_avx512 avx512_clamp(att_vf_avx512 x, att_vf_avx512 lo, att_vf_avx512 hi)
+{ return (att_vf_avx512)_mm512_min_ps((__m512)hi, _mm512_max_ps((__m512)lo, (__m512)x)); }
 ATT_DEFINE_SET(avx512, 16, att_vf_avx512, att_vu_avx512, ATT_TGT_AVX512, 1u << ATT_ISA_AVX512, 1)
 ATT_DEFINE_TILES(avx512, ATT_TGT_AVX512)
 #endif
