@@ -95,6 +95,8 @@ cdef extern from "attention_kernels.h":
     void att_dsoftmax_tile(const att_kern_t* k, float* P, float* dS, Py_ssize_t ld, Py_ssize_t nr,
                            Py_ssize_t nc, Py_ssize_t first, float scale, const float* lse,
                            const float* D) noexcept nogil
+    void att_transpose(const att_kern_t* k, float* dst, Py_ssize_t ldd, const float* src, Py_ssize_t lds,
+                       Py_ssize_t rows, Py_ssize_t cols) noexcept nogil
     void att_gemm_acc(const att_kern_t* k, float* C, Py_ssize_t ldc, const float* A, Py_ssize_t sam,
                       Py_ssize_t sak, const float* B, Py_ssize_t ldb, Py_ssize_t M, Py_ssize_t N,
                       Py_ssize_t K) noexcept nogil
@@ -144,15 +146,10 @@ cdef inline Py_ssize_t _imin(Py_ssize_t a, Py_ssize_t b) noexcept nogil:
 
 
 cdef inline void _transpose_tile(float* dst, const float* src, Py_ssize_t ld,
-                                 Py_ssize_t nc, Py_ssize_t hs) noexcept nogil:
+                                 Py_ssize_t nc, Py_ssize_t hs, const att_kern_t* K) noexcept nogil:
     # dst[k*BC + c] = src[c*ld + k]: rows of K (or V) become columns, so a score tile is
     # (rows of Q) x (hs, BC) with contiguous BC-long rows on the B side of the micro-kernel
-    cdef Py_ssize_t c, k
-    cdef const float* row
-    for c in range(nc):
-        row = src + c * ld
-        for k in range(hs):
-            dst[k * BC + c] = row[k]
+    att_transpose(K, dst, BC, src, ld, nc, hs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -165,16 +162,13 @@ cdef inline Py_ssize_t _forward_scratch_floats(Py_ssize_t T, Py_ssize_t hs) noex
 
 
 cdef void _transpose_keys(float* kt, const float* kb, Py_ssize_t ld, Py_ssize_t j0, Py_ssize_t j1,
-                          Py_ssize_t hs) noexcept nogil:
+                          Py_ssize_t hs, const att_kern_t* K) noexcept nogil:
     # keys j0..j1-1 into kt, one (hs, BC) tile per BC keys: key j is column j % BC of tile j // BC
-    cdef Py_ssize_t j, k
-    cdef const float* row
-    cdef float* col
-    for j in range(j0, j1):
-        row = kb + j * ld
-        col = kt + (j // BC) * hs * BC + j % BC
-        for k in range(hs):
-            col[k * BC] = row[k]
+    cdef Py_ssize_t j = j0, n
+    while j < j1:
+        n = _imin(j1 - j, BC - j % BC)          # the keys of j's tile
+        att_transpose(K, kt + (j // BC) * hs * BC + j % BC, BC, kb + j * ld, ld, n, hs)
+        j = j + n
 
 
 cdef inline void _pack_rows(float* dst, const float* src, Py_ssize_t ld, Py_ssize_t j0, Py_ssize_t j1,
@@ -217,7 +211,7 @@ cdef void _forward_block(float* out, float* lse, const float* qkv,
         held[0] = b * NH + h
         held[1] = 0
     if held[1] < kend:
-        _transpose_keys(ktall, kb, C3, held[1], kend, hs)
+        _transpose_keys(ktall, kb, C3, held[1], kend, hs, K)
         _pack_rows(vall, vb, C3, held[1], kend, hs)
         held[1] = kend
     memset(acc, 0, nr * hs * sizeof(float))
@@ -354,8 +348,8 @@ cdef void _backward_head(float* dqkv, const float* dout, const float* qkv, const
     for jt in range((T + BC - 1) // BC):
         j0 = jt * BC
         nc = _imin(BC, T - j0)
-        _transpose_tile(kt, kp + j0 * hs, hs, nc, hs)
-        _transpose_tile(vt, vb + j0 * C3, C3, nc, hs)
+        _transpose_tile(kt, kp + j0 * hs, hs, nc, hs, K)
+        _transpose_tile(vt, vb + j0 * C3, C3, nc, hs, K)
         memset(dk, 0, nc * hs * sizeof(float))
         memset(dv, 0, nc * hs * sizeof(float))
         for i0b in range((T - j0 + BQ - 1) // BQ):

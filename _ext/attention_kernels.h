@@ -464,6 +464,55 @@ ATT_DEFINE_TILES(avx512, ATT_TGT_AVX512)
 #endif
 #endif /* ATT_VEC */
 
+/* ---- transposes: dst[k*ldd + c] = src[c*lds + k] for c < rows, k < cols (keys or values of one
+   head become the columns of a tile); only moves, so every set gives the same result ---- */
+static void att_transpose_default(float* dst, ptrdiff_t ldd, const float* src, ptrdiff_t lds,
+                                  ptrdiff_t rows, ptrdiff_t cols)
+{
+    ptrdiff_t c, k;
+    for (c = 0; c < rows; c++)
+        for (k = 0; k < cols; k++) dst[k * ldd + c] = src[c * lds + k];
+}
+#ifdef ATT_X86
+/* 8 x 8 blocks in registers (the unpack / shuffle / lane-swap sequence), the edges as above */
+ATT_TGT_AVX2 static void att_transpose_avx2(float* dst, ptrdiff_t ldd, const float* src, ptrdiff_t lds,
+                                            ptrdiff_t rows, ptrdiff_t cols)
+{
+    ptrdiff_t c = 0, k;
+    for (; c + 8 <= rows; c += 8) {
+        const float* s = src + c * lds;
+        for (k = 0; k + 8 <= cols; k += 8) {
+            __m256 r0 = _mm256_loadu_ps(s + k), r1 = _mm256_loadu_ps(s + lds + k);
+            __m256 r2 = _mm256_loadu_ps(s + 2 * lds + k), r3 = _mm256_loadu_ps(s + 3 * lds + k);
+            __m256 r4 = _mm256_loadu_ps(s + 4 * lds + k), r5 = _mm256_loadu_ps(s + 5 * lds + k);
+            __m256 r6 = _mm256_loadu_ps(s + 6 * lds + k), r7 = _mm256_loadu_ps(s + 7 * lds + k);
+            __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+            __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+            __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+            __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+            __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+            __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+            __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+            __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+            float* d = dst + k * ldd + c;
+            _mm256_storeu_ps(d, _mm256_permute2f128_ps(u0, u4, 0x20));
+            _mm256_storeu_ps(d + ldd, _mm256_permute2f128_ps(u1, u5, 0x20));
+            _mm256_storeu_ps(d + 2 * ldd, _mm256_permute2f128_ps(u2, u6, 0x20));
+            _mm256_storeu_ps(d + 3 * ldd, _mm256_permute2f128_ps(u3, u7, 0x20));
+            _mm256_storeu_ps(d + 4 * ldd, _mm256_permute2f128_ps(u0, u4, 0x31));
+            _mm256_storeu_ps(d + 5 * ldd, _mm256_permute2f128_ps(u1, u5, 0x31));
+            _mm256_storeu_ps(d + 6 * ldd, _mm256_permute2f128_ps(u2, u6, 0x31));
+            _mm256_storeu_ps(d + 7 * ldd, _mm256_permute2f128_ps(u3, u7, 0x31));
+        }
+        if (k < cols)
+            att_transpose_default(dst + k * ldd + c, ldd, s + k, lds, 8, cols - k);
+    }
+    if (c < rows)
+        att_transpose_default(dst + c, ldd, src + c * lds, lds, rows - c, cols);
+}
+#define att_transpose_avx512 att_transpose_avx2   /* every AVX-512 CPU has AVX2 */
+#endif
+
 /* ---- dispatch: a table per set; the Python wrappers pick one per call ---- */
 typedef struct {
     const char* name;
@@ -479,9 +528,11 @@ typedef struct {
                          ptrdiff_t);
     void (*dsoftmax_tile)(float*, float*, ptrdiff_t, ptrdiff_t, ptrdiff_t, ptrdiff_t, float, const float*,
                           const float*);
+    void (*transpose)(float*, ptrdiff_t, const float*, ptrdiff_t, ptrdiff_t, ptrdiff_t);
 } att_kern_t;
 #define ATT_KERN(SFX, VW, FMA) {#SFX, VW, FMA, att_gemm_acc_##SFX, att_expf_##SFX, \
-    att_scale_max_##SFX, att_exp_sum_##SFX, att_exp_affine_##SFX, att_softmax_tile_##SFX, att_dsoftmax_tile_##SFX}
+    att_scale_max_##SFX, att_exp_sum_##SFX, att_exp_affine_##SFX, att_softmax_tile_##SFX, att_dsoftmax_tile_##SFX, \
+    att_transpose_##SFX}
 static const att_kern_t att_kerns[ATT_N_ISA] = {
 #ifdef ATT_VEC
     ATT_KERN(default, ATT_BASE_VW, 0),
@@ -492,8 +543,8 @@ static const att_kern_t att_kerns[ATT_N_ISA] = {
     ATT_KERN(avx2, 8, 1),
     ATT_KERN(avx512, 16, 1),
 #else
-    {"avx2", 0, 0, 0, 0, 0, 0, 0, 0, 0},
-    {"avx512", 0, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"avx2", 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"avx512", 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
 #endif
 };
 static int att_isa_compiled(int isa) { return isa >= 0 && isa < ATT_N_ISA && att_kerns[isa].gemm != 0; }
@@ -531,6 +582,10 @@ static inline void att_softmax_tile(const att_kern_t* k, float* S, ptrdiff_t ld,
 static inline void att_dsoftmax_tile(const att_kern_t* k, float* P, float* dS, ptrdiff_t ld, ptrdiff_t nr,
                                      ptrdiff_t nc, ptrdiff_t first, float scale, const float* lse, const float* D)
 { k->dsoftmax_tile(P, dS, ld, nr, nc, first, scale, lse, D); }
+static inline void att_transpose(const att_kern_t* k, float* dst, ptrdiff_t ldd, const float* src,
+                                 ptrdiff_t lds, ptrdiff_t rows, ptrdiff_t cols)
+{ k->transpose(dst, ldd, src, lds, rows, cols); }
+
 static unsigned att_ran_take(int reset)
 {
     unsigned r = att_ran_bits;
