@@ -272,6 +272,16 @@ cdef void attention_forward_c(float* out, float* lse, const float* qkv,
 # ----------------------------------------------------------------------------------------------
 # backward
 
+cdef inline void _add_row(float* dst, const float* src, Py_ssize_t n, bint acc) noexcept nogil:
+    # dst += src, or dst = src + 0 (= what adding into +0 gives, -0 included) without reading dst
+    cdef Py_ssize_t k
+    if acc:
+        for k in range(n):
+            dst[k] += src[k]
+    else:
+        for k in range(n):
+            dst[k] = src[k] + <float>0.0
+
 cdef inline Py_ssize_t _backward_scratch_floats(Py_ssize_t T, Py_ssize_t hs) noexcept nogil:
     # D (T) + dq (T*hs) + kt, vt (hs*BC each) + dk, dv (BC*hs each) + P, dS (BQ*BC each)
     # + the head's Q, K and dout rows packed (T*hs each)
@@ -281,8 +291,9 @@ cdef inline Py_ssize_t _backward_scratch_floats(Py_ssize_t T, Py_ssize_t hs) noe
 cdef void _backward_head(float* dqkv, const float* dout, const float* qkv, const float* out,
                          const float* lse, Py_ssize_t b, Py_ssize_t h,
                          Py_ssize_t T, Py_ssize_t C, Py_ssize_t NH, float* scratch,
-                         const att_kern_t* K) noexcept nogil:
-    # dqkv += gradient for head h of batch b. Outer loop over key tiles (their dK, dV stay in
+                         const att_kern_t* K, bint acc_out) noexcept nogil:
+    # dqkv += gradient for head h of batch b (acc_out 0: dqkv = 0 + gradient, the same bits as
+    # adding into zeros without reading them; the head's columns of dqkv are all written). Outer loop over key tiles (their dK, dV stay in
     # local accumulators), inner loop over blocks of the queries that see the tile; dQ
     # accumulates in scratch. Every accumulation runs in a fixed order (key tile, then row).
     cdef Py_ssize_t hs = C // NH
@@ -309,8 +320,6 @@ cdef void _backward_head(float* dqkv, const float* dout, const float* qkv, const
     cdef float* kp = qp + T * hs
     cdef float* dop = kp + T * hs
     cdef Py_ssize_t i, i0, i0b, nr, g, gb, gr, jt, j0, nc, ncg, c, k, ks
-    cdef float* drow
-    cdef float* src
     cdef float acc, a0, a1, a2, a3
     cdef const float* d0
     cdef const float* o0
@@ -381,33 +390,25 @@ cdef void _backward_head(float* dqkv, const float* dout, const float* qkv, const
                 ncg = _imin(nc, i0 + g + gr - j0)
                 att_gemm_acc(K, dq + (i0 + g) * hs, hs, dS + g * BC, BC, 1, kp + j0 * hs, hs, gr, hs, ncg)
         for c in range(nc):
-            drow = dkb + (j0 + c) * C3
-            src = dk + c * hs
-            for k in range(hs):
-                drow[k] += src[k]
-            drow = dvb + (j0 + c) * C3
-            src = dv + c * hs
-            for k in range(hs):
-                drow[k] += src[k]
+            _add_row(dkb + (j0 + c) * C3, dk + c * hs, hs, acc_out)
+            _add_row(dvb + (j0 + c) * C3, dv + c * hs, hs, acc_out)
     for i in range(T):
-        drow = dqb + i * C3
-        src = dq + i * hs
-        for k in range(hs):
-            drow[k] += src[k]
+        _add_row(dqb + i * C3, dq + i * hs, hs, acc_out)
 
 
 cdef void attention_backward_c(float* dqkv, const float* dout, const float* qkv, const float* out,
                                const float* lse, Py_ssize_t B, Py_ssize_t T, Py_ssize_t C,
                                Py_ssize_t NH, int n_threads, float* scratch,
-                               const att_kern_t* K) noexcept nogil:
-    # dqkv (B,T,3C) +=; dout, out (B,T,C); lse (B,NH,T); scratch: n_threads * _backward_scratch_floats
+                               const att_kern_t* K, bint acc_out) noexcept nogil:
+    # dqkv (B,T,3C) += (acc_out) or =; dout, out (B,T,C); lse (B,NH,T); scratch: n_threads *
+    # _backward_scratch_floats
     cdef Py_ssize_t per_thread = _backward_scratch_floats(T, C // NH)
     cdef Py_ssize_t w, nwork = B * NH
     cdef float* scr = NULL
     with parallel(num_threads=n_threads):
         scr = scratch + omp_get_thread_num() * per_thread
         for w in prange(nwork, schedule='static'):
-            _backward_head(dqkv, dout, qkv, out, lse, w // NH, w % NH, T, C, NH, scr, K)
+            _backward_head(dqkv, dout, qkv, out, lse, w // NH, w % NH, T, C, NH, scr, K, acc_out)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -586,11 +587,12 @@ def attention_forward(float[::1] out, float[::1] lse, const float[::1] qkv,
 
 def attention_backward(float[::1] dqkv, const float[::1] dout, const float[::1] qkv,
                        const float[::1] out, const float[::1] lse,
-                       int B, int T, int C, int NH, int n_threads=1):
+                       int B, int T, int C, int NH, int n_threads=1, bint accumulate=True):
     """dqkv (B,T,3C) += d(loss)/d(qkv) given dout (B,T,C) and the forward's out (B,T,C), lse (B,NH,T).
 
     Probabilities are recomputed from qkv and lse (nothing T*T is stored or allocated).
-    Accumulates into dqkv (call sites zero it first if they want the plain gradient).
+    Accumulates into dqkv (llm.c's +=); accumulate=False writes the gradient over dqkv instead,
+    with the bits of accumulating into zeros, and neither reads dqkv nor needs it zeroed first.
     Results are bit-identical for any n_threads.
     """
     _check_dims(B, T, C, NH, n_threads)
@@ -615,7 +617,7 @@ def attention_backward(float[::1] dqkv, const float[::1] dout, const float[::1] 
     try:
         with nogil:
             attention_backward_c(&dqkv[0], &dout[0], &qkv[0], &out[0], &lse[0],
-                                 B, T, C, NH, nt, scratch, K)
+                                 B, T, C, NH, nt, scratch, K, accumulate)
     finally:
         PyMem_RawFree(scratch)
 

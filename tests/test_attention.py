@@ -204,6 +204,22 @@ def test_backward_accumulates(isa):
     assert not np.allclose(plain, 0)
 
 
+def test_backward_overwrite_is_accumulating_into_zeros(isa):
+    # accumulate=False writes every entry of dqkv (NaN garbage before) with the bits of adding into
+    # zeros; dout = +-0 on some rows makes exact zeros, whose sign must be what +0 + x gives
+    B, T, C, NH = 2, 70, 24, 2
+    qkv = _qkv(B, T, C, seed=21)
+    dout = np.random.default_rng(22).standard_normal((B, T, C)).astype(np.float32)
+    dout[:, 3:6] = 0.0
+    dout[1, 40:] = -0.0
+    out, lse = _forward(qkv, NH, 2)
+    want = _backward(dout, qkv, out, lse, NH, 2)
+    got = np.full(qkv.size, np.nan, np.float32)
+    A.attention_backward(got, dout.ravel(), qkv.ravel(), out, lse, B, T, C, NH, 2, accumulate=False)
+    assert got.tobytes() == want.tobytes()
+    assert not np.signbit(got[got == 0]).any()    # as +0 + (-0) gives: no -0 left
+
+
 def test_bit_identical_repeat_and_across_thread_counts(isa):
     # work items are (b, h, query block) / (b, h) and each is computed by one thread with a
     # fixed operation order, so results do not depend on which thread or how many run them

@@ -100,9 +100,8 @@ class Fp32Ops:
     def attention_backward(self, free, dout_mm, db, dout, qkv, out, lse, B, T, C, NH, nt):
         """-> (dout, dbias) for the qkv layer's matmul_backward: d(qkv) written over `free` (fp32,
         B*T*3C), its bias gradient still to sum (db)."""
-        dqkv = free[:B * T * 3 * C]
-        self.k.layers.zero_fill(dqkv, nt)
-        self.k.attention.attention_backward(dqkv, dout, qkv, out, lse, B, T, C, NH, nt)
+        dqkv = free[:B * T * 3 * C]   # written whole: no zero fill first
+        self.k.attention.attention_backward(dqkv, dout, qkv, out, lse, B, T, C, NH, nt, accumulate=False)
         return dqkv, db
 
     def loss_backward(self, dst16, probs, targets, dlosses, N, V, Vp, nt):
