@@ -79,11 +79,25 @@ def adjacent_roof_gflops(n_threads, precision, BT, reps=2, lmhead_rows=1024):
     """The GEMM roof taken between a run's timed steps: the best GFLOP/s of d12's layer shapes
     at B*T=256 and at the run's own B*T (the lm head at no more than lmhead_rows rows, so a
     sample stays near a second at T=1024), whichever is higher. A roof sampled right beside each
-    step sees the machine as that step did; the one at the start of the run may not."""
-    best = max(gemm_roof_gflops(n_threads, precision, 256, reps).values())
+    step sees the machine as that step did; the one at the start of the run may not.
+    Measured in a child process: in the benchmark's own, the sample's large GEMMs and arrays
+    leave the allocator so that the next step faults its memory in again (+6-20 % on that step)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--_roof-child", precision, str(BT), str(n_threads),
+           str(reps), str(lmhead_rows)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"roof child failed: {r.stderr[-2000:]}")
+    return float(r.stdout.split()[-1])
+
+
+def _roof_child_main(precision, BT, n_threads, reps, lmhead_rows):
+    from llmctl.threads import configure_threads
+
+    n, BT = configure_threads(int(n_threads)), int(BT)
+    best = max(gemm_roof_gflops(n, precision, 256, int(reps)).values())
     if BT != 256:
-        best = max(best, max(gemm_roof_gflops(n_threads, precision, BT, reps, lmhead_rows).values()))
-    return best
+        best = max(best, max(gemm_roof_gflops(n, precision, BT, int(reps), int(lmhead_rows)).values()))
+    print(best)
 
 
 def gemm_peak_gflops(n_threads, size=1024, reps=20):
@@ -330,9 +344,12 @@ def main(argv=None):
     ap.add_argument("--rss-seq", type=int, default=1024, help="T for the big RSS run (default 1024)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     ap.add_argument("--_rss-child", nargs=6, help=argparse.SUPPRESS)
+    ap.add_argument("--_roof-child", nargs=5, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a._rss_child:
         return _rss_child_main(*a._rss_child)
+    if a._roof_child:
+        return _roof_child_main(*a._roof_child)
 
     from llmctl._ext import matmul as K
     from llmctl.threads import configure_threads
