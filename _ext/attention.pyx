@@ -292,10 +292,11 @@ cdef void _backward_head(float* dqkv, const float* dout, const float* qkv, const
                          const float* lse, Py_ssize_t b, Py_ssize_t h,
                          Py_ssize_t T, Py_ssize_t C, Py_ssize_t NH, float* scratch,
                          const att_kern_t* K, bint acc_out) noexcept nogil:
-    # dqkv += gradient for head h of batch b (acc_out 0: dqkv = 0 + gradient, the same bits as
-    # adding into zeros without reading them; the head's columns of dqkv are all written). Outer loop over key tiles (their dK, dV stay in
-    # local accumulators), inner loop over blocks of the queries that see the tile; dQ
-    # accumulates in scratch. Every accumulation runs in a fixed order (key tile, then row).
+    # dqkv += gradient for head h of batch b (acc_out 0: dqkv = 0 + gradient, the bits of adding
+    # into zeros, without reading dqkv; every entry of the head's columns is written). Outer loop
+    # over key tiles (their dK, dV stay in local accumulators), inner loop over blocks of the
+    # queries that see the tile; dQ accumulates in scratch. Every accumulation runs in a fixed
+    # order (key tile, then row).
     cdef Py_ssize_t hs = C // NH
     cdef Py_ssize_t C3 = 3 * C
     cdef float scale = 1.0 / sqrtf(<float>hs)
