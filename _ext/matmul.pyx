@@ -691,6 +691,15 @@ cdef inline void _widen(float* dst, const uint16_t* src, Py_ssize_t n, int n_thr
     _convert(dst, src, n, n_threads)
 
 
+cdef void _widen_cols(float* dst, const uint16_t* src, int rows, int ld, int ncols,
+                     int n_threads) noexcept nogil:
+    # dst (rows, ncols), contiguous = src's columns 0..ncols of rows of ld elements, widened
+    cdef Py_ssize_t r
+    n_threads = eff_threads(n_threads, <Py_ssize_t>rows * ncols, _grain)
+    for r in prange(rows, schedule='static', num_threads=n_threads):
+        llmctl_widen_bf16(dst + r * ncols, src + r * ld, ncols)
+
+
 cdef float* _widened(const uint16_t* src, Py_ssize_t n, int n_threads) except NULL:
     cdef float* dst = <float*>malloc(<size_t>n * sizeof(float))
     if dst == NULL:
@@ -725,11 +734,12 @@ cdef void _forward_widened(float* out, const float* winp, const uint16_t* weight
         o0 = o0 + ob
 
 
-cdef void _backward_widened(float* dinp, float* dweight, const float* wdout, const float* winp,
-                            const uint16_t* weight, float* wbuf, int BT, int C, int OC,
-                            float dinp_beta, int n_threads) noexcept nogil:
-    # per block of weight rows o0..o0+ob (= columns of dout): dinp = dinp_beta dinp + dout[:, blk]
-    # @ W[blk] for the first block, += for the rest; dW[blk] += dout[:, blk]^T @ inp
+cdef void _backward_widened(float* dinp, float* dweight, const uint16_t* dout, float* wdout,
+                            const float* winp, const uint16_t* weight, float* wbuf, int BT, int C,
+                            int OC, float dinp_beta, int n_threads) noexcept nogil:
+    # per block of weight rows o0..o0+ob (= columns of dout, widened into wdout (BT,ob) so the
+    # lm head's dout is never held whole in fp32): dinp = dinp_beta dinp + dout[:, blk] @ W[blk]
+    # for the first block, += for the rest; dW[blk] += dout[:, blk]^T @ inp
     cdef float one = 1.0
     cdef float beta = dinp_beta
     cdef char tn = b'N', tt = b'T'
@@ -738,13 +748,14 @@ cdef void _backward_widened(float* dinp, float* dweight, const float* wdout, con
     o0 = 0
     while o0 < OC:
         ob = OC - o0 if OC - o0 < WBLOCK else WBLOCK
+        _widen_cols(wdout, dout + o0, BT, OC, ob, n_threads)
         if dinp != NULL:
             _widen(wbuf, weight + <Py_ssize_t>o0 * C, <Py_ssize_t>ob * C, n_threads)
-            # column-major: dinp^T (C,BT) += wblock^T (C,ob) @ dout[:, blk]^T (ob,BT), ldb = OC
-            sgemm(&tn, &tn, &C, &BT, &ob, &one, wbuf, &C, <float*>wdout + o0, &OC, &beta, dinp, &C)
+            # column-major: dinp^T (C,BT) += wblock^T (C,ob) @ dout[:, blk]^T (ob,BT)
+            sgemm(&tn, &tn, &C, &BT, &ob, &one, wbuf, &C, wdout, &ob, &beta, dinp, &C)
             beta = one
         # column-major: dW^T[:, blk] (C,ob) += inp^T (C,BT) @ dout[:, blk] (BT,ob)
-        sgemm(&tn, &tt, &C, &ob, &BT, &one, <float*>winp, &C, <float*>wdout + o0, &OC, &one,
+        sgemm(&tn, &tt, &C, &ob, &BT, &one, <float*>winp, &C, wdout, &ob, &one,
               dweight + <Py_ssize_t>o0 * C, &C)
         o0 = o0 + ob
 
@@ -1029,13 +1040,14 @@ def matmul_backward_bf16(dinp, float[::1] dweight, dbias, dout, uint16_t[::1] do
         _check_dnnl(st, "matmul_backward_bf16")
         return
     try:
-        wd = _widened(&dout_bf16[0], <Py_ssize_t>BT * OC, n_threads)
         wi = _widened(&inp[0], <Py_ssize_t>BT * C, n_threads)
+        wd = <float*>malloc(<size_t>BT * (OC if OC < WBLOCK else WBLOCK) * sizeof(float))
         ww = <float*>malloc(<size_t>(OC if OC < WBLOCK else WBLOCK) * C * sizeof(float))
-        if ww == NULL:
-            raise MemoryError("matmul_backward_bf16: cannot allocate the widening buffer")
+        if ww == NULL or wd == NULL:
+            raise MemoryError("matmul_backward_bf16: cannot allocate the widening buffers")
         with nogil:
-            _backward_widened(dinp_ptr, &dweight[0], wd, wi, &weight[0], ww, BT, C, OC, dbeta, n_threads)
+            _backward_widened(dinp_ptr, &dweight[0], &dout_bf16[0], wd, wi, &weight[0], ww, BT, C, OC,
+                              dbeta, n_threads)
     finally:
         free(wd)
         free(wi)
