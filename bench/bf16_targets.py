@@ -70,8 +70,8 @@ def measure(before=None, emulate=False, quick=False):
     run = {(r["precision"], r["T"]): r for r in step_runs if (r["model"], r["B"]) == ("d12", 4)}
     torch_bf16 = {t["T"]: t["step_s"] for t in (step or {}).get("torch", [])
                   if t["precision"] == "bf16" and (t["model"], t["B"]) == ("d12", 4)}
-    rss = {(r["precision"], r["T"]): r["peak_rss_bytes"] for r in (step or {}).get("rss", [])}
-    big_t = max(t for _, t in rss) if rss else 1024
+    rss = {(r["precision"], r["T"], r.get("recompute", "auto")): r["peak_rss_bytes"] for r in (step or {}).get("rss", [])}
+    big_t = max(t for _, t, _ in rss) if rss else 1024
     sam = {r["precision"]: r["cached"]["decode_tokens_per_s"] for r in sample["runs"]} if sample else {}
     evm = {r["precision"]: r["full_val_minutes"] for r in ev["runs"]} if ev else {}
     native = bool(step and step.get("bf16_native"))
@@ -90,8 +90,10 @@ def measure(before=None, emulate=False, quick=False):
             _row("d12 B=4 T=64 bf16 step: non-matmul share", get("bf16", 64, "non_matmul_share"), 0.25, "{:.1%}"),
             _row("d12 B=4 T=1024 bf16 step: non-matmul share", get("bf16", 1024, "non_matmul_share"), 0.25,
                  "{:.1%}"),
-            _row(f"peak RSS d12 B=4 T={big_t} bf16 step (GiB)",
-                 rss[("bf16", big_t)] / GiB if ("bf16", big_t) in rss else None, 3.0, "{:.2f}"),
+            _row(f"peak RSS d12 B=4 T={big_t} bf16 steps (GiB)",
+                 rss[("bf16", big_t, "auto")] / GiB if ("bf16", big_t, "auto") in rss else None, 3.0, "{:.2f}"),
+            _row(f"peak RSS d12 B=4 T={big_t} bf16 steps at -r 3 (GiB)",
+                 rss[("bf16", big_t, "3")] / GiB if ("bf16", big_t, "3") in rss else None, 3.0, "{:.2f}"),
             _row(f"sampling {sample['model'] if sample else 'd12'} bf16 (tokens/s)",
                  sam.get("bf16") if native or emulate else None, 100.0, "{:.1f}", ">="),
             _row(f"full HellaSwag {ev['model'] if ev else 'd12'} bf16 (minutes)", evm.get("bf16"), 10.0, "{:.1f}")]

@@ -163,12 +163,13 @@ def _step(m, x, y, t):
     return loss
 
 
-def bench_llmctl(desc, B, T, n_threads, steps, matmul, precision, roof=None):
+def bench_llmctl(desc, B, T, n_threads, steps, matmul, precision, roof=None, recompute=None):
     """roof: the precision whose GEMM roof is sampled before the first timed step and after each
-    one (adjacent_roof_gflops), for an MFU per step against the roof measured beside it."""
+    one (adjacent_roof_gflops), for an MFU per step against the roof measured beside it.
+    recompute: the -r level (None: the model's default)."""
     from llmctl.model import GPT2
 
-    m = GPT2.from_descriptor(desc, n_threads=n_threads, engine=matmul, precision=precision)
+    m = GPT2.from_descriptor(desc, n_threads=n_threads, engine=matmul, precision=precision, recompute=recompute)
     x, y = _batch(m.config, B, T)
     _step(m, x, y, 1)  # warm-up: allocates activations, grads' scratch and AdamW state
     times, cpu, roofs = [], [], []
@@ -287,10 +288,11 @@ def bench_torch(desc, B, T, n_threads, steps, precision="fp32"):
             "step_s": min(times), "median_s": statistics.median(times), "all_steps_s": times}
 
 
-def rss_child(desc, B, T, n_threads, matmul, precision):
-    """Run one training step in a fresh process; return its peak RSS in bytes."""
+def rss_child(desc, B, T, n_threads, matmul, precision, recompute="auto"):
+    """Run three training steps in a fresh process; return its peak RSS in bytes.
+    recompute: "auto" (the model's default) or a -r level."""
     cmd = [sys.executable, os.path.abspath(__file__), "--_rss-child", desc, str(B), str(T), str(n_threads),
-           matmul or "default", precision]
+           matmul or "default", precision, str(recompute)]
     timev = shutil.which("time") or ("/usr/bin/time" if os.path.exists("/usr/bin/time") else None)
     if timev:
         r = subprocess.run([timev, "-v"] + cmd, capture_output=True, text=True)
@@ -305,13 +307,16 @@ def rss_child(desc, B, T, n_threads, matmul, precision):
     return max(before, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) * 1024, "getrusage"
 
 
-def _rss_child_main(desc, B, T, n_threads, matmul, precision):
+def _rss_child_main(desc, B, T, n_threads, matmul, precision, recompute):
     from llmctl.model import GPT2
 
     m = GPT2.from_descriptor(desc, n_threads=int(n_threads), engine=None if matmul == "default" else matmul,
-                             precision=precision)
+                             precision=precision, recompute=None if recompute == "auto" else int(recompute))
     x, y = _batch(m.config, int(B), int(T))
-    _step(m, x, y, 1)
+    # three steps: a training run's peak is a later step's, where AdamW's m and v are held while
+    # the forward and backward run (the first step allocates them only after its backward)
+    for t in (1, 2, 3):
+        _step(m, x, y, t)
 
 
 def _parse_runs(spec):
@@ -343,7 +348,12 @@ def main(argv=None):
     ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS child processes")
     ap.add_argument("--rss-seq", type=int, default=1024, help="T for the big RSS run (default 1024)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    ap.add_argument("--_rss-child", nargs=6, help=argparse.SUPPRESS)
+    ap.add_argument("--recompute", type=int, default=None,
+                    help="-r level of llmctl's timed runs (default: the model's own choice)")
+    ap.add_argument("--rss-recompute", default="3",
+                    help="also measure the big bf16 RSS run at these -r levels, comma-separated "
+                         "(default 3: the level that trades step time for memory; '' for none)")
+    ap.add_argument("--_rss-child", nargs=7, help=argparse.SUPPRESS)
     ap.add_argument("--_roof-child", nargs=5, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a._rss_child:
@@ -382,7 +392,7 @@ def main(argv=None):
     for desc, B, T in _parse_runs(a.runs):
         steps = a.big_steps if T >= 512 else a.steps
         for prec in precisions:
-            r = bench_llmctl(desc, B, T, n, steps, a.matmul, prec, roof=roof_of[prec])
+            r = bench_llmctl(desc, B, T, n, steps, a.matmul, prec, roof=roof_of[prec], recompute=a.recompute)
             r["mfu"] = r["flops_per_step"] / r["step_s"] / 1e9 / out["roof"][prec]
             out["runs"].append(r)
             progress(f"{desc} {B}x{T} llmctl {prec}", r)
@@ -407,9 +417,11 @@ def main(argv=None):
                     progress(f"{desc} {B}x{T} torch {prec}", tr)
     if not a.no_rss:
         for prec in precisions:
-            for T in (64, a.rss_seq):
-                b, how = rss_child("d12", 4, T, n, a.matmul, prec)
-                out["rss"].append({"model": "d12", "B": 4, "T": T, "precision": prec, "peak_rss_bytes": b, "how": how})
+            extra = [lv for lv in a.rss_recompute.split(",") if lv.strip()] if prec == "bf16" else []
+            for T, lv in [(64, "auto"), (a.rss_seq, "auto")] + [(a.rss_seq, lv.strip()) for lv in extra]:
+                b, how = rss_child("d12", 4, T, n, a.matmul, prec, lv)
+                out["rss"].append({"model": "d12", "B": 4, "T": T, "precision": prec, "recompute": lv,
+                                   "peak_rss_bytes": b, "how": how})
     out["load_avg_end"] = os.getloadavg()
     if a.json:
         print(json.dumps(out, indent=1, default=float))
@@ -473,7 +485,9 @@ def main(argv=None):
     if not out["torch"] and not a.no_torch:
         print("torch not importable: no PyTorch comparison")
     for r in out["rss"]:
-        print(f"peak RSS d12 B={r['B']} T={r['T']} {r['precision']} training step: {r['peak_rss_bytes'] / 2**30:.2f} GiB ({r['how']})")
+        lv = r.get("recompute", "auto")
+        print(f"peak RSS d12 B={r['B']} T={r['T']} {r['precision']}{'' if lv == 'auto' else ' -r ' + lv} "
+              f"training steps: {r['peak_rss_bytes'] / 2**30:.2f} GiB ({r['how']})")
 
 
 if __name__ == "__main__":

@@ -186,7 +186,10 @@ class TrainConfig:
                                "1 = GELU, 2 = GELU and layernorms; the same bits either way, "
                                "less memory, a little more time (-1 = auto: 2 once L*B*T*4C "
                                "floats pass 256 MiB; below that 1 in fp32, where it is free, and 0 "
-                               "in bf16; llm.c's -r, whose default is 1).",
+                               "in bf16; llm.c's -r, whose default is 1). 3 (llmctl's own) = 2, "
+                               "plus the attention projection's residual (one GEMM a layer) and, "
+                               "in bf16, no bf16 copy of the layers' weights (each layer casts "
+                               "its own as it runs; slower sampling).",
                           name="recompute")
     zero_stage: int = flag(0, "-z", "--zero-stage",
                            help="ZeRO stage (llm.c's -z): 0 = every rank holds all AdamW state; "
@@ -251,11 +254,12 @@ class TrainConfig:
         if self.resume == 1 and self.overwrite:
             raise ConfigError("-y 1 resumes the run in -o, --overwrite replaces it: not both",
                               hint="drop one of the two")
-        if self.recompute not in (-1, 0, 1, 2):
-            raise ConfigError(f"recompute (-r) must be 0, 1 or 2 (or -1 = auto), got "
+        if self.recompute not in (-1, 0, 1, 2, 3):
+            raise ConfigError(f"recompute (-r) must be 0, 1, 2 or 3 (or -1 = auto), got "
                               f"{self.recompute}",
-                              hint="pass -r 0 (keep all), -r 1 (recompute GELU) or -r 2 (GELU "
-                                   "and layernorms)")
+                              hint="pass -r 0 (keep all), -r 1 (recompute GELU), -r 2 (GELU "
+                                   "and layernorms) or -r 3 (also the attention residual and "
+                                   "the bf16 weights)")
         if self.zero_stage not in (0, 1):
             raise ConfigError(f"zero stage (-z) must be 0 or 1, got {self.zero_stage} (llm.c "
                               "falls back to 0 for stages 2 and 3, which it does not implement)",

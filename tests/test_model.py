@@ -18,6 +18,7 @@ from errcheck import raises_error
 import reference as R
 from llmctl.errors import ConfigError, FormatError
 from llmctl.model import DECAY_PARAMS, PARAM_NAMES, GPT2, GPT2Config, init_llmc_, load, param_shapes
+from llmctl.model.gpt2 import KVCache
 
 CFG = GPT2Config(max_seq_len=16, vocab_size=100, padded_vocab_size=128, num_layers=2, num_heads=4, channels=32)
 REL = 2e-5
@@ -77,10 +78,11 @@ def test_forward_backward_vs_reference(n_threads, B, T):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("recompute", [True, False, 0, 1, 2])
+@pytest.mark.parametrize("recompute", [True, False, 0, 1, 2, 3])
 def test_recompute_modes_agree(recompute, precision, monkeypatch):
     # keeping fch_gelu, ln1, ln2 per layer (-r 0) and recomputing them in backward (llm.c's
-    # -r 1: fch_gelu; -r 2 and True: also ln1, ln2) give the same loss, gradients and updated
+    # -r 1: fch_gelu; -r 2 and True: also ln1, ln2; llmctl's -r 3: also res2, and in bf16 the
+    # layers' weights cast as each layer runs) give the same loss, gradients and updated
     # parameters, bit for bit
     from llmctl._ext import matmul
 
@@ -104,13 +106,22 @@ def test_recompute_modes_agree(recompute, precision, monkeypatch):
     assert m.loss0 == base.loss0
     level = 2 if recompute is True else int(recompute)
     assert m.plan.recompute == level and base.plan.recompute == 0
-    # -r 1 holds fch_gelu for one layer, not L; -r 2 also ln1, ln2: exactly those bytes less
+    # -r 1 holds fch_gelu for one layer, not L; -r 2 also ln1, ln2 (bf16 in bf16); -r 3 also
+    # res2 (fp32): exactly those bytes less
     C, BT, bf16 = CFG.channels, 2 * 9, precision == "bf16"
     held = (4 * C if level >= 1 else 0) + (2 * C if level >= 2 else 0)
-    layer_bytes = BT * held * (2 if bf16 else 4)
+    layer_bytes = BT * held * (2 if bf16 else 4) + (BT * C * 4 if level >= 3 else 0)
     assert base.activation_bytes() - m.activation_bytes() == (CFG.num_layers - 1) * layer_bytes
     assert m.grads.tobytes() == base.grads.tobytes()
     assert m.params.tobytes() == base.params.tobytes()
+    assert m.m.tobytes() == base.m.tobytes() and m.v.tobytes() == base.v.tobytes()
+    if bf16:   # -r 3 keeps the lm head's weights in bf16 only: wte and wpe, the first two tensors
+        kept = CFG.padded_vocab_size * C + CFG.max_seq_len * C if level >= 3 else base.num_parameters
+        assert m.params_bf16.size == kept
+        assert m.params_bf16.tobytes() == base.params_bf16[:kept].tobytes()
+        # ... and the model samples the same logits from the cached forward, which casts them too
+        h = [x.forward_cached(KVCache(CFG, 2, 8), ids[:, :4]) for x in (m, base)]
+        assert h[0].tobytes() == h[1].tobytes()
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -133,7 +144,7 @@ def test_recompute_auto_level_follows_the_precision_and_size(precision, monkeypa
 
 def test_recompute_level_checked():
     with pytest.raises(ConfigError, match="recompute must be"):
-        GPT2(CFG, n_threads=1, recompute=3)
+        GPT2(CFG, n_threads=1, recompute=4)
 
 
 def test_reference_gradients_by_finite_differences():

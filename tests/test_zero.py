@@ -216,28 +216,29 @@ def _port():
     return p
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_ring_zero1_equals_shm_zero0(run_dir, precision):
+@pytest.mark.parametrize("precision, recompute", [("fp32", "-1"), ("bf16", "-1"), ("bf16", "3")])
+def test_ring_zero1_equals_shm_zero0(run_dir, precision, recompute):
     """Two ranks started per rank (torchrun's environment) form one TCP ring; -z 1 over it gives
     the bits of -z 0 over shm, and in bf16 every rank's bf16 copy of the weights is the same
-    (CHECK_PARAMS compares fp32 parameters and the bf16 copy after every step)."""
-    d = run_dir
+    (CHECK_PARAMS compares fp32 parameters and the bf16 copy after every step). At -r 3 the
+    ring's ranks keep only wte's bf16 copy (the layers cast theirs as they run): the same bits."""
+    d, tag = run_dir, f"{precision}-r{recompute}"
     env = bf16_env() if precision == "bf16" else {}
     port = _port()
     ps = [subprocess.Popen([sys.executable, "-m", "llmctl.cli", *_args(
-        d, f"ring-{precision}", "-z", "1", "--precision", precision, "--dist-timeout", "10",
-        "--rdzv-timeout", "30")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        d, f"ring-{tag}", "-z", "1", "--precision", precision, "--dist-timeout", "10",
+        "--rdzv-timeout", "30", "-r", recompute)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=dict(os.environ, OMP_NUM_THREADS="1", LLMCTL_SECRET="test-secret-0123456789abcdef",
                  RANK=str(r), WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LLMCTL_BIND_ADDR="127.0.0.1",
                  LLMCTL_DIST_CHECK_PARAMS="1", **env)) for r in range(2)]
     _all_exit_0(ps)
-    r = _cli(_args(d, f"shm-{precision}", "--nproc", "2", "--precision", precision), env=env)
+    r = _cli(_args(d, f"shm-{tag}", "--nproc", "2", "--precision", precision), env=env)
     assert r.returncode == 0, r.stderr
-    assert train_losses(d / f"ring-{precision}") == train_losses(d / f"shm-{precision}")
-    np.testing.assert_array_equal(_params(d / f"ring-{precision}/model_00000004.bin"),
-                                  _params(d / f"shm-{precision}/model_00000004.bin"))
-    _check_shards(d, f"shm-{precision}", f"ring-{precision}")
+    assert train_losses(d / f"ring-{tag}") == train_losses(d / f"shm-{tag}")
+    np.testing.assert_array_equal(_params(d / f"ring-{tag}/model_00000004.bin"),
+                                  _params(d / f"shm-{tag}/model_00000004.bin"))
+    _check_shards(d, f"shm-{tag}", f"ring-{tag}")
 
 
 def test_mpi_zero1_equals_shm_zero0(run_dir):
@@ -353,14 +354,15 @@ def test_ring_reduce_scatter_with_a_lost_member_is_a_clear_error():
 
 
 def test_recompute_levels_train_the_same_bits(run_dir):
-    """-r 2 (llm.c's GELU + layernorms) trains the same losses and weights as -r 0 (every level
-    and both precisions: tests/test_model.py's test_recompute_modes_agree); -r 3 is one error."""
+    """-r 2 (llm.c's GELU + layernorms) and -r 3 (llmctl's: also the attention residual) train
+    the same losses and weights as -r 0 (every level and both precisions: tests/test_model.py's
+    test_recompute_modes_agree); -r 4 is one error."""
     d = run_dir
-    for lvl in ("0", "2"):
+    for lvl in ("0", "2", "3"):
         r = _cli(_args(d, f"r{lvl}", "-r", lvl, "-x", "3", "-n", "3"))
         assert r.returncode == 0, r.stderr
-    for lvl in ("2",):
+    for lvl in ("2", "3"):
         assert train_losses(d / f"r{lvl}") == train_losses(d / "r0")
         assert (d / f"r{lvl}/model_00000003.bin").read_bytes() == (d / "r0/model_00000003.bin").read_bytes()
-    bad = _cli(_args(d, "r3", "-r", "3"))
-    assert bad.returncode == 2 and "recompute (-r) must be 0, 1 or 2" in bad.stderr and "Hint:" in bad.stderr
+    bad = _cli(_args(d, "r4", "-r", "4"))
+    assert bad.returncode == 2 and "recompute (-r) must be 0, 1, 2 or 3" in bad.stderr and "Hint:" in bad.stderr

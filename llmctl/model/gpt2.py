@@ -156,7 +156,9 @@ class GPT2:
         llm.c's -r levels: 0 = keep all, 1 = recompute fch_gelu, 2 = also
         ln1/ln2. None = while fch_gelu costs <= 256 MiB (small B*T), 1 in fp32 (whose backward
         makes the GELU again in its gradient's pass, no extra kernel) and 0 in bf16 (saves that
-        kernel in backward), else 2; True = 2, False = 0.
+        kernel in backward), else 2; True = 2, False = 0. 3 (llmctl's, beyond llm.c's levels):
+        level 2, and res2 = x + attproj(atty) recomputed in backward (one GEMM a layer), and in
+        bf16 no bf16 copy of the layers' weights: each layer casts its own as it runs.
         engine: the GEMM engine (None: the default, oneDNN where built, else scipy's BLAS);
         `matmul=` is its former name, still accepted.
         precision: "fp32" or "bf16" (mixed precision, see the module docstring).
@@ -164,8 +166,8 @@ class GPT2:
         (`llmctl sample` does where the bf16 GEMV's AVX2 copy decodes); None: LLMCTL_BF16_EMULATE."""
         self.config = config
         self.precision = check_precision(precision, emulate=bf16_emulate)
-        if recompute not in (None, True, False, 0, 1, 2):
-            raise ConfigError(f"recompute must be None, 0, 1 or 2, got {recompute!r}")
+        if recompute not in (None, True, False, 0, 1, 2, 3):
+            raise ConfigError(f"recompute must be None, 0, 1, 2 or 3, got {recompute!r}")
         self.recompute = recompute
         config.validate()
         from llmctl.threads import configure_threads
@@ -185,10 +187,17 @@ class GPT2:
         self.grads = np.zeros(self.num_parameters, dtype=np.float32)
         self.p = _views(self.params, self._offs)
         self.g = _views(self.grads, self._offs)
-        # bf16: the copy of the parameters the matmuls read; stale until params_changed() re-casts
-        self.params_bf16 = np.zeros(self.num_parameters, np.uint16) if self.precision == "bf16" else None
-        self.pb = _views(self.params_bf16, self._offs) if self.params_bf16 is not None else None
-        self.ops = ops_for(self.precision, self.kernels, self.p, engine, self.pb)
+        # bf16: the copy of the parameters the matmuls read; stale until params_changed() re-casts.
+        # At recompute level 3 it holds the first two tensors only (wte, the lm head's, and wpe):
+        # the layers cast their own weights as they run (ops.cast_layer)
+        self.params_bf16, self.pb = None, None
+        if self.precision == "bf16":
+            offs = self._offs
+            if recompute == 3:
+                offs = {n: offs[n] for n in ("wte", "wpe")}
+            self.params_bf16 = np.zeros(sum(n for _, n, _ in offs.values()), np.uint16)
+            self.pb = _views(self.params_bf16, offs)
+        self.ops = ops_for(self.precision, self.kernels, self.p, engine, self.pb, layer_weights=recompute == 3)
         self._bf16_fresh = False
         self.m = None
         self.v = None
@@ -199,6 +208,7 @@ class GPT2:
         self._acts = None          # dict of activation buffers, as self.plan says
         self._scratch = None       # one layer of activation gradients (allocated at first backward)
         self._step_bufs = None     # one layer's intermediates of a cached forward (block_forward)
+        self._bwd16 = None         # bf16 training: the backward's scratch (_bwd16_layout)
         self._B = self._T = 0
         self._kept = False         # did the last forward keep every layer's activations?
         self._ids = None
@@ -250,10 +260,12 @@ class GPT2:
         """Call after writing `params` directly (load, init, a broadcast): in bf16 the matmuls'
         copy is re-cast before the next forward. AdamW (update) keeps it current itself."""
         self._bf16_fresh = False
+        self.ops.params_changed()
 
     def _sync_bf16(self):
         if self.params_bf16 is not None and not self._bf16_fresh:
-            self.kernels.convert.cast_to_bf16(self.params_bf16, self.params, self.n_threads)
+            pb = self.params_bf16
+            self.kernels.convert.cast_to_bf16(pb, self.params[:pb.size], self.n_threads)
             self._bf16_fresh = True
 
     def save_checkpoint(self, path, dtype="float32"):
@@ -282,7 +294,8 @@ class GPT2:
         # block is made while its logits are at hand when forward is given loss_scale, else
         # backward recomputes them (the same GEMM on the same inputs: the same bits, ~9 % more FLOPs)
         blocks = self.precision == "bf16" and BT * c.padded_vocab_size * 4 > LOGITS_KEEP_BYTES
-        return ActPlan(BT, nl, level, min(BT, LMHEAD_ROWS) if blocks else BT)
+        rows = LMHEAD_ROWS // 2 if level >= 3 else LMHEAD_ROWS   # -r 3: half the block, 25 MB less at d12
+        return ActPlan(BT, nl, level, min(BT, rows) if blocks else BT)
 
     def _ensure_acts(self, BT, nl):
         """Buffers for >= BT rows and nl layers of saved activations."""
@@ -293,24 +306,52 @@ class GPT2:
         BT, L, C, NH, Vp = plan.rows, plan.layers, c.channels, c.num_heads, c.padded_vocab_size
         Lg = 1 if plan.recompute >= 1 else L   # fch_gelu: all layers, or one
         Lr = 1 if plan.recompute >= 2 else L   # ln1, ln2 likewise
+        Lx = 1 if plan.recompute >= 3 else L   # res2 likewise
         z = lambda *shape: np.zeros(shape, dtype=np.float32)
-        zm = lambda *shape: np.zeros(shape, dtype=self.ops.act_dtype)   # matmul inputs
-        self._acts = None  # free the old buffers before allocating bigger ones
-        self._scratch = None
+        self._acts = self._scratch = self._bwd16 = None  # free the old buffers before allocating bigger ones
+        # matmul inputs (bf16 in bf16); in a bf16 training plan the one-layer ones live in the
+        # backward's scratch (_bwd16_layout)
+        at, buf = {}, None
+        if plan.layers == c.num_layers and self.precision == "bf16":
+            lay = self._bwd16_layout(BT, plan.recompute)
+            at, buf = lay["at"], np.zeros(lay["size"], np.uint16)
+
+        def zm(k, size, name=None):
+            if name in at:
+                assert k == 1, name
+                return buf[at[name]:at[name] + size].reshape(1, size)
+            return np.zeros((k, size), self.ops.act_dtype)
+
         self._acts = {
             "resid": z(L + 1, BT * C),   # resid[0] = encoded, resid[l+1] = residual3 of layer l
-            "res2": z(L, BT * C),
-            "ln1": zm(Lr, BT * C), "ln1_mean": z(L, BT), "ln1_rstd": z(L, BT),
+            "res2": z(Lx, BT * C),
+            "ln1": zm(Lr, BT * C, "ln1"), "ln1_mean": z(L, BT), "ln1_rstd": z(L, BT),
             "qkv": zm(L, BT * 3 * C),    # bf16: attention reads q, k, v only rounded to bf16
             "atty": zm(L, BT * C), "lse": z(L, BT * NH),   # bf16: the attention writes it rounded
-            "ln2": zm(Lr, BT * C), "ln2_mean": z(L, BT), "ln2_rstd": z(L, BT),
+            "ln2": zm(Lr, BT * C, "ln2"), "ln2_mean": z(L, BT), "ln2_rstd": z(L, BT),
             "fch": zm(L, BT * 4 * C),    # bf16: the fc matmul rounds its output (GELU reads only that)
-            "gelu": zm(Lg, BT * 4 * C),
-            "lnf": zm(BT * C), "lnf_mean": z(BT), "lnf_rstd": z(BT),
+            "gelu": zm(Lg, BT * 4 * C, "gelu"),
+            "lnf": zm(1, BT * C)[0], "lnf_mean": z(BT), "lnf_rstd": z(BT),
             "logits": z(plan.logits_rows * Vp),   # logits -> probs -> dlogits, in place (fp32)
             "losses": z(BT), "dlosses": z(BT),
         }
+        self._bwd16 = buf
         self.plan = plan
+
+    def _bwd16_layout(self, BT, level):
+        """bf16 training: the backward's scratch in one uint16 buffer, {"size", "at": name ->
+        offset}. dbig (fp32, 2 of BT*4C), dout16 (BT*4C) and then the one layer of gelu (-r >= 1)
+        and ln2, ln1 (-r >= 2) the forward and backward recompute, all overlapping the lm head's
+        dlogits staging (n16), which is in use only between the last layer's forward and the
+        first layer's backward, when those are dead."""
+        c = self.config
+        C, nbig = c.channels, BT * 4 * c.channels
+        n16 = min(BT, LMHEAD_GRAD_ROWS) * c.padded_vocab_size
+        at, end = {"dbig": 0, "dout16": 2 * nbig}, 3 * nbig
+        for name, size, lv in (("gelu", nbig, 1), ("ln2", BT * C, 2), ("ln1", BT * C, 2)):
+            if level >= lv:
+                at[name], end = end, end + size
+        return {"size": max(n16, end), "at": at}
 
     def _layer_acts(self, l, BT, keep):
         """Layer l's buffers for BT rows: its saved activations (keep), or the one layer of
@@ -321,9 +362,10 @@ class GPT2:
         r = l if keep else 0
         rg = 0 if self.plan.recompute >= 1 else r
         rr = 0 if self.plan.recompute >= 2 else r
+        rx = 0 if self.plan.recompute >= 3 else r
         xr, outr = (l, l + 1) if keep else (l % 2, (l + 1) % 2)
         return SimpleNamespace(
-            x=a["resid"][xr, :n], x2=a["res2"][r, :n], out=a["resid"][outr, :n],
+            x=a["resid"][xr, :n], x2=a["res2"][rx, :n], out=a["resid"][outr, :n],
             ln1=a["ln1"][rr, :n], ln1_mean=a["ln1_mean"][r, :BT], ln1_rstd=a["ln1_rstd"][r, :BT],
             qkv=a["qkv"][r, :3 * n], atty=a["atty"][r, :n], lse=a["lse"][r, :BT * NH],
             atty16=None,   # the attention writes atty in the matmul precision itself
@@ -382,10 +424,10 @@ class GPT2:
                 self._scratch["dbig"] = np.zeros(BT * 4 * C, np.float32)
             else:
                 # dbig, every backward GEMM's bf16 dout (d(fch) too: gelu_backward writes it there)
-                # and the lm head's dlogits staged LMHEAD_GRAD_ROWS rows at a time, in one buffer:
-                # the staging is done with before the first layer's backward uses the other two
+                # and the lm head's dlogits staged LMHEAD_GRAD_ROWS rows at a time, in one buffer
+                # (_bwd16_layout): the staging is done with before the first layer's backward
                 n16, nbig = min(BT, LMHEAD_GRAD_ROWS) * self.config.padded_vocab_size, BT * 4 * C
-                buf = np.zeros(max(n16, 3 * nbig), np.uint16)
+                buf = self._bwd16 if self._bwd16 is not None else np.zeros(max(n16, 3 * nbig), np.uint16)
                 self._scratch.update(dbig=buf[:2 * nbig].view(np.float32), dout16=buf[2 * nbig:3 * nbig],
                                      dlogits16=buf[:n16])
         return self._scratch
@@ -438,6 +480,7 @@ class GPT2:
         # element-wise work of a few rows (a decode step) is too small to split: a second thread
         # only adds a barrier. The results do not depend on the thread count.
         nte = nt if n * 4 >= _MIN_PARALLEL else 1
+        o.cast_layer(l, nt)
         o.layernorm(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, p["ln1w"][l], p["ln1b"][l], BT, C, nte)
         o.matmul(a.qkv, a.ln1, "qkvw", l, p["qkvb"][l], BT, C, 3 * C, nt)
         if kv is None:
@@ -725,6 +768,10 @@ class GPT2:
         dres, dsmall, dbig, d16 = s["dres"][:n], s["dsmall"][:n], s["dbig"][:4 * n], s.get("dout16")
         gW = lambda name: g[name][l].reshape(-1)
         gb = lambda name: g[name[:-1] + "b"][l]
+        o.cast_layer(l, nt)
+        if self.plan.recompute >= 3:   # x2 as the forward made it: the same GEMM on the same inputs
+            o.matmul(a.x2, o.mm_input(a.atty16, a.atty, nt), "attprojw", l, p["attprojb"][l], BT, C, C, nt)
+            Ly.residual_forward(a.x2, a.x2, a.x, n, nt)
         # the GELU again, on the same inputs: the same bits; fp32 makes it in its backward's pass
         fuse = self.plan.recompute >= 1 and o.gelu_forward_backward is not None
         if self.plan.recompute >= 1 and not fuse:
@@ -762,13 +809,14 @@ class GPT2:
         """Global L2 norm of all gradients (deterministic for a fixed n_threads)."""
         return math.sqrt(self.kernels.adamw.global_norm_sq(self.grads, self.n_threads))
 
-    def _decay_runs(self):
-        """Contiguous (start, stop, decays) runs of the flat buffer, merging neighbours."""
+    def _decay_runs(self, cut=None):
+        """Contiguous (start, stop, decays) runs of the flat buffer, merging neighbours, but not
+        across offset `cut` (the end of a bf16 copy that holds only the first tensors)."""
         runs = []
         for name in PARAM_NAMES:
             off, n, _ = self._offs[name]
             dec = name in DECAY_PARAMS
-            if runs and runs[-1][2] == dec and runs[-1][1] == off:
+            if runs and runs[-1][2] == dec and runs[-1][1] == off and off != cut:
                 runs[-1][1] = off + n
             else:
                 runs.append([off, off + n, dec])
@@ -788,12 +836,13 @@ class GPT2:
             if arr.shape != (self.num_parameters,) or arr.dtype != np.float32 or not arr.flags.c_contiguous:
                 raise ValueError(f"AdamW state {name} must be a contiguous float32 array of {self.num_parameters}")
         pb = self.params_bf16
-        for lo, hi, dec in self._decay_runs():
+        for lo, hi, dec in self._decay_runs(None if pb is None else pb.size):
             self.kernels.adamw.adamw_update(self.params[lo:hi], self.grads[lo:hi], self.m[lo:hi], self.v[lo:hi],
                                        lr, beta1, beta2, eps, weight_decay if dec else 0.0, grad_scale,
-                                       int(step), self.n_threads, None if pb is None else pb[lo:hi],
+                                       int(step), self.n_threads, None if pb is None or hi > pb.size else pb[lo:hi],
                                        zero_grads=zero_grads)
         self._bf16_fresh = pb is not None   # the runs cover every parameter
+        self.ops.params_changed()
         self.grads_known_zero = bool(zero_grads)   # ... and every gradient
 
     def update_shard(self, pieces, m, v, lr, beta1, beta2, eps, weight_decay, grad_scale, step):
@@ -808,7 +857,9 @@ class GPT2:
             n = hi - lo
             self.kernels.adamw.adamw_update(self.params[lo:hi], self.grads[lo:hi], m[mo:mo + n], v[mo:mo + n],
                                        lr, beta1, beta2, eps, weight_decay if name in DECAY_PARAMS else 0.0,
-                                       grad_scale, int(step), self.n_threads, None if pb is None else pb[lo:hi])
+                                       grad_scale, int(step), self.n_threads,
+                                       None if pb is None or name not in self.pb else pb[lo:hi])
+        self.ops.params_changed()
 
     def params_gathered(self, ranges):
         """params[lo:hi] for each (lo, hi) were written by an all-gather: re-cast their bf16 copy
@@ -818,5 +869,8 @@ class GPT2:
         if not self._bf16_fresh:
             self._sync_bf16()
             return
+        self.ops.params_changed()
         for lo, hi in ranges:
-            self.kernels.convert.cast_to_bf16(self.params_bf16[lo:hi], self.params[lo:hi], self.n_threads)
+            hi = min(hi, self.params_bf16.size)
+            if lo < hi:
+                self.kernels.convert.cast_to_bf16(self.params_bf16[lo:hi], self.params[lo:hi], self.n_threads)

@@ -6,6 +6,8 @@ a `Bf16Ops`. Both have the same methods, which are exactly the places where mixe
 changes the computation:
   layernorm / gelu   write a matmul input (bf16: rounded to bf16 by the kernel itself)
   mm_input           the copy of an fp32 activation a matmul reads (bf16: a cast; fp32: itself)
+  cast_layer         before a layer runs: the layer's weights in the matmul precision (bf16 with
+                     layer_weights: cast into one layer's buffer now; otherwise nothing to do)
   matmul             out = inp @ W^T + b, W the model's weight in the matmul precision
   matmul_backward    dinp, dW, db += their gradients (bf16: dout rounded to bf16 for the GEMMs);
                      accumulate=False: dinp written, not added to
@@ -53,6 +55,12 @@ class Fp32Ops:
 
     def weight(self, name, l):
         return (self.p[name] if l is None else self.p[name][l]).reshape(-1)
+
+    def cast_layer(self, l, nt):
+        pass
+
+    def params_changed(self):
+        pass
 
     def layernorm(self, out, mean, rstd, x, w, b, N, C, nt):
         self.k.layers.layernorm_forward(out, mean, rstd, x, w, b, N, C, nt)
@@ -120,17 +128,45 @@ class Bf16Ops(Fp32Ops):
 
     act_dtype = np.uint16
 
-    def __init__(self, k, params, engine, params_bf16):
-        """params_bf16: dict name -> the bf16 copy of the weights the matmuls read."""
+    LAYER_WEIGHTS = ("qkvw", "attprojw", "fcw", "fcprojw")
+
+    def __init__(self, k, params, engine, params_bf16, layer_weights=False):
+        """params_bf16: dict name -> the bf16 copy of the weights the matmuls read.
+        layer_weights: that copy holds the lm head's wte only; each layer's weights are cast
+        from the fp32 parameters into one layer's buffer as the layer runs (cast_layer), forward
+        and backward (recompute level 3: less memory, a cast pass per layer run)."""
         super().__init__(k, params, engine)
         self.pb = params_bf16
+        self.lw, self.lw_layer = None, -1
+        if layer_weights:
+            sizes = [params[n][0].size for n in self.LAYER_WEIGHTS]
+            buf, off = np.zeros(sum(sizes), np.uint16), np.cumsum([0] + sizes)
+            self.lw = {n: buf[off[i]:off[i + 1]] for i, n in enumerate(self.LAYER_WEIGHTS)}
         # decode's one-row products run on OpenMP's threads (gemv_bf16.h, oneDNN), or, emulated
         # on fp32 sgemm ("blas") where this CPU has no copy of the GEMV, on the BLAS's own
         self.gemv_on_openmp = (k.matmul.gemv_bf16_available()
                                or (engine or k.matmul.get_bf16_engines()[0]) != "blas")
 
     def weight(self, name, l):
-        return (self.pb[name] if l is None else self.pb[name][l]).reshape(-1)
+        if l is None or self.lw is None:
+            return (self.pb[name] if l is None else self.pb[name][l]).reshape(-1)
+        if self.lw_layer != l:
+            raise RuntimeError(f"bf16 weights of layer {l} requested, the layer buffer holds layer "
+                               f"{self.lw_layer}: call cast_layer({l}) first")
+        return self.lw[name]
+
+    def cast_layer(self, l, nt):
+        """Layer l's weights cast to bf16 into the layer buffer (the same rounding as AdamW's
+        copy), unless it holds them already: the last layer of a forward is the first of the
+        backward."""
+        if self.lw is not None and self.lw_layer != l:
+            self.lw_layer = -1
+            for n in self.LAYER_WEIGHTS:
+                self.k.convert.cast_to_bf16(self.lw[n], self.p[n][l].reshape(-1), nt)
+            self.lw_layer = l
+
+    def params_changed(self):
+        self.lw_layer = -1
 
     def layernorm(self, out, mean, rstd, x, w, b, N, C, nt):
         self.k.layers.layernorm_forward_bf16(out, mean, rstd, x, w, b, N, C, nt)
@@ -189,5 +225,7 @@ class Bf16Ops(Fp32Ops):
         return None, d16
 
 
-def ops_for(precision, kernels, params, engine, params_bf16=None):
-    return Fp32Ops(kernels, params, engine) if precision == "fp32" else Bf16Ops(kernels, params, engine, params_bf16)
+def ops_for(precision, kernels, params, engine, params_bf16=None, layer_weights=False):
+    if precision == "fp32":
+        return Fp32Ops(kernels, params, engine)
+    return Bf16Ops(kernels, params, engine, params_bf16, layer_weights)
