@@ -419,7 +419,11 @@ class GPT2:
     def _ensure_scratch(self):
         if self._scratch is None:
             C, BT = self.config.channels, self.plan.rows
-            self._scratch = {"dres": np.zeros(BT * C, np.float32), "dsmall": np.zeros(BT * C, np.float32)}
+            # dres, the residual stream's gradient, is first written once the lm head's logits are
+            # done with: it lives in the logits buffer where that is big enough
+            lg = self._acts["logits"]
+            dres = lg[:BT * C] if lg.size >= BT * C else np.zeros(BT * C, np.float32)
+            self._scratch = {"dres": dres, "dsmall": np.zeros(BT * C, np.float32)}
             if self.precision == "fp32":
                 self._scratch["dbig"] = np.zeros(BT * 4 * C, np.float32)
             else:
