@@ -132,7 +132,7 @@ class Bf16Ops(Fp32Ops):
 
     def __init__(self, k, params, engine, params_bf16, layer_weights=False):
         """params_bf16: dict name -> the bf16 copy of the weights the matmuls read.
-        layer_weights: that copy holds the lm head's wte only; each layer's weights are cast
+        layer_weights: that copy holds wte (the lm head's) and wpe only; each layer's weights are cast
         from the fp32 parameters into one layer's buffer as the layer runs (cast_layer), forward
         and backward (recompute level 3: less memory, a cast pass per layer run)."""
         super().__init__(k, params, engine)
