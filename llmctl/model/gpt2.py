@@ -340,7 +340,7 @@ class GPT2:
 
     def _bwd16_layout(self, BT, level):
         """bf16 training: the backward's scratch in one uint16 buffer, {"size", "at": name ->
-        offset}. dbig (fp32, 2 of BT*4C), dout16 (BT*4C) and then the one layer of gelu (-r >= 1)
+        offset, "n16": the staging's elements}. dbig (fp32, 2 of BT*4C), dout16 (BT*4C) and then the one layer of gelu (-r >= 1)
         and ln2, ln1 (-r >= 2) the forward and backward recompute, all overlapping the lm head's
         dlogits staging (n16), which is in use only between the last layer's forward and the
         first layer's backward, when those are dead."""
@@ -351,7 +351,7 @@ class GPT2:
         for name, size, lv in (("gelu", nbig, 1), ("ln2", BT * C, 2), ("ln1", BT * C, 2)):
             if level >= lv:
                 at[name], end = end, end + size
-        return {"size": max(n16, end), "at": at}
+        return {"size": max(n16, end), "at": at, "n16": n16}
 
     def _layer_acts(self, l, BT, keep):
         """Layer l's buffers for BT rows: its saved activations (keep), or the one layer of
@@ -428,12 +428,12 @@ class GPT2:
                 self._scratch["dbig"] = np.zeros(BT * 4 * C, np.float32)
             else:
                 # dbig, every backward GEMM's bf16 dout (d(fch) too: gelu_backward writes it there)
-                # and the lm head's dlogits staged LMHEAD_GRAD_ROWS rows at a time, in one buffer
-                # (_bwd16_layout): the staging is done with before the first layer's backward
-                n16, nbig = min(BT, LMHEAD_GRAD_ROWS) * self.config.padded_vocab_size, BT * 4 * C
-                buf = self._bwd16 if self._bwd16 is not None else np.zeros(max(n16, 3 * nbig), np.uint16)
+                # and the lm head's dlogits staged LMHEAD_GRAD_ROWS rows at a time, in the buffer a
+                # training plan allocated (_bwd16_layout): the staging is done with before the
+                # first layer's backward
+                lay, buf, nbig = self._bwd16_layout(BT, self.plan.recompute), self._bwd16, BT * 4 * C
                 self._scratch.update(dbig=buf[:2 * nbig].view(np.float32), dout16=buf[2 * nbig:3 * nbig],
-                                     dlogits16=buf[:n16])
+                                     dlogits16=buf[:lay["n16"]])
         return self._scratch
 
     def activation_bytes(self):
