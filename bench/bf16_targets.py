@@ -87,6 +87,8 @@ def measure(before=None, emulate=False, quick=False):
             _row("d12 B=4 T=1024 step: llmctl bf16 / PyTorch bf16 autocast", vs_torch(1024), 0.40, "{:.2f}x"),
             _row("d12 B=4 T=1024 bf16 MFU (bf16 roof beside each step)", mfu("bf16", 1024), 0.50,
                  "{:.1%}", ">="),
+            _row("d12 B=4 T=1024 bf16 MFU (reference roof beside each step)", get("bf16", 1024, "mfu_reference"),
+                 0.50, "{:.1%}", ">="),
             _row("d12 B=4 T=64 bf16 step: non-matmul share", get("bf16", 64, "non_matmul_share"), 0.25, "{:.1%}"),
             _row("d12 B=4 T=1024 bf16 step: non-matmul share", get("bf16", 1024, "non_matmul_share"), 0.25,
                  "{:.1%}"),
@@ -100,6 +102,8 @@ def measure(before=None, emulate=False, quick=False):
     if step and not native:
         rows.append(_row("d12 B=4 T=1024 fp32 MFU (no native bf16; roof beside each step)", mfu("fp32", 1024),
                          0.90, "{:.1%}", ">="))
+        rows.append(_row("d12 B=4 T=1024 fp32 MFU (no native bf16; reference roof beside each step)",
+                         get("fp32", 1024, "mfu_reference"), 0.90, "{:.1%}", ">="))
     if sample and not native and not emulate and sam.get("bf16") and sam.get("fp32"):
         rows.append(_row("sampling bf16 / fp32 tokens/s (no native bf16: the bf16 GEMV's AVX2 copy)",
                          sam["bf16"] / sam["fp32"], 1.0, "{:.2f}x", ">="))

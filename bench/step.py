@@ -10,7 +10,10 @@ What it reports, all measured in ONE run so the ratios are meaningful on a share
     with model FLOPs per token = 6*N + 12*L*C*T (llm.c's / PaLM's count); and "MFU adj", each
     step against the roof sampled just before and just after it, at B*T=256 and at the run's own
     B*T (the roof at the start of the run can be minutes and a different machine load away from a
-    T=1024 step: MFU adj is the figure for a target);
+    T=1024 step: MFU adj is the figure for a target); and "MFU ref", the same pairing against
+    the reference roof: the best of the six GEMMs of REFERENCE_SHAPES, the set the targets were
+    stated with (fp32: NumPy's sgemm or llmctl's, whichever is faster), sampled in the same child;
+  - the rate of the step's matmuls (their FLOPs / their time in the breakdown) against the roof;
   - a per-kernel breakdown of one step (matmul / attention / other kernels / AdamW / Python) and
     the non-matmul share of the step;
   - PyTorch on the same model and batch (torch.set_num_threads(n)): fp32 eager and bf16
@@ -75,6 +78,60 @@ def gemm_roof_gflops(n_threads, precision, BT=256, reps=6, lmhead_rows=None):
     return out
 
 
+# The GEMMs the bf16-at-the-roof targets were first stated against (M x K x N; M rows of
+# activations times a K x N weight): d12's four layer products and its lm head at 256 rows, and
+# fc at 4096 rows
+REFERENCE_SHAPES = ((256, 768, 2304), (256, 768, 768), (256, 768, 3072), (256, 3072, 768),
+                    (256, 768, 50304), (4096, 768, 3072))
+
+
+def reference_roof_gflops(n_threads, precision, reps=2):
+    """{"MxKxN": best GFLOP/s} on REFERENCE_SHAPES: for fp32 the better of NumPy's sgemm (BLAS
+    limited to n_threads) and llmctl's matmul_forward, for bf16 llmctl's matmul_forward_bf16."""
+    from threadpoolctl import threadpool_limits
+
+    from llmctl._ext import convert, matmul
+
+    rng = np.random.default_rng(0)
+    out = {}
+    for M, K, N in REFERENCE_SHAPES:
+        x = rng.standard_normal((M, K), dtype=np.float32)
+        w = rng.standard_normal((N, K), dtype=np.float32) * np.float32(0.02)
+        y = np.empty(M * N, np.float32)
+        if precision == "bf16":
+            xb, wb = np.empty(x.size, np.uint16), np.empty(w.size, np.uint16)
+            convert.cast_to_bf16(xb, x.reshape(-1), n_threads)
+            convert.cast_to_bf16(wb, w.reshape(-1), n_threads)
+            fns = [lambda: matmul.matmul_forward_bf16(y, xb, wb, None, M, K, N, n_threads)]
+        else:
+            wt = np.ascontiguousarray(w.T)
+            yn = np.empty((M, N), np.float32)
+            fns = [lambda: matmul.matmul_forward(y, x.reshape(-1), w.reshape(-1), None, M, K, N, n_threads),
+                   lambda: np.matmul(x, wt, out=yn)]
+        best = float("inf")
+        with threadpool_limits(limits=n_threads, user_api="blas"):
+            for fn in fns:
+                fn()
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    fn()
+                    best = min(best, time.perf_counter() - t0)
+        out[f"{M}x{K}x{N}"] = 2.0 * M * K * N / best / 1e9
+    return out
+
+
+def adjacent_roofs(n_threads, precision, BT, reps=2, lmhead_rows=1024):
+    """(llmctl's roof as adjacent_roof_gflops takes it, the best of reference_roof_gflops), both
+    sampled in one child process."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--_roof-child", precision, str(BT), str(n_threads),
+           str(reps), str(lmhead_rows)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"roof child failed: {r.stderr[-2000:]}")
+    strict, ref = r.stdout.split()[-2:]
+    return float(strict), float(ref)
+
+
 def adjacent_roof_gflops(n_threads, precision, BT, reps=2, lmhead_rows=1024):
     """The GEMM roof taken between a run's timed steps: the best GFLOP/s of d12's layer shapes
     at B*T=256 and at the run's own B*T (the lm head at no more than lmhead_rows rows, so a
@@ -82,12 +139,7 @@ def adjacent_roof_gflops(n_threads, precision, BT, reps=2, lmhead_rows=1024):
     step sees the machine as that step did; the one at the start of the run may not.
     Measured in a child process: in the benchmark's own, the sample's large GEMMs and arrays
     leave the allocator so that the next step faults its memory in again (+6-20 % on that step)."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--_roof-child", precision, str(BT), str(n_threads),
-           str(reps), str(lmhead_rows)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"roof child failed: {r.stderr[-2000:]}")
-    return float(r.stdout.split()[-1])
+    return adjacent_roofs(n_threads, precision, BT, reps, lmhead_rows)[0]
 
 
 def _roof_child_main(precision, BT, n_threads, reps, lmhead_rows):
@@ -97,7 +149,7 @@ def _roof_child_main(precision, BT, n_threads, reps, lmhead_rows):
     best = max(gemm_roof_gflops(n, precision, 256, int(reps)).values())
     if BT != 256:
         best = max(best, max(gemm_roof_gflops(n, precision, BT, int(reps), int(lmhead_rows)).values()))
-    print(best)
+    print(best, max(reference_roof_gflops(n, precision, int(reps)).values()))
 
 
 def gemm_peak_gflops(n_threads, size=1024, reps=20):
@@ -121,6 +173,14 @@ def flops_per_step(cfg, B, T, num_params):
     from llmctl.mfu import flops_per_token
 
     return flops_per_token(num_params, cfg.num_layers, cfg.channels, T) * B * T
+
+
+def matmul_flops_per_step(cfg, B, T):
+    """FLOPs of the linear layers' products in one step (forward + both backward products): per
+    token 2 * (L * 12 C^2 + C * Vp) forward, three times that in all. Recomputed products (-r 3's
+    attproj) are not counted: the rate derived from it is of the model's matmul work."""
+    C = cfg.channels
+    return 6 * B * T * (cfg.num_layers * 12 * C * C + C * cfg.padded_vocab_size)
 
 
 class _Timed:
@@ -172,8 +232,14 @@ def bench_llmctl(desc, B, T, n_threads, steps, matmul, precision, roof=None, rec
     m = GPT2.from_descriptor(desc, n_threads=n_threads, engine=matmul, precision=precision, recompute=recompute)
     x, y = _batch(m.config, B, T)
     _step(m, x, y, 1)  # warm-up: allocates activations, grads' scratch and AdamW state
-    times, cpu, roofs = [], [], []
-    sample_roof = lambda: roofs.append(adjacent_roof_gflops(n_threads, roof, B * T)) if roof else None
+    times, cpu, roofs, ref_roofs = [], [], [], []
+
+    def sample_roof():
+        if roof:
+            strict, ref = adjacent_roofs(n_threads, roof, B * T)
+            roofs.append(strict)
+            ref_roofs.append(ref)
+
     sample_roof()
     for s in range(steps):
         t0, c0 = time.perf_counter(), time.process_time()
@@ -206,16 +272,20 @@ def bench_llmctl(desc, B, T, n_threads, steps, matmul, precision, roof=None, rec
         groups[g] += v
     groups["python+numpy"] = total - sum(acc.values())
     flops = flops_per_step(m.config, B, T, m.num_parameters)
+    mm_flops = matmul_flops_per_step(m.config, B, T)
     # each step against the higher of the roofs sampled just before and just after it
     paired = [flops / t / 1e9 / max(roofs[i], roofs[i + 1]) for i, t in enumerate(times)] if roof else []
+    paired_ref = [flops / t / 1e9 / max(ref_roofs[i], ref_roofs[i + 1]) for i, t in enumerate(times)] if roof else []
     return {"model": desc, "B": B, "T": T, "precision": precision, "engine": kern.matmul.default_engine(),
             "roof_adjacent_gflops": roofs, "mfu_adjacent": statistics.median(paired) if paired else None,
-            "mfu_adjacent_all": paired,
+            "mfu_adjacent_all": paired, "roof_reference_gflops": ref_roofs,
+            "mfu_reference": statistics.median(paired_ref) if paired_ref else None, "mfu_reference_all": paired_ref,
             "threads": n_threads, "num_params": m.num_parameters,
             "non_matmul_share": 1.0 - groups.get("matmul", 0.0) / total,
             "step_s": min(times), "median_s": statistics.median(times), "all_steps_s": times,
             "cpu_s": cpu[times.index(min(times))],
-            "flops_per_step": flops,
+            "flops_per_step": flops, "matmul_flops_per_step": mm_flops,
+            "matmul_gflops": mm_flops / groups["matmul"] / 1e9 if groups.get("matmul") else None,
             "breakdown_s": dict(groups), "breakdown_total_s": total,
             "kernel_calls_s": dict(sorted(acc.items(), key=lambda kv: -kv[1]))}
 
@@ -439,9 +509,11 @@ def main(argv=None):
         print("skipped: " + line)
     print("ms/step is the best of the timed steps (the least disturbed by other processes); median in brackets")
     print("MFU: the best step against the roof above; MFU adj: the median over the steps of each against the "
-          "higher roof sampled just before and after it, at B*T=256 and at the run's B*T (lm head <= 1024 rows)")
+          "higher roof sampled just before and after it, at B*T=256 and at the run's B*T (lm head <= 1024 rows); "
+          "MFU ref: the same pairing against the reference roof, the best of six GEMMs M x K x N ("
+          + ", ".join("x".join(map(str, sh)) for sh in REFERENCE_SHAPES) + "; fp32: NumPy or llmctl)")
     print(f"{'run':16s} {'impl':18s} {'ms/step':>9s} {'(median)':>9s} {'tok/s':>8s} {'GFLOP/s':>8s} {'MFU':>6s} "
-          f"{'MFU adj':>7s} {'non-mm':>6s}")
+          f"{'MFU adj':>7s} {'MFU ref':>7s} {'non-mm':>6s}")
     for desc, B, T in _parse_runs(a.runs):
         tag = f"{desc} {B}x{T}"
         rows = [r for r in out["runs"] if (r["model"], r["B"], r["T"]) == (desc, B, T)]
@@ -451,6 +523,7 @@ def main(argv=None):
             print(f"{tag:16s} {'llmctl ' + r['precision']:18s} {r['step_s'] * 1e3:9.1f} {r['median_s'] * 1e3:9.1f} "
                   f"{B * T / r['step_s']:8.1f} {gf:8.1f} {100 * r['mfu']:5.1f}% "
                   + (f"{100 * r['mfu_adjacent']:6.1f}%" if r.get("mfu_adjacent") else f"{'':7s}")
+                  + (f" {100 * r['mfu_reference']:6.1f}%" if r.get("mfu_reference") else f" {'':7s}")
                   + f" {100 * r['non_matmul_share']:5.1f}%")
         for t in trs:
             gf = t["flops_per_step"] / t["step_s"] / 1e9
@@ -480,6 +553,17 @@ def main(argv=None):
             print("   roof beside the steps (GFLOP/s, in order): "
                   + ", ".join(f"{g:.1f}" for g in r["roof_adjacent_gflops"])
                   + "; MFU per step: " + ", ".join(f"{100 * v:.1f}%" for v in r["mfu_adjacent_all"]))
+            print("   reference roof beside the steps: " + ", ".join(f"{g:.1f}" for g in r["roof_reference_gflops"])
+                  + "; MFU ref per step: " + ", ".join(f"{100 * v:.1f}%" for v in r["mfu_reference_all"]))
+        if r.get("matmul_gflops"):
+            # against the roof the MFU column uses: the highest sampled beside the steps, else the start roof
+            adj = r.get("roof_adjacent_gflops")
+            ref, which = (max(adj), "the highest roof beside the steps") if adj else (out["roof"].get(r["precision"]), "the roof")
+            line = f"   matmuls: {r['matmul_flops_per_step'] / 1e12:.2f} TFLOP at {r['matmul_gflops']:.1f} GFLOP/s"
+            if ref:
+                line += (f" = {100 * r['matmul_gflops'] / ref:.1f}% of {which} ({ref:.1f}): the MFU of a step whose"
+                         " every FLOP ran at the matmuls' rate and nothing else took time")
+            print(line)
         top = list(r["kernel_calls_s"].items())[:8]
         print("   top kernels: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in top))
     if not out["torch"] and not a.no_torch:
