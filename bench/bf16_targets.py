@@ -19,6 +19,10 @@ fp32 d12 T=1024 >= 90 % MFU of the fp32 roof (and, with --before, no slower than
 on an AVX2 CPU bf16 sampling (the bf16 GEMV's AVX2 copy) no slower than fp32's; training and eval
 in bf16 are then refused unless --bf16-emulate, whose figures check this harness but say nothing
 about the targets, and the table says so.
+Each MFU target is shown twice: against llmctl's roof sampled beside each step ("MFU adj") and
+against the reference roof beside each step ("MFU ref", step.py's six reference GEMMs, fp32 with
+NumPy's sgemm too). Under the table: the MFU ceiling of each d12 run's matmuls, their rate in the
+step over the roof, which no work outside the GEMMs can lift a run above.
 
     python bench/bf16_targets.py                         # a CPU with native bf16
     python bench/bf16_targets.py --before ../llmctl-old --json
@@ -112,7 +116,11 @@ def measure(before=None, emulate=False, quick=False):
                          vers["best_ratio"] if vers is not None else None, 1.0, "{:.3f}x"))
     failed = [name for name, r in (("step.py", step), ("sample.py", sample), ("eval.py", ev),
                                    ("versions.py", vers if before else True)) if r is None]
-    return {"rows": rows, "emulated": bool(emulate), "quick": bool(quick), "failed": failed,
+    # the rate of each run's matmuls against the highest roof beside its steps: the MFU that run
+    # would have if every FLOP ran at that rate and nothing else took time (step.py's breakdown)
+    ceilings = {f"{prec} T={T}": r["matmul_gflops"] / max(r["roof_adjacent_gflops"])
+                for (prec, T), r in sorted(run.items()) if r.get("matmul_gflops") and r.get("roof_adjacent_gflops")}
+    return {"rows": rows, "emulated": bool(emulate), "quick": bool(quick), "failed": failed, "ceilings": ceilings,
             "fp32": {"step_s": get("fp32", 64, "step_s"), "sample_tokens_per_s": sam.get("fp32"),
                      "hellaswag_minutes": evm.get("fp32")},
             "raw": {"step": step, "sample": sample, "eval": ev, "versions": vers}}
@@ -136,6 +144,9 @@ def main(argv=None):
     for r in res["rows"]:
         verdict = "not measured" if r["ok"] is None else ("met" if r["ok"] else "NOT met")
         print(f"{r['target']:62s} {r['shown']:>13s} {r['better'] + ' ' + format(r['limit'], 'g'):>8s}  {verdict}")
+    if res["ceilings"]:
+        print("MFU ceiling of each d12 B=4 run's matmuls (their rate in the step / the roof beside it): "
+              + ", ".join(f"{k} {v:.1%}" for k, v in res["ceilings"].items()))
     f = res["fp32"]
     shown = lambda v, fmt: "not measured" if v is None else fmt.format(v)
     print(f"fp32 for comparison: step {shown(f['step_s'] and f['step_s'] * 1e3, '{:.0f} ms')}, sampling "
