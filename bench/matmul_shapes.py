@@ -22,11 +22,11 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from membound import best_time  # noqa: E402
 from step import adjacent_roof_gflops  # noqa: E402  (the roof exactly as step.py samples it)
 
 from llmctl import threads as TH  # noqa: E402
@@ -35,16 +35,6 @@ from llmctl._ext import matmul  # noqa: E402
 L = 12
 SHAPES = (("qkv", 768, 2304), ("attproj", 768, 768), ("fc", 768, 3072), ("fcproj", 3072, 768),
           ("lmhead", 768, 50304))
-
-
-def best_time(fn, repeat):
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def measure(rows, n, repeat):
