@@ -6,6 +6,7 @@ Needs root, `ip netns` and `tc` (tbf); skipped with the reason otherwise (an unp
 runner or container). Timing is checked only against physics (a shaped link cannot carry more
 than its rate) and a loose upper bound, never as a speed target.
 """
+import importlib.util
 import json
 import os
 import signal
@@ -17,8 +18,19 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
-sys.path.insert(0, str(BENCH))
-import scaling  # noqa: E402
+
+
+def _load_bench(name):
+    """bench/NAME.py as a module, without putting bench/ on sys.path: its kernels.py would then
+    shadow the PyPI package of that name for every later import (transformers imports it)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod      # registered as an import would register it
+    spec.loader.exec_module(mod)
+    return mod
+
+
+scaling = _load_bench("scaling")
 
 _WHY = scaling.requirements()
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"bench/scaling.py {_WHY}")
