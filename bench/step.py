@@ -48,11 +48,35 @@ import numpy as np
 D12_SHAPES = (("qkv", 768, 2304), ("fc", 768, 3072), ("fcproj", 3072, 768), ("lmhead", 768, 50304))
 
 
+def _best_seconds(fns, reps):
+    """The best wall time of reps calls of any of fns (each called once untimed first)."""
+    best = float("inf")
+    for fn in fns:
+        fn()
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _forward_fn(precision, x, w, M, K, N, n_threads):
+    """llmctl's out (M,N) = x (M,K) @ w (N,K)^T in the given precision, as a call without
+    arguments (bf16: both operands rounded to bf16 here, once)."""
+    from llmctl._ext import convert, matmul
+
+    y = np.empty(M * N, np.float32)
+    if precision == "bf16":
+        xb, wb = np.empty(x.size, np.uint16), np.empty(w.size, np.uint16)
+        convert.cast_to_bf16(xb, x, n_threads)
+        convert.cast_to_bf16(wb, w, n_threads)
+        return lambda: matmul.matmul_forward_bf16(y, xb, wb, None, M, K, N, n_threads)
+    return lambda: matmul.matmul_forward(y, x, w, None, M, K, N, n_threads)
+
+
 def gemm_roof_gflops(n_threads, precision, BT=256, reps=6, lmhead_rows=None):
     """{shape: best GFLOP/s} of llmctl's matmul_forward(_bf16) on d12's layer shapes, default
     engine; the lm head at min(BT, lmhead_rows) rows when lmhead_rows is given."""
-    from llmctl._ext import convert, matmul
-
     rng = np.random.default_rng(0)
     out = {}
     rows = BT
@@ -60,21 +84,7 @@ def gemm_roof_gflops(n_threads, precision, BT=256, reps=6, lmhead_rows=None):
         BT = min(rows, lmhead_rows) if name == "lmhead" and lmhead_rows else rows
         x = rng.standard_normal(BT * C, dtype=np.float32)
         w = rng.standard_normal(OC * C, dtype=np.float32) * np.float32(0.02)
-        y = np.empty(BT * OC, np.float32)
-        if precision == "bf16":
-            xb, wb = np.empty(x.size, np.uint16), np.empty(w.size, np.uint16)
-            convert.cast_to_bf16(xb, x, n_threads)
-            convert.cast_to_bf16(wb, w, n_threads)
-            fn = lambda: matmul.matmul_forward_bf16(y, xb, wb, None, BT, C, OC, n_threads)
-        else:
-            fn = lambda: matmul.matmul_forward(y, x, w, None, BT, C, OC, n_threads)
-        fn()
-        best = float("inf")
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t0)
-        out[name] = 2.0 * BT * C * OC / best / 1e9
+        out[name] = 2.0 * BT * C * OC / _best_seconds([_forward_fn(precision, x, w, BT, C, OC, n_threads)], reps) / 1e9
     return out
 
 
@@ -90,33 +100,17 @@ def reference_roof_gflops(n_threads, precision, reps=2):
     limited to n_threads) and llmctl's matmul_forward, for bf16 llmctl's matmul_forward_bf16."""
     from threadpoolctl import threadpool_limits
 
-    from llmctl._ext import convert, matmul
-
     rng = np.random.default_rng(0)
     out = {}
     for M, K, N in REFERENCE_SHAPES:
-        x = rng.standard_normal((M, K), dtype=np.float32)
-        w = rng.standard_normal((N, K), dtype=np.float32) * np.float32(0.02)
-        y = np.empty(M * N, np.float32)
-        if precision == "bf16":
-            xb, wb = np.empty(x.size, np.uint16), np.empty(w.size, np.uint16)
-            convert.cast_to_bf16(xb, x.reshape(-1), n_threads)
-            convert.cast_to_bf16(wb, w.reshape(-1), n_threads)
-            fns = [lambda: matmul.matmul_forward_bf16(y, xb, wb, None, M, K, N, n_threads)]
-        else:
-            wt = np.ascontiguousarray(w.T)
-            yn = np.empty((M, N), np.float32)
-            fns = [lambda: matmul.matmul_forward(y, x.reshape(-1), w.reshape(-1), None, M, K, N, n_threads),
-                   lambda: np.matmul(x, wt, out=yn)]
-        best = float("inf")
+        x = rng.standard_normal(M * K, dtype=np.float32)
+        w = rng.standard_normal(N * K, dtype=np.float32) * np.float32(0.02)
+        fns = [_forward_fn(precision, x, w, M, K, N, n_threads)]
+        if precision != "bf16":
+            xn, wt, yn = x.reshape(M, K), np.ascontiguousarray(w.reshape(N, K).T), np.empty((M, N), np.float32)
+            fns.append(lambda: np.matmul(xn, wt, out=yn))
         with threadpool_limits(limits=n_threads, user_api="blas"):
-            for fn in fns:
-                fn()
-                for _ in range(reps):
-                    t0 = time.perf_counter()
-                    fn()
-                    best = min(best, time.perf_counter() - t0)
-        out[f"{M}x{K}x{N}"] = 2.0 * M * K * N / best / 1e9
+            out[f"{M}x{K}x{N}"] = 2.0 * M * K * N / _best_seconds(fns, reps) / 1e9
     return out
 
 
@@ -158,13 +152,8 @@ def gemm_peak_gflops(n_threads, size=1024, reps=20):
     rng = np.random.default_rng(0)
     a = rng.standard_normal((size, size), dtype=np.float32)
     b = rng.standard_normal((size, size), dtype=np.float32)
-    best = float("inf")
     with threadpool_limits(limits=n_threads, user_api="blas"):
-        a @ b
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            a @ b
-            best = min(best, time.perf_counter() - t0)
+        best = _best_seconds([lambda: a @ b], reps)
     return 2 * size ** 3 / best / 1e9
 
 
