@@ -55,6 +55,8 @@ cdef extern from "rows.h" nogil:
                             const float* b, int C)
     void llmctl_ln_dinp(float* dx, const float* dy, const float* x, const float* w, float m, float r, int C)
     void llmctl_xent_fwd(float* loss, float* probs, const float* logits, int target, int V, int Vp)
+    void llmctl_xent_fwd_bwd_f32(float* loss, float* dlogits, const float* logits, int target, float dloss,
+                                 int V, int Vp)
     void llmctl_xent_bwd_f32(float* dlogits, const float* probs, int target, float dloss, int V, int Vp)
     void llmctl_xent_bwd_bf16(uint16_t* dlogits, const float* probs, int target, float dloss, int V, int Vp)
     void llmctl_xent_fwd_bwd_bf16(float* loss, uint16_t* dlogits, float* probs, const float* logits, int target,
@@ -289,6 +291,15 @@ cdef void _softmax_crossentropy_backward(out_t* dlogits, const float* probs, con
     cdef Py_ssize_t bt
     for bt in prange(BT, schedule='static', num_threads=n_threads):
         _xent_bwd_row(dlogits + bt * Vp, probs + bt * Vp, targets[bt], dlosses[bt], V, Vp)
+
+
+cdef void _softmax_crossentropy_forward_backward(float* losses, float* dlogits, const float* logits,
+                                                 const int* targets, const float* dlosses, int BT, int V,
+                                                 int Vp, int n_threads) noexcept nogil:
+    cdef Py_ssize_t bt
+    for bt in prange(BT, schedule='static', num_threads=n_threads):
+        llmctl_xent_fwd_bwd_f32(losses + bt, dlogits + bt * Vp, logits + bt * Vp, targets[bt], dlosses[bt],
+                                V, Vp)
 
 
 cdef int _xent_forward_backward_bf16(float* losses, uint16_t* dlogits, const float* logits, const int* targets,
@@ -619,6 +630,21 @@ def softmax_crossentropy_backward(float[::1] dlogits, const float[::1] probs, co
     """OVERWRITE dlogits (BT,Vp): (probs - onehot(target)) * dlosses[bt] for i < V, 0 for padded.
     dlogits may be the same buffer as probs."""
     _checked_softmax_crossentropy_backward(dlogits, probs, targets, dlosses, BT, V, Vp, n_threads)
+
+
+def softmax_crossentropy_forward_backward(float[::1] losses, float[::1] dlogits, const float[::1] logits,
+                                          const int[::1] targets, const float[::1] dlosses,
+                                          int BT, int V, int Vp, int n_threads=1):
+    """softmax_crossentropy_forward (losses) and then softmax_crossentropy_backward (dlogits) one
+    row after the other, the same bits as the two calls: each row's exps are scaled to probs and
+    to dlogits in one pass while the row is in cache, so the block is read and written once, not
+    twice. dlogits may be the same buffer as logits (in place)."""
+    _check_xent("logits", logits.shape[0], "losses", losses.shape[0], logits, targets, BT, V, Vp, n_threads)
+    _check_xent("dlogits", dlogits.shape[0], "dlosses", dlosses.shape[0], logits, targets, BT, V, Vp, n_threads)
+    n_threads = eff_threads(n_threads, <Py_ssize_t>BT * V, _grain)
+    with nogil:
+        _softmax_crossentropy_forward_backward(&losses[0], &dlogits[0], &logits[0], &targets[0], &dlosses[0],
+                                               BT, V, Vp, n_threads)
 
 
 def softmax_crossentropy_forward_backward_bf16(float[::1] losses, uint16_t[::1] dlogits, const float[::1] logits,

@@ -12,7 +12,8 @@
  * bf16 copy of dout), each column summed in row order in double.
  *
  * The math is llm.c's train_gpt2.c: layernorm_forward / layernorm_backward, softmax_forward +
- * crossentropy_forward fused, crossentropy_softmax_backward, matmul_backward's dbias. Row
+ * crossentropy_forward fused, crossentropy_softmax_backward (also fused with the forward, row by
+ * row, where the training forward knows the loss scale), matmul_backward's dbias. Row
  * statistics and the softmax sum accumulate in double.
  *
  * gcc vectorises a loop only in some shapes: a row max as a float ?: and loads at logits[b0 + i]
@@ -143,6 +144,16 @@ typedef int32_t llmctl_i32a;
     dlogits[target] = llmctl_f32_to_bf16((pt - 1.0f) * dloss);                                 \
     for (int i = V; i < Vp; i++) dlogits[i] = 0;
 
+/* the same in fp32: the exps go into dlogits' row (it may alias logits: in place) and are then
+   scaled to probs and to dlogits in one pass, the forward's and the backward's float operations */
+#define LLMCTL_XENT_FWD_BWD_F32_BODY                                                           \
+    float* probs = dlogits;                                                                    \
+    LLMCTL_XENT_EXPS_BODY                                                                      \
+    float pt = probs[target] * inv;                                                            \
+    for (int i = 0; i < V; i++) dlogits[i] = (probs[i] * inv) * dloss;                         \
+    dlogits[target] = (pt - 1.0f) * dloss;                                                     \
+    for (int i = V; i < Vp; i++) dlogits[i] = 0.0f;
+
 /* dlogits = (probs - onehot(target)) * dloss over V, 0 over the padding (dlogits may alias an
    fp32 probs: p[target] is read first) */
 #define LLMCTL_XENT_BWD_BODY(ST)                                                               \
@@ -225,6 +236,10 @@ typedef int32_t llmctl_i32a;
                                                     int Vp) {                                              \
         LLMCTL_XENT_FWD_BWD_BF16_BODY                                                                      \
     }                                                                                                      \
+    ATTR static void llmctl_xent_fwd_bwd_f32_##SFX(float* loss, float* dlogits, const float* logits,       \
+                                                   int target, float dloss, int V, int Vp) {               \
+        LLMCTL_XENT_FWD_BWD_F32_BODY                                                                       \
+    }                                                                                                      \
     ATTR static void llmctl_xent_bwd_f32_##SFX(float* dlogits, const float* probs, int target, float dloss, \
                                                int V, int Vp) {                                            \
         LLMCTL_XENT_BWD_BODY(LLMCTL_ST_F32)                                                                \
@@ -295,6 +310,10 @@ static inline void llmctl_xent_fwd(float* loss, float* probs, const float* logit
 static inline void llmctl_xent_fwd_bwd_bf16(float* loss, uint16_t* dlogits, float* probs, const float* logits,
                                             int target, float dloss, int V, int Vp) {
     LLMCTL_ROWS_DISPATCH(llmctl_xent_fwd_bwd_bf16, loss, dlogits, probs, logits, target, dloss, V, Vp);
+}
+static inline void llmctl_xent_fwd_bwd_f32(float* loss, float* dlogits, const float* logits, int target,
+                                           float dloss, int V, int Vp) {
+    LLMCTL_ROWS_DISPATCH(llmctl_xent_fwd_bwd_f32, loss, dlogits, logits, target, dloss, V, Vp);
 }
 static inline void llmctl_xent_bwd_f32(float* dlogits, const float* probs, int target, float dloss, int V, int Vp) {
     LLMCTL_ROWS_DISPATCH(llmctl_xent_bwd_f32, dlogits, probs, target, dloss, V, Vp);

@@ -10,7 +10,8 @@ What it measures, all in ONE run (best wall time of --repeat runs each):
   lengths): AdamW (fp32; with the bf16 copy; with the gradient zeroing of train), the global
   grad norm, layernorm forward (fp32 and bf16 output) and backward, GELU forward and backward,
   the fp32 GELU recompute of backward (three passes, and the one that replaced them),
-  the residual add, the softmax + cross-entropy forward and backward (fp32 and bf16 dlogits),
+  the residual add, the softmax + cross-entropy forward and backward (fp32 and bf16 dlogits, and
+  the fp32 training forward's pass that makes both),
   the bf16 model's GELU of bf16 input (forward, and backward with fc's bias gradient) and its
   fused softmax + cross-entropy + bf16 dlogits, and the fp32 -> bf16 cast;
 - per kernel: bytes moved, GB/s achieved, the floor's GB/s at that size, and `x floor` = the
@@ -115,6 +116,9 @@ def kernels(BT, nt):
          lambda: layers.softmax_crossentropy_forward(losses, probs, logits, tg, BT, V, Vp, nt)),
         ("softmax_crossentropy_backward", 8 * nv,
          lambda: layers.softmax_crossentropy_backward(logits, probs, tg, dlosses, BT, V, Vp, nt)),
+        # the fp32 training forward's one pass (in place there; here into probs, the same traffic)
+        ("softmax_crossentropy_fwd_bwd", 8 * nv,
+         lambda: layers.softmax_crossentropy_forward_backward(losses, probs, logits, tg, dlosses, BT, V, Vp, nt)),
         ("softmax_crossentropy_backward_bf16", 6 * nv,
          lambda: layers.softmax_crossentropy_backward_bf16(d16, probs, tg, dlosses, BT, V, Vp, nt)),
         ("softmax_crossentropy_fwd_bwd_bf16", 6 * nv,

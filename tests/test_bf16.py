@@ -797,22 +797,28 @@ def test_bf16_lmhead_in_blocks_matches_the_full_lmhead(bf16_ok, monkeypatch, gra
     np.testing.assert_allclose(g1, g_ref, rtol=0, atol=tol)
 
 
-@pytest.mark.parametrize("grad_rows", [1024, 100])
-def test_bf16_lmhead_gradient_made_in_the_forward_is_the_recomputed_one(bf16_ok, monkeypatch, grad_rows):
-    # forward(loss_scale=s): the blocked lm head makes its gradient while the logits are at hand
-    # instead of backward recomputing them; the same bits, and zero_grad() in between undoes it
+@pytest.mark.parametrize("precision,blocks,grad_rows", [("bf16", True, 1024), ("bf16", True, 100),
+                                                        ("bf16", False, 100), ("fp32", False, None)])
+def test_lmhead_gradient_made_in_the_forward_is_the_backwards(bf16_ok, monkeypatch, precision, blocks, grad_rows):
+    # forward(loss_scale=s) makes the lm head's gradient while the logits are at hand, each row's
+    # loss and dlogits in one pass: the blocked bf16 lm head computes no block's logits twice, the
+    # held one (fp32; bf16 at small B*T) reads and writes its logits once. The same bits as a
+    # backward from the probs (or, blocked, from recomputed logits), and zero_grad() in between
+    # makes backward remake it from recomputed logits
     import llmctl.model.gpt2 as gpt2
 
-    monkeypatch.setattr(gpt2, "LOGITS_KEEP_BYTES", 1024)
-    monkeypatch.setattr(gpt2, "LMHEAD_ROWS", 64)
-    monkeypatch.setattr(gpt2, "LMHEAD_GRAD_ROWS", grad_rows)
+    if blocks:
+        monkeypatch.setattr(gpt2, "LOGITS_KEEP_BYTES", 1024)
+        monkeypatch.setattr(gpt2, "LMHEAD_ROWS", 64)
+    if grad_rows is not None:
+        monkeypatch.setattr(gpt2, "LMHEAD_GRAD_ROWS", grad_rows)
     x, y = _data(B=3, T=64, seed=11)
 
     def run(fwd_scale, zero_between):
-        m = _init("bf16")
+        m = _init(precision)
         m.zero_grad()
         loss = m.forward(x, y, loss_scale=fwd_scale)
-        assert m.plan.logits_rows == 64   # blocks of LMHEAD_ROWS
+        assert m.plan.logits_rows == (64 if blocks else 3 * 64)
         assert np.any(m.g["wte"] != 0) == (fwd_scale is not None)   # the forward wrote d(wte)
         if zero_between:
             m.zero_grad()
@@ -820,7 +826,7 @@ def test_bf16_lmhead_gradient_made_in_the_forward_is_the_recomputed_one(bf16_ok,
         m.backward(loss_scale=0.5)
         return loss, m.grads.copy()
 
-    l0, g0 = run(None, False)   # backward recomputes the logits
+    l0, g0 = run(None, False)
     assert np.any(g0[:MCFG.vocab_size * MCFG.channels])
     for fwd_scale, zero_between in ((0.5, False), (0.5, True)):
         loss, g = run(fwd_scale, zero_between)

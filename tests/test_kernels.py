@@ -583,6 +583,17 @@ def test_softmax_crossentropy_matches_reference(n_threads, BT, V, Vp):
     alias = probs.copy()
     layers.softmax_crossentropy_backward(alias, alias, targets, dl, BT, V, Vp, n_threads)
     assert np.array_equal(alias, dlogits)
+    # the training forward's one pass: the same losses and dlogits as the two calls, in place
+    # (the logits become the dlogits) or into another buffer (the logits only read)
+    fused, l3 = logits.ravel().copy(), np.full(BT, np.nan, np.float32)
+    layers.softmax_crossentropy_forward_backward(l3, fused, fused, targets, dl, BT, V, Vp, n_threads)
+    assert np.array_equal(fused, dlogits) and np.array_equal(l3, losses)
+    src, out, l4 = logits.ravel().copy(), np.full(BT * Vp, np.nan, np.float32), np.empty(BT, np.float32)
+    layers.softmax_crossentropy_forward_backward(l4, out, src, targets, dl, BT, V, Vp, n_threads)
+    assert np.array_equal(out, dlogits) and np.array_equal(l4, losses)
+    assert np.array_equal(src, logits.ravel())
+    with raises_error(ValueError, names=["dlosses", "elements"], hint=None):
+        layers.softmax_crossentropy_forward_backward(l4, out, src, targets, dl[:0], BT, V, Vp, n_threads)
 
 
 def test_softmax_crossentropy_extreme_logits_stay_finite():
@@ -896,6 +907,8 @@ def _row_kernel_outputs(n_threads, rng):
     out += [losses.tobytes(), probs.tobytes(), d32.tobytes(), d16.tobytes()]
     layers.softmax_crossentropy_forward_backward_bf16(losses, d16, logits, tg, dl, BT, V, Vp, n_threads)
     out += [losses.tobytes(), d16.tobytes()]
+    layers.softmax_crossentropy_forward_backward(losses, d32, logits, tg, dl, BT, V, Vp, n_threads)
+    out += [losses.tobytes(), d32.tobytes()]
     Rb, Cb, OCb = 37, 16, 131               # a bias gradient with the bf16 copy of dout (rows.h)
     dout = _f32(rng, Rb * OCb)
     dout[5] = np.nan

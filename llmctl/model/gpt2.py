@@ -213,7 +213,10 @@ class GPT2:
         self._kept = False         # did the last forward keep every layer's activations?
         self._ids = None
         self._targets = None
-        self._buf_state = None     # what the logits buffer holds: "logits", "probs" or "dlogits"
+        # what the logits buffer holds: "logits", "probs", "dlogits", or "train": a training forward
+        # whose lm head made its gradient (loss_scale) or ran in row blocks, so backward() uses that
+        # gradient or remakes it from the logits
+        self._buf_state = None
         self._lmhead_grad_scale = None   # loss_scale of an lm-head gradient the forward already made
 
     # -- construction ---------------------------------------------------------------------------
@@ -514,10 +517,11 @@ class GPT2:
         the mean loss returned (the logits buffer then holds probs); else returns None and
         self.logits() is valid. keep_activations=False (eval, sampling) reuses one layer's buffers
         for every layer: much less memory when no training forward ever ran, but no backward().
-        loss_scale (with targets): the scale of the backward() that follows. Where the lm head runs
-        in row blocks (bf16, large B*T) this forward then also accumulates the lm head's gradient,
-        block by block while its logits are at hand, so backward() need not recompute them; the
-        same bits either way. A zero_grad() in between makes backward() recompute it."""
+        loss_scale (with targets): the scale of the backward() that follows. This forward then also
+        accumulates the lm head's gradient while its logits are at hand, each row's loss and
+        dlogits made in one pass (and, where the lm head runs in row blocks, bf16 at large B*T, no
+        block's logits computed twice); the same bits either way. A zero_grad() in between makes
+        backward() remake it from the logits."""
         ids = self._check_ids(inputs, "inputs")
         B, T = ids.shape
         tg = None
@@ -557,7 +561,7 @@ class GPT2:
                     pass
             else:   # each block's softmax and loss made together with its dlogits
                 self._lmhead_grad(BT, loss_scale, self._lmhead_blocks(BT, tgf, None), losses)
-            self._buf_state = "probs"
+            self._buf_state = "train"
             self._lmhead_grad_scale = loss_scale
             return float(losses.astype(np.float64).mean())
         if self.plan.logits_rows < BT:   # the logits of every row are asked for: hold them all
@@ -569,9 +573,14 @@ class GPT2:
         if tg is None:
             return None
         losses = a["losses"][:BT]
-        self.kernels.layers.softmax_crossentropy_forward(losses, logits, logits, tg.reshape(-1), BT, V, Vp,
-                                                         self.n_threads)
-        self._buf_state = "probs"
+        if loss_scale is None:
+            self.kernels.layers.softmax_crossentropy_forward(losses, logits, logits, tg.reshape(-1), BT, V, Vp,
+                                                             self.n_threads)
+            self._buf_state = "probs"
+        else:   # the losses, and the dlogits and GEMMs of the lm head's gradient, in one pass over the rows
+            self._lmhead_grad(BT, loss_scale, self._held_blocks(BT), losses)
+            self._buf_state = "train"
+            self._lmhead_grad_scale = loss_scale
         return float(losses.astype(np.float64).mean())
 
     @property
@@ -687,7 +696,7 @@ class GPT2:
     def backward(self, loss_scale=1.0):
         """Accumulate d(loss_scale * mean loss)/d(params) into self.grads (dloss per token =
         loss_scale/(B*T)). Needs the immediately preceding forward to have had targets."""
-        if self._buf_state != "probs" or not self._kept:
+        if self._buf_state not in ("probs", "train") or not self._kept:
             raise RuntimeError("backward() needs a forward(inputs, targets) right before it "
                                "(with keep_activations=True)")
         self.grads_known_zero = False
@@ -740,26 +749,36 @@ class GPT2:
         gemms(s0, BT, dout)
         return dlnf
 
+    def _held_blocks(self, BT):
+        """(r0, nr, rows r0..r0+nr of the logits buffer) over all BT rows, as many rows a block as
+        the lm head's gradient stages (fp32: one block)."""
+        Vp = self.config.padded_vocab_size
+        d16, logits = self._ensure_scratch().get("dlogits16"), self._acts["logits"]
+        R = BT if d16 is None else d16.size // Vp
+        return ((r0, min(R, BT - r0), logits[r0 * Vp:min(BT, r0 + R) * Vp]) for r0 in range(0, BT, R))
+
     def _lmhead_backward(self, loss_scale):
         """-> dlnf = d(loss)/d(lnf), with the lm head's d(wte) accumulated (_lmhead_grad): from the
-        probs the forward kept, or from logits recomputed block by block when it kept none; or
-        nothing to do when that forward made them already (its loss_scale)."""
-        BT, Vp = self._B * self._T, self.config.padded_vocab_size
-        self._buf_state = "dlogits"
+        probs the forward kept, or from logits recomputed (block by block where the forward ran
+        in blocks) when it kept none; or nothing to do when that forward made them already (its
+        loss_scale)."""
+        BT, C, Vp = self._B * self._T, self.config.channels, self.config.padded_vocab_size
+        state, self._buf_state = self._buf_state, "dlogits"
         if self._lmhead_grad_scale is not None:
             if self._lmhead_grad_scale != loss_scale:
                 raise ValueError(f"backward(loss_scale={loss_scale!r}) after forward(loss_scale="
                                  f"{self._lmhead_grad_scale!r}): the lm head's gradient was made "
                                  "with the forward's; pass the same value to both")
-            return self._scratch["dsmall"][:BT * self.config.channels]
-        if self.plan.logits_rows < BT:   # the logits again, block by block (the same bits)
-            junk = np.empty(BT, np.float32)
+            return self._scratch["dsmall"][:BT * C]
+        if state == "probs":   # the probs of every row are held
+            return self._lmhead_grad(BT, loss_scale, self._held_blocks(BT))
+        # the logits again (the same GEMM on the same inputs: the same bits), and their losses unused
+        junk = np.empty(BT, np.float32)
+        if self.plan.logits_rows < BT:
             return self._lmhead_grad(BT, loss_scale, self._lmhead_blocks(BT, None, None), junk)
-        # the probs of every row are held: blocks as many rows as the staging takes
-        d16, logits = self._ensure_scratch().get("dlogits16"), self._acts["logits"]
-        R = BT if d16 is None else d16.size // Vp
-        blocks = ((r0, min(R, BT - r0), logits[r0 * Vp:min(BT, r0 + R) * Vp]) for r0 in range(0, BT, R))
-        return self._lmhead_grad(BT, loss_scale, blocks)
+        self.ops.matmul(self._acts["logits"][:BT * Vp], self._acts["lnf"][:BT * C], "wte", None, None,
+                        BT, C, Vp, self.n_threads)
+        return self._lmhead_grad(BT, loss_scale, self._held_blocks(BT), junk)
 
     def _block_backward(self, l, a, B, T):
         """Layer l of train_gpt2.c's gpt2_backward: the scratch's dres holds d(a.out) on entry

@@ -118,9 +118,11 @@ class Fp32Ops:
         return probs, None
 
     def loss_forward_backward(self, losses, dst16, logits, targets, dlosses, N, V, Vp, nt):
-        """losses of a block of logits (softmaxed in place), then loss_backward."""
-        self.k.layers.softmax_crossentropy_forward(losses, logits, logits, targets, N, V, Vp, nt)
-        return self.loss_backward(dst16, logits, targets, dlosses, N, V, Vp, nt)
+        """losses of a block of logits, then loss_backward's dlogits over them in place: one kernel,
+        the same bits as the two calls."""
+        self.k.layers.softmax_crossentropy_forward_backward(losses, logits, logits, targets, dlosses,
+                                                            N, V, Vp, nt)
+        return logits, None
 
 
 class Bf16Ops(Fp32Ops):
