@@ -97,11 +97,12 @@ ATTR static inline float att_expf_##SFX(float x)                                
    softmax_tile (forward, online softmax): rows r < nr of S (row stride ld) see the first
    ncr = min(nc, first + r) keys (ncr <= 0: none, the row becomes P = 0); the row is scaled and
    its max taken with m[r], corr = exp(m[r] - max), the exps summed, the columns past ncr zeroed,
-   l[r] = l[r] * corr + sum, m[r] = max, and the row's hs accumulators scaled by corr unless 1.
+   l[r] = l[r] * corr + sum, m[r] = max, and the row's hs accumulators scaled by corr unless 1;
+   GROUP rows at a time (att_softmax_rows, the vector sets) where they all see the whole tile.
    dsoftmax_tile (backward): the forward's probabilities P = exp(S * scale - lse[r]) over the
    ncr = min(nc, first + r) >= 1 keys each row sees, then dS = (P * (dP - D[r])) * scale over
    them (dS holds dP on entry), both zeroed past ncr. */
-#define ATT_DEFINE_TILES(SFX, ATTR)                                                       \
+#define ATT_DEFINE_TILES(SFX, ATTR, GROUP)                                                \
 ATTR static void att_softmax_tile_##SFX(float* S, ptrdiff_t ld, ptrdiff_t nr, ptrdiff_t nc,   \
                                         ptrdiff_t first, float scale, float* m, float* l,    \
                                         float* acc, ptrdiff_t hs)                             \
@@ -110,6 +111,11 @@ ATTR static void att_softmax_tile_##SFX(float* S, ptrdiff_t ld, ptrdiff_t nr, pt
     for (r = 0; r < nr; r++) {                                                           \
         float* srow = S + r * ld;                                                        \
         float mx, corr, tot;                                                             \
+        if (GROUP && r + GROUP <= nr && first + r >= nc && nc % ATT_NP == 0) {          \
+            att_softmax_rows_##SFX(srow, ld, nc, scale, m + r, l + r, acc + r * hs, hs); \
+            r += GROUP - 1;                                                              \
+            continue;                                                                    \
+        }                                                                                \
         ncr = first + r;                                                                 \
         if (ncr <= 0) {                                                                  \
             memset(srow, 0, (size_t)nc * sizeof(float));                                 \
@@ -194,7 +200,17 @@ static void att_exp_affine_default(float* x, ptrdiff_t n, float a, float b)
     att_mark(1u << ATT_ISA_DEFAULT);
     for (i = 0; i < n; i++) x[i] = att_expf_default(x[i] * a - b);
 }
-ATT_DEFINE_TILES(default, )
+#define att_softmax_rows_default(...) ((void)0)   /* GROUP 0: rows one by one */
+ATT_DEFINE_TILES(default, , 0)
+#endif
+
+/* the transposes at the end of this file, which the vector sets' grouped softmax rows use */
+static void att_transpose_default(float* dst, ptrdiff_t ldd, const float* src, ptrdiff_t lds,
+                                  ptrdiff_t rows, ptrdiff_t cols);
+#ifdef ATT_X86
+__attribute__((target("avx2,fma"))) static void att_transpose_avx2(float* dst, ptrdiff_t ldd, const float* src,
+                                                                   ptrdiff_t lds, ptrdiff_t rows, ptrdiff_t cols);
+#define att_transpose_avx512 att_transpose_avx2   /* every AVX-512 CPU has AVX2 */
 #endif
 
 /* ---- vector sets: one template, instantiated per ISA with its width VW and helpers ----
@@ -390,6 +406,59 @@ ATTR static void att_exp_affine_##SFX(float* x, ptrdiff_t n, float a, float b)  
         SFX##_st(pad, att_expv_##SFX(SFX##_ld(pad) * va - vb));                      \
         memcpy(x + i, pad, rem * sizeof(float));                                     \
     }                                                                                \
+}                                                                                        \
+/* softmax_tile's work on VW rows that see all nc keys (nc % ATT_NP == 0): att_scale_max,   \
+   the exp of the old max's correction, att_exp_sum and the l, m updates of each row, with the \
+   reductions over lanes that end each row's max and sum done for the VW rows at once (lane r \
+   of a vector holds row r, the lanes transposed through memory): a row's chains of dependent \
+   compares and adds then overlap VW-1 other rows' instead of ending every row alone. Each row \
+   gets the same operations in the same order as the row-by-row code: the same bits. */    \
+ATTR static void att_softmax_rows_##SFX(float* S, ptrdiff_t ld, ptrdiff_t nc, float scale,  \
+                                        float* m, float* l, float* acc, ptrdiff_t hs)    \
+{                                                                                        \
+    float lanes[VW * VW], cols[VW * VW], part[VW * ATT_NP], pcols[ATT_NP * VW];          \
+    VF va = SFX##_bc(scale), m0 = SFX##_ld(m), mx = m0, corr, tot = SFX##_bc(0.0f);      \
+    ptrdiff_t r, i, k;                                                                   \
+    int j, q;                                                                            \
+    for (r = 0; r < VW; r++) {             /* x *= scale; the row's lane maxima from m */ \
+        float* x = S + r * ld;                                                           \
+        VF vm = SFX##_bc(m[r]);                                                          \
+        for (i = 0; i < nc; i += VW) {                                                   \
+            VF v = SFX##_ld(x + i) * va;                                                 \
+            VU gt = (VU)(v > vm);                                                        \
+            vm = (VF)((gt & (VU)v) | (~gt & (VU)vm));                                    \
+            SFX##_st(x + i, v);                                                          \
+        }                                                                                \
+        SFX##_st(lanes + r * VW, vm);                                                    \
+    }                                                                                    \
+    att_transpose_##SFX(cols, VW, lanes, VW, VW, VW);                                    \
+    for (j = 0; j < VW; j++) {             /* if (vm[j] > m) m = vm[j], lane by lane */  \
+        VF c = SFX##_ld(cols + j * VW);                                                  \
+        VU gt = (VU)(c > mx);                                                            \
+        mx = (VF)((gt & (VU)c) | (~gt & (VU)mx));                                        \
+    }                                                                                    \
+    corr = att_expv_##SFX(m0 - mx);        /* 0 on the first tile (m = -inf) */          \
+    for (r = 0; r < VW; r++) {             /* x = exp(x - max), 16 lane partials */      \
+        float* x = S + r * ld;                                                           \
+        VF a[ATT_NP / VW], vb = SFX##_bc(mx[r]);                                         \
+        for (q = 0; q < ATT_NP / VW; q++) a[q] = SFX##_bc(0.0f);                         \
+        for (i = 0; i < nc; i += ATT_NP)                                                 \
+            for (q = 0; q < ATT_NP / VW; q++) {                                          \
+                VF e = att_expv_##SFX(SFX##_ld(x + i + q * VW) - vb);                    \
+                SFX##_st(x + i + q * VW, e);                                             \
+                a[q] += e;                                                               \
+            }                                                                            \
+        for (q = 0; q < ATT_NP / VW; q++) SFX##_st(part + r * ATT_NP + q * VW, a[q]);    \
+    }                                                                                    \
+    att_transpose_##SFX(pcols, VW, part, ATT_NP, VW, ATT_NP);                            \
+    for (j = 0; j < ATT_NP; j++) tot = tot + SFX##_ld(pcols + j * VW);   /* in lane order */ \
+    SFX##_st(l, SFX##_ld(l) * corr + tot);                                               \
+    SFX##_st(m, mx);                                                                     \
+    for (r = 0; r < VW; r++) {                                                           \
+        float cr = corr[r], *ar = acc + r * hs;                                          \
+        if (cr != 1.0f)                                                                  \
+            for (k = 0; k < hs; k++) ar[k] = ar[k] * cr;                                 \
+    }                                                                                    \
 }
 
 #if defined(__AVX512F__)
@@ -416,7 +485,7 @@ static inline att_vf_default default_clamp(att_vf_default x, att_vf_default lo, 
     return (att_vf_default)((above & (att_vu_default)hi) | (~above & (att_vu_default)x));
 }
 ATT_DEFINE_SET(default, ATT_BASE_VW, att_vf_default, att_vu_default, , 1u << ATT_ISA_DEFAULT, 0)
-ATT_DEFINE_TILES(default, )
+ATT_DEFINE_TILES(default, , ATT_BASE_VW)
 
 #ifdef ATT_X86
 #define ATT_TGT_AVX2 __attribute__((target("avx2,fma")))
@@ -442,7 +511,7 @@ ATT_TGT_AVX2 static inline att_vf_avx2 avx2_clamp(att_vf_avx2 x, att_vf_avx2 lo,
     return (att_vf_avx2)_mm256_min_ps((__m256)hi, _mm256_max_ps((__m256)lo, (__m256)x));
 }
 ATT_DEFINE_SET(avx2, 8, att_vf_avx2, att_vu_avx2, ATT_TGT_AVX2, 1u << ATT_ISA_AVX2, 1)
-ATT_DEFINE_TILES(avx2, ATT_TGT_AVX2)
+ATT_DEFINE_TILES(avx2, ATT_TGT_AVX2, 8)
 
 typedef float att_vf_avx512 __attribute__((vector_size(64)));
 typedef uint32_t att_vu_avx512 __attribute__((vector_size(64)));
@@ -460,7 +529,7 @@ ATT_TGT_AVX512 static inline void avx512_stm(float* p, att_vf_avx512 v, int rem)
 ATT_TGT_AVX512 static inline att_vf_avx512 avx512_clamp(att_vf_avx512 x, att_vf_avx512 lo, att_vf_avx512 hi)
 { return (att_vf_avx512)_mm512_min_ps((__m512)hi, _mm512_max_ps((__m512)lo, (__m512)x)); }
 ATT_DEFINE_SET(avx512, 16, att_vf_avx512, att_vu_avx512, ATT_TGT_AVX512, 1u << ATT_ISA_AVX512, 1)
-ATT_DEFINE_TILES(avx512, ATT_TGT_AVX512)
+ATT_DEFINE_TILES(avx512, ATT_TGT_AVX512, 16)
 #endif
 #endif /* ATT_VEC */
 
@@ -510,7 +579,6 @@ ATT_TGT_AVX2 static void att_transpose_avx2(float* dst, ptrdiff_t ldd, const flo
     if (c < rows)
         att_transpose_default(dst + c, ldd, src + c * lds, lds, rows - c, cols);
 }
-#define att_transpose_avx512 att_transpose_avx2   /* every AVX-512 CPU has AVX2 */
 #endif
 
 /* ---- dispatch: a table per set; the Python wrappers pick one per call ---- */
