@@ -211,6 +211,12 @@ def main():
     link_args = []
     if _env_flag("LLMCTL_NATIVE"):
         compile_args.append("-march=native")
+    simde = []
+    if _env_flag("LLMCTL_SIMDE_AVX512"):
+        # tests only: the AVX-512 copies on SIMDe's portable intrinsics (_ext/simde_avx512.h)
+        import simde_py
+        simde = [simde_py.get_include()]
+        compile_args += ["-include", "simde_avx512.h", "-mavx2", "-mfma", "-Wno-psabi"]
     if openmp is not None:
         compile_args += openmp[0]
         link_args += openmp[1]
@@ -239,7 +245,7 @@ def main():
                 [pyx],
                 # shared .pxd/.h: a change rebuilds every extension, and sdists carry them
                 depends=sorted(glob.glob(os.path.join("_ext", "*.pxd")) + glob.glob(os.path.join("_ext", "*.h"))),
-                include_dirs=[np.get_include(), "_ext"] + incs,
+                include_dirs=[np.get_include(), "_ext"] + incs + simde,
                 define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION"),
                                ("LLMCTL_OPENMP_BUILD", "1" if openmp else "0")] + macros,
                 extra_compile_args=compile_args,

@@ -270,7 +270,9 @@ static ptrdiff_t attb_shared_bytes(ptrdiff_t B, ptrdiff_t T, ptrdiff_t C, ptrdif
 #ifdef ATTB_X86
 #include "attention_bf16_avx512.h"
 #pragma GCC push_options
+#ifndef LLMCTL_SIMDE_AVX512   /* the SIMDe test build (simde_avx512.h) emits no AVX-512 instruction */
 #pragma GCC target("avx512f,avx512bw")
+#endif
 #define ATTB_FN(name) attb_##name##_avx512
 #define ATTB_V512 1
 #include "attention_bf16_body.h"

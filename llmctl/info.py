@@ -142,11 +142,14 @@ def _wait_text(w):
 
 
 def runtime_info():
+    import llmctl._ext
     from llmctl._ext import buildinfo
 
     info = {
         "version": __version__,
         "openmp": buildinfo.openmp_enabled(),
+        "simde_avx512": getattr(buildinfo, "simde_avx512", bool)(),   # older builds in LLMCTL_EXT_DIR lack it
+        "ext_dir": llmctl._ext.EXT_DIR,
         "threads": default_threads(),
         "openmp_wait": openmp_wait(),
         "blas": None,
@@ -198,6 +201,15 @@ def _roof_line(info):
     return f"MFU roof: {', '.join(each)}; cached in {r['cache']}"
 
 
+def _build_note(info):
+    note = []
+    if info.get("simde_avx512"):
+        note.append("a test build: AVX-512 emulated by SIMDe, slow")
+    if info.get("ext_dir"):
+        note.append(f"loaded from LLMCTL_EXT_DIR={info['ext_dir']}")
+    return f" ({'; '.join(note)})" if note else ""
+
+
 def format_info(info):
     k = info["kernels"]
     return (f"llmctl {info['version']}\n"
@@ -206,7 +218,7 @@ def format_info(info):
             f"{_engine_line(info)}\n"
             f"{_precision_line(info)}\n"
             f"kernels: attention {k['attention']}, layers {k['layers']}, AdamW {k['adamw']}, "
-            f"bf16 GEMV {k['bf16_gemv']}, KV-cache attention {k['kv_attention']}\n"
+            f"bf16 GEMV {k['bf16_gemv']}, KV-cache attention {k['kv_attention']}{_build_note(info)}\n"
             f"attention-bf16: {k['attention_bf16']} (available: {', '.join(info['attention_bf16_paths'])})\n"
             f"BLAS: {info['blas'] or 'unknown'}\n"
             f"{_roof_line(info)}")

@@ -10,11 +10,20 @@ The file loaded is the wheel's fully versioned one (libdnnl.so.3.2 for onednn-cp
 another package of the environment can overwrite <prefix>/lib/libdnnl.so.3 with its own build
 (Intel's `onednn` wheel does, with a TBB-threaded 3.x that needs libtbb), and matmul must still
 get the build it was compiled and tested against.
+
+LLMCTL_EXT_DIR names a directory of these modules built another way, loaded instead of the
+installed ones, in this process and the processes it starts: the test builds of
+tests/test_serial_build.py (no OpenMP) and tests/test_avx512_emulated.py (AVX-512 on SIMDe).
 """
 import ctypes
+import os
 import re
 import sys
 from importlib import metadata
+
+EXT_DIR = os.environ.get("LLMCTL_EXT_DIR") or None
+if EXT_DIR:
+    __path__.insert(0, EXT_DIR)
 
 ONEDNN_DIST = "onednn-cpu-gomp"
 _LIB = re.compile(r"libdnnl\.so\.3(\.\d+)*$")

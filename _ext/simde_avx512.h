@@ -1,0 +1,137 @@
+/* Test builds only: setup.py with LLMCTL_SIMDE_AVX512=1 puts this header before every
+ * extension's code (tests/test_avx512_emulated.py). The kernels' AVX-512 copies then compile
+ * against SIMDe's portable forms of the AVX-512 intrinsics (the simde-py package's headers) and
+ * run on any x86-64 CPU with AVX2 and FMA: slowly, but with the instructions' results, so the
+ * copies can be tested where the CPU has no AVX-512. Two rewrites make that so:
+ *   - every function that asks for an AVX-512 target (or any other) is compiled for AVX2 + FMA,
+ *     so no AVX-512 instruction is ever emitted;
+ *   - __builtin_cpu_supports says yes to AVX-512's parts, so the run-time dispatch picks them.
+ * The bf16 instructions (AVX512_BF16, AMX) stay unavailable: cpuid is asked for those directly.
+ * Never part of a release build. */
+#ifndef LLMCTL_SIMDE_AVX512_H
+#define LLMCTL_SIMDE_AVX512_H
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE 1   /* as pyconfig.h does: this header comes before Python.h */
+#endif
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#define LLMCTL_SIMDE_AVX512 1
+
+/* what SIMDe 0.8.2 leaves out, as GCC's immintrin.h defines it: _mm512_reduce_add_ps is GCC's
+   tree (the halves, then the quarters, then pairs), not one instruction, so its bits are GCC's */
+static inline float llmctl_simde_reduce_add_ps(simde__m512 a)
+{
+    simde__m512_private p = simde__m512_to_private(a);
+    float t3[8], t6[4], t8[2];
+    for (int i = 0; i < 8; i++) t3[i] = p.f32[8 + i] + p.f32[i];
+    for (int i = 0; i < 4; i++) t6[i] = t3[4 + i] + t3[i];
+    for (int i = 0; i < 2; i++) t8[i] = t6[i] + t6[i + 2];
+    return t8[0] + t8[1];
+}
+#define _mm512_reduce_add_ps(a) llmctl_simde_reduce_add_ps(a)
+static inline simde__m256i llmctl_simde_cvtepi32_epi16(simde__m512i a)   /* vpmovdw: truncates */
+{
+    simde__m512i_private p = simde__m512i_to_private(a);
+    simde__m256i_private r;
+    for (int i = 0; i < 16; i++) r.i16[i] = (int16_t)p.i32[i];
+    return simde__m256i_from_private(r);
+}
+#define _mm512_cvtepi32_epi16(a) llmctl_simde_cvtepi32_epi16(a)
+static inline simde__m512i llmctl_simde_i32gather_epi32(simde__m512i idx, const void* base, int scale)
+{
+    simde__m512i_private p = simde__m512i_to_private(idx), r;
+    for (int i = 0; i < 16; i++) memcpy(&r.i32[i], (const char*)base + (ptrdiff_t)p.i32[i] * scale, 4);
+    return simde__m512i_from_private(r);
+}
+#define _mm512_i32gather_epi32(idx, base, scale) llmctl_simde_i32gather_epi32((idx), (base), (scale))
+/* vdpbf16ps as the Intel SDM defines it, which the kernels' other copies follow (gemv_bf16.h,
+   attention_bf16.h's emulated path): lane j adds x[2j+1] y[2j+1], then x[2j] y[2j], each product
+   exact and each add rounded once (an FMA), subnormal inputs and results flushed to zero.
+   SIMDe's form adds the even product first. */
+static inline float llmctl_simde_ftz(float x) { return fabsf(x) < 1.17549435e-38f ? 0.0f * x : x; }
+static inline float llmctl_simde_bf16(uint16_t h)
+{
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return llmctl_simde_ftz(f);
+}
+static inline simde__m512 llmctl_simde_dpbf16_ps(simde__m512 src, simde__m512bh a, simde__m512bh b)
+{
+    simde__m512_private s = simde__m512_to_private(src);
+    uint16_t x[32], y[32];
+    memcpy(x, &a, 64);
+    memcpy(y, &b, 64);
+    for (int j = 0; j < 16; j++) {
+        float acc = llmctl_simde_ftz(s.f32[j]);
+        acc = llmctl_simde_ftz(fmaf(llmctl_simde_bf16(x[2 * j + 1]), llmctl_simde_bf16(y[2 * j + 1]), acc));
+        s.f32[j] = llmctl_simde_ftz(fmaf(llmctl_simde_bf16(x[2 * j]), llmctl_simde_bf16(y[2 * j]), acc));
+    }
+    return simde__m512_from_private(s);
+}
+#undef _mm512_dpbf16_ps
+#define _mm512_dpbf16_ps(src, a, b) llmctl_simde_dpbf16_ps((src), (a), (b))
+/* masked loads and stores touch only their lanes' memory (SIMDe 0.8.2's mask_storeu_ps writes
+   zeros to the other lanes, and its masked loads read all 16) */
+static inline void llmctl_simde_mask_storeu_ps(void* p, simde__mmask16 k, simde__m512 a)
+{
+    simde__m512_private v = simde__m512_to_private(a);
+    for (int i = 0; i < 16; i++)
+        if (k & (1u << i)) memcpy((char*)p + 4 * i, &v.f32[i], 4);
+}
+#undef _mm512_mask_storeu_ps
+#define _mm512_mask_storeu_ps(p, k, a) llmctl_simde_mask_storeu_ps((p), (k), (a))
+static inline simde__m512 llmctl_simde_maskz_loadu_ps(simde__mmask16 k, const void* p)
+{
+    simde__m512_private v;
+    for (int i = 0; i < 16; i++) {
+        v.f32[i] = 0.0f;
+        if (k & (1u << i)) memcpy(&v.f32[i], (const char*)p + 4 * i, 4);
+    }
+    return simde__m512_from_private(v);
+}
+#undef _mm512_maskz_loadu_ps
+#define _mm512_maskz_loadu_ps(k, p) llmctl_simde_maskz_loadu_ps((k), (p))
+static inline simde__m512i llmctl_simde_maskz_loadu_epi16(simde__mmask32 k, const void* p)
+{
+    simde__m512i_private v;
+    for (int i = 0; i < 32; i++) {
+        v.i16[i] = 0;
+        if (k & (1u << i)) memcpy(&v.i16[i], (const char*)p + 2 * i, 2);
+    }
+    return simde__m512i_from_private(v);
+}
+#undef _mm512_maskz_loadu_epi16
+#define _mm512_maskz_loadu_epi16(k, p) llmctl_simde_maskz_loadu_epi16((k), (p))
+/* scatters write their lanes in order, lowest first (as the instructions do where indices repeat) */
+static inline void llmctl_simde_mask_i32scatter_epi32(void* base, simde__mmask16 k, simde__m512i idx,
+                                                      simde__m512i v, int scale)
+{
+    simde__m512i_private pi = simde__m512i_to_private(idx), pv = simde__m512i_to_private(v);
+    for (int i = 0; i < 16; i++)
+        if (k & (1u << i)) memcpy((char*)base + (ptrdiff_t)pi.i32[i] * scale, &pv.i32[i], 4);
+}
+#define _mm512_mask_i32scatter_epi32(base, k, idx, v, scale) \
+    llmctl_simde_mask_i32scatter_epi32((base), (k), (idx), (v), (scale))
+#define _mm512_mask_i32scatter_ps(base, k, idx, v, scale) \
+    llmctl_simde_mask_i32scatter_epi32((base), (k), (idx), simde_mm512_castps_si512(v), (scale))
+/* AMX has no portable form: its paths never run here (cpuid is asked for AMX directly) */
+#undef _tile_loadconfig
+#undef _tile_release
+#undef _tile_loadd
+#undef _tile_stored
+#undef _tile_zero
+#undef _tile_dpbf16ps
+#define _tile_loadconfig(...) __builtin_trap()
+#define _tile_release() __builtin_trap()
+#define _tile_loadd(...) __builtin_trap()
+#define _tile_stored(...) __builtin_trap()
+#define _tile_zero(...) __builtin_trap()
+#define _tile_dpbf16ps(...) __builtin_trap()
+#define target(...) target("avx2,fma")
+#define __builtin_cpu_supports(f) (__builtin_strncmp((f), "avx512", 6) == 0 || __builtin_cpu_supports(f))
+#endif

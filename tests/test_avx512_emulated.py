@@ -1,0 +1,94 @@
+"""The kernels' AVX-512 copies, run on any x86-64 CPU with AVX2 and FMA.
+
+setup.py with LLMCTL_SIMDE_AVX512=1 compiles the extensions against SIMDe's portable forms of the
+AVX-512 intrinsics (the simde-py package's headers, through _ext/simde_avx512.h): no AVX-512
+instruction is emitted, and the run-time dispatch picks the AVX-512 copies. The kernel tests that
+are parametrised over instruction sets then run again in a child pytest against that build,
+where their "avx512" and "avx512_bf16" cases no longer skip.
+
+What this checks: each AVX-512 copy's loops, masks, tails, gathers, scatters and dispatch, against
+the same references and pinned bits as the native copies (the fp32 attention's AVX-512 set must
+give test_attention.py's pinned bits). What it cannot: the instructions' own results come from
+SIMDe's definitions, and vdpbf16ps's from the Intel SDM's (simde_avx512.h), not from hardware; AMX
+has no portable form and is not run. The build is made from a copy of setup.py + _ext/ in a temp dir,
+so the tree's own .so files are never touched (as test_serial_build.py does), and LLMCTL_EXT_DIR
+points the child's llmctl at it.
+"""
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TESTS = ["test_attention.py", "test_attention_bf16.py", "test_kernels.py", "test_bf16.py", "test_sample.py"]
+
+def _skip_reason():
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"the AVX-512 copies exist on x86-64 only; this is {platform.machine()}"
+    try:
+        import simde_py  # noqa: F401
+    except ImportError:
+        return "simde-py is not installed (pip install '.[test]' brings it)"
+    from llmctl._ext import attention
+    if "avx2" not in attention.available_isas():
+        return "the emulated build needs AVX2 and FMA, which this CPU lacks"
+    return None
+
+
+@pytest.fixture(scope="module")
+def emulated_build(tmp_path_factory):
+    why = _skip_reason()
+    if why:
+        pytest.skip(why)
+    root = tmp_path_factory.mktemp("simde")
+    src = root / "src"
+    src.mkdir()
+    shutil.copy2(REPO / "setup.py", src / "setup.py")
+    shutil.copytree(REPO / "_ext", src / "_ext", ignore=shutil.ignore_patterns("*.so", "*.c", "build"))
+    build, tmp = root / "build", root / "tmp"
+    # every extension: the AVX-512 copies sit in most of them (rows.h alone in four), and
+    # buildinfo says which build this is
+    env = {k: v for k, v in os.environ.items() if k != "LLMCTL_EXTS"}
+    env["LLMCTL_SIMDE_AVX512"] = "1"
+    r = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "-j", "2", "-b", str(build), "-t", str(tmp)],
+                       cwd=src, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ext_dir = build / "llmctl" / "_ext"
+    assert len(list(ext_dir.glob("*.so"))) == len(list((REPO / "_ext").glob("*.pyx"))), list(ext_dir.iterdir())
+    return ext_dir
+
+
+@pytest.mark.slow
+def test_avx512_copies_pass_the_kernel_tests_emulated(emulated_build, tmp_path):
+    xml = tmp_path / "junit.xml"
+    # LLMCTL_EXT_DIR: the emulated build is loaded here and in every process the tests start
+    env = {k: v for k, v in os.environ.items() if k not in ("LLMCTL_EXTS", "LLMCTL_ATT_ISA", "LLMCTL_ATT_BF16")}
+    env["LLMCTL_EXT_DIR"] = str(emulated_build)
+    check = subprocess.run([sys.executable, "-c", "from llmctl._ext import attention, buildinfo; "
+                            "print(attention.__file__, buildinfo.simde_avx512())"],
+                           capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert check.stdout.startswith(str(emulated_build)) and check.stdout.split()[-1] == "True", check
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}",
+                        "--rootdir", str(REPO)] + [str(REPO / "tests" / t) for t in TESTS],
+                       capture_output=True, text=True, timeout=1200, cwd=REPO, env=env)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    passed, skipped = set(), set()
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        (skipped if case.find("skipped") is not None else passed).add(name)
+    # the AVX-512 cases really ran, in every module that has them, instead of skipping for want
+    # of the CPU (the row-loop test runs every level of buildinfo's build in one case)
+    for want in (r"test_attention::test_fp32_attention_bits_are_pinned\[avx512\]",
+                 r"test_attention::test_forward_matches_reference\[avx512-",
+                 r"test_attention::test_backward_matches_reference\[avx512-",
+                 r"test_attention_bf16::test_matches_bf16_rounded_reference\[avx512_bf16-",
+                 r"test_bf16::test_gemv_copies_give_vdpbf16ps_bits\[.*-avx512_bf16\]",
+                 r"test_sample::test_attention_cached_kernel_matches_numpy\[avx512-",
+                 r"test_kernels::test_row_loops_give_identical_bits_in_every_instruction_set\["):
+        assert any(re.search(want, n) for n in passed), (want, sorted(n for n in skipped if want.split("::")[0] in n))
