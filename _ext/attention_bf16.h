@@ -226,6 +226,9 @@ static int attb_path_runs(int path, int bf16_flags)
         return (bf16_flags & 1) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
     if (path == ATTB_AMX) {
         unsigned a, b, c, d;
+#ifdef LLMCTL_SIMDE_AVX512
+        return (bf16_flags & 2) != 0;               /* the SIMDe test build's tiles (simde_avx512.h) */
+#endif
         if (!(bf16_flags & 2) || !__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)))
             return 0;                               /* AMX-TILE */
         return __builtin_cpu_supports("avx512f") && attb_amx_permitted();

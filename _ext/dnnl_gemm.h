@@ -20,7 +20,7 @@
    AMX tile state bits 17-18 as well). */
 static inline int llmctl_cpu_bf16_flags(void) {
 #ifdef LLMCTL_SIMDE_AVX512
-    return 1;   /* the SIMDe test build (simde_avx512.h): AVX512_BF16 emulated, AMX absent */
+    return 3;   /* the SIMDe test build (simde_avx512.h): AVX512_BF16 and AMX emulated */
 #endif
     unsigned a, b, c, d, flags = 0;
     if (!__get_cpuid_count(1, 0, &a, &b, &c, &d) || !(c & (1u << 27))) return 0;  /* OSXSAVE */

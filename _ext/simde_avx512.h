@@ -6,7 +6,9 @@
  *   - every function that asks for an AVX-512 target (or any other) is compiled for AVX2 + FMA,
  *     so no AVX-512 instruction is ever emitted;
  *   - __builtin_cpu_supports says yes to AVX-512's parts, so the run-time dispatch picks them.
- * The bf16 instructions (AVX512_BF16, AMX) stay unavailable: cpuid is asked for those directly.
+ * AVX512_BF16 and AMX are emulated too (vdpbf16ps and the tile instructions below, in the Intel
+ * SDM's definitions): dnnl_gemm.h's llmctl_cpu_bf16_flags reports both in this build, and
+ * attention_bf16.h skips the kernel's permission request for the tiles.
  * Never part of a release build. */
 #ifndef LLMCTL_SIMDE_AVX512_H
 #define LLMCTL_SIMDE_AVX512_H
@@ -119,19 +121,73 @@ static inline void llmctl_simde_mask_i32scatter_epi32(void* base, simde__mmask16
     llmctl_simde_mask_i32scatter_epi32((base), (k), (idx), (v), (scale))
 #define _mm512_mask_i32scatter_ps(base, k, idx, v, scale) \
     llmctl_simde_mask_i32scatter_epi32((base), (k), (idx), simde_mm512_castps_si512(v), (scale))
-/* AMX has no portable form: its paths never run here (cpuid is asked for AMX directly) */
+/* AMX-TILE and AMX-BF16, in plain C: each thread's eight tiles (as in hardware, where the tile
+   registers are per-thread state), shaped by ldtilecfg's rows and bytes per row; a load or a dot
+   product zeroes a tile's bytes past its shape. TDPBF16PS follows the Intel SDM's definition: per
+   row, the even and the odd products of each column summed apart from zero, each add one FMA
+   rounding, then added together and into the destination, subnormals flushed to zero. Its order
+   differs from VDPBF16PS's. */
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} llmctl_simde_tilecfg;
+static _Thread_local struct { llmctl_simde_tilecfg cfg; uint8_t t[8][16][64]; } llmctl_simde_amx;
+static inline void llmctl_simde_tile_loadconfig(const void* p)
+{
+    memcpy(&llmctl_simde_amx.cfg, p, sizeof(llmctl_simde_tilecfg));
+    memset(llmctl_simde_amx.t, 0, sizeof llmctl_simde_amx.t);
+}
+static inline void llmctl_simde_tile_release(void) { memset(&llmctl_simde_amx, 0, sizeof llmctl_simde_amx); }
+static inline void llmctl_simde_tile_loadd(int t, const void* base, size_t stride)
+{
+    memset(llmctl_simde_amx.t[t], 0, sizeof llmctl_simde_amx.t[t]);
+    for (int r = 0; r < llmctl_simde_amx.cfg.rows[t]; r++)
+        memcpy(llmctl_simde_amx.t[t][r], (const char*)base + r * stride, llmctl_simde_amx.cfg.colsb[t]);
+}
+static inline void llmctl_simde_tile_stored(int t, void* base, size_t stride)
+{
+    for (int r = 0; r < llmctl_simde_amx.cfg.rows[t]; r++)
+        memcpy((char*)base + r * stride, llmctl_simde_amx.t[t][r], llmctl_simde_amx.cfg.colsb[t]);
+}
+static inline void llmctl_simde_tile_zero(int t) { memset(llmctl_simde_amx.t[t], 0, sizeof llmctl_simde_amx.t[t]); }
+static inline void llmctl_simde_tile_dpbf16ps(int d, int a, int b)
+{
+    const llmctl_simde_tilecfg* c = &llmctl_simde_amx.cfg;
+    int K = c->colsb[a] / 4, N = c->colsb[d] / 4;
+    for (int m = 0; m < c->rows[d]; m++) {
+        float tmp[32] = {0}, row[16] = {0};
+        uint16_t x[32];
+        memcpy(x, llmctl_simde_amx.t[a][m], 64);
+        for (int k = 0; k < K; k++) {
+            uint16_t y[32];
+            memcpy(y, llmctl_simde_amx.t[b][k], 64);
+            for (int n = 0; n < N; n++)
+                for (int e = 0; e < 2; e++)
+                    tmp[2 * n + e] = llmctl_simde_ftz(fmaf(llmctl_simde_bf16(x[2 * k + e]),
+                                                           llmctl_simde_bf16(y[2 * n + e]), tmp[2 * n + e]));
+        }
+        memcpy(row, llmctl_simde_amx.t[d][m], 4 * N);
+        for (int n = 0; n < N; n++)
+            row[n] = llmctl_simde_ftz(llmctl_simde_ftz(row[n]) + llmctl_simde_ftz(tmp[2 * n] + tmp[2 * n + 1]));
+        memset(llmctl_simde_amx.t[d][m], 0, 64);
+        memcpy(llmctl_simde_amx.t[d][m], row, 4 * N);
+    }
+    for (int m = c->rows[d]; m < 16; m++) memset(llmctl_simde_amx.t[d][m], 0, 64);
+}
 #undef _tile_loadconfig
 #undef _tile_release
 #undef _tile_loadd
 #undef _tile_stored
 #undef _tile_zero
 #undef _tile_dpbf16ps
-#define _tile_loadconfig(...) __builtin_trap()
-#define _tile_release() __builtin_trap()
-#define _tile_loadd(...) __builtin_trap()
-#define _tile_stored(...) __builtin_trap()
-#define _tile_zero(...) __builtin_trap()
-#define _tile_dpbf16ps(...) __builtin_trap()
+#define _tile_loadconfig(p) llmctl_simde_tile_loadconfig(p)
+#define _tile_release() llmctl_simde_tile_release()
+#define _tile_loadd(t, base, stride) llmctl_simde_tile_loadd((t), (base), (stride))
+#define _tile_stored(t, base, stride) llmctl_simde_tile_stored((t), (base), (stride))
+#define _tile_zero(t) llmctl_simde_tile_zero(t)
+#define _tile_dpbf16ps(d, a, b) llmctl_simde_tile_dpbf16ps((d), (a), (b))
+
 #define target(...) target("avx2,fma")
 #define __builtin_cpu_supports(f) (__builtin_strncmp((f), "avx512", 6) == 0 || __builtin_cpu_supports(f))
 #endif

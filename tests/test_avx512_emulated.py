@@ -4,13 +4,14 @@ setup.py with LLMCTL_SIMDE_AVX512=1 compiles the extensions against SIMDe's port
 AVX-512 intrinsics (the simde-py package's headers, through _ext/simde_avx512.h): no AVX-512
 instruction is emitted, and the run-time dispatch picks the AVX-512 copies. The kernel tests that
 are parametrised over instruction sets then run again in a child pytest against that build,
-where their "avx512" and "avx512_bf16" cases no longer skip.
+where their "avx512", "avx512_bf16" and "amx" cases no longer skip.
 
-What this checks: each AVX-512 copy's loops, masks, tails, gathers, scatters and dispatch, against
-the same references and pinned bits as the native copies (the fp32 attention's AVX-512 set must
-give test_attention.py's pinned bits). What it cannot: the instructions' own results come from
-SIMDe's definitions, and vdpbf16ps's from the Intel SDM's (simde_avx512.h), not from hardware; AMX
-has no portable form and is not run. The build is made from a copy of setup.py + _ext/ in a temp dir,
+What this checks: each AVX-512, AVX512_BF16 and AMX copy's loops, masks, tails, gathers, scatters,
+tile shapes and dispatch, against the same references and pinned bits as the native copies (the
+fp32 attention's AVX-512 set must give test_attention.py's pinned bits, the bf16 GEMV's
+AVX512_BF16 copy the NumPy model's). What it cannot: the instructions' own results come from
+SIMDe's definitions, and vdpbf16ps's and the tiles' from the Intel SDM's (simde_avx512.h), not
+from hardware. The build is made from a copy of setup.py + _ext/ in a temp dir,
 so the tree's own .so files are never touched (as test_serial_build.py does), and LLMCTL_EXT_DIR
 points the child's llmctl at it.
 """
@@ -88,6 +89,7 @@ def test_avx512_copies_pass_the_kernel_tests_emulated(emulated_build, tmp_path):
                  r"test_attention::test_forward_matches_reference\[avx512-",
                  r"test_attention::test_backward_matches_reference\[avx512-",
                  r"test_attention_bf16::test_matches_bf16_rounded_reference\[avx512_bf16-",
+                 r"test_attention_bf16::test_matches_bf16_rounded_reference\[amx-",
                  r"test_bf16::test_gemv_copies_give_vdpbf16ps_bits\[.*-avx512_bf16\]",
                  r"test_sample::test_attention_cached_kernel_matches_numpy\[avx512-",
                  r"test_kernels::test_row_loops_give_identical_bits_in_every_instruction_set\["):
