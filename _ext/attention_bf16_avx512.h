@@ -113,7 +113,7 @@ ATTB_TGT_V static void attb_fwd_out_avx512(float* out, uint16_t* out16, float* l
         for (ptrdiff_t r = 0; r < nr; r++)
             for (ptrdiff_t d = 0; d < hs; d++)
                 out16[r * C + d] = llmctl_f32_to_bf16(accT[d * 32 + r] * (1.0f / l[r]));
-    } else if (out16) {    /* words of two columns, at (r*C + d)/2: C and hs are even here */    /* words of two columns, at (r*C + d)/2: C and hs are even here */
+    } else if (out16) {    /* words of two columns, at (r*C + d)/2: C and hs are even here */
         __m512i i0 = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)(C / 2)));
         __m512i i1 = _mm512_add_epi32(i0, _mm512_set1_epi32((int)(8 * C)));
         for (ptrdiff_t d = 0; d < hs; d += 2) {

@@ -2,8 +2,8 @@
 the float64 reference (llm.c's NO_OMP=1 CI job).
 
 The kernels are built from a copy of setup.py + _ext/ in a temp dir (so the shared tree's
-generated .c files and .so files are never touched), then a subprocess points `llmctl._ext` at
-that build and runs a tiny forward/backward against tests/reference.py.
+generated .c files and .so files are never touched), then a subprocess loads that build
+(LLMCTL_EXT_DIR) and runs a tiny forward/backward against tests/reference.py.
 """
 import os
 import shutil
@@ -20,8 +20,6 @@ EXTS = "buildinfo,matmul,layers,attention,adamw"
 CHECK = textwrap.dedent("""
     import sys
     import numpy as np
-    import llmctl._ext
-    llmctl._ext.__path__.insert(0, sys.argv[1])   # the serial build wins over the in-tree one
     sys.path.insert(0, sys.argv[2])                # tests/, for reference.py
     from llmctl._ext import buildinfo, matmul
     assert buildinfo.openmp_enabled() is False, "serial build reports OpenMP"
@@ -61,8 +59,9 @@ def test_serial_build_matches_reference(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     ext_dir = build / "llmctl" / "_ext"
     assert len(list(ext_dir.glob("*.so"))) == len(EXTS.split(",")), list(ext_dir.iterdir())
+    env = {k: v for k, v in os.environ.items() if k != "LLMCTL_EXTS"}
+    env["LLMCTL_EXT_DIR"] = str(ext_dir)   # the serial build wins over the in-tree one
     r = subprocess.run([sys.executable, "-c", CHECK, str(ext_dir), str(REPO / "tests")],
-                       capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                       env={k: v for k, v in os.environ.items() if k != "LLMCTL_EXTS"})
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert "serial ok" in r.stdout
