@@ -25,6 +25,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from conftest import require
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = ["test_attention.py", "test_attention_bf16.py", "test_kernels.py", "test_bf16.py", "test_sample.py"]
@@ -35,7 +36,7 @@ def _skip_reason():
     try:
         import simde_py  # noqa: F401
     except ImportError:
-        return "simde-py is not installed (pip install '.[test]' brings it)"
+        require(False, "simde-py is not installed (pip install '.[test]' brings it)")
     from llmctl._ext import attention
     if "avx2" not in attention.available_isas():
         return "the emulated build needs AVX2 and FMA, which this CPU lacks"
