@@ -285,3 +285,17 @@ def test_onednn_that_does_not_load_names_the_wheel_to_reinstall():
     assert ext.is_ours(e) and not ext.is_ours(ImportError("x", name="numpy.linalg"))
     message, hint = ext.load_error(e)
     assert "libdnnl.so.3" in message and "pip install --force-reinstall --no-deps onednn-cpu-gomp" in hint
+
+
+def test_info_names_a_test_build_and_the_directory_it_was_loaded_from():
+    import llmctl._ext
+
+    info = json.loads(_cli("info", "--json"))
+    assert info["simde_avx512"] is False and info["ext_dir"] is None   # a release build, installed
+    here = str(Path(llmctl._ext.__file__).parent)
+    text = _cli("info", env={"LLMCTL_EXT_DIR": here})
+    assert text.splitlines()[4].endswith(f" (loaded from LLMCTL_EXT_DIR={here})"), text
+    from llmctl.info import format_info, runtime_info
+
+    info = dict(runtime_info(), simde_avx512=True, ext_dir=None)
+    assert format_info(info).splitlines()[4].endswith(" (a test build: AVX-512 emulated by SIMDe, slow)")
