@@ -212,6 +212,10 @@ def main():
     if _env_flag("LLMCTL_NATIVE"):
         compile_args.append("-march=native")
     simde = []
+    if _env_flag("LLMCTL_PORTABLE"):
+        # tests only: the kernels as a compiler without x86 dispatch or vector types builds them
+        # (the portable C of every header: the scalar attention set, no AVX copies)
+        compile_args += ["-DLLMCTL_NO_AVX_DISPATCH", "-DATT_NO_DISPATCH", "-DATT_NO_VEC"]
     if _env_flag("LLMCTL_SIMDE_AVX512"):
         # tests only: the AVX-512 copies on SIMDe's portable intrinsics (_ext/simde_avx512.h)
         import simde_py

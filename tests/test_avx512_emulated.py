@@ -11,24 +11,16 @@ tile shapes and dispatch, against the same references and pinned bits as the nat
 fp32 attention's AVX-512 set must give test_attention.py's pinned bits, the bf16 GEMV's
 AVX512_BF16 copy the NumPy model's). What it cannot: the instructions' own results come from
 SIMDe's definitions, and vdpbf16ps's and the tiles' from the Intel SDM's (simde_avx512.h), not
-from hardware. The build is made from a copy of setup.py + _ext/ in a temp dir,
-so the tree's own .so files are never touched (as test_serial_build.py does), and LLMCTL_EXT_DIR
-points the child's llmctl at it.
+from hardware. The build and the child run are
+tests/variant_build.py's.
 """
-import os
 import platform
 import re
-import shutil
-import subprocess
-import sys
-import xml.etree.ElementTree as ET
-from pathlib import Path
 
 import pytest
 from conftest import require
+from variant_build import build, child_python, run_kernel_tests
 
-REPO = Path(__file__).resolve().parent.parent
-TESTS = ["test_attention.py", "test_attention_bf16.py", "test_kernels.py", "test_bf16.py", "test_sample.py"]
 
 def _skip_reason():
     if platform.machine() not in ("x86_64", "AMD64"):
@@ -48,42 +40,18 @@ def emulated_build(tmp_path_factory):
     why = _skip_reason()
     if why:
         pytest.skip(why)
-    root = tmp_path_factory.mktemp("simde")
-    src = root / "src"
-    src.mkdir()
-    shutil.copy2(REPO / "setup.py", src / "setup.py")
-    shutil.copytree(REPO / "_ext", src / "_ext", ignore=shutil.ignore_patterns("*.so", "*.c", "build"))
-    build, tmp = root / "build", root / "tmp"
     # every extension: the AVX-512 copies sit in most of them (rows.h alone in four), and
     # buildinfo says which build this is
-    env = {k: v for k, v in os.environ.items() if k != "LLMCTL_EXTS"}
-    env["LLMCTL_SIMDE_AVX512"] = "1"
-    r = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "-j", "2", "-b", str(build), "-t", str(tmp)],
-                       cwd=src, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    ext_dir = build / "llmctl" / "_ext"
-    assert len(list(ext_dir.glob("*.so"))) == len(list((REPO / "_ext").glob("*.pyx"))), list(ext_dir.iterdir())
-    return ext_dir
+    return build(tmp_path_factory.mktemp("simde"), {"LLMCTL_SIMDE_AVX512": "1"})
 
 
 @pytest.mark.slow
 def test_avx512_copies_pass_the_kernel_tests_emulated(emulated_build, tmp_path):
-    xml = tmp_path / "junit.xml"
-    # LLMCTL_EXT_DIR: the emulated build is loaded here and in every process the tests start
-    env = {k: v for k, v in os.environ.items() if k not in ("LLMCTL_EXTS", "LLMCTL_ATT_ISA", "LLMCTL_ATT_BF16")}
-    env["LLMCTL_EXT_DIR"] = str(emulated_build)
-    check = subprocess.run([sys.executable, "-c", "from llmctl._ext import attention, buildinfo; "
-                            "print(attention.__file__, buildinfo.simde_avx512())"],
-                           capture_output=True, text=True, env=env, cwd=tmp_path)
-    assert check.stdout.startswith(str(emulated_build)) and check.stdout.split()[-1] == "True", check
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}",
-                        "--rootdir", str(REPO)] + [str(REPO / "tests" / t) for t in TESTS],
-                       capture_output=True, text=True, timeout=1200, cwd=REPO, env=env)
+    out = child_python(emulated_build, "from llmctl._ext import attention, buildinfo; "
+                       "print(attention.__file__, buildinfo.simde_avx512(), attention.isa())", tmp_path)
+    assert out.startswith(str(emulated_build)) and out.split()[1:] == ["True", "avx512"], out
+    r, passed, skipped = run_kernel_tests(emulated_build, tmp_path / "junit.xml")
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    passed, skipped = set(), set()
-    for case in ET.parse(xml).getroot().iter("testcase"):
-        name = f"{case.get('classname')}::{case.get('name')}"
-        (skipped if case.find("skipped") is not None else passed).add(name)
     # the AVX-512 cases really ran, in every module that has them, instead of skipping for want
     # of the CPU (the row-loop test runs every level of buildinfo's build in one case)
     for want in (r"test_attention::test_fp32_attention_bits_are_pinned\[avx512\]",

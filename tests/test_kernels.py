@@ -809,10 +809,15 @@ def test_global_norm_sq_exact_and_thread_independent():
 
 
 def _cpu_has_avx(flag="avx"):
-    """Whether this CPU runs AVX (or `flag`, e.g. avx2) (x86-64 Linux: /proc/cpuinfo's flags);
-    None when unknown."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
+    """Whether the kernels run AVX (or `flag`, e.g. avx2) here: this CPU has it (x86-64 Linux:
+    /proc/cpuinfo's flags) and this build has such copies (the portable test build has none, the
+    SIMDe test build runs the AVX-512 ones on AVX2); None when unknown."""
+    from llmctl._ext import buildinfo
+
+    if platform.machine().lower() not in ("x86_64", "amd64") or buildinfo.portable():
         return False
+    if buildinfo.simde_avx512() and flag.startswith("avx512"):
+        flag = "avx2"
     try:
         with open("/proc/cpuinfo") as f:
             return any(line.startswith("flags") and f" {flag} " in line.rstrip() + " " for line in f)
@@ -825,7 +830,7 @@ def test_adamw_avx_and_portable_paths_give_identical_bits():
     # without FMA, so the two must agree exactly, including the ragged tail
     has = _cpu_has_avx()
     if not has:
-        pytest.skip("this CPU has no AVX (or it cannot be told): the portable path is the only one, "
+        pytest.skip("no AVX copy runs here (this CPU or this build): the portable path is the only one, "
                     "there is nothing to compare it with" if has is False else
                     "cannot tell whether this CPU has AVX (no /proc/cpuinfo)")
     rng = np.random.default_rng(12)
@@ -847,13 +852,8 @@ def test_adamw_avx_and_portable_paths_give_identical_bits():
 
 
 def _isa_levels():
-    """The copies of the row loops (gelu.h, rows.h) this CPU runs, by /proc/cpuinfo (all three in
-    the SIMDe test build, which runs the AVX-512 copies on AVX2)."""
-    from llmctl._ext import buildinfo
-
+    """The copies of the row loops (gelu.h, rows.h) this CPU and build run, by /proc/cpuinfo."""
     want = {"avx2": ["avx2"], "avx512": ["avx512f", "avx512bw", "avx512dq", "avx512vl"]}
-    if buildinfo.simde_avx512():
-        want["avx512"] = ["avx2"]
     return ["baseline"] + [isa for isa, flags in want.items() if all(_cpu_has_avx(f) for f in flags)]
 
 

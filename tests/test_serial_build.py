@@ -1,20 +1,16 @@
 """The serial (LLMCTL_NO_OPENMP=1) build: compiles, reports no OpenMP, and the model still matches
 the float64 reference (llm.c's NO_OMP=1 CI job).
 
-The kernels are built from a copy of setup.py + _ext/ in a temp dir (so the shared tree's
-generated .c files and .so files are never touched), then a subprocess loads that build
-(LLMCTL_EXT_DIR) and runs a tiny forward/backward against tests/reference.py.
+The kernels are built and loaded by tests/variant_build.py's helpers; a subprocess runs a tiny
+forward/backward against tests/reference.py on that build.
 """
-import os
-import shutil
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
+from variant_build import REPO, build, env_for
 
-REPO = Path(__file__).resolve().parent.parent
 EXTS = "buildinfo,matmul,layers,attention,adamw"
 
 CHECK = textwrap.dedent("""
@@ -48,19 +44,8 @@ CHECK = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_serial_build_matches_reference(tmp_path):
-    src = tmp_path / "src"
-    src.mkdir()
-    shutil.copy2(REPO / "setup.py", src / "setup.py")
-    shutil.copytree(REPO / "_ext", src / "_ext", ignore=shutil.ignore_patterns("*.so", "build"))
-    build, tmp = tmp_path / "build", tmp_path / "tmp"
-    env = dict(os.environ, LLMCTL_NO_OPENMP="1", LLMCTL_EXTS=EXTS, LLMCTL_FAIL_NO_OPENMP="0")
-    r = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "-j", "2", "-b", str(build), "-t", str(tmp)],
-                       cwd=src, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    ext_dir = build / "llmctl" / "_ext"
-    assert len(list(ext_dir.glob("*.so"))) == len(EXTS.split(",")), list(ext_dir.iterdir())
-    env = {k: v for k, v in os.environ.items() if k != "LLMCTL_EXTS"}
-    env["LLMCTL_EXT_DIR"] = str(ext_dir)   # the serial build wins over the in-tree one
+    ext_dir = build(tmp_path, {"LLMCTL_NO_OPENMP": "1", "LLMCTL_FAIL_NO_OPENMP": "0"}, exts=EXTS)
+    env = env_for(ext_dir)   # the serial build wins over the in-tree one
     r = subprocess.run([sys.executable, "-c", CHECK, str(ext_dir), str(REPO / "tests")],
                        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
