@@ -580,7 +580,7 @@ def _resolve_model(spec, precision, json_out=False, sampling=False):
 
 def _load_model(spec, threads, precision, json_out=False, sampling=False):
     """A GPT2 from -e (see _resolve_model); threads resolved as llmctl.threads does. Sampling in
-    bf16 without native bf16 (the bf16 GEMV's AVX2 copy decodes) emulates the prompt's GEMMs."""
+    bf16 without oneDNN's bf16 GEMM (a copy of the bf16 GEMV decodes) emulates the prompt's GEMMs."""
     from llmctl.model import load
 
     spec = _resolve_model(spec, precision, json_out, sampling)

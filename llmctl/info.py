@@ -24,16 +24,24 @@ def bf16_unavailable():
             "oneDNN's bf16 GEMM does not run on this CPU")
 
 
+GEMV_COPY_NAMES = {"avx2": "AVX2", "avx512_bf16": "AVX512_BF16"}
+
+
 def bf16_sampling():
     """How `llmctl sample --precision bf16` multiplies here: "native" (oneDNN and the AVX512_BF16
-    GEMV), "avx2" (no native bf16, but the bf16 GEMV's AVX2 copy: decoding's products, bound by
-    the weights' bytes, read half the bytes of fp32; the prompt's few GEMMs run emulated), or
-    None (neither)."""
+    GEMV), the bf16 GEMV copy decoding's products run on without oneDNN's bf16 GEMM ("avx2", or
+    "avx512_bf16" where oneDNN is off or not built: decoding is bound by the weights' bytes, half
+    of fp32's; the prompt's few GEMMs run emulated), or None (neither)."""
     from llmctl._ext import matmul
 
     if matmul.bf16_native():
         return "native"
-    return "avx2" if "avx2" in matmul.gemv_bf16_isas() else None
+    copies = matmul.gemv_bf16_isas()
+    return copies[-1] if copies else None
+
+
+def _sampling_copy(how):
+    return f"the bf16 GEMV's {GEMV_COPY_NAMES[how]} copy"
 
 
 def check_precision(precision, sampling=False, emulate=None):
@@ -51,8 +59,8 @@ def check_precision(precision, sampling=False, emulate=None):
     if precision == "bf16" and not emulate and not (sampling and bf16_sampling()):
         why = bf16_unavailable()
         if why:
-            also = ("; `llmctl sample --precision bf16` runs on the bf16 GEMV's AVX2 copy"
-                    if not sampling and bf16_sampling() else "")
+            how = None if sampling else bf16_sampling()
+            also = f"; `llmctl sample --precision bf16` runs on {_sampling_copy(how)}" if how else ""
             raise ConfigError(f"--precision bf16 is not available: {why}{also}",
                               hint=f"use --precision fp32 (`llmctl info` lists the precisions); "
                                    f"{BF16_EMULATE_ENV}=1 emulates bf16 on fp32 GEMMs (slower)")
@@ -183,8 +191,8 @@ def _engine_line(info):
 def _precision_line(info):
     if "bf16" in info["precisions"]:
         return f"precisions: fp32, bf16 (native: {', '.join(info['cpu_bf16'])}; oneDNN matmul primitive)"
-    if info.get("bf16_sampling") == "avx2":
-        return (f"precisions: fp32; bf16 for `llmctl sample` only, on the bf16 GEMV's AVX2 copy "
+    if info.get("bf16_sampling") in GEMV_COPY_NAMES:
+        return (f"precisions: fp32; bf16 for `llmctl sample` only, on {_sampling_copy(info['bf16_sampling'])} "
                 f"(training and eval: no, {info['bf16_unavailable']})")
     return f"precisions: fp32 (bf16: no, {info['bf16_unavailable']})"
 

@@ -920,17 +920,18 @@ def test_cli_precision_bf16_without_native_bf16_is_one_clear_error(cmd, monkeypa
     from llmctl.info import bf16_sampling
 
     if cmd[0] == "sample" and bf16_sampling():
-        pytest.skip("sample runs bf16 here on the bf16 GEMV's AVX2 copy (the test below)")
+        pytest.skip("sample runs bf16 here on a copy of the bf16 GEMV (the test below)")
     monkeypatch.delenv("LLMCTL_BF16_EMULATE", raising=False)
     with pytest.raises(SystemExit) as e:
         main(cmd + ["-e", "d6", "--precision", "bf16"])
     err = capsys.readouterr().err
     assert_cli_error(err, 2, e.value.code, names=["--precision bf16", "--precision fp32"])  # a usage error
-    if bf16_sampling() == "avx2":   # and it says where bf16 does run
-        assert "`llmctl sample --precision bf16` runs on the bf16 GEMV's AVX2 copy" in err
+    if bf16_sampling():   # and it says where bf16 does run
+        name = {"avx2": "AVX2", "avx512_bf16": "AVX512_BF16"}[bf16_sampling()]
+        assert f"`llmctl sample --precision bf16` runs on the bf16 GEMV's {name} copy" in err
 
 
-@pytest.mark.parametrize("native,gemv", [(False, None), (False, "avx2"), (True, "native")])
+@pytest.mark.parametrize("native,gemv", [(False, None), (False, "avx2"), (False, "avx512_bf16"), (True, "native")])
 def test_check_precision_for_sampling_follows_the_gemv(native, gemv, monkeypatch):
     # the precision check's three cases on any CPU (the CPU's answers replaced): no native bf16
     # and no AVX2 GEMV refuses bf16 everywhere; the AVX2 GEMV allows it for sampling only; native
@@ -948,7 +949,7 @@ def test_check_precision_for_sampling_follows_the_gemv(native, gemv, monkeypatch
         else:
             with pytest.raises(ConfigError, match="bf16 is not available: this CPU has no native bf16") as e:
                 info.check_precision("bf16", sampling=sampling)
-            assert ("`llmctl sample --precision bf16` runs" in str(e.value)) == (gemv == "avx2" and not sampling)
+            assert ("`llmctl sample --precision bf16` runs" in str(e.value)) == (gemv is not None and not sampling)
     monkeypatch.setenv("LLMCTL_BF16_EMULATE", "1")
     assert info.check_precision("bf16") == "bf16"
     with pytest.raises(ConfigError, match="unknown precision"):

@@ -163,7 +163,7 @@ class GPT2:
         `matmul=` is its former name, still accepted.
         precision: "fp32" or "bf16" (mixed precision, see the module docstring).
         bf16_emulate: True runs bf16 where the CPU has no native bf16, its GEMMs emulated on fp32
-        (`llmctl sample` does where the bf16 GEMV's AVX2 copy decodes); None: LLMCTL_BF16_EMULATE."""
+        (`llmctl sample` does where a copy of the bf16 GEMV decodes without oneDNN's bf16 GEMM); None: LLMCTL_BF16_EMULATE."""
         self.config = config
         self.precision = check_precision(precision, emulate=bf16_emulate)
         if recompute not in (None, True, False, 0, 1, 2, 3):
