@@ -149,6 +149,18 @@ def _wait_text(w):
     return f"{said}, {whose}"
 
 
+def _not_from_ext_dir(ext_dir):
+    """The kernel modules that did not load from LLMCTL_EXT_DIR although it is set (absent there:
+    the installed ones loaded instead)."""
+    if not ext_dir:
+        return []
+    from llmctl._ext import adamw, attention, buildinfo, kvcache, layers, matmul
+
+    d = os.path.realpath(ext_dir)
+    return [m.__name__.rsplit(".", 1)[-1] for m in (adamw, attention, buildinfo, kvcache, layers, matmul)
+            if os.path.dirname(os.path.realpath(m.__file__)) != d]
+
+
 def runtime_info():
     import llmctl._ext
     from llmctl._ext import buildinfo
@@ -158,6 +170,7 @@ def runtime_info():
         "openmp": buildinfo.openmp_enabled(),
         "simde_avx512": getattr(buildinfo, "simde_avx512", bool)(),   # older builds in LLMCTL_EXT_DIR lack it
         "ext_dir": llmctl._ext.EXT_DIR,
+        "ext_dir_missing": _not_from_ext_dir(llmctl._ext.EXT_DIR),
         "threads": default_threads(),
         "openmp_wait": openmp_wait(),
         "blas": None,
@@ -214,7 +227,10 @@ def _build_note(info):
     if info.get("simde_avx512"):
         note.append("a test build: AVX-512 emulated by SIMDe, slow")
     if info.get("ext_dir"):
-        note.append(f"loaded from LLMCTL_EXT_DIR={info['ext_dir']}")
+        missing, d = info.get("ext_dir_missing") or [], info["ext_dir"]
+        note.append(f"LLMCTL_EXT_DIR={d} has none of them: the installed ones loaded" if len(missing) == 6 else
+                    f"loaded from LLMCTL_EXT_DIR={d}, except {', '.join(missing)}: the installed ones" if missing else
+                    f"loaded from LLMCTL_EXT_DIR={d}")
     return f" ({'; '.join(note)})" if note else ""
 
 

@@ -288,7 +288,7 @@ def test_onednn_that_does_not_load_names_the_wheel_to_reinstall():
     assert "libdnnl.so.3" in message and "pip install --force-reinstall --no-deps onednn-cpu-gomp" in hint
 
 
-def test_info_names_a_test_build_and_the_directory_it_was_loaded_from():
+def test_info_names_a_test_build_and_the_directory_it_was_loaded_from(tmp_path):
     import llmctl._ext
 
     info = json.loads(_cli("info", "--json"))
@@ -296,6 +296,11 @@ def test_info_names_a_test_build_and_the_directory_it_was_loaded_from():
     here = str(Path(llmctl._ext.__file__).parent)
     text = _cli("info", env={"LLMCTL_EXT_DIR": here})
     assert text.splitlines()[4].endswith(f" (loaded from LLMCTL_EXT_DIR={here})"), text
+    # a directory without the kernels: the installed ones load, and info says so
+    empty = tmp_path / "no-kernels"
+    empty.mkdir()
+    line = _cli("info", env={"LLMCTL_EXT_DIR": str(empty)}).splitlines()[4]
+    assert line.endswith(f" (LLMCTL_EXT_DIR={empty} has none of them: the installed ones loaded)"), line
     from llmctl.info import format_info, runtime_info
 
     info = dict(runtime_info(), simde_avx512=True, ext_dir=None)
