@@ -78,36 +78,36 @@ static inline simde__m512 llmctl_simde_dpbf16_ps(simde__m512 src, simde__m512bh 
 #undef _mm512_dpbf16_ps
 #define _mm512_dpbf16_ps(src, a, b) llmctl_simde_dpbf16_ps((src), (a), (b))
 /* masked loads and stores touch only their lanes' memory (SIMDe 0.8.2's mask_storeu_ps writes
-   zeros to the other lanes, and its masked loads read all 16) */
+   zeros to the other lanes, and its masked loads read all 16): lane i of `size` bytes is copied
+   where bit i of k is set; a load's other lanes are zero */
+static inline void llmctl_simde_lanes(void* dst, const void* src, uint32_t k, int lanes, int size, int load)
+{
+    for (int i = 0; i < lanes; i++) {
+        if (k & (1u << i)) memcpy((char*)dst + size * i, (const char*)src + size * i, (size_t)size);
+        else if (load) memset((char*)dst + size * i, 0, (size_t)size);
+    }
+}
 static inline void llmctl_simde_mask_storeu_ps(void* p, simde__mmask16 k, simde__m512 a)
 {
-    simde__m512_private v = simde__m512_to_private(a);
-    for (int i = 0; i < 16; i++)
-        if (k & (1u << i)) memcpy((char*)p + 4 * i, &v.f32[i], 4);
+    llmctl_simde_lanes(p, &a, k, 16, 4, 0);
 }
-#undef _mm512_mask_storeu_ps
-#define _mm512_mask_storeu_ps(p, k, a) llmctl_simde_mask_storeu_ps((p), (k), (a))
 static inline simde__m512 llmctl_simde_maskz_loadu_ps(simde__mmask16 k, const void* p)
 {
-    simde__m512_private v;
-    for (int i = 0; i < 16; i++) {
-        v.f32[i] = 0.0f;
-        if (k & (1u << i)) memcpy(&v.f32[i], (const char*)p + 4 * i, 4);
-    }
-    return simde__m512_from_private(v);
+    simde__m512 v;
+    llmctl_simde_lanes(&v, p, k, 16, 4, 1);
+    return v;
 }
-#undef _mm512_maskz_loadu_ps
-#define _mm512_maskz_loadu_ps(k, p) llmctl_simde_maskz_loadu_ps((k), (p))
 static inline simde__m512i llmctl_simde_maskz_loadu_epi16(simde__mmask32 k, const void* p)
 {
-    simde__m512i_private v;
-    for (int i = 0; i < 32; i++) {
-        v.i16[i] = 0;
-        if (k & (1u << i)) memcpy(&v.i16[i], (const char*)p + 2 * i, 2);
-    }
-    return simde__m512i_from_private(v);
+    simde__m512i v;
+    llmctl_simde_lanes(&v, p, k, 32, 2, 1);
+    return v;
 }
+#undef _mm512_mask_storeu_ps
+#undef _mm512_maskz_loadu_ps
 #undef _mm512_maskz_loadu_epi16
+#define _mm512_mask_storeu_ps(p, k, a) llmctl_simde_mask_storeu_ps((p), (k), (a))
+#define _mm512_maskz_loadu_ps(k, p) llmctl_simde_maskz_loadu_ps((k), (p))
 #define _mm512_maskz_loadu_epi16(k, p) llmctl_simde_maskz_loadu_epi16((k), (p))
 /* scatters write their lanes in order, lowest first (as the instructions do where indices repeat) */
 static inline void llmctl_simde_mask_i32scatter_epi32(void* base, simde__mmask16 k, simde__m512i idx,

@@ -13,7 +13,7 @@ get the build it was compiled and tested against.
 
 LLMCTL_EXT_DIR names a directory of these modules built another way, loaded instead of the
 installed ones, in this process and the processes it starts: the test builds of
-tests/test_serial_build.py (no OpenMP) and tests/test_avx512_emulated.py (AVX-512 on SIMDe).
+tests/variant_build.py (no OpenMP; portable C only; AVX-512, AVX512_BF16 and AMX on SIMDe).
 """
 import ctypes
 import os
