@@ -149,16 +149,19 @@ def _wait_text(w):
     return f"{said}, {whose}"
 
 
+_CHECKED_MODULES = ("adamw", "attention", "buildinfo", "kvcache", "layers", "matmul")
+
+
 def _not_from_ext_dir(ext_dir):
     """The kernel modules that did not load from LLMCTL_EXT_DIR although it is set (absent there:
     the installed ones loaded instead)."""
     if not ext_dir:
         return []
-    from llmctl._ext import adamw, attention, buildinfo, kvcache, layers, matmul
+    import importlib
 
     d = os.path.realpath(ext_dir)
-    return [m.__name__.rsplit(".", 1)[-1] for m in (adamw, attention, buildinfo, kvcache, layers, matmul)
-            if os.path.dirname(os.path.realpath(m.__file__)) != d]
+    return [name for name in _CHECKED_MODULES
+            if os.path.dirname(os.path.realpath(importlib.import_module(f"llmctl._ext.{name}").__file__)) != d]
 
 
 def runtime_info():
@@ -168,7 +171,9 @@ def runtime_info():
     info = {
         "version": __version__,
         "openmp": buildinfo.openmp_enabled(),
-        "simde_avx512": getattr(buildinfo, "simde_avx512", bool)(),   # older builds in LLMCTL_EXT_DIR lack it
+        # older builds in LLMCTL_EXT_DIR lack these two
+        "simde_avx512": getattr(buildinfo, "simde_avx512", bool)(),
+        "portable": getattr(buildinfo, "portable", bool)(),
         "ext_dir": llmctl._ext.EXT_DIR,
         "ext_dir_missing": _not_from_ext_dir(llmctl._ext.EXT_DIR),
         "threads": default_threads(),
@@ -226,9 +231,12 @@ def _build_note(info):
     note = []
     if info.get("simde_avx512"):
         note.append("a test build: AVX-512 emulated by SIMDe, slow")
+    if info.get("portable"):
+        note.append("a test build: portable C only")
     if info.get("ext_dir"):
         missing, d = info.get("ext_dir_missing") or [], info["ext_dir"]
-        note.append(f"LLMCTL_EXT_DIR={d} has none of them: the installed ones loaded" if len(missing) == 6 else
+        note.append(f"LLMCTL_EXT_DIR={d} has none of them: the installed ones loaded"
+                    if len(missing) == len(_CHECKED_MODULES) else
                     f"loaded from LLMCTL_EXT_DIR={d}, except {', '.join(missing)}: the installed ones" if missing else
                     f"loaded from LLMCTL_EXT_DIR={d}")
     return f" ({'; '.join(note)})" if note else ""

@@ -292,7 +292,7 @@ def test_info_names_a_test_build_and_the_directory_it_was_loaded_from(tmp_path):
     import llmctl._ext
 
     info = json.loads(_cli("info", "--json"))
-    assert info["simde_avx512"] is False and info["ext_dir"] is None   # a release build, installed
+    assert info["simde_avx512"] is False and info["portable"] is False and info["ext_dir"] is None   # a release build
     here = str(Path(llmctl._ext.__file__).parent)
     text = _cli("info", env={"LLMCTL_EXT_DIR": here})
     assert text.splitlines()[4].endswith(f" (loaded from LLMCTL_EXT_DIR={here})"), text
@@ -305,3 +305,5 @@ def test_info_names_a_test_build_and_the_directory_it_was_loaded_from(tmp_path):
 
     info = dict(runtime_info(), simde_avx512=True, ext_dir=None)
     assert format_info(info).splitlines()[4].endswith(" (a test build: AVX-512 emulated by SIMDe, slow)")
+    info = dict(runtime_info(), portable=True, ext_dir=None)
+    assert format_info(info).splitlines()[4].endswith(" (a test build: portable C only)")
