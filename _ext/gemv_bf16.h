@@ -45,23 +45,20 @@ static int llmctl_gemv_bf16_supported(void) {
    the output channels; ACC holds 16 fp32 lanes, XT one chunk of 32 bf16 as loaded; ZERO(),
    LOAD(p, n) (the 32 bf16 at p, zeros past n: the C tail), DP(acc, x, w) (acc += x . w over
    one chunk, in vdpbf16ps's order), ADD(a, b) (lane by lane), SUM(acc) (the 16 lanes, as GCC's
-   _mm512_reduce_add_ps adds them). */
-#define LLMCTL_GEMV_LOOPS(NAME, ATTR, ACC, XT, ZERO, LOAD, DP, ADD, SUM)                          \
+   _mm512_reduce_add_ps adds them), PREFETCH(w, C, c) (one row sampled: the weights ahead of the
+   four rows at w, while their chunk at c is read; prefetching changes no result). */
+#define LLMCTL_GEMV_LOOPS(NAME, ATTR, ACC, XT, ZERO, LOAD, DP, ADD, SUM, PREFETCH)                \
 ATTR static void NAME(float* out, const uint16_t* x, const uint16_t* W, const float* bias, int R,     \
                       int64_t C, int64_t OC, int64_t o0, int64_t o1) {                              \
     int64_t o = o0;                                                                                 \
     if (R == 1) {   /* sampling: one sequential pass over the rows, four rows (chains) at a time,  \
-                       the rows 8 ahead prefetched (the decode's weights moved at 23 GB/s without, \
-                       29-30 with, on 2 cores of an AMX Xeon) */                                    \
+                       the weights ahead prefetched (PREFETCH) */                                   \
         for (; o + 4 <= o1; o += 4) {                                                               \
             const uint16_t* w = W + o * C;                                                          \
             ACC a0 = ZERO(), a1 = a0, a2 = a0, a3 = a0;                                             \
             for (int64_t c = 0; c < C; c += 32) {                                                   \
                 XT xv = LOAD(x + c, C - c);                                                         \
-                _mm_prefetch((const char*)(w + 8 * C + c), _MM_HINT_T0);                            \
-                _mm_prefetch((const char*)(w + 9 * C + c), _MM_HINT_T0);                            \
-                _mm_prefetch((const char*)(w + 10 * C + c), _MM_HINT_T0);                           \
-                _mm_prefetch((const char*)(w + 11 * C + c), _MM_HINT_T0);                           \
+                PREFETCH(w, C, c);                                                                  \
                 a0 = DP(a0, xv, LOAD(w + c, C - c));                                                \
                 a1 = DP(a1, xv, LOAD(w + C + c, C - c));                                            \
                 a2 = DP(a2, xv, LOAD(w + 2 * C + c, C - c));                                        \
@@ -132,8 +129,17 @@ LLMCTL_GEMV_TARGET static inline __m512 llmctl_gemv_dp(__m512 acc, __m512i a, __
     return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
 }
 
+/* the same chunk of the rows 8 ahead: the decode's weights moved at 23 GB/s without, 29-30 with,
+   on 2 cores of an AMX Xeon */
+LLMCTL_GEMV_TARGET static inline void llmctl_gemv_prefetch(const uint16_t* w, int64_t C, int64_t c) {
+    _mm_prefetch((const char*)(w + 8 * C + c), _MM_HINT_T0);
+    _mm_prefetch((const char*)(w + 9 * C + c), _MM_HINT_T0);
+    _mm_prefetch((const char*)(w + 10 * C + c), _MM_HINT_T0);
+    _mm_prefetch((const char*)(w + 11 * C + c), _MM_HINT_T0);
+}
+
 LLMCTL_GEMV_LOOPS(llmctl_gemv_bf16, LLMCTL_GEMV_TARGET, __m512, __m512i, _mm512_setzero_ps, llmctl_gemv_load,
-                  llmctl_gemv_dp, _mm512_add_ps, _mm512_reduce_add_ps)
+                  llmctl_gemv_dp, _mm512_add_ps, _mm512_reduce_add_ps, llmctl_gemv_prefetch)
 #undef LLMCTL_GEMV_TARGET
 
 /* ---- AVX2 + FMA: bf16 widened in registers, added in vdpbf16ps's order ---- */
@@ -201,8 +207,20 @@ LLMCTL_GEMV2_TARGET static inline float llmctl_gemv2_sum(llmctl_acc16 acc) {
     return _mm_cvtss_f32(v) + _mm_cvtss_f32(_mm_shuffle_ps(v, v, _MM_SHUFFLE(1, 1, 1, 1)));
 }
 
+/* the next four rows in address order, four cache lines (a 64-byte chunk of each of the rows at w)
+   per chunk read: one stream, where the AVX-512 copy's pattern is four. Paired in one run on a Zen 3
+   (2 cores, AVX2), d12's decode products at 30-31 GB/s against 27-29 (bench/sample.py's weight
+   rate; docs/performance.md) */
+LLMCTL_GEMV2_TARGET static inline void llmctl_gemv2_prefetch(const uint16_t* w, int64_t C, int64_t c) {
+    const char* p = (const char*)(w + 4 * C) + 8 * c;
+    _mm_prefetch(p, _MM_HINT_T0);
+    _mm_prefetch(p + 64, _MM_HINT_T0);
+    _mm_prefetch(p + 128, _MM_HINT_T0);
+    _mm_prefetch(p + 192, _MM_HINT_T0);
+}
+
 LLMCTL_GEMV_LOOPS(llmctl_gemv_bf16_avx2, LLMCTL_GEMV2_TARGET, llmctl_acc16, llmctl_bf16x32, llmctl_gemv2_zero,
-                  llmctl_gemv2_load, llmctl_gemv2_dp, llmctl_gemv2_add, llmctl_gemv2_sum)
+                  llmctl_gemv2_load, llmctl_gemv2_dp, llmctl_gemv2_add, llmctl_gemv2_sum, llmctl_gemv2_prefetch)
 #undef LLMCTL_GEMV2_TARGET
 #undef LLMCTL_GEMV_LOOPS
 #else
