@@ -42,17 +42,17 @@ def _measure(model, prompt, args):
     prefill_ms = (st[0] - cached_start) * 1e3          # prompt forward + the first token's sampling
     decode_s = st[-1] - st[0]
     cached_tps = (len(st) - 1) / decode_s if len(st) > 1 else float("nan")
-    t_start, sf = timed(args.full_tokens, False)
-    full_tps = len(sf) / (sf[-1] - t_start)
+    t_start, sf = timed(args.full_tokens, False) if args.full_tokens > 0 else (0.0, [])
+    full_tps = len(sf) / (sf[-1] - t_start) if sf else None
     return {
         "precision": model.precision,
         "cached": {"new_tokens": len(st), "prefill_ms": round(prefill_ms, 1),
                    "decode_tokens_per_s": round(cached_tps, 2),
                    "overall_tokens_per_s": round(len(st) / (st[-1] - cached_start), 2),
                    "weight_GB_per_s": round(weight_bytes * cached_tps / 1e9, 2)},
-        "full_recompute": {"new_tokens": len(sf), "tokens_per_s": round(full_tps, 3),
+        "full_recompute": {"new_tokens": len(sf), "tokens_per_s": round(full_tps, 3) if sf else None,
                            "positions": [args.prompt_tokens, args.prompt_tokens + len(sf)]},
-        "speedup_decode": round(cached_tps / full_tps, 1),
+        "speedup_decode": round(cached_tps / full_tps, 1) if sf else None,
     }
 
 
@@ -63,7 +63,7 @@ def main(argv=None):
     ap.add_argument("--model", default="d12", help="descriptor or checkpoint (default d12)")
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--full-tokens", type=int, default=16, help="steps of the full-recompute run")
+    ap.add_argument("--full-tokens", type=int, default=16, help="steps of the full-recompute run (0: none)")
     ap.add_argument("--threads", type=int, default=2)
     add_precision_args(ap)
     ap.add_argument("--json", action="store_true")
@@ -104,9 +104,10 @@ def main(argv=None):
         print(f"    KV cache : prefill {c['prefill_ms']:.0f} ms, decode {c['new_tokens']} tokens at "
               f"{c['decode_tokens_per_s']:.2f} tokens/s ({c['weight_GB_per_s']:.1f} GB/s of weights), "
               f"overall {c['overall_tokens_per_s']:.2f} tokens/s")
-        print(f"    full     : {f['new_tokens']} tokens at {f['tokens_per_s']:.3f} tokens/s "
-              f"(sequence {f['positions'][0]}..{f['positions'][1]} positions)")
-        print(f"    speedup  : {r['speedup_decode']}x")
+        if f["new_tokens"]:
+            print(f"    full     : {f['new_tokens']} tokens at {f['tokens_per_s']:.3f} tokens/s "
+                  f"(sequence {f['positions'][0]}..{f['positions'][1]} positions)")
+            print(f"    speedup  : {r['speedup_decode']}x")
     for line in skipped:
         print("  skipped: " + line)
 
