@@ -64,6 +64,10 @@ LLMCTL_KV2_TGT static void llmctl_kv_attend_avx2(float* out, const float* q, con
     __m256 mx, sum = _mm256_setzero_ps();
     int j = 0;
     for (; j + 4 <= n; j += 4) {     /* four independent chains, then one reduce each */
+        for (int b = 0; b < 4 * hs; b += 16) {   /* K 8 rows ahead; V's rows for the pass below */
+            _mm_prefetch((const char*)(k + (long)(j + 8) * hs + b), _MM_HINT_T0);
+            _mm_prefetch((const char*)(v + (long)j * hs + b), _MM_HINT_T0);
+        }
         __m256 s0 = llmctl_kv2_dot8(q, k + (long)j * hs, hs, tail);
         __m256 s1 = llmctl_kv2_dot8(q, k + (long)(j + 1) * hs, hs, tail);
         __m256 s2 = llmctl_kv2_dot8(q, k + (long)(j + 2) * hs, hs, tail);
