@@ -7,7 +7,8 @@ What it reports, all measured in ONE run so the ratios are meaningful on a share
   - per run (default d12 B=4 T=64, d12 B=4 T=1024, d6 B=4 T=64) and precision: ms/step (best of
     --steps; median too), tokens/s, GFLOP/s and MFU = achieved / the roof of the SAME precision
     (for emulated bf16, fp32's: its GEMMs multiply in fp32 sgemm),
-    with model FLOPs per token = 6*N + 12*L*C*T (llm.c's / PaLM's count); and "MFU adj", each
+    with model FLOPs per token = 6*N + 6*L*C*T (llm.c's gpt2_estimate_mfu, as `llmctl train`; PaLM's
+    12*L*C*T gives 6.6 % more at d12 T=1024, so these MFUs are the lower); and "MFU adj", each
     step against the roof sampled just before and just after it, at B*T=256 and at the run's own
     B*T (the roof at the start of the run can be minutes and a different machine load away from a
     T=1024 step: MFU adj is the figure for a target); and "MFU ref", the same pairing against
