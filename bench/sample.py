@@ -15,11 +15,20 @@ What it is not: a quality check (tests/test_sample.py checks cached == full logi
 
     python bench/sample.py                        # d12, 32-token prompt, 256 new tokens, 2 threads
     python bench/sample.py --model d6 --new-tokens 64 --full-tokens 8 --json
-    python bench/sample.py --precision fp32,bf16  # both, side by side (bf16: target >= 80 tokens/s)
+    python bench/sample.py --precision fp32,bf16  # both, side by side (bf16: target >= 100 tokens/s)
+    python bench/sample.py --precision bf16 --other ../llmctl-before --rounds 6   # this tree / that one
+
+With --other DIR (a checkout of another commit, extensions built in place, as bench/versions.py
+takes it): this script runs in child processes, one per tree and round, the trees alternating so
+that both see the same machine load (--full-tokens 0 in each); it prints the best and median
+decode tokens/s of each tree and precision and their ratios (above 1: this tree is faster).
 """
 import argparse
 import json
 import os
+import statistics
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -56,6 +65,51 @@ def _measure(model, prompt, args):
     }
 
 
+def paired(args):
+    """--other: this tree against that one, child processes alternating, decode tokens/s each."""
+    from versions import check_built   # bench/versions.py: the same check that both trees are built
+    trees = {"this": os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."), "other": args.other}
+    for tree in trees.values():
+        check_built(tree)
+    argv = [sys.executable, os.path.abspath(__file__), "--json", "--full-tokens", "0", "--model", args.model,
+            "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens),
+            "--threads", str(args.threads), "--precision", ",".join(args.precision)] + \
+        (["--bf16-emulate"] if getattr(args, "bf16_emulate", False) else [])
+    tps = {}   # (tree, precision) -> [decode tokens/s per round]
+    load0 = os.getloadavg()[0]
+    for r in range(args.rounds):
+        for k in (("this", "other") if r % 2 == 0 else ("other", "this")):
+            env = dict(os.environ, PYTHONPATH=os.path.abspath(trees[k]))
+            out = subprocess.run(argv, env=env, cwd=os.path.abspath(trees[k]), capture_output=True, text=True)
+            if out.returncode != 0:
+                raise SystemExit(f"bench/sample.py with {trees[k]} failed (exit {out.returncode}):\n"
+                                 f"{out.stderr[-2000:]}")
+            for run in json.loads(out.stdout.strip().splitlines()[-1])["runs"]:
+                tps.setdefault((k, run["precision"]), []).append(run["cached"]["decode_tokens_per_s"])
+    res = {"model": args.model, "threads": args.threads, "rounds": args.rounds, "other": args.other,
+           "load_avg": [round(load0, 2), round(os.getloadavg()[0], 2)], "precisions": {}}
+    for prec in sorted({p for _, p in tps}):
+        this, other = tps.get(("this", prec), []), tps.get(("other", prec), [])
+        if not this or not other:
+            continue
+        res["precisions"][prec] = {
+            "this": this, "other": other,
+            "best_ratio": round(max(this) / max(other), 3),
+            "median_ratio": round(statistics.median(this) / statistics.median(other), 3),
+            # round by round: each pair ran back to back
+            "paired_median_ratio": round(statistics.median(a / b for a, b in zip(this, other)), 3)}
+    if args.json:
+        print(json.dumps(res))
+        return
+    print(f"{args.model} decode, {args.threads} threads, {args.rounds} alternating rounds; "
+          f"load avg {res['load_avg'][0]:.2f} -> {res['load_avg'][1]:.2f}")
+    for prec, r in res["precisions"].items():
+        print(f"  {prec}: this {' '.join(f'{v:.1f}' for v in r['this'])} tokens/s")
+        print(f"  {' ' * len(prec)}  other {' '.join(f'{v:.1f}' for v in r['other'])} tokens/s")
+        print(f"  {' ' * len(prec)}  this / other: best {r['best_ratio']:.3f}x, median {r['median_ratio']:.3f}x, "
+              f"paired median {r['paired_median_ratio']:.3f}x")
+
+
 def main(argv=None):
     from eval import add_precision_args, runnable_precisions   # bench/eval.py: the same flags
 
@@ -66,8 +120,13 @@ def main(argv=None):
     ap.add_argument("--full-tokens", type=int, default=16, help="steps of the full-recompute run (0: none)")
     ap.add_argument("--threads", type=int, default=2)
     add_precision_args(ap)
+    ap.add_argument("--other", help="source tree of another version (extensions built in place): both "
+                    "trees' decode, alternating child processes")
+    ap.add_argument("--rounds", type=int, default=4, help="with --other: alternations of the two trees")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.other:
+        return paired(args)
 
     from llmctl._ext import matmul
     from llmctl.model import GPT2, load
