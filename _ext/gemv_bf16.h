@@ -41,6 +41,22 @@ static int llmctl_gemv_bf16_supported(void) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
 }
 
+/* Both copies' PREFETCH: while the four rows at w are read at chunk c (32 bf16, 64 bytes of each),
+   the next four rows, contiguous in memory, are fetched four cache lines a chunk in address
+   order, so the weights ahead are one stream. Measured against fetching rows 8-11 at the same
+   chunk (four streams, the pattern the AVX-512 copy had, tuned on an AMX Xeon), `python
+   bench/sample.py --precision bf16 --other <that tree>`, alternating builds: bf16 decoding 1.30x
+   and 1.59x (paired medians of two runs, 4 and 6 rounds; fp32 beside it 1.02x) on a Zen 4 with
+   AVX512_BF16, 1.08x on a Zen 3 running the AVX2 copy
+   (docs/performance.md); not measured again on the Xeon. */
+static inline void llmctl_gemv_prefetch_next4(const uint16_t* w, int64_t C, int64_t c) {
+    const char* p = (const char*)(w + 4 * C) + 8 * c;
+    _mm_prefetch(p, _MM_HINT_T0);
+    _mm_prefetch(p + 64, _MM_HINT_T0);
+    _mm_prefetch(p + 128, _MM_HINT_T0);
+    _mm_prefetch(p + 192, _MM_HINT_T0);
+}
+
 /* The loops of both copies, written once so that they add in the same order: rows [o0, o1) of
    the output channels; ACC holds 16 fp32 lanes, XT one chunk of 32 bf16 as loaded; ZERO(),
    LOAD(p, n) (the 32 bf16 at p, zeros past n: the C tail), DP(acc, x, w) (acc += x . w over
@@ -129,17 +145,8 @@ LLMCTL_GEMV_TARGET static inline __m512 llmctl_gemv_dp(__m512 acc, __m512i a, __
     return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
 }
 
-/* the same chunk of the rows 8 ahead: the decode's weights moved at 23 GB/s without, 29-30 with,
-   on 2 cores of an AMX Xeon */
-LLMCTL_GEMV_TARGET static inline void llmctl_gemv_prefetch(const uint16_t* w, int64_t C, int64_t c) {
-    _mm_prefetch((const char*)(w + 8 * C + c), _MM_HINT_T0);
-    _mm_prefetch((const char*)(w + 9 * C + c), _MM_HINT_T0);
-    _mm_prefetch((const char*)(w + 10 * C + c), _MM_HINT_T0);
-    _mm_prefetch((const char*)(w + 11 * C + c), _MM_HINT_T0);
-}
-
 LLMCTL_GEMV_LOOPS(llmctl_gemv_bf16, LLMCTL_GEMV_TARGET, __m512, __m512i, _mm512_setzero_ps, llmctl_gemv_load,
-                  llmctl_gemv_dp, _mm512_add_ps, _mm512_reduce_add_ps, llmctl_gemv_prefetch)
+                  llmctl_gemv_dp, _mm512_add_ps, _mm512_reduce_add_ps, llmctl_gemv_prefetch_next4)
 #undef LLMCTL_GEMV_TARGET
 
 /* ---- AVX2 + FMA: bf16 widened in registers, added in vdpbf16ps's order ---- */
@@ -207,19 +214,8 @@ LLMCTL_GEMV2_TARGET static inline float llmctl_gemv2_sum(llmctl_acc16 acc) {
     return _mm_cvtss_f32(v) + _mm_cvtss_f32(_mm_shuffle_ps(v, v, _MM_SHUFFLE(1, 1, 1, 1)));
 }
 
-/* the next four rows in address order, four cache lines (a 64-byte chunk of each of the rows at w)
-   per chunk read: one stream, where the AVX-512 copy's pattern is four. On a Zen 3 (2 cores,
-   AVX2), bf16 decoding 1.08x median against the old pattern, alternating builds (docs/performance.md) */
-LLMCTL_GEMV2_TARGET static inline void llmctl_gemv2_prefetch(const uint16_t* w, int64_t C, int64_t c) {
-    const char* p = (const char*)(w + 4 * C) + 8 * c;
-    _mm_prefetch(p, _MM_HINT_T0);
-    _mm_prefetch(p + 64, _MM_HINT_T0);
-    _mm_prefetch(p + 128, _MM_HINT_T0);
-    _mm_prefetch(p + 192, _MM_HINT_T0);
-}
-
 LLMCTL_GEMV_LOOPS(llmctl_gemv_bf16_avx2, LLMCTL_GEMV2_TARGET, llmctl_acc16, llmctl_bf16x32, llmctl_gemv2_zero,
-                  llmctl_gemv2_load, llmctl_gemv2_dp, llmctl_gemv2_add, llmctl_gemv2_sum, llmctl_gemv2_prefetch)
+                  llmctl_gemv2_load, llmctl_gemv2_dp, llmctl_gemv2_add, llmctl_gemv2_sum, llmctl_gemv_prefetch_next4)
 #undef LLMCTL_GEMV2_TARGET
 #undef LLMCTL_GEMV_LOOPS
 #else
