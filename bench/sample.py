@@ -74,7 +74,7 @@ def paired(args):
     argv = [sys.executable, os.path.abspath(__file__), "--json", "--full-tokens", "0", "--model", args.model,
             "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens),
             "--threads", str(args.threads), "--precision", ",".join(args.precision)] + \
-        (["--bf16-emulate"] if getattr(args, "bf16_emulate", False) else [])
+        (["--bf16-emulate"] if args.bf16_emulate else [])
     tps = {}   # (tree, precision) -> [decode tokens/s per round]
     load0 = os.getloadavg()[0]
     for r in range(args.rounds):
