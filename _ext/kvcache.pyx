@@ -14,6 +14,10 @@ Layouts (flat float32, C order):
   kcache  (B, NH, Tcap, hs)   one layer's cache; vcache likewise
   pos     (B,) int32          row b's new position t sits at cache index pos[b] + t
   out     (B, Tq, C)          attention output (heads concatenated), like llm.c's atty
+  prefix  (kpre, vpre, rows, lengths, Tp), optional: a cache (P, NH, Tp, hs) shared by several
+          rows (HellaSwag's context, read by its four endings without a copy each): row b's
+          positions below lengths[b] are row rows[b]'s there, and its own cache holds positions
+          lengths[b] on, from index 0
 Every query is computed by one thread start to finish, so results do not depend on the
 thread count. The per-query kernel is the vector form of the loops below the CPU runs best,
 picked at import: kvcache_avx512.h's on CPUs with AVX-512, kvcache_avx2.h's on those with AVX2
@@ -30,19 +34,24 @@ from _openmp cimport omp_get_thread_num
 # ----------------------------------------------------------------------------------------------
 # C-level kernels
 
+cdef extern from "kvcache_row.h" nogil:
+    const float* llmctl_kv_row(const float* pre, int np, const float* own, int j, int hs)
+
 cdef extern from "kvcache_avx512.h" nogil:
     int llmctl_kv_avx512_runs()
-    void llmctl_kv_attend_avx512(float* out, const float* q, const float* k, const float* v,
-                                 int n, int hs, float scale, float* scores)
+    void llmctl_kv_attend_avx512(float* out, const float* q, const float* kp, const float* vp, int np,
+                                 const float* k, const float* v, int n, int hs, float scale, float* scores)
 
 cdef extern from "kvcache_avx2.h" nogil:
     int llmctl_kv_avx2_runs()
-    void llmctl_kv_attend_avx2(float* out, const float* q, const float* k, const float* v,
-                               int n, int hs, float scale, float* scores)
+    void llmctl_kv_attend_avx2(float* out, const float* q, const float* kp, const float* vp, int np,
+                               const float* k, const float* v, int n, int hs, float scale, float* scores)
 
-# one query's attention (out, q, k, v, n keys, hs, scale, scores scratch): the copy the loop calls
-ctypedef void (*attend_fn)(float* out, const float* q, const float* k, const float* v,
-                           int n, int hs, float scale, float* scores) noexcept nogil
+# one query's attention (out, q, the prefix's kp, vp and np keys, the own k, v, n keys in all, hs,
+# scale, scores scratch): the copy the loop calls
+ctypedef void (*attend_fn)(float* out, const float* q, const float* kp, const float* vp, int np,
+                           const float* k, const float* v, int n, int hs, float scale,
+                           float* scores) noexcept nogil
 
 ISAS = ("baseline", "avx2", "avx512")
 cdef bint _avx2_runs = llmctl_kv_avx2_runs() != 0
@@ -91,14 +100,17 @@ cdef inline float _dot(const float* a, const float* b, int n) noexcept nogil:
     return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
 
 
-cdef inline void _attend_one(float* out, const float* q, const float* k, const float* v,
-                             int n, int hs, float scale, float* scores) noexcept nogil:
-    # one query against n cached keys/values (rows of hs floats); scores: scratch of >= n floats
+cdef void _attend_one(float* out, const float* q, const float* kp, const float* vp, int np,
+                      const float* k, const float* v, int n, int hs, float scale,
+                      float* scores) noexcept nogil:
+    # one query against n cached keys/values (rows of hs floats): keys 0 .. np-1 are rows of the
+    # shared prefix kp/vp, the rest rows of k/v from their start; scores: scratch of >= n floats
     cdef int j, i
     cdef float s, maxval = -10000.0, expsum = 0.0, inv, a
     cdef float acc[MAX_HS]   # local accumulator: cannot alias v, so the AV loop vectorises
+    cdef const float* vj
     for j in range(n):
-        s = _dot(q, k + <long>j * hs, hs) * scale
+        s = _dot(q, llmctl_kv_row(kp, np, k, j, hs), hs) * scale
         if s > maxval:
             maxval = s
         scores[j] = s
@@ -111,28 +123,44 @@ cdef inline void _attend_one(float* out, const float* q, const float* k, const f
         acc[i] = 0.0
     for j in range(n):
         a = scores[j] * inv
+        vj = llmctl_kv_row(vp, np, v, j, hs)
         for i in range(hs):
-            acc[i] = acc[i] + a * v[<long>j * hs + i]
+            acc[i] = acc[i] + a * vj[i]
     for i in range(hs):
         out[i] = acc[i]
 
 
+cdef inline int pos_max(const int* pos, int B) noexcept nogil:
+    cdef int b, m = 0
+    for b in range(B):
+        if pos[b] > m:
+            m = pos[b]
+    return m
+
+
 cdef int attention_cached_forward(float* out, const float* qkv, const float* kcache,
                                   const float* vcache, const int* pos, int B, int Tq, int C,
-                                  int NH, int Tcap, int n_threads) noexcept nogil:
-    # out (B,Tq,C): query (b,t,h) attends to cache positions 0 .. pos[b] + t inclusive.
-    # The new K/V must already be in the cache (kvcache_append). Returns -1 if out of memory.
+                                  int NH, int Tcap, const float* kpre, const float* vpre,
+                                  const int* pre_row, const int* pre_len, int Tp,
+                                  int n_threads) noexcept nogil:
+    # out (B,Tq,C): query (b,t,h) attends to positions 0 .. pos[b] + t inclusive. Without a
+    # prefix (kpre NULL) position p is cache index p; with one, positions below pre_len[b] are
+    # the prefix's (kpre/vpre (*,NH,Tp,hs), its row pre_row[b]) and position p >= pre_len[b] is
+    # the row's own cache index p - pre_len[b]. The new K/V must already be in the cache
+    # (kvcache_append). Returns -1 if out of memory.
     cdef int hs = C // NH
     cdef float scale = 1.0 / sqrtf(<float>hs)
     cdef long total = <long>B * NH * Tq
-    cdef long idx, row = (Tcap + 15) // 16 * 16
-    cdef int b, h, t
+    cdef long idx, row = (pos_max(pos, B) + Tq + 15) // 16 * 16
+    cdef int b, h, t, npre
+    cdef const float* kp
+    cdef const float* vp
     cdef attend_fn attend = _attend_one
     if _isa == 2:
         attend = llmctl_kv_attend_avx512
     elif _isa == 1:
         attend = llmctl_kv_attend_avx2
-    # one score row of Tcap floats (rounded up to whole vectors) per thread, by thread number
+    # one score row (every key of the longest query, rounded up to whole vectors) per thread
     cdef float* scratch = <float*>malloc(<size_t>n_threads * row * sizeof(float))
     if scratch == NULL:
         return -1
@@ -140,8 +168,15 @@ cdef int attention_cached_forward(float* out, const float* qkv, const float* kca
         b = <int>(idx // (NH * Tq))
         h = <int>((idx // Tq) % NH)
         t = <int>(idx % Tq)
+        npre = 0
+        kp = kcache
+        vp = vcache
+        if kpre != NULL:
+            npre = pre_len[b]
+            kp = kpre + (<long>pre_row[b] * NH + h) * Tp * hs
+            vp = vpre + (<long>pre_row[b] * NH + h) * Tp * hs
         attend(out + (<long>b * Tq + t) * C + h * hs, qkv + (<long>b * Tq + t) * 3 * C + h * hs,
-               kcache + (<long>b * NH + h) * Tcap * hs, vcache + (<long>b * NH + h) * Tcap * hs,
+               kp, vp, npre, kcache + (<long>b * NH + h) * Tcap * hs, vcache + (<long>b * NH + h) * Tcap * hs,
                pos[b] + t + 1, hs, scale, scratch + <long>omp_get_thread_num() * row)
     free(scratch)
     return 0
@@ -208,19 +243,50 @@ def kvcache_append_forward(float[::1] kcache, float[::1] vcache, const float[::1
 
 def attention_cached(float[::1] out, const float[::1] qkv, const float[::1] kcache,
                      const float[::1] vcache, const int[::1] pos, int B, int Tq, int C, int NH,
-                     int Tcap, int n_threads):
-    """out (B,Tq,C) = causal attention of the queries in qkv against the cache (see module doc)."""
+                     int Tcap, int n_threads, prefix=None):
+    """out (B,Tq,C) = causal attention of the queries in qkv against the cache (see module doc).
+    prefix (kpre, vpre, rows, lengths, Tp): positions below lengths[b] are read from row rows[b]
+    of kpre/vpre (flat (P, NH, Tp, hs)), and the cache holds row b's positions from lengths[b]
+    on (append them at pos - lengths). The bits are those of one cache holding both."""
     _check_dims(B, Tq, C, NH, Tcap)
     _check("out", out.shape[0], <Py_ssize_t>B * Tq * C)
     _check("qkv", qkv.shape[0], <Py_ssize_t>B * Tq * 3 * C)
     _check("kcache", kcache.shape[0], <Py_ssize_t>B * Tcap * C)
     _check("vcache", vcache.shape[0], <Py_ssize_t>B * Tcap * C)
-    _check_pos(pos, B, Tq, Tcap)
+    _check("pos", pos.shape[0], B)
     if n_threads < 1:
         raise ValueError("n_threads must be >= 1")
+    cdef const float[::1] kpre
+    cdef const float[::1] vpre
+    cdef const int[::1] rows
+    cdef const int[::1] plen
+    cdef const float* kp = NULL
+    cdef const float* vp = NULL
+    cdef const int* rp = NULL
+    cdef const int* lp = NULL
+    cdef int Tp = 0, b
+    cdef Py_ssize_t P
+    if prefix is None:
+        _check_pos(pos, B, Tq, Tcap)
+    else:
+        kpre, vpre, rows, plen, Tp = prefix
+        _check("prefix rows", rows.shape[0], B)
+        _check("prefix lengths", plen.shape[0], B)
+        _check("prefix values", vpre.shape[0], kpre.shape[0])
+        if Tp < 1 or kpre.shape[0] == 0 or kpre.shape[0] % (<Py_ssize_t>Tp * C) != 0:
+            raise ValueError(f"prefix keys of {kpre.shape[0]} elements are not whole rows of "
+                             f"Tp x C = {Tp} x {C}")
+        P = kpre.shape[0] // (<Py_ssize_t>Tp * C)
+        for b in range(B):
+            if rows[b] < 0 or rows[b] >= P or plen[b] < 0 or plen[b] > Tp or plen[b] > pos[b] \
+                    or pos[b] - plen[b] + Tq > Tcap:
+                raise ValueError(f"row {b}: prefix row {rows[b]} of {P}, prefix length {plen[b]} of "
+                                 f"Tp = {Tp}, pos {pos[b]} and Tq = {Tq} do not fit a cache of "
+                                 f"Tcap = {Tcap} after the prefix")
+        kp, vp, rp, lp = &kpre[0], &vpre[0], &rows[0], &plen[0]
     cdef int rc
     with nogil:
         rc = attention_cached_forward(&out[0], &qkv[0], &kcache[0], &vcache[0], &pos[0],
-                                      B, Tq, C, NH, Tcap, n_threads)
+                                      B, Tq, C, NH, Tcap, kp, vp, rp, lp, Tp, n_threads)
     if rc != 0:
         raise MemoryError("attention_cached: no memory for the score scratch")

@@ -17,6 +17,7 @@
     && (__GNUC__ >= 10 || defined(__clang__))
 #include <immintrin.h>
 #include "mathf_avx2.h"
+#include "kvcache_row.h"
 #define LLMCTL_KV2_TGT __attribute__((target("avx2,fma")))
 
 static int llmctl_kv_avx2_runs(void)
@@ -54,8 +55,11 @@ LLMCTL_KV2_TGT static inline __m256 llmctl_kv2_dot8(const float* q, const float*
     return _mm256_fmadd_ps(_mm256_maskload_ps(q + i, tail), _mm256_maskload_ps(k + i, tail), s);
 }
 
-/* out (hs) = softmax(q K^T / sqrt(hs)) V over n keys; scores: scratch of n rounded up to 8 */
-LLMCTL_KV2_TGT static void llmctl_kv_attend_avx2(float* out, const float* q, const float* k, const float* v,
+/* out (hs) = softmax(q K^T / sqrt(hs)) V over n keys; scores: scratch of n rounded up to 8.
+ * Keys/values 0 .. np-1 are rows of kp/vp (a shared prefix; np = 0: none), the rest rows of k/v
+ * from their start, as in kvcache_avx512.h: the same bits wherever the keys live. */
+LLMCTL_KV2_TGT static void llmctl_kv_attend_avx2(float* out, const float* q, const float* kp, const float* vp,
+                                                int np, const float* k, const float* v,
                                                 int n, int hs, float scale, float* scores)
 {
     const __m256i tail = llmctl_kv2_mask(hs % 8 ? hs % 8 : 8);
@@ -65,19 +69,19 @@ LLMCTL_KV2_TGT static void llmctl_kv_attend_avx2(float* out, const float* q, con
     int j = 0;
     for (; j + 4 <= n; j += 4) {     /* four independent chains, then one reduce each */
         for (int b = 0; b < 4 * hs; b += 16) {   /* K 8 rows ahead; V's rows for the pass below */
-            _mm_prefetch((const char*)(k + (long)(j + 8) * hs + b), _MM_HINT_T0);
-            _mm_prefetch((const char*)(v + (long)j * hs + b), _MM_HINT_T0);
+            _mm_prefetch((const char*)(llmctl_kv_row(kp, np, k, j + 8, hs) + b), _MM_HINT_T0);
+            _mm_prefetch((const char*)(llmctl_kv_row(vp, np, v, j, hs) + b), _MM_HINT_T0);
         }
-        __m256 s0 = llmctl_kv2_dot8(q, k + (long)j * hs, hs, tail);
-        __m256 s1 = llmctl_kv2_dot8(q, k + (long)(j + 1) * hs, hs, tail);
-        __m256 s2 = llmctl_kv2_dot8(q, k + (long)(j + 2) * hs, hs, tail);
-        __m256 s3 = llmctl_kv2_dot8(q, k + (long)(j + 3) * hs, hs, tail);
+        __m256 s0 = llmctl_kv2_dot8(q, llmctl_kv_row(kp, np, k, j, hs), hs, tail);
+        __m256 s1 = llmctl_kv2_dot8(q, llmctl_kv_row(kp, np, k, j + 1, hs), hs, tail);
+        __m256 s2 = llmctl_kv2_dot8(q, llmctl_kv_row(kp, np, k, j + 2, hs), hs, tail);
+        __m256 s3 = llmctl_kv2_dot8(q, llmctl_kv_row(kp, np, k, j + 3, hs), hs, tail);
         scores[j] = llmctl_kv2_hsum(s0) * scale;
         scores[j + 1] = llmctl_kv2_hsum(s1) * scale;
         scores[j + 2] = llmctl_kv2_hsum(s2) * scale;
         scores[j + 3] = llmctl_kv2_hsum(s3) * scale;
     }
-    for (; j < n; j++) scores[j] = llmctl_kv2_hsum(llmctl_kv2_dot8(q, k + (long)j * hs, hs, tail)) * scale;
+    for (; j < n; j++) scores[j] = llmctl_kv2_hsum(llmctl_kv2_dot8(q, llmctl_kv_row(kp, np, k, j, hs), hs, tail)) * scale;
     for (; j < n8; j++) scores[j] = -INFINITY;           /* padding lanes: exp gives 0 */
     mx = _mm256_set1_ps(-10000.0f);
     for (j = 0; j < n8; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(scores + j));
@@ -94,20 +98,20 @@ LLMCTL_KV2_TGT static void llmctl_kv_attend_avx2(float* out, const float* q, con
         __m256i m = i + 8 <= hs ? _mm256_set1_epi32(-1) : tail;
         __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
         for (j = 0; j + 2 <= n; j += 2) {
-            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(scores[j]), _mm256_maskload_ps(v + (long)j * hs + i, m), acc0);
-            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(scores[j + 1]), _mm256_maskload_ps(v + (long)(j + 1) * hs + i, m),
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(scores[j]), _mm256_maskload_ps(llmctl_kv_row(vp, np, v, j, hs) + i, m), acc0);
+            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(scores[j + 1]), _mm256_maskload_ps(llmctl_kv_row(vp, np, v, j + 1, hs) + i, m),
                                    acc1);
         }
-        if (j < n) acc0 = _mm256_fmadd_ps(_mm256_set1_ps(scores[j]), _mm256_maskload_ps(v + (long)j * hs + i, m), acc0);
+        if (j < n) acc0 = _mm256_fmadd_ps(_mm256_set1_ps(scores[j]), _mm256_maskload_ps(llmctl_kv_row(vp, np, v, j, hs) + i, m), acc0);
         _mm256_maskstore_ps(out + i, m, _mm256_mul_ps(_mm256_add_ps(acc0, acc1), _mm256_set1_ps(inv)));
     }
 }
 #else   /* no AVX2 copy in this build: never called, as llmctl_kv_avx2_runs() says 0 */
 static int llmctl_kv_avx2_runs(void) { return 0; }
-static void llmctl_kv_attend_avx2(float* out, const float* q, const float* k, const float* v, int n, int hs,
-                                  float scale, float* scores)
+static void llmctl_kv_attend_avx2(float* out, const float* q, const float* kp, const float* vp, int np,
+                                  const float* k, const float* v, int n, int hs, float scale, float* scores)
 {
-    (void)out; (void)q; (void)k; (void)v; (void)n; (void)hs; (void)scale; (void)scores;
+    (void)out; (void)q; (void)kp; (void)vp; (void)np; (void)k; (void)v; (void)n; (void)hs; (void)scale; (void)scores;
 }
 #endif
 #endif /* LLMCTL_KVCACHE_AVX2_H */

@@ -15,6 +15,7 @@
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(LLMCTL_NO_AVX_DISPATCH) && __GNUC__ >= 11
 #include <immintrin.h>
 #include "mathf_avx512.h"
+#include "kvcache_row.h"
 #define LLMCTL_KV_AVX512 1
 #define LLMCTL_KV_TGT __attribute__((target("avx512f")))
 
@@ -40,8 +41,12 @@ LLMCTL_KV_TGT static inline __m512 llmctl_kv_dot16(const float* q, const float* 
     return _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, q + i), _mm512_maskz_loadu_ps(tail, k + i), s);
 }
 
-/* out (hs) = softmax(q K^T / sqrt(hs)) V over n keys; scores: scratch of n rounded up to 16 */
-LLMCTL_KV_TGT static void llmctl_kv_attend_avx512(float* out, const float* q, const float* k, const float* v,
+/* out (hs) = softmax(q K^T / sqrt(hs)) V over n keys; scores: scratch of n rounded up to 16.
+ * Keys/values 0 .. np-1 are rows of kp/vp (a shared prefix: np = 0 when there is none), the rest
+ * rows of k/v from their start (key j at row j - np). Each key's score and its place in the sums
+ * depend only on j, so where the keys live changes no bit. */
+LLMCTL_KV_TGT static void llmctl_kv_attend_avx512(float* out, const float* q, const float* kp, const float* vp,
+                                                  int np, const float* k, const float* v,
                                                   int n, int hs, float scale, float* scores)
 {
     const __mmask16 tail = llmctl_kv_tail(hs);
@@ -50,16 +55,16 @@ LLMCTL_KV_TGT static void llmctl_kv_attend_avx512(float* out, const float* q, co
     __m512 mx, sum = _mm512_setzero_ps();
     int j = 0;
     for (; j + 4 <= n; j += 4) {     /* four independent chains, then one reduce each */
-        __m512 s0 = llmctl_kv_dot16(q, k + (long)j * hs, hs, tail);
-        __m512 s1 = llmctl_kv_dot16(q, k + (long)(j + 1) * hs, hs, tail);
-        __m512 s2 = llmctl_kv_dot16(q, k + (long)(j + 2) * hs, hs, tail);
-        __m512 s3 = llmctl_kv_dot16(q, k + (long)(j + 3) * hs, hs, tail);
+        __m512 s0 = llmctl_kv_dot16(q, llmctl_kv_row(kp, np, k, j, hs), hs, tail);
+        __m512 s1 = llmctl_kv_dot16(q, llmctl_kv_row(kp, np, k, j + 1, hs), hs, tail);
+        __m512 s2 = llmctl_kv_dot16(q, llmctl_kv_row(kp, np, k, j + 2, hs), hs, tail);
+        __m512 s3 = llmctl_kv_dot16(q, llmctl_kv_row(kp, np, k, j + 3, hs), hs, tail);
         scores[j] = _mm512_reduce_add_ps(s0) * scale;
         scores[j + 1] = _mm512_reduce_add_ps(s1) * scale;
         scores[j + 2] = _mm512_reduce_add_ps(s2) * scale;
         scores[j + 3] = _mm512_reduce_add_ps(s3) * scale;
     }
-    for (; j < n; j++) scores[j] = _mm512_reduce_add_ps(llmctl_kv_dot16(q, k + (long)j * hs, hs, tail)) * scale;
+    for (; j < n; j++) scores[j] = _mm512_reduce_add_ps(llmctl_kv_dot16(q, llmctl_kv_row(kp, np, k, j, hs), hs, tail)) * scale;
     for (; j < n16; j++) scores[j] = -INFINITY;          /* padding lanes: exp gives 0 */
     mx = _mm512_set1_ps(maxval);
     for (j = 0; j < n16; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(scores + j));
@@ -76,19 +81,19 @@ LLMCTL_KV_TGT static void llmctl_kv_attend_avx512(float* out, const float* q, co
         __mmask16 m = i + 16 <= hs ? (__mmask16)0xFFFF : tail;
         __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
         for (j = 0; j + 2 <= n; j += 2) {
-            acc0 = _mm512_fmadd_ps(_mm512_set1_ps(scores[j]), _mm512_maskz_loadu_ps(m, v + (long)j * hs + i), acc0);
-            acc1 = _mm512_fmadd_ps(_mm512_set1_ps(scores[j + 1]), _mm512_maskz_loadu_ps(m, v + (long)(j + 1) * hs + i), acc1);
+            acc0 = _mm512_fmadd_ps(_mm512_set1_ps(scores[j]), _mm512_maskz_loadu_ps(m, llmctl_kv_row(vp, np, v, j, hs) + i), acc0);
+            acc1 = _mm512_fmadd_ps(_mm512_set1_ps(scores[j + 1]), _mm512_maskz_loadu_ps(m, llmctl_kv_row(vp, np, v, j + 1, hs) + i), acc1);
         }
-        if (j < n) acc0 = _mm512_fmadd_ps(_mm512_set1_ps(scores[j]), _mm512_maskz_loadu_ps(m, v + (long)j * hs + i), acc0);
+        if (j < n) acc0 = _mm512_fmadd_ps(_mm512_set1_ps(scores[j]), _mm512_maskz_loadu_ps(m, llmctl_kv_row(vp, np, v, j, hs) + i), acc0);
         _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(_mm512_add_ps(acc0, acc1), _mm512_set1_ps(inv)));
     }
 }
 #else   /* no AVX-512 copy in this build: never called, as llmctl_kv_avx512_runs() says 0 */
 static int llmctl_kv_avx512_runs(void) { return 0; }
-static void llmctl_kv_attend_avx512(float* out, const float* q, const float* k, const float* v, int n, int hs,
-                                    float scale, float* scores)
+static void llmctl_kv_attend_avx512(float* out, const float* q, const float* kp, const float* vp, int np,
+                                    const float* k, const float* v, int n, int hs, float scale, float* scores)
 {
-    (void)out; (void)q; (void)k; (void)v; (void)n; (void)hs; (void)scale; (void)scores;
+    (void)out; (void)q; (void)kp; (void)vp; (void)np; (void)k; (void)v; (void)n; (void)hs; (void)scale; (void)scores;
 }
 #endif
 #endif /* LLMCTL_KVCACHE_AVX512_H */

@@ -109,6 +109,68 @@ def test_attention_cached_kernel_matches_numpy(B, Tq, NH, hs, threads, Tcap, kv_
     np.testing.assert_array_equal(out, out1)  # one thread computes each query whole
 
 
+@pytest.mark.parametrize("hs,threads", [(64, 2), (20, 1), (5, 2)])
+def test_attention_cached_prefix_gives_the_bits_of_one_cache(hs, threads, kv_isa):
+    # HellaSwag's endings read their context's K/V where the context's rows wrote them: the same
+    # bits as a cache per row holding a copy of the context (the kernel's sums run over key
+    # positions, wherever the keys lie), for rows of different prefix lengths, one of them 0
+    from llmctl._ext.kvcache import attention_cached, kvcache_append_forward
+
+    rng = np.random.default_rng(hs)
+    NH, P, Tp, B, Tq = 3, 3, 11, 5, 4
+    C = NH * hs
+    rows_of = np.array([0, 2, 1, 1, 2], np.int32)
+    lengths = np.array([11, 0, 6, 9, 3], np.int32)
+    kpre = rng.normal(size=(P, NH, Tp, hs)).astype(np.float32)
+    vpre = rng.normal(size=kpre.shape).astype(np.float32)
+    qkv = rng.normal(size=(B, Tq, 3 * C)).astype(np.float32)
+    Tcap = Tp + Tq
+    kf, vf = np.full((B, NH, Tcap, hs), np.nan, np.float32), np.full((B, NH, Tcap, hs), np.nan, np.float32)
+    for b in range(B):
+        kf[b, :, :lengths[b]] = kpre[rows_of[b], :, :lengths[b]]
+        vf[b, :, :lengths[b]] = vpre[rows_of[b], :, :lengths[b]]
+    kvcache_append_forward(kf.reshape(-1), vf.reshape(-1), qkv.reshape(-1), lengths, B, Tq, C, NH, Tcap)
+    want = np.empty((B, Tq, C), np.float32)
+    attention_cached(want.reshape(-1), qkv.reshape(-1), kf.reshape(-1), vf.reshape(-1), lengths,
+                     B, Tq, C, NH, Tcap, threads)
+    np.testing.assert_allclose(want, _attention_ref(qkv, kf, vf, lengths, NH), atol=1e-5, rtol=1e-5)
+    ko, vo = np.full((B, NH, Tq, hs), np.nan, np.float32), np.full((B, NH, Tq, hs), np.nan, np.float32)
+    kvcache_append_forward(ko.reshape(-1), vo.reshape(-1), qkv.reshape(-1), np.zeros(B, np.int32),
+                           B, Tq, C, NH, Tq)
+    got = np.full((B, Tq, C), np.nan, np.float32)
+    attention_cached(got.reshape(-1), qkv.reshape(-1), ko.reshape(-1), vo.reshape(-1), lengths,
+                     B, Tq, C, NH, Tq, threads, prefix=(kpre.reshape(-1), vpre.reshape(-1), rows_of, lengths, Tp))
+    np.testing.assert_array_equal(got, want)
+
+
+def test_attention_cached_rejects_a_bad_prefix():
+    from llmctl._ext.kvcache import attention_cached
+
+    B, Tq, C, NH, Tcap, Tp = 2, 2, 8, 2, 2, 3
+    kc = np.zeros(B * Tcap * C, np.float32)
+    qkv = np.zeros(B * Tq * 3 * C, np.float32)
+    out = np.zeros(B * Tq * C, np.float32)
+    kp = np.zeros(2 * Tp * C, np.float32)
+    rows_of, lengths = np.array([0, 1], np.int32), np.array([3, 2], np.int32)
+
+    def call(pos=lengths, prefix=(kp, kp, rows_of, lengths, Tp)):
+        attention_cached(out, qkv, kc, kc, np.asarray(pos, np.int32), B, Tq, C, NH, Tcap, 1, prefix=prefix)
+
+    call()
+    with pytest.raises(ValueError, match="prefix row 2 of 2"):
+        call(prefix=(kp, kp, np.array([0, 2], np.int32), lengths, Tp))
+    with pytest.raises(ValueError, match="prefix length 3 of Tp = 3, pos 2"):   # past its new positions
+        call(pos=[2, 2])
+    with pytest.raises(ValueError, match="Tcap = 2 after the prefix"):          # own cache too short
+        call(pos=[4, 2])
+    with pytest.raises(ValueError, match="whole rows"):
+        call(prefix=(kp[:-1], kp[:-1], rows_of, lengths, Tp))
+    with pytest.raises(ValueError, match="prefix values"):
+        call(prefix=(kp, kp[:-1], rows_of, lengths, Tp))
+    with pytest.raises(ValueError, match="prefix lengths"):
+        call(prefix=(kp, kp, rows_of, lengths[:1], Tp))
+
+
 def test_attention_cached_isa_selection():
     from llmctl._ext import kvcache
 
@@ -186,9 +248,9 @@ def test_cached_attention_threads_only_beside_openmp_matmuls(precision, engine, 
         def __getattr__(self, name):
             return getattr(kv, name)
 
-        def attention_cached(self, *a):
-            used.append(a[-1])
-            return kv.attention_cached(*a)
+        def attention_cached(self, *a, **kw):
+            used.append(a[10])    # n_threads
+            return kv.attention_cached(*a, **kw)
 
     m.kernels.kvcache = Recording()
     cache = KVCache(m.config, 1, 300)     # B * Tcap * C = 76,800 floats
@@ -225,6 +287,46 @@ def test_block_forward_and_logits_write_into_a_given_buffer(tiny):
         model.logits_from_hidden(h, np.empty(h.shape[0] * V + 1, np.float32))
     with pytest.raises(ValueError, match="out must be"):
         model.block_forward(0, model.embed(ids, pos), k, v, pos, out=np.empty(12 * C, np.float64))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_block_forward_parts_equals_a_call_per_part(precision, monkeypatch):
+    # HellaSwag's scoring: the context rows and their endings' rows through one call per layer
+    # (one matmul per weight over all rows, the endings reading the context's K/V as a prefix)
+    # give the bits of a call per part with the context copied into each ending's cache
+    from llmctl._ext import matmul
+    from llmctl.model import GPT2Config
+    from llmctl.model.gpt2 import KVPart
+
+    if precision == "bf16" and not matmul.bf16_native():
+        monkeypatch.setenv("LLMCTL_BF16_EMULATE", "1")
+    m = GPT2(GPT2Config(**tiny_cfg(maxT=64, L=2, NH=4, C=64)), n_threads=2, precision=precision)
+    rng = np.random.default_rng(3)
+    NH, hs = 4, 16
+    E, Tx, n_ctx = 2, 7, np.array([7, 4], np.int32)
+    ctx = rng.integers(0, V, size=(E, Tx))
+    rows_of, Tq = np.array([1, 0, 1], np.int32), 3
+    ends = rng.integers(0, V, size=(3, Tq))
+    pos = n_ctx[rows_of]
+    x0 = np.concatenate([m.embed(ctx, np.zeros(E, np.int32)), m.embed(ends, pos)])
+    # one call per layer
+    k, v = np.empty((E, NH, Tx, hs), np.float32), np.empty((E, NH, Tx, hs), np.float32)
+    kg, vg = np.empty((3, NH, Tq, hs), np.float32), np.empty((3, NH, Tq, hs), np.float32)
+    parts = [KVPart(k, v, np.zeros(E, np.int32), E * Tx),
+             KVPart(kg, vg, pos, 3 * Tq, prefix=(k, v, rows_of, pos, Tx))]
+    got = x0.copy()
+    for l in range(2):
+        m.block_forward_parts(l, got, parts, out=got)
+    # a call per part, the context copied
+    xc, xe = x0[:E * Tx].copy(), x0[E * Tx:].copy()
+    kc, vc = np.empty((3, NH, Tx + Tq, hs), np.float32), np.empty((3, NH, Tx + Tq, hs), np.float32)
+    for l in range(2):
+        xc = m.block_forward(l, xc, k, v, np.zeros(E, np.int32))
+        kc[:, :, :Tx], vc[:, :, :Tx] = k[rows_of], v[rows_of]
+        xe = m.block_forward(l, xe, kc, vc, pos)
+    np.testing.assert_array_equal(got, np.concatenate([xc, xe]))
+    with pytest.raises(ValueError, match="the parts hold 20 rows, x 23"):
+        m.block_forward_parts(0, x0, parts[:1] + [KVPart(kg, vg, pos, 6, prefix=parts[1].prefix)])
 
 
 def test_cached_forward_refuses_beyond_maxT(tiny):

@@ -117,6 +117,33 @@ class KVCache:
         self.lengths = np.zeros(B, dtype=np.int32)
 
 
+@dataclass
+class KVPart:
+    """Rows of a cached forward that share one KV cache (GPT2.block_forward_parts): `rows` rows,
+    B = k.shape[0] rows of the cache with rows // B new positions each, row b's from pos[b] on;
+    k, v (B, NH, Tcap, hs) one layer's cache. prefix: None, or (kpre, vpre, rows_of, lengths, Tp),
+    a cache (P, NH, Tp, hs) shared by several rows, row b's positions below lengths[b] being row
+    rows_of[b]'s there (HellaSwag's context under each of its endings, read where it lies); the
+    part's own cache then holds row b's positions from lengths[b] on, from index 0."""
+    k: np.ndarray
+    v: np.ndarray
+    pos: np.ndarray
+    rows: int
+    prefix: tuple = None
+
+    def checked(self):
+        """-> this part with int32 positions (and prefix rows/lengths), flat float32 prefix caches."""
+        B = self.k.shape[0]
+        if self.rows % B:
+            raise ValueError(f"{self.rows} rows are not whole rows of a cache of B = {B}")
+        pre = self.prefix
+        if pre is not None:
+            kp, vp, rows_of, lengths, Tp = pre
+            pre = (kp.reshape(-1), vp.reshape(-1), np.ascontiguousarray(rows_of, dtype=np.int32),
+                   np.ascontiguousarray(lengths, dtype=np.int32), int(Tp))
+        return replace(self, pos=np.ascontiguousarray(self.pos, dtype=np.int32), prefix=pre)
+
+
 def _engine_arg(engine, matmul):
     """GPT2's engine= (matmul= is its former name): the one given, ConfigError for two that differ."""
     if matmul is None:
@@ -477,12 +504,13 @@ class GPT2:
     def _block_forward(self, l, a, B, T, kv=None):
         """Layer l of train_gpt2.c's gpt2_forward over B*T rows: a.out = the block of a.x, every
         intermediate written into a's buffers. kv None: attention over these T positions, keeping
-        the per-row log-sum-exp for backward; kv (k, v, pos): layer l's KV cache (B, NH, Tcap, hs),
-        the rows' new positions starting at pos[b], their K/V appended and attended to with all
-        earlier ones."""
+        the per-row log-sum-exp for backward; kv a list of KVPart: the rows are the parts' rows
+        one after another (B and T are then unused), each part's attending to its KV cache (its
+        new K/V appended first): every row-wise product runs once over all the rows."""
         C, NH = self.config.channels, self.config.num_heads
         o, Ly, nt = self.ops, self.kernels.layers, self.n_threads
-        BT, n = B * T, B * T * C
+        n = a.x.size
+        BT = n // C
         p = self.p
         # element-wise work of a few rows (a decode step) is too small to split: a second thread
         # only adds a barrier. The results do not depend on the thread count.
@@ -493,17 +521,10 @@ class GPT2:
         if kv is None:
             o.attention_forward(a.atty, a.lse, a.qkv, B, T, C, NH, nt)
         else:
-            k, v, pos = kv
-            KV, Tcap = self.kernels.kvcache, k.shape[2]
-            kf, vf = k.reshape(-1), v.reshape(-1)
-            KV.kvcache_append_forward(kf, vf, a.qkv, pos, B, T, C, NH, Tcap)
-            # the cache is read from memory (the matmuls in between evict it): two threads read
-            # it faster once it holds a few hundred KB (d12: a capacity of 86 positions or more).
-            # Not where the one-row matmuls run on NumPy's BLAS (fp32): an OpenMP region between
-            # them leaves its threads spinning against BLAS's (decode 7x slower, measured)
-            small = o.gemv_on_openmp and B * Tcap * C >= _MIN_PARALLEL
-            nta = nt if small or BT * Tcap * C >= _MIN_PARALLEL * 16 else 1
-            KV.attention_cached(a.atty, a.qkv, kf, vf, pos, B, T, C, NH, Tcap, nta)
+            r = 0
+            for part in kv:
+                self._attention_cached(part, a.qkv[3 * C * r:], a.atty[C * r:], nte)
+                r += part.rows
         o.matmul(a.x2, o.mm_input(a.atty16, a.atty, nte), "attprojw", l, p["attprojb"][l], BT, C, C, nt)
         Ly.residual_forward(a.x2, a.x2, a.x, n, nte)
         o.layernorm(a.ln2, a.ln2_mean, a.ln2_rstd, a.x2, p["ln2w"][l], p["ln2b"][l], BT, C, nte)
@@ -511,6 +532,26 @@ class GPT2:
         o.gelu(a.gelu, a.fch, 4 * n, nte)
         o.matmul(a.out, a.gelu, "fcprojw", l, p["fcprojb"][l], BT, 4 * C, C, nt)
         Ly.residual_forward(a.out, a.out, a.x2, n, nte)
+
+    def _attention_cached(self, part, qkv, atty, nte):
+        """One KVPart's attention in a cached forward: its rows' K/V appended to its cache, their
+        queries attending to it (and to its prefix)."""
+        C, NH, nt = self.config.channels, self.config.num_heads, self.n_threads
+        k, v, pos, pre = part.k, part.v, part.pos, part.prefix
+        B, Tcap = k.shape[0], k.shape[2]
+        T = part.rows // B
+        KV = self.kernels.kvcache
+        kf, vf = k.reshape(-1), v.reshape(-1)
+        qkv, atty = qkv[:part.rows * 3 * C], atty[:part.rows * C]
+        KV.kvcache_append_forward(kf, vf, qkv, pos if pre is None else pos - pre[3], B, T, C, NH, Tcap)
+        # the cache is read from memory (the matmuls in between evict it): two threads read
+        # it faster once it holds a few hundred KB (d12: a capacity of 86 positions or more).
+        # Not where the one-row matmuls run on NumPy's BLAS (fp32): an OpenMP region between
+        # them leaves its threads spinning against BLAS's (decode 7x slower, measured)
+        span = Tcap + (0 if pre is None else pre[4])
+        small = self.ops.gemv_on_openmp and B * span * C >= _MIN_PARALLEL
+        nta = nt if small or part.rows * span * C >= _MIN_PARALLEL * 16 else 1
+        KV.attention_cached(atty, qkv, kf, vf, pos, B, T, C, NH, Tcap, nta, prefix=pre)
 
     def forward(self, inputs, targets=None, keep_activations=True, loss_scale=None):
         """Run the model on inputs (B,T). With targets (B,T): per-token losses into self.losses and
@@ -614,10 +655,19 @@ class GPT2:
         are written into k, v (B, NH, Tcap, hs: layer l's cache) and they attend to every cached
         position up to themselves. -> the new residual stream (B*Tq, C), in out if given (a
         float32 array of x's size; x itself is fine: x is last read before out is written)."""
+        return self.block_forward_parts(l, x, [KVPart(k, v, pos, x.shape[0])], out)
+
+    def block_forward_parts(self, l, x, parts, out=None):
+        """Layer l over x (N, C): the rows of each KVPart in turn (part.rows of them, part.pos
+        and part.prefix as KVPart says). The row-wise products (layernorms, matmuls, GELU) run
+        once over all N rows, the attention part by part, in order: a part may read as its
+        prefix a cache an earlier part wrote in this call. -> the new residual stream (N, C), in
+        out if given (as block_forward)."""
         self._sync_bf16()
-        B = k.shape[0]
+        if sum(part.rows for part in parts) != x.shape[0]:
+            raise ValueError(f"the parts hold {sum(part.rows for part in parts)} rows, x {x.shape[0]}")
         a = self._cached_layer_acts(np.ascontiguousarray(x, dtype=np.float32), out)
-        self._block_forward(l, a, B, x.shape[0] // B, (k, v, np.ascontiguousarray(pos, dtype=np.int32)))
+        self._block_forward(l, a, None, None, [part.checked() for part in parts])
         return a.out.reshape(x.shape)
 
     def final_norm(self, x):
