@@ -33,7 +33,9 @@ class HellaswagConfig:
     per_example: bool = flag(False, "--per-example",
                              help="With --json: include every example's losses and choices.")
     batch_tokens: int = flag(2048, "--batch-tokens", min=64,
-                             help="Padded positions per forward batch (memory vs. speed).")
+                             help="Padded positions per forward batch (memory vs. speed; fp32 "
+                                  "ran ~7 % faster at 4096 on a Zen 4, bf16 no faster; the "
+                                  "losses can change in the last bits with it).")
     nproc: int = flag(1, "--nproc", min=1,
                       help="Processes on this host, each scoring a contiguous slice as llm.c's "
                            "ranks do (llm.c -pn); threads per process = cores / N unless "

@@ -118,8 +118,9 @@ def _token_losses(model, h, targets, chunk=256, scratch=None):
     return out
 
 
-# an extra group of completion rows costs about this many padded positions (its calls per layer,
-# and a smaller GEMM): _length_groups cuts a batch's rows where the padding saved is worth more
+# an extra group of completion rows costs about this many padded positions (its attention calls
+# per layer; its rows share the batch's matmuls): _length_groups cuts a batch's rows where the
+# padding saved is worth more. 0, 1, 2 and 4 ran 1-4 % slower on a Zen 4, fp32 and bf16
 GROUP_COST = 16
 
 
