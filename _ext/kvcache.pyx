@@ -130,14 +130,6 @@ cdef void _attend_one(float* out, const float* q, const float* kp, const float* 
         out[i] = acc[i]
 
 
-cdef inline int pos_max(const int* pos, int B) noexcept nogil:
-    cdef int b, m = 0
-    for b in range(B):
-        if pos[b] > m:
-            m = pos[b]
-    return m
-
-
 cdef int attention_cached_forward(float* out, const float* qkv, const float* kcache,
                                   const float* vcache, const int* pos, int B, int Tq, int C,
                                   int NH, int Tcap, const float* kpre, const float* vpre,
@@ -151,7 +143,7 @@ cdef int attention_cached_forward(float* out, const float* qkv, const float* kca
     cdef int hs = C // NH
     cdef float scale = 1.0 / sqrtf(<float>hs)
     cdef long total = <long>B * NH * Tq
-    cdef long idx, row = (pos_max(pos, B) + Tq + 15) // 16 * 16
+    cdef long idx, row = (Tcap + Tp + 15) // 16 * 16
     cdef int b, h, t, npre
     cdef const float* kp
     cdef const float* vp
@@ -160,7 +152,7 @@ cdef int attention_cached_forward(float* out, const float* qkv, const float* kca
         attend = llmctl_kv_attend_avx512
     elif _isa == 1:
         attend = llmctl_kv_attend_avx2
-    # one score row (every key of the longest query, rounded up to whole vectors) per thread
+    # one score row (every key a query can see, Tp + Tcap, rounded up to whole vectors) per thread
     cdef float* scratch = <float*>malloc(<size_t>n_threads * row * sizeof(float))
     if scratch == NULL:
         return -1

@@ -15,7 +15,6 @@
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(LLMCTL_NO_AVX_DISPATCH) && __GNUC__ >= 11
 #include <immintrin.h>
 #include "mathf_avx512.h"
-#include "kvcache_row.h"
 #define LLMCTL_KV_AVX512 1
 #define LLMCTL_KV_TGT __attribute__((target("avx512f")))
 
@@ -41,6 +40,44 @@ LLMCTL_KV_TGT static inline __m512 llmctl_kv_dot16(const float* q, const float* 
     return _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, q + i), _mm512_maskz_loadu_ps(tail, k + i), s);
 }
 
+/* scores[j] = (q . key j) * scale for keys j0 .. j1-1, key j at row j - j0 of base; four
+ * independent chains, then one reduce each (a key's score does not depend on its neighbours) */
+LLMCTL_KV_TGT static inline void llmctl_kv_scores16(float* scores, const float* q, const float* base, int j0,
+                                                    int j1, int hs, float scale, __mmask16 tail)
+{
+    int j = j0;
+    for (; j + 4 <= j1; j += 4) {
+        const float* kr = base + (long)(j - j0) * hs;
+        __m512 s0 = llmctl_kv_dot16(q, kr, hs, tail);
+        __m512 s1 = llmctl_kv_dot16(q, kr + hs, hs, tail);
+        __m512 s2 = llmctl_kv_dot16(q, kr + 2 * hs, hs, tail);
+        __m512 s3 = llmctl_kv_dot16(q, kr + 3 * hs, hs, tail);
+        scores[j] = _mm512_reduce_add_ps(s0) * scale;
+        scores[j + 1] = _mm512_reduce_add_ps(s1) * scale;
+        scores[j + 2] = _mm512_reduce_add_ps(s2) * scale;
+        scores[j + 3] = _mm512_reduce_add_ps(s3) * scale;
+    }
+    for (; j < j1; j++) scores[j] = _mm512_reduce_add_ps(llmctl_kv_dot16(q, base + (long)(j - j0) * hs, hs, tail)) * scale;
+}
+
+/* columns i .. i+15 of sum_j scores[j] v_j over keys j0 .. j1-1 (value j at row j - j0 of base):
+ * even keys into acc0, odd ones into acc1, each in key order, wherever the segment starts */
+LLMCTL_KV_TGT static inline void llmctl_kv_pv16(__m512* acc0, __m512* acc1, const float* scores, const float* base,
+                                                int j0, int j1, int hs, int i, __mmask16 m)
+{
+    __m512 a0 = *acc0, a1 = *acc1;
+    const float* vr = base + i;
+    int j = j0;
+    if (j < j1 && (j & 1)) { a1 = _mm512_fmadd_ps(_mm512_set1_ps(scores[j]), _mm512_maskz_loadu_ps(m, vr), a1); j++; }
+    for (; j + 2 <= j1; j += 2) {
+        a0 = _mm512_fmadd_ps(_mm512_set1_ps(scores[j]), _mm512_maskz_loadu_ps(m, vr + (long)(j - j0) * hs), a0);
+        a1 = _mm512_fmadd_ps(_mm512_set1_ps(scores[j + 1]), _mm512_maskz_loadu_ps(m, vr + (long)(j + 1 - j0) * hs), a1);
+    }
+    if (j < j1) a0 = _mm512_fmadd_ps(_mm512_set1_ps(scores[j]), _mm512_maskz_loadu_ps(m, vr + (long)(j - j0) * hs), a0);
+    *acc0 = a0;
+    *acc1 = a1;
+}
+
 /* out (hs) = softmax(q K^T / sqrt(hs)) V over n keys; scores: scratch of n rounded up to 16.
  * Keys/values 0 .. np-1 are rows of kp/vp (a shared prefix: np = 0 when there is none), the rest
  * rows of k/v from their start (key j at row j - np). Each key's score and its place in the sums
@@ -53,19 +90,11 @@ LLMCTL_KV_TGT static void llmctl_kv_attend_avx512(float* out, const float* q, co
     const int n16 = (n + 15) / 16 * 16;
     float maxval = -10000.0f, expsum, inv;
     __m512 mx, sum = _mm512_setzero_ps();
-    int j = 0;
-    for (; j + 4 <= n; j += 4) {     /* four independent chains, then one reduce each */
-        __m512 s0 = llmctl_kv_dot16(q, llmctl_kv_row(kp, np, k, j, hs), hs, tail);
-        __m512 s1 = llmctl_kv_dot16(q, llmctl_kv_row(kp, np, k, j + 1, hs), hs, tail);
-        __m512 s2 = llmctl_kv_dot16(q, llmctl_kv_row(kp, np, k, j + 2, hs), hs, tail);
-        __m512 s3 = llmctl_kv_dot16(q, llmctl_kv_row(kp, np, k, j + 3, hs), hs, tail);
-        scores[j] = _mm512_reduce_add_ps(s0) * scale;
-        scores[j + 1] = _mm512_reduce_add_ps(s1) * scale;
-        scores[j + 2] = _mm512_reduce_add_ps(s2) * scale;
-        scores[j + 3] = _mm512_reduce_add_ps(s3) * scale;
-    }
-    for (; j < n; j++) scores[j] = _mm512_reduce_add_ps(llmctl_kv_dot16(q, llmctl_kv_row(kp, np, k, j, hs), hs, tail)) * scale;
-    for (; j < n16; j++) scores[j] = -INFINITY;          /* padding lanes: exp gives 0 */
+    int j;
+    if (np > n) np = n;
+    llmctl_kv_scores16(scores, q, kp, 0, np, hs, scale, tail);
+    llmctl_kv_scores16(scores, q, k, np, n, hs, scale, tail);
+    for (j = n; j < n16; j++) scores[j] = -INFINITY;     /* padding lanes: exp gives 0 */
     mx = _mm512_set1_ps(maxval);
     for (j = 0; j < n16; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(scores + j));
     maxval = _mm512_reduce_max_ps(mx);
@@ -80,11 +109,8 @@ LLMCTL_KV_TGT static void llmctl_kv_attend_avx512(float* out, const float* q, co
     for (int i = 0; i < hs; i += 16) {   /* 16 output columns at a time, down the keys */
         __mmask16 m = i + 16 <= hs ? (__mmask16)0xFFFF : tail;
         __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-        for (j = 0; j + 2 <= n; j += 2) {
-            acc0 = _mm512_fmadd_ps(_mm512_set1_ps(scores[j]), _mm512_maskz_loadu_ps(m, llmctl_kv_row(vp, np, v, j, hs) + i), acc0);
-            acc1 = _mm512_fmadd_ps(_mm512_set1_ps(scores[j + 1]), _mm512_maskz_loadu_ps(m, llmctl_kv_row(vp, np, v, j + 1, hs) + i), acc1);
-        }
-        if (j < n) acc0 = _mm512_fmadd_ps(_mm512_set1_ps(scores[j]), _mm512_maskz_loadu_ps(m, llmctl_kv_row(vp, np, v, j, hs) + i), acc0);
+        llmctl_kv_pv16(&acc0, &acc1, scores, vp, 0, np, hs, i, m);
+        llmctl_kv_pv16(&acc0, &acc1, scores, v, np, n, hs, i, m);
         _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(_mm512_add_ps(acc0, acc1), _mm512_set1_ps(inv)));
     }
 }
