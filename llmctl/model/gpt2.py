@@ -523,7 +523,7 @@ class GPT2:
         else:
             r = 0
             for part in kv:
-                self._attention_cached(part, a.qkv[3 * C * r:], a.atty[C * r:], nte)
+                self._attention_cached(part, a.qkv[3 * C * r:], a.atty[C * r:])
                 r += part.rows
         o.matmul(a.x2, o.mm_input(a.atty16, a.atty, nte), "attprojw", l, p["attprojb"][l], BT, C, C, nt)
         Ly.residual_forward(a.x2, a.x2, a.x, n, nte)
@@ -533,7 +533,7 @@ class GPT2:
         o.matmul(a.out, a.gelu, "fcprojw", l, p["fcprojb"][l], BT, 4 * C, C, nt)
         Ly.residual_forward(a.out, a.out, a.x2, n, nte)
 
-    def _attention_cached(self, part, qkv, atty, nte):
+    def _attention_cached(self, part, qkv, atty):
         """One KVPart's attention in a cached forward: its rows' K/V appended to its cache, their
         queries attending to it (and to its prefix)."""
         C, NH, nt = self.config.channels, self.config.num_heads, self.n_threads
