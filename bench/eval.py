@@ -24,7 +24,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 JSONL = os.path.join(HERE, "..", "..", "shared", "data", "hellaswag", "hellaswag_val.jsonl")
 FULL_VAL = 10042   # examples in HellaSwag's validation split (dev/data/hellaswag.py)
-TARGET_MIN = 15    # the full d12 HellaSwag target, minutes
+TARGET_MIN = 10    # the full d12 HellaSwag target in bf16, minutes (bf16_targets.py reads it)
 
 
 def _precisions(text):
@@ -136,8 +136,9 @@ def main(argv=None):
         print(f"  bf16 / fp32 time: {by['bf16'] / by['fp32']:.2f}x")
     if args.model == "d12":
         for r in runs:
-            met = "met" if r["full_val_minutes"] <= TARGET_MIN else "not met"
-            print(f"  target full d12 HellaSwag <= {TARGET_MIN} min, {r['precision']}: {met}")
+            if r["precision"] == "bf16":
+                met = "met" if r["full_val_minutes"] <= TARGET_MIN else "not met"
+                print(f"  target full d12 HellaSwag in bf16 <= {TARGET_MIN} min: {met}")
     for line in skipped:
         print("  skipped: " + line)
     print(f"  positions run per example: {out['positions_run_per_example']}, of which "
