@@ -327,6 +327,10 @@ def test_block_forward_parts_equals_a_call_per_part(precision, monkeypatch):
     np.testing.assert_array_equal(got, np.concatenate([xc, xe]))
     with pytest.raises(ValueError, match="the parts hold 20 rows, x 23"):
         m.block_forward_parts(0, x0, parts[:1] + [KVPart(kg, vg, pos, 6, prefix=parts[1].prefix)])
+    with pytest.raises(ValueError, match="k must be a C-contiguous float32 cache"):   # appends would be lost
+        m.block_forward_parts(0, x0, [KVPart(k[:, :, ::2], v, np.zeros(E, np.int32), E * Tx), parts[1]])
+    with pytest.raises(ValueError, match="prefix v must be"):
+        m.block_forward_parts(0, x0, [parts[0], KVPart(kg, vg, pos, 3 * Tq, prefix=(k, v[..., :8], rows_of, pos, Tx))])
 
 
 def test_cached_forward_refuses_beyond_maxT(tiny):

@@ -137,6 +137,12 @@ class KVPart:
         if self.rows % B:
             raise ValueError(f"{self.rows} rows are not whole rows of a cache of B = {B}")
         pre = self.prefix
+        # the caches are written in place (a reshaped copy would take the new K/V and be dropped)
+        for name, c in (("k", self.k), ("v", self.v)) + (() if pre is None else (("prefix k", pre[0]),
+                                                                                 ("prefix v", pre[1]))):
+            if c.dtype != np.float32 or c.ndim != 4 or not c.flags.c_contiguous:
+                raise ValueError(f"{name} must be a C-contiguous float32 cache (B, NH, Tcap, hs), got "
+                                 f"{c.dtype} of shape {c.shape}")
         if pre is not None:
             kp, vp, rows_of, lengths, Tp = pre
             pre = (kp.reshape(-1), vp.reshape(-1), np.ascontiguousarray(rows_of, dtype=np.int32),
