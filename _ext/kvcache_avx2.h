@@ -54,45 +54,42 @@ LLMCTL_KV2_TGT static inline __m256 llmctl_kv2_dot8(const float* q, const float*
     return _mm256_fmadd_ps(_mm256_maskload_ps(q + i, tail), _mm256_maskload_ps(k + i, tail), s);
 }
 
-/* scores[j] = (q . key j) * scale for keys j0 .. j1-1, key j at row j - j0 of kbase (vbase: the
- * same rows' values, prefetched for the pass after); four chains, then one reduce each */
-LLMCTL_KV2_TGT static inline void llmctl_kv2_scores(float* scores, const float* q, const float* kbase,
-                                                   const float* vbase, int j0, int j1, int hs, float scale,
-                                                   __m256i tail)
+/* sc[j] = (q . key j) * scale for the cnt keys at rows 0 .. cnt-1 of k (v: the same rows' values,
+ * prefetched for the pass after); four chains, then one reduce each */
+LLMCTL_KV2_TGT static inline void llmctl_kv2_scores(float* sc, const float* q, const float* k, const float* v,
+                                                   int cnt, int hs, float scale, __m256i tail)
 {
-    int j = j0;
-    for (; j + 4 <= j1; j += 4) {
-        const float* kr = kbase + (long)(j - j0) * hs;
+    int j = 0;
+    for (; j + 4 <= cnt; j += 4) {
         for (int b = 0; b < 4 * hs; b += 16) {   /* K 8 rows ahead; V's rows for the pass below */
-            _mm_prefetch((const char*)(kr + 8 * hs + b), _MM_HINT_T0);
-            _mm_prefetch((const char*)(vbase + (long)(j - j0) * hs + b), _MM_HINT_T0);
+            _mm_prefetch((const char*)(k + (long)(j + 8) * hs + b), _MM_HINT_T0);
+            _mm_prefetch((const char*)(v + (long)j * hs + b), _MM_HINT_T0);
         }
-        __m256 s0 = llmctl_kv2_dot8(q, kr, hs, tail);
-        __m256 s1 = llmctl_kv2_dot8(q, kr + hs, hs, tail);
-        __m256 s2 = llmctl_kv2_dot8(q, kr + 2 * hs, hs, tail);
-        __m256 s3 = llmctl_kv2_dot8(q, kr + 3 * hs, hs, tail);
-        scores[j] = llmctl_kv2_hsum(s0) * scale;
-        scores[j + 1] = llmctl_kv2_hsum(s1) * scale;
-        scores[j + 2] = llmctl_kv2_hsum(s2) * scale;
-        scores[j + 3] = llmctl_kv2_hsum(s3) * scale;
+        __m256 s0 = llmctl_kv2_dot8(q, k + (long)j * hs, hs, tail);
+        __m256 s1 = llmctl_kv2_dot8(q, k + (long)(j + 1) * hs, hs, tail);
+        __m256 s2 = llmctl_kv2_dot8(q, k + (long)(j + 2) * hs, hs, tail);
+        __m256 s3 = llmctl_kv2_dot8(q, k + (long)(j + 3) * hs, hs, tail);
+        sc[j] = llmctl_kv2_hsum(s0) * scale;
+        sc[j + 1] = llmctl_kv2_hsum(s1) * scale;
+        sc[j + 2] = llmctl_kv2_hsum(s2) * scale;
+        sc[j + 3] = llmctl_kv2_hsum(s3) * scale;
     }
-    for (; j < j1; j++) scores[j] = llmctl_kv2_hsum(llmctl_kv2_dot8(q, kbase + (long)(j - j0) * hs, hs, tail)) * scale;
+    for (; j < cnt; j++) sc[j] = llmctl_kv2_hsum(llmctl_kv2_dot8(q, k + (long)j * hs, hs, tail)) * scale;
 }
 
-/* columns i .. i+7 of sum_j scores[j] v_j over keys j0 .. j1-1 (value j at row j - j0 of base):
- * even keys into acc0, odd ones into acc1, each in key order, wherever the segment starts */
-LLMCTL_KV2_TGT static inline void llmctl_kv2_pv(__m256* acc0, __m256* acc1, const float* scores, const float* base,
-                                               int j0, int j1, int hs, int i, __m256i m)
+/* columns i .. i+7 of sum_j sc[j] v_j over the cnt values at rows 0 .. cnt-1 of v, the first of
+ * them key number `odd` mod 2: even keys into acc0, odd ones into acc1, each in key order */
+LLMCTL_KV2_TGT static inline void llmctl_kv2_pv(__m256* acc0, __m256* acc1, const float* sc, const float* v,
+                                               int cnt, int odd, int hs, int i, __m256i m)
 {
     __m256 a0 = *acc0, a1 = *acc1;
-    const float* vr = base + i;
-    int j = j0;
-    if (j < j1 && (j & 1)) { a1 = _mm256_fmadd_ps(_mm256_set1_ps(scores[j]), _mm256_maskload_ps(vr, m), a1); j++; }
-    for (; j + 2 <= j1; j += 2) {
-        a0 = _mm256_fmadd_ps(_mm256_set1_ps(scores[j]), _mm256_maskload_ps(vr + (long)(j - j0) * hs, m), a0);
-        a1 = _mm256_fmadd_ps(_mm256_set1_ps(scores[j + 1]), _mm256_maskload_ps(vr + (long)(j + 1 - j0) * hs, m), a1);
+    int j = 0;
+    if (odd && cnt > 0) { a1 = _mm256_fmadd_ps(_mm256_set1_ps(sc[0]), _mm256_maskload_ps(v + i, m), a1); j = 1; }
+    for (; j + 2 <= cnt; j += 2) {
+        a0 = _mm256_fmadd_ps(_mm256_set1_ps(sc[j]), _mm256_maskload_ps(v + (long)j * hs + i, m), a0);
+        a1 = _mm256_fmadd_ps(_mm256_set1_ps(sc[j + 1]), _mm256_maskload_ps(v + (long)(j + 1) * hs + i, m), a1);
     }
-    if (j < j1) a0 = _mm256_fmadd_ps(_mm256_set1_ps(scores[j]), _mm256_maskload_ps(vr + (long)(j - j0) * hs, m), a0);
+    if (j < cnt) a0 = _mm256_fmadd_ps(_mm256_set1_ps(sc[j]), _mm256_maskload_ps(v + (long)j * hs + i, m), a0);
     *acc0 = a0;
     *acc1 = a1;
 }
@@ -110,8 +107,8 @@ LLMCTL_KV2_TGT static void llmctl_kv_attend_avx2(float* out, const float* q, con
     __m256 mx, sum = _mm256_setzero_ps();
     int j;
     if (np > n) np = n;
-    llmctl_kv2_scores(scores, q, kp, vp, 0, np, hs, scale, tail);
-    llmctl_kv2_scores(scores, q, k, v, np, n, hs, scale, tail);
+    llmctl_kv2_scores(scores, q, kp, vp, np, hs, scale, tail);
+    llmctl_kv2_scores(scores + np, q, k, v, n - np, hs, scale, tail);
     for (j = n; j < n8; j++) scores[j] = -INFINITY;      /* padding lanes: exp gives 0 */
     mx = _mm256_set1_ps(-10000.0f);
     for (j = 0; j < n8; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(scores + j));
@@ -127,8 +124,8 @@ LLMCTL_KV2_TGT static void llmctl_kv_attend_avx2(float* out, const float* q, con
     for (int i = 0; i < hs; i += 8) {   /* 8 output columns at a time, down the keys */
         __m256i m = i + 8 <= hs ? _mm256_set1_epi32(-1) : tail;
         __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-        llmctl_kv2_pv(&acc0, &acc1, scores, vp, 0, np, hs, i, m);
-        llmctl_kv2_pv(&acc0, &acc1, scores, v, np, n, hs, i, m);
+        llmctl_kv2_pv(&acc0, &acc1, scores, vp, np, 0, hs, i, m);
+        llmctl_kv2_pv(&acc0, &acc1, scores + np, v, n - np, np & 1, hs, i, m);
         _mm256_maskstore_ps(out + i, m, _mm256_mul_ps(_mm256_add_ps(acc0, acc1), _mm256_set1_ps(inv)));
     }
 }

@@ -40,40 +40,38 @@ LLMCTL_KV_TGT static inline __m512 llmctl_kv_dot16(const float* q, const float* 
     return _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, q + i), _mm512_maskz_loadu_ps(tail, k + i), s);
 }
 
-/* scores[j] = (q . key j) * scale for keys j0 .. j1-1, key j at row j - j0 of base; four
- * independent chains, then one reduce each (a key's score does not depend on its neighbours) */
-LLMCTL_KV_TGT static inline void llmctl_kv_scores16(float* scores, const float* q, const float* base, int j0,
-                                                    int j1, int hs, float scale, __mmask16 tail)
+/* sc[j] = (q . key j) * scale for the cnt keys at rows 0 .. cnt-1 of k; four independent
+ * chains, then one reduce each (a key's score does not depend on its neighbours) */
+LLMCTL_KV_TGT static inline void llmctl_kv_scores16(float* sc, const float* q, const float* k, int cnt, int hs,
+                                                    float scale, __mmask16 tail)
 {
-    int j = j0;
-    for (; j + 4 <= j1; j += 4) {
-        const float* kr = base + (long)(j - j0) * hs;
-        __m512 s0 = llmctl_kv_dot16(q, kr, hs, tail);
-        __m512 s1 = llmctl_kv_dot16(q, kr + hs, hs, tail);
-        __m512 s2 = llmctl_kv_dot16(q, kr + 2 * hs, hs, tail);
-        __m512 s3 = llmctl_kv_dot16(q, kr + 3 * hs, hs, tail);
-        scores[j] = _mm512_reduce_add_ps(s0) * scale;
-        scores[j + 1] = _mm512_reduce_add_ps(s1) * scale;
-        scores[j + 2] = _mm512_reduce_add_ps(s2) * scale;
-        scores[j + 3] = _mm512_reduce_add_ps(s3) * scale;
+    int j = 0;
+    for (; j + 4 <= cnt; j += 4) {
+        __m512 s0 = llmctl_kv_dot16(q, k + (long)j * hs, hs, tail);
+        __m512 s1 = llmctl_kv_dot16(q, k + (long)(j + 1) * hs, hs, tail);
+        __m512 s2 = llmctl_kv_dot16(q, k + (long)(j + 2) * hs, hs, tail);
+        __m512 s3 = llmctl_kv_dot16(q, k + (long)(j + 3) * hs, hs, tail);
+        sc[j] = _mm512_reduce_add_ps(s0) * scale;
+        sc[j + 1] = _mm512_reduce_add_ps(s1) * scale;
+        sc[j + 2] = _mm512_reduce_add_ps(s2) * scale;
+        sc[j + 3] = _mm512_reduce_add_ps(s3) * scale;
     }
-    for (; j < j1; j++) scores[j] = _mm512_reduce_add_ps(llmctl_kv_dot16(q, base + (long)(j - j0) * hs, hs, tail)) * scale;
+    for (; j < cnt; j++) sc[j] = _mm512_reduce_add_ps(llmctl_kv_dot16(q, k + (long)j * hs, hs, tail)) * scale;
 }
 
-/* columns i .. i+15 of sum_j scores[j] v_j over keys j0 .. j1-1 (value j at row j - j0 of base):
- * even keys into acc0, odd ones into acc1, each in key order, wherever the segment starts */
-LLMCTL_KV_TGT static inline void llmctl_kv_pv16(__m512* acc0, __m512* acc1, const float* scores, const float* base,
-                                                int j0, int j1, int hs, int i, __mmask16 m)
+/* columns i .. i+15 of sum_j sc[j] v_j over the cnt values at rows 0 .. cnt-1 of v, the first
+ * of them key number `odd` mod 2: even keys into acc0, odd ones into acc1, each in key order */
+LLMCTL_KV_TGT static inline void llmctl_kv_pv16(__m512* acc0, __m512* acc1, const float* sc, const float* v,
+                                                int cnt, int odd, int hs, int i, __mmask16 m)
 {
     __m512 a0 = *acc0, a1 = *acc1;
-    const float* vr = base + i;
-    int j = j0;
-    if (j < j1 && (j & 1)) { a1 = _mm512_fmadd_ps(_mm512_set1_ps(scores[j]), _mm512_maskz_loadu_ps(m, vr), a1); j++; }
-    for (; j + 2 <= j1; j += 2) {
-        a0 = _mm512_fmadd_ps(_mm512_set1_ps(scores[j]), _mm512_maskz_loadu_ps(m, vr + (long)(j - j0) * hs), a0);
-        a1 = _mm512_fmadd_ps(_mm512_set1_ps(scores[j + 1]), _mm512_maskz_loadu_ps(m, vr + (long)(j + 1 - j0) * hs), a1);
+    int j = 0;
+    if (odd && cnt > 0) { a1 = _mm512_fmadd_ps(_mm512_set1_ps(sc[0]), _mm512_maskz_loadu_ps(m, v + i), a1); j = 1; }
+    for (; j + 2 <= cnt; j += 2) {
+        a0 = _mm512_fmadd_ps(_mm512_set1_ps(sc[j]), _mm512_maskz_loadu_ps(m, v + (long)j * hs + i), a0);
+        a1 = _mm512_fmadd_ps(_mm512_set1_ps(sc[j + 1]), _mm512_maskz_loadu_ps(m, v + (long)(j + 1) * hs + i), a1);
     }
-    if (j < j1) a0 = _mm512_fmadd_ps(_mm512_set1_ps(scores[j]), _mm512_maskz_loadu_ps(m, vr + (long)(j - j0) * hs), a0);
+    if (j < cnt) a0 = _mm512_fmadd_ps(_mm512_set1_ps(sc[j]), _mm512_maskz_loadu_ps(m, v + (long)j * hs + i), a0);
     *acc0 = a0;
     *acc1 = a1;
 }
@@ -92,8 +90,8 @@ LLMCTL_KV_TGT static void llmctl_kv_attend_avx512(float* out, const float* q, co
     __m512 mx, sum = _mm512_setzero_ps();
     int j;
     if (np > n) np = n;
-    llmctl_kv_scores16(scores, q, kp, 0, np, hs, scale, tail);
-    llmctl_kv_scores16(scores, q, k, np, n, hs, scale, tail);
+    llmctl_kv_scores16(scores, q, kp, np, hs, scale, tail);
+    llmctl_kv_scores16(scores + np, q, k, n - np, hs, scale, tail);
     for (j = n; j < n16; j++) scores[j] = -INFINITY;     /* padding lanes: exp gives 0 */
     mx = _mm512_set1_ps(maxval);
     for (j = 0; j < n16; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(scores + j));
@@ -109,8 +107,8 @@ LLMCTL_KV_TGT static void llmctl_kv_attend_avx512(float* out, const float* q, co
     for (int i = 0; i < hs; i += 16) {   /* 16 output columns at a time, down the keys */
         __mmask16 m = i + 16 <= hs ? (__mmask16)0xFFFF : tail;
         __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-        llmctl_kv_pv16(&acc0, &acc1, scores, vp, 0, np, hs, i, m);
-        llmctl_kv_pv16(&acc0, &acc1, scores, v, np, n, hs, i, m);
+        llmctl_kv_pv16(&acc0, &acc1, scores, vp, np, 0, hs, i, m);
+        llmctl_kv_pv16(&acc0, &acc1, scores + np, v, n - np, np & 1, hs, i, m);
         _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(_mm512_add_ps(acc0, acc1), _mm512_set1_ps(inv)));
     }
 }
