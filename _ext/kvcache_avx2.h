@@ -17,6 +17,7 @@
     && (__GNUC__ >= 10 || defined(__clang__))
 #include <immintrin.h>
 #include "mathf_avx2.h"
+#include "kvcache_row.h"
 #define LLMCTL_KV2_TGT __attribute__((target("avx2,fma")))
 
 static int llmctl_kv_avx2_runs(void)
@@ -77,22 +78,8 @@ LLMCTL_KV2_TGT static inline void llmctl_kv2_scores(float* sc, const float* q, c
     for (; j < cnt; j++) sc[j] = llmctl_kv2_hsum(llmctl_kv2_dot8(q, k + (long)j * hs, hs, tail)) * scale;
 }
 
-/* columns i .. i+7 of sum_j sc[j] v_j over the cnt values at rows 0 .. cnt-1 of v, the first of
- * them key number `odd` mod 2: even keys into acc0, odd ones into acc1, each in key order */
-LLMCTL_KV2_TGT static inline void llmctl_kv2_pv(__m256* acc0, __m256* acc1, const float* sc, const float* v,
-                                               int cnt, int odd, int hs, int i, __m256i m)
-{
-    __m256 a0 = *acc0, a1 = *acc1;
-    int j = 0;
-    if (odd && cnt > 0) { a1 = _mm256_fmadd_ps(_mm256_set1_ps(sc[0]), _mm256_maskload_ps(v + i, m), a1); j = 1; }
-    for (; j + 2 <= cnt; j += 2) {
-        a0 = _mm256_fmadd_ps(_mm256_set1_ps(sc[j]), _mm256_maskload_ps(v + (long)j * hs + i, m), a0);
-        a1 = _mm256_fmadd_ps(_mm256_set1_ps(sc[j + 1]), _mm256_maskload_ps(v + (long)(j + 1) * hs + i, m), a1);
-    }
-    if (j < cnt) a0 = _mm256_fmadd_ps(_mm256_set1_ps(sc[j]), _mm256_maskload_ps(v + (long)j * hs + i, m), a0);
-    *acc0 = a0;
-    *acc1 = a1;
-}
+/* columns i .. i+7 of the weighted sum of a segment's values (kvcache_row.h) */
+LLMCTL_KV_PV_SEGMENT(llmctl_kv2_pv, LLMCTL_KV2_TGT, __m256, __m256i, _mm256_set1_ps, _mm256_maskload_ps, _mm256_fmadd_ps)
 
 /* out (hs) = softmax(q K^T / sqrt(hs)) V over n keys; scores: scratch of n rounded up to 8.
  * Keys/values 0 .. np-1 are rows of kp/vp (a shared prefix; np = 0: none), the rest rows of k/v

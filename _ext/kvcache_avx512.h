@@ -15,6 +15,7 @@
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(LLMCTL_NO_AVX_DISPATCH) && __GNUC__ >= 11
 #include <immintrin.h>
 #include "mathf_avx512.h"
+#include "kvcache_row.h"
 #define LLMCTL_KV_AVX512 1
 #define LLMCTL_KV_TGT __attribute__((target("avx512f")))
 
@@ -59,22 +60,9 @@ LLMCTL_KV_TGT static inline void llmctl_kv_scores16(float* sc, const float* q, c
     for (; j < cnt; j++) sc[j] = _mm512_reduce_add_ps(llmctl_kv_dot16(q, k + (long)j * hs, hs, tail)) * scale;
 }
 
-/* columns i .. i+15 of sum_j sc[j] v_j over the cnt values at rows 0 .. cnt-1 of v, the first
- * of them key number `odd` mod 2: even keys into acc0, odd ones into acc1, each in key order */
-LLMCTL_KV_TGT static inline void llmctl_kv_pv16(__m512* acc0, __m512* acc1, const float* sc, const float* v,
-                                                int cnt, int odd, int hs, int i, __mmask16 m)
-{
-    __m512 a0 = *acc0, a1 = *acc1;
-    int j = 0;
-    if (odd && cnt > 0) { a1 = _mm512_fmadd_ps(_mm512_set1_ps(sc[0]), _mm512_maskz_loadu_ps(m, v + i), a1); j = 1; }
-    for (; j + 2 <= cnt; j += 2) {
-        a0 = _mm512_fmadd_ps(_mm512_set1_ps(sc[j]), _mm512_maskz_loadu_ps(m, v + (long)j * hs + i), a0);
-        a1 = _mm512_fmadd_ps(_mm512_set1_ps(sc[j + 1]), _mm512_maskz_loadu_ps(m, v + (long)(j + 1) * hs + i), a1);
-    }
-    if (j < cnt) a0 = _mm512_fmadd_ps(_mm512_set1_ps(sc[j]), _mm512_maskz_loadu_ps(m, v + (long)j * hs + i), a0);
-    *acc0 = a0;
-    *acc1 = a1;
-}
+/* columns i .. i+15 of the weighted sum of a segment's values (kvcache_row.h) */
+#define LLMCTL_KV_LOADM16(p, m) _mm512_maskz_loadu_ps(m, p)
+LLMCTL_KV_PV_SEGMENT(llmctl_kv_pv16, LLMCTL_KV_TGT, __m512, __mmask16, _mm512_set1_ps, LLMCTL_KV_LOADM16, _mm512_fmadd_ps)
 
 /* out (hs) = softmax(q K^T / sqrt(hs)) V over n keys; scores: scratch of n rounded up to 16.
  * Keys/values 0 .. np-1 are rows of kp/vp (a shared prefix: np = 0 when there is none), the rest
