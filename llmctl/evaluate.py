@@ -12,9 +12,10 @@ What it is:
 What it is not: llm.c's padding of every row to T. Examples are sorted by length and packed into
 batches padded only to their longest context, their completion rows run in groups of similar
 length (_length_groups), each padded to its own longest row; the context runs ONCE per example
-and its cached keys/values serve all four completions (exact: attention is causal, so no context position sees a
-completion), read where the context wrote them; all rows of a batch share each layer's matmuls. Logits are computed only where a loss is needed. Results do not depend on batching
-beyond float32 rounding.
+and its cached keys/values serve all four completions (exact: attention is causal, so no context
+position sees a completion), read where the context wrote them; all rows of a batch share each
+layer's matmuls. Logits are computed only where a loss is needed. Results do not depend on
+batching beyond float32 rounding.
 Mirrors: llm.c `llmc/dataloader.h` EvalLoader (next_batch/stat_losses), `dev/data/hellaswag.py`
 (evaluate: sum vs mean), `train_gpt2.cu` val loss loop.
 """

@@ -131,8 +131,9 @@ class KVPart:
     rows: int
     prefix: tuple = None
 
-    def checked(self):
-        """-> this part with int32 positions (and prefix rows/lengths), flat float32 prefix caches."""
+    def __post_init__(self):
+        """Checked once, where the part is made (HellaSwag makes a batch's parts once for all its
+        layers): int32 positions and prefix rows/lengths, and the own cache's append positions."""
         B = self.k.shape[0]
         if self.rows % B:
             raise ValueError(f"{self.rows} rows are not whole rows of a cache of B = {B}")
@@ -143,11 +144,13 @@ class KVPart:
             if c.dtype != np.float32 or c.ndim != 4 or not c.flags.c_contiguous:
                 raise ValueError(f"{name} must be a C-contiguous float32 cache (B, NH, Tcap, hs), got "
                                  f"{c.dtype} of shape {c.shape}")
+        self.pos = np.ascontiguousarray(self.pos, dtype=np.int32)
+        self.append_pos = self.pos
         if pre is not None:
             kp, vp, rows_of, lengths, Tp = pre
-            pre = (kp.reshape(-1), vp.reshape(-1), np.ascontiguousarray(rows_of, dtype=np.int32),
-                   np.ascontiguousarray(lengths, dtype=np.int32), int(Tp))
-        return replace(self, pos=np.ascontiguousarray(self.pos, dtype=np.int32), prefix=pre)
+            self.prefix = pre = (kp, vp, np.ascontiguousarray(rows_of, dtype=np.int32),
+                                 np.ascontiguousarray(lengths, dtype=np.int32), int(Tp))
+            self.append_pos = self.pos - pre[3]
 
 
 def _engine_arg(engine, matmul):
@@ -549,7 +552,7 @@ class GPT2:
         KV = self.kernels.kvcache
         kf, vf = k.reshape(-1), v.reshape(-1)
         qkv, atty = qkv[:part.rows * 3 * C], atty[:part.rows * C]
-        KV.kvcache_append_forward(kf, vf, qkv, pos if pre is None else pos - pre[3], B, T, C, NH, Tcap)
+        KV.kvcache_append_forward(kf, vf, qkv, part.append_pos, B, T, C, NH, Tcap)
         # the cache is read from memory (the matmuls in between evict it): two threads read
         # it faster once it holds a few hundred KB (d12: a capacity of 86 positions or more).
         # Not where the one-row matmuls run on NumPy's BLAS (fp32): an OpenMP region between
@@ -557,6 +560,8 @@ class GPT2:
         span = Tcap + (0 if pre is None else pre[4])
         small = self.ops.gemv_on_openmp and B * span * C >= _MIN_PARALLEL
         nta = nt if small or part.rows * span * C >= _MIN_PARALLEL * 16 else 1
+        if pre is not None:
+            pre = (pre[0].reshape(-1), pre[1].reshape(-1)) + pre[2:]
         KV.attention_cached(atty, qkv, kf, vf, pos, B, T, C, NH, Tcap, nta, prefix=pre)
 
     def forward(self, inputs, targets=None, keep_activations=True, loss_scale=None):
@@ -673,7 +678,7 @@ class GPT2:
         if sum(part.rows for part in parts) != x.shape[0]:
             raise ValueError(f"the parts hold {sum(part.rows for part in parts)} rows, x {x.shape[0]}")
         a = self._cached_layer_acts(np.ascontiguousarray(x, dtype=np.float32), out)
-        self._block_forward(l, a, None, None, [part.checked() for part in parts])
+        self._block_forward(l, a, None, None, parts)
         return a.out.reshape(x.shape)
 
     def final_norm(self, x):
