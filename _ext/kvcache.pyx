@@ -34,9 +34,6 @@ from _openmp cimport omp_get_thread_num
 # ----------------------------------------------------------------------------------------------
 # C-level kernels
 
-cdef extern from "kvcache_row.h" nogil:
-    const float* llmctl_kv_row(const float* pre, int np, const float* own, int j, int hs)
-
 cdef extern from "kvcache_avx512.h" nogil:
     int llmctl_kv_avx512_runs()
     void llmctl_kv_attend_avx512(float* out, const float* q, const float* kp, const float* vp, int np,
@@ -108,9 +105,15 @@ cdef void _attend_one(float* out, const float* q, const float* kp, const float* 
     cdef int j, i
     cdef float s, maxval = -10000.0, expsum = 0.0, inv, a
     cdef float acc[MAX_HS]   # local accumulator: cannot alias v, so the AV loop vectorises
-    cdef const float* vj
-    for j in range(n):
-        s = _dot(q, llmctl_kv_row(kp, np, k, j, hs), hs) * scale
+    if np > n:
+        np = n
+    for j in range(np):          # the prefix's keys, then the own cache's: the same order as one cache
+        s = _dot(q, kp + <long>j * hs, hs) * scale
+        if s > maxval:
+            maxval = s
+        scores[j] = s
+    for j in range(np, n):
+        s = _dot(q, k + <long>(j - np) * hs, hs) * scale
         if s > maxval:
             maxval = s
         scores[j] = s
@@ -121,11 +124,14 @@ cdef void _attend_one(float* out, const float* q, const float* kp, const float* 
     inv = 1.0 / expsum if expsum != 0.0 else 0.0
     for i in range(hs):
         acc[i] = 0.0
-    for j in range(n):
+    for j in range(np):
         a = scores[j] * inv
-        vj = llmctl_kv_row(vp, np, v, j, hs)
         for i in range(hs):
-            acc[i] = acc[i] + a * vj[i]
+            acc[i] = acc[i] + a * vp[<long>j * hs + i]
+    for j in range(np, n):
+        a = scores[j] * inv
+        for i in range(hs):
+            acc[i] = acc[i] + a * v[<long>(j - np) * hs + i]
     for i in range(hs):
         out[i] = acc[i]
 

@@ -1,14 +1,8 @@
-/* Where key/value j of one query's attention lives: kvcache.pyx's caches may be split into a
- * prefix shared by several rows (HellaSwag's context, read by all four endings) and the row's
- * own cache after it. */
+/* kvcache.pyx's caches may be split into a prefix shared by several rows (HellaSwag's context,
+ * read by all four endings) and the row's own cache after it: the vector copies' loop over one
+ * such segment. */
 #ifndef LLMCTL_KVCACHE_ROW_H
 #define LLMCTL_KVCACHE_ROW_H
-
-/* row j of np prefix rows at pre, then the row's own rows at own (key j at own row j - np) */
-static inline const float* llmctl_kv_row(const float* pre, int np, const float* own, int j, int hs)
-{
-    return j < np ? pre + (long)j * hs : own + (long)(j - np) * hs;
-}
 
 /* NAME(acc0, acc1, sc, v, cnt, odd, hs, i, m): columns i .. i+W-1 of sum_j sc[j] v_j over the
  * cnt values at rows 0 .. cnt-1 of v, the first of them key number `odd` mod 2: even keys into
