@@ -14,6 +14,11 @@ What it is not: an accuracy figure (random weights score ~25%).
     python bench/eval.py                                  # d12, 50 examples, fp32, 2 threads
     python bench/eval.py --precision fp32,bf16            # both, side by side
     python bench/eval.py --model d6 --examples 20 --threads 1 --json
+    python bench/eval.py --precision fp32,bf16 --examples 150 --other ../llmctl-before --rounds 3
+
+With --other DIR (another source tree, extensions built in place, as bench/versions.py takes):
+this tree's scoring and that one's, in child processes alternating --rounds times, and the time
+ratio this / other per precision (best, median, paired median).
 """
 import argparse
 import json
@@ -64,6 +69,31 @@ def runnable_precisions(ap, args, sampling=False):
     return precisions, skipped
 
 
+def paired(args):
+    """--other: this tree against that one, child processes alternating, seconds per precision."""
+    import sys
+
+    from versions import alternate, compare   # bench/versions.py: both trees built, alternating runs
+    argv = [sys.executable, os.path.abspath(__file__), "--json", "--model", args.model,
+            "--examples", str(args.examples), "--threads", str(args.threads),
+            "--batch-tokens", str(args.batch_tokens), "--precision", ",".join(args.precision),
+            "--jsonl", os.path.abspath(args.jsonl)] + (["--bf16-emulate"] if args.bf16_emulate else [])
+    runs, load = alternate(args.other, argv, args.rounds)
+    res = {"model": args.model, "threads": args.threads, "examples": args.examples, "rounds": args.rounds,
+           "other": args.other, "load_avg": load,
+           "precisions": compare(runs, lambda out: {r["precision"]: r["seconds"] for r in out["runs"]})}
+    if args.json:
+        print(json.dumps(res))
+        return
+    print(f"{args.model} HellaSwag, {args.examples} examples, {args.threads} threads, {args.rounds} alternating "
+          f"rounds; load avg {load[0]:.2f} -> {load[1]:.2f}")
+    for prec, r in res["precisions"].items():
+        print(f"  {prec}: this {' '.join(f'{v:.1f}' for v in r['this'])} s, "
+              f"other {' '.join(f'{v:.1f}' for v in r['other'])} s")
+        print(f"  {' ' * len(prec)}  this / other time: best {r['best_ratio']:.3f}x, median {r['median_ratio']:.3f}x, "
+              f"paired median {r['paired_median_ratio']:.3f}x")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="d12")
@@ -72,8 +102,13 @@ def main(argv=None):
     ap.add_argument("--batch-tokens", type=int, default=2048)
     add_precision_args(ap)
     ap.add_argument("--jsonl", default=JSONL)
+    ap.add_argument("--other", help="source tree of another version (extensions built in place): both "
+                    "trees' scoring, alternating child processes")
+    ap.add_argument("--rounds", type=int, default=3, help="with --other: alternations of the two trees")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.other:
+        return paired(args)
 
     from llmctl._ext import matmul
     from llmctl import evaluate

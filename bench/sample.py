@@ -26,8 +26,6 @@ decode tokens/s of each tree and precision and their ratios (above 1: this tree 
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
 import time
 
@@ -67,37 +65,16 @@ def _measure(model, prompt, args):
 
 def paired(args):
     """--other: this tree against that one, child processes alternating, decode tokens/s each."""
-    from versions import check_built   # bench/versions.py: the same check that both trees are built
-    trees = {"this": os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."), "other": args.other}
-    for tree in trees.values():
-        check_built(tree)
+    from versions import alternate, compare   # bench/versions.py: both trees built, alternating runs
     argv = [sys.executable, os.path.abspath(__file__), "--json", "--full-tokens", "0", "--model", args.model,
             "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens),
             "--threads", str(args.threads), "--precision", ",".join(args.precision)] + \
         (["--bf16-emulate"] if args.bf16_emulate else [])
-    tps = {}   # (tree, precision) -> [decode tokens/s per round]
-    load0 = os.getloadavg()[0]
-    for r in range(args.rounds):
-        for k in (("this", "other") if r % 2 == 0 else ("other", "this")):
-            env = dict(os.environ, PYTHONPATH=os.path.abspath(trees[k]))
-            out = subprocess.run(argv, env=env, cwd=os.path.abspath(trees[k]), capture_output=True, text=True)
-            if out.returncode != 0:
-                raise SystemExit(f"bench/sample.py with {trees[k]} failed (exit {out.returncode}):\n"
-                                 f"{out.stderr[-2000:]}")
-            for run in json.loads(out.stdout.strip().splitlines()[-1])["runs"]:
-                tps.setdefault((k, run["precision"]), []).append(run["cached"]["decode_tokens_per_s"])
+    runs, load = alternate(args.other, argv, args.rounds)
     res = {"model": args.model, "threads": args.threads, "rounds": args.rounds, "other": args.other,
-           "load_avg": [round(load0, 2), round(os.getloadavg()[0], 2)], "precisions": {}}
-    for prec in sorted({p for _, p in tps}):
-        this, other = tps.get(("this", prec), []), tps.get(("other", prec), [])
-        if not this or not other:
-            continue
-        res["precisions"][prec] = {
-            "this": this, "other": other,
-            "best_ratio": round(max(this) / max(other), 3),
-            "median_ratio": round(statistics.median(this) / statistics.median(other), 3),
-            # round by round: each pair ran back to back
-            "paired_median_ratio": round(statistics.median(a / b for a, b in zip(this, other)), 3)}
+           "load_avg": load,
+           "precisions": compare(runs, lambda out: {r["precision"]: r["cached"]["decode_tokens_per_s"]
+                                                    for r in out["runs"]}, rate=True)}
     if args.json:
         print(json.dumps(res))
         return

@@ -68,6 +68,43 @@ def check_built(tree):
                          f"build them in place: cd {tree} && python setup.py build_ext --inplace")
 
 
+def alternate(other, argv, rounds):
+    """Run the bench command argv (python and its args; it prints one JSON object last) with this
+    tree and then `other` on PYTHONPATH, alternating the order each round so both see the same
+    machine load -> ({"this": [result per round], "other": [...]}, [load average before, after])."""
+    trees = {"this": os.path.join(HERE, ".."), "other": other}
+    for tree in trees.values():
+        check_built(tree)
+    out, load0 = {"this": [], "other": []}, os.getloadavg()[0]
+    for r in range(rounds):
+        for k in (("this", "other") if r % 2 == 0 else ("other", "this")):
+            env = dict(os.environ, PYTHONPATH=os.path.abspath(trees[k]))
+            res = subprocess.run(argv, env=env, cwd=os.path.abspath(trees[k]), capture_output=True, text=True)
+            if res.returncode != 0:
+                raise SystemExit(f"{os.path.basename(argv[1])} with {trees[k]} failed (exit {res.returncode}):\n"
+                                 f"{res.stderr[-2000:]}")
+            out[k].append(json.loads(res.stdout.strip().splitlines()[-1]))
+    return out, [round(load0, 2), round(os.getloadavg()[0], 2)]
+
+
+def compare(runs, figures, rate=False):
+    """runs as alternate() returns them; figures(result) -> {case: figure} of one child's result
+    -> {case: ratios(...)} for every case both trees measured in every round."""
+    per = {k: [figures(res) for res in runs[k]] for k in ("this", "other")}
+    cases = [c for c in per["this"][0] if all(f.get(c) is not None for k in per for f in per[k])]
+    return {c: ratios([f[c] for f in per["this"]], [f[c] for f in per["other"]], rate) for c in cases}
+
+
+def ratios(this, other, rate=False):
+    """this / other over the rounds' figures of each tree (times, or rates with rate=True: the best
+    is then the highest): best, median, and the median of each round's pair (run back to back)."""
+    best = max if rate else min
+    return {"this": this, "other": other,
+            "best_ratio": round(best(this) / best(other), 3),
+            "median_ratio": round(statistics.median(this) / statistics.median(other), 3),
+            "paired_median_ratio": round(statistics.median(a / b for a, b in zip(this, other)), 3)}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--other", required=True, help="source tree of the other version (extensions built in place)")
