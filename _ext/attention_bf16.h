@@ -12,7 +12,7 @@
  * the per-block steps in AVX-512 (attention_bf16_avx512.h: the exp with FMAs, row sums two keys
  * at a time); the paths' GEMMs differ in the order of their fp32 additions:
  *   "amx"          AMX tiles (TDPBF16PS), 32 x 32 output blocks of four 16 x 16 tiles;
- *   "avx512_bf16"  VDPBF16PS, 4 rows x 32 columns of accumulators in registers;
+ *   "avx512_bf16"  VDPBF16PS, 8 rows x 32 columns of accumulators in registers;
  *   "emulated"     plain C on fp32: each pair adds a[2r+1] b[2r+1], then a[2r] b[2r] (VDPBF16PS's
  *                  documented order), so tests and CPUs without native bf16 run the same math.
  *
@@ -110,21 +110,27 @@ static void attb_gemm_emulated(float* C, ptrdiff_t ldc, const uint16_t* A, ptrdi
 #define ATTB_TGT_BF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
 #define ATTB_TGT_AMX __attribute__((target("amx-tile,amx-bf16,avx512f")))
 
+/* one row of the 8 x 32 register block: C row i's two accumulators += A[i][2r, 2r+1] (broadcast) B's pair row r */
+#define ATTB_DP_ROW(i)                                                                          \
+    memcpy(&w, a + (i) * lda + 2 * r, 4);                                                       \
+    x = (__m512bh)_mm512_set1_epi32((int)w);                                                    \
+    c[i][0] = _mm512_dpbf16_ps(c[i][0], x, b0);                                                 \
+    c[i][1] = _mm512_dpbf16_ps(c[i][1], x, b1);
+
+/* 8 rows x 32 columns of accumulators (16 of the 32 registers): each pair row of B, two loads,
+   serves 16 VDPBF16PS (4 rows did 8, and the loads were the limit). M is a multiple of 8 (of 32
+   here); every C element still adds its pairs in K order, so the tile shape changes no bit. */
 ATTB_TGT_BF16 static void attb_gemm_avx512_bf16(float* C, ptrdiff_t ldc, const uint16_t* A,
                                                 ptrdiff_t lda, const uint16_t* B, ptrdiff_t ldb,
                                                 int M, int N, int K, int acc)
 {
-    for (int m = 0; m < M; m += 4)
+    for (int m = 0; m < M; m += 8)
         for (int n = 0; n < N; n += 32) {
-            float* c = C + m * ldc + n;
-            __m512 c00, c01, c10, c11, c20, c21, c30, c31;
-            if (acc) {
-                c00 = _mm512_loadu_ps(c), c01 = _mm512_loadu_ps(c + 16);
-                c10 = _mm512_loadu_ps(c + ldc), c11 = _mm512_loadu_ps(c + ldc + 16);
-                c20 = _mm512_loadu_ps(c + 2 * ldc), c21 = _mm512_loadu_ps(c + 2 * ldc + 16);
-                c30 = _mm512_loadu_ps(c + 3 * ldc), c31 = _mm512_loadu_ps(c + 3 * ldc + 16);
-            } else {
-                c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = _mm512_setzero_ps();
+            float* cp = C + m * ldc + n;
+            __m512 c[8][2];
+            for (int i = 0; i < 8; i++) {
+                c[i][0] = acc ? _mm512_loadu_ps(cp + i * ldc) : _mm512_setzero_ps();
+                c[i][1] = acc ? _mm512_loadu_ps(cp + i * ldc + 16) : _mm512_setzero_ps();
             }
             const uint16_t* a = A + m * lda;
             for (int r = 0; r < K / 2; r++) {
@@ -133,25 +139,16 @@ ATTB_TGT_BF16 static void attb_gemm_avx512_bf16(float* C, ptrdiff_t ldc, const u
                 __m512bh b1 = (__m512bh)_mm512_loadu_si512((const void*)(b + 32));
                 uint32_t w;
                 __m512bh x;
-                memcpy(&w, a + 2 * r, 4);
-                x = (__m512bh)_mm512_set1_epi32((int)w);
-                c00 = _mm512_dpbf16_ps(c00, x, b0); c01 = _mm512_dpbf16_ps(c01, x, b1);
-                memcpy(&w, a + lda + 2 * r, 4);
-                x = (__m512bh)_mm512_set1_epi32((int)w);
-                c10 = _mm512_dpbf16_ps(c10, x, b0); c11 = _mm512_dpbf16_ps(c11, x, b1);
-                memcpy(&w, a + 2 * lda + 2 * r, 4);
-                x = (__m512bh)_mm512_set1_epi32((int)w);
-                c20 = _mm512_dpbf16_ps(c20, x, b0); c21 = _mm512_dpbf16_ps(c21, x, b1);
-                memcpy(&w, a + 3 * lda + 2 * r, 4);
-                x = (__m512bh)_mm512_set1_epi32((int)w);
-                c30 = _mm512_dpbf16_ps(c30, x, b0); c31 = _mm512_dpbf16_ps(c31, x, b1);
+                ATTB_DP_ROW(0) ATTB_DP_ROW(1) ATTB_DP_ROW(2) ATTB_DP_ROW(3)
+                ATTB_DP_ROW(4) ATTB_DP_ROW(5) ATTB_DP_ROW(6) ATTB_DP_ROW(7)
             }
-            _mm512_storeu_ps(c, c00); _mm512_storeu_ps(c + 16, c01);
-            _mm512_storeu_ps(c + ldc, c10); _mm512_storeu_ps(c + ldc + 16, c11);
-            _mm512_storeu_ps(c + 2 * ldc, c20); _mm512_storeu_ps(c + 2 * ldc + 16, c21);
-            _mm512_storeu_ps(c + 3 * ldc, c30); _mm512_storeu_ps(c + 3 * ldc + 16, c31);
+            for (int i = 0; i < 8; i++) {
+                _mm512_storeu_ps(cp + i * ldc, c[i][0]);
+                _mm512_storeu_ps(cp + i * ldc + 16, c[i][1]);
+            }
         }
 }
+#undef ATTB_DP_ROW
 
 /* tiles 0-3: the 2 x 2 fp32 blocks of C; 4-5: two 16-row slices of A; 6-7: two 16-column
    slices of B. Every tile is 16 rows of 64 bytes (palette 1). */
