@@ -203,8 +203,8 @@ def test_onednn_is_the_wheels_versioned_file_and_reports_its_version():
 def _libgomp_settings(env):
     """libgomp's own report (OMP_DISPLAY_ENV) of the wait settings it read when it loaded, in a
     fresh process that imports a kernel with `env` as its whole OpenMP environment."""
-    clean = {k: v for k, v in os.environ.items()
-             if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "LLMCTL_OPENMP_WAIT")}
+    clean = {k: v for k, v in os.environ.items()   # (LLMCTL_NO_DNNL too: a run of the suite with it set)
+             if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "LLMCTL_OPENMP_WAIT", "LLMCTL_NO_DNNL")}
     r = subprocess.run([sys.executable, "-c", "import llmctl._ext.layers, llmctl; print(llmctl.OPENMP_WAIT)"],
                        capture_output=True, text=True, timeout=120,
                        env=dict(clean, OMP_DISPLAY_ENV="verbose", **env))

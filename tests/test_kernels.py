@@ -194,8 +194,10 @@ def test_matmul_rejects_bad_arguments():
     assert "blas" in matmul.get_engines() and "tiled" in matmul.get_engines()
 
 
-def test_matmul_default_engine_is_dnnl_where_built():
-    # oneDNN is the default wherever it was linked; scipy's BLAS otherwise
+def test_matmul_default_engine_is_dnnl_where_built(monkeypatch):
+    # oneDNN is the default wherever it was linked; scipy's BLAS otherwise (unless switched off:
+    # a run of the suite with LLMCTL_NO_DNNL set, which the next test covers)
+    monkeypatch.delenv("LLMCTL_NO_DNNL", raising=False)
     want = "dnnl" if matmul.dnnl_built() else "blas"
     assert matmul.default_engine() == want == matmul.get_engines()[0]
 

@@ -102,7 +102,14 @@ def assert_overfit_losses_match(ref, run):
 def assert_bf16_backend_matches_shm_and_one_process(d, name):
     """The 6-step bf16 job of run `name` (2 ranks over some backend) against run "shm" (the same 2
     ranks over shared memory: one fp32 addition and an exact halving, so bit for bit) and run
-    "one" (1 process with -d 2*B*T: only the gradients' fp32 summation order differs, 1e-6)."""
+    "one" (1 process with -d 2*B*T: only the gradients' fp32 summation order differs).
+
+    Against "one" the gradients differ by ~1e-9 absolute, but AdamW divides each by its own
+    running scale: where a gradient is near zero (a unit the GELU has switched off), a relative
+    change of a percent, or a weight of the bf16 copy rounded the other way, moves that update by
+    a percent of lr. So nearly every parameter agrees within 1e-6 (1/1000 of one lr=1e-3 step)
+    and a few (at most 1 in 1000) within 1e-4; a wrong accumulation moves most of them by ~lr.
+    (Seen on the emulated bf16 path over scipy's BLAS: 3 of 30080 weights, up to 4.6e-6.)"""
     def params(out):
         return np.fromfile(d / out / "model_00000006.bin", dtype=np.float32)[256:]  # skip the header
 
@@ -110,7 +117,8 @@ def assert_bf16_backend_matches_shm_and_one_process(d, name):
     assert train_losses(d / name) == train_losses(d / "shm")
     np.testing.assert_array_equal(params(name), params("shm"))
     np.testing.assert_allclose(train_losses(d / name), train_losses(d / "one"), rtol=1e-6)
-    np.testing.assert_allclose(params(name), params("one"), rtol=0, atol=1e-6)
+    diff = np.abs(params(name) - params("one"))
+    assert (diff > 1e-6).mean() <= 1e-3 and diff.max() <= 1e-4, (int((diff > 1e-6).sum()), diff.max())
     assert np.abs(params("one") - np.fromfile(d / "init.bin", dtype=np.float32)[256:]).max() > 1e-3
 
 
