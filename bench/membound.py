@@ -4,7 +4,8 @@ What it measures, all in ONE run (best wall time of --repeat runs each):
 - the floor: the bandwidth of NumPy's `np.add(a, b, out=c)` split over the same number of
   threads (each thread a contiguous part, NumPy releases the GIL), on arrays whose bytes moved
   equal the kernel's, so the floor sits at the same level of the memory hierarchy (a d12 T=64
-  activation fits in L2, AdamW's 0.5 GB arrays do not). Bytes are counted as STREAM counts them:
+  activation fits in L2, AdamW's 0.5 GB arrays do not); from 256 MB on, one floor for memory,
+  the better of two fresh sets of arrays. Bytes are counted as STREAM counts them:
   each array read or written once, no write-allocate traffic;
 - every kernel of the step whose work is a pass over memory, at d12 shapes (B=4 and the --seq
   lengths): AdamW (fp32; with the bf16 copy; with the gradient zeroing of train), the global
@@ -16,6 +17,13 @@ What it measures, all in ONE run (best wall time of --repeat runs each):
   fused softmax + cross-entropy + bf16 dlogits, and the fp32 -> bf16 cast;
 - per kernel: bytes moved, GB/s achieved, the floor's GB/s at that size, and `x floor` = the
   kernel's time / the time the floor's bandwidth needs for its bytes (the target: <= 1.5);
+- per kernel, its compute alone: the same kernel on one thread over rows (or parameters) that
+  move about 384 KB, so they stay in L2 (softmax + cross-entropy: one row, 201 KB of logits),
+  called until it has done the same work, divided by the threads (each call also pays the
+  wrapper's argument checks, a microsecond or two). `cache x` = that
+  time / the floor's time: a kernel whose arithmetic alone is above 1.5x the floor cannot reach
+  1.5x by moving its bytes better, only by doing fewer instructions (and the row loops keep
+  fixed bits: the same operations in the same order on every copy);
 - the row loops (layernorm, GELU, softmax + cross-entropy, the cast) in every copy this CPU
   runs (`--isa`, default all: baseline x86-64, AVX2, AVX-512; the same bits), side by side.
 What it is not: a correctness test (tests/test_kernels.py) or the GEMMs (bench/kernels.py,
@@ -36,6 +44,9 @@ from llmctl._ext import adamw, convert, layers
 
 B, C, V, Vp = 4, 768, 50257, 50304
 NUM_PARAMS = 124_475_904   # d12
+CACHE_BYTES = 384 << 10    # the in-cache runs' size: in L2 on every x86 core of the last years
+DRAM_BYTES = 256 << 20     # from this size on, one floor: memory's (fresh 1-3 GB arrays gave 33-60 GB/s
+                           # from one size to the next in a run, whatever the kernel)
 
 
 def best_time(fn, repeat, warmup=1):
@@ -73,8 +84,9 @@ def floor_gbs(nbytes, n_threads, repeat):
     return 12 * n / t / 1e9
 
 
-def kernels(BT, nt):
-    """[(name, bytes moved, fn)] for B*T = BT rows at d12."""
+def kernels(BT, nt, repeated=False):
+    """[(name, bytes moved, fn)] for B*T = BT rows at d12, on nt threads; repeated: data for
+    thousands of calls in a row (the in-cache runs)."""
     rng = np.random.default_rng(0)
     f = lambda n: rng.standard_normal(n, dtype=np.float32)
     n, n4, nv = BT * C, 4 * BT * C, BT * Vp
@@ -85,6 +97,10 @@ def kernels(BT, nt):
     mean, rstd = np.empty(BT, np.float32), np.empty(BT, np.float32)
     layers.layernorm_forward(out, mean, rstd, x, w, bias, BT, C, nt)
     h, dh, dh_in, dfb = f(n4), f(n4), np.zeros(n4, np.float32), f(n4)
+    # d = gelu'(x) d in place: called thousands of times over the same d (repeated), d would sink
+    # into subnormals, slow on every x86; there x >= 4, where gelu' is 1 to 4 digits (the loop has
+    # no branches: its time does not depend on the values)
+    hfb = np.float32(4) + np.abs(h) if repeated else h
     h_out, h16 = np.empty(n4, np.float32), np.empty(n4, np.uint16)
     hb, gb = np.empty(n4, np.uint16), np.zeros(4 * C, np.float32)   # bf16 fch, fc's dbias
     convert.cast_to_bf16(hb, h, nt)
@@ -107,7 +123,7 @@ def kernels(BT, nt):
         ("gelu recompute: 3 passes", 28 * n4, lambda: (layers.gelu_forward(h_out, h, n4, nt),
                                                       layers.zero_fill(dh_in, nt),
                                                       layers.gelu_backward(dh_in, h, dh, n4, nt))),
-        ("gelu_forward_backward (1 pass)", 16 * n4, lambda: layers.gelu_forward_backward(h_out, dfb, h, n4, nt)),
+        ("gelu_forward_backward (1 pass)", 16 * n4, lambda: layers.gelu_forward_backward(h_out, dfb, hfb, n4, nt)),
         ("gelu_forward_bf16 (bf16 in)", 4 * n4, lambda: layers.gelu_forward_bf16(h16, hb, n4, nt)),
         ("gelu_backward_bf16 (bf16 in, dbias)", 8 * n4,
          lambda: layers.gelu_backward_bf16(h16, gb, hb, dh, BT, 4 * C, nt)),
@@ -128,9 +144,10 @@ def kernels(BT, nt):
     ]
 
 
-def optimizer_kernels(nt):
-    """AdamW and the grad norm over d12's parameter count (the train loop's passes)."""
-    N = NUM_PARAMS
+def optimizer_kernels(nt, N=NUM_PARAMS, repeated=False):
+    """AdamW and the grad norm over N parameters (d12's: the train loop's passes); repeated:
+    the gradients the zeroing variant clears are put back every 64 calls (else v decays into
+    subnormals over thousands of calls)."""
     p = np.random.default_rng(1).standard_normal(N, dtype=np.float32) * np.float32(0.02)
     g = np.full(N, 1e-3, np.float32)
     m, v = np.zeros(N, np.float32), np.zeros(N, np.float32)
@@ -139,6 +156,8 @@ def optimizer_kernels(nt):
 
     def upd(bf16, zero):
         step[0] += 1
+        if repeated and zero and step[0] % 64 == 0:
+            g.fill(1e-3)
         adamw.adamw_update(p, g, m, v, 1e-4, 0.9, 0.95, 1e-8, 0.0, 1.0, step[0], nt,
                            pb if bf16 else None, zero_grads=zero)
 
@@ -162,34 +181,54 @@ def main(argv=None):
     nt = TH.configure_threads(args.threads)
     best = layers.set_simd(True)
     isas = args.isa.split(",") if args.isa else list(layers.ISAS[:layers.ISAS.index(best) + 1])
-    rows = []
-    groups = [(f"d12 B={B} T={T}", kernels(B * T, nt)) for T in map(int, args.seq.split(","))]
-    groups.append(("d12 optimizer", optimizer_kernels(nt)))
+    rows, floors = [], {}
+    groups = [(f"d12 B={B} T={T}", B * T, lambda bt, n, rep=False: kernels(bt, n, rep))
+              for T in map(int, args.seq.split(","))]
+    groups.append(("d12 optimizer", NUM_PARAMS, lambda n_, n, rep=False: optimizer_kernels(n, n_, rep)))
     try:
-        for group, ks in groups:
-            for name, nbytes, fn in ks:
-                fl = floor_gbs(nbytes, nt, args.repeat)
-                for isa in (isas if group != "d12 optimizer" else [adamw.simd()]):
-                    if group != "d12 optimizer":
+        for group, size, make in groups:
+            opt = group == "d12 optimizer"
+            built = {}   # size -> that size's kernels on one thread: the compute alone, in L2
+
+            def small(i, nbytes):
+                n = max(1, int(CACHE_BYTES * size / nbytes))
+                if n not in built:
+                    built[n] = make(n, 1, True)
+                return built[n][i][2], n
+
+            for i, (name, nbytes, fn) in enumerate(make(size, nt)):
+                fn_small, n_small = small(i, nbytes)
+                calls = max(1, round(size / n_small))
+                key = nbytes if nbytes < DRAM_BYTES else DRAM_BYTES
+                if key not in floors:   # one floor per size, and one for every size past the caches
+                    floors[key] = max(floor_gbs(key, nt, args.repeat) for _ in range(2 if key == DRAM_BYTES else 1))
+                fl = floors[key]
+                for isa in (isas if not opt else [adamw.simd()]):
+                    if not opt:
                         got = layers.set_simd(isa)
                         convert.set_isa(layers.ISAS.index(got))
                         if got != isa:
                             raise SystemExit(f"this CPU does not run the {isa} loops (it runs up to {best})")
                     t = best_time(fn, args.repeat)
+                    tc = best_time(lambda: [fn_small() for _ in range(calls)], args.repeat) / nt
+                    floor_s = nbytes / fl / 1e9
                     rows.append({"group": group, "kernel": name, "isa": isa, "bytes": nbytes, "ms": t * 1e3,
                                  "GB_per_s": nbytes / t / 1e9, "floor_GB_per_s": fl,
-                                 "x_floor": t / (nbytes / fl / 1e9)})
+                                 "x_floor": t / floor_s, "cache_ms": tc * 1e3, "cache_x_floor": tc / floor_s})
     finally:
         layers.set_simd(True)
         convert.set_isa(-1)
     if args.json:
         print(json.dumps({"threads": nt, "rows": rows}, indent=1))
         return
-    print(f"threads {nt}; floor = np.add split over {nt} threads at the same bytes; x floor = time / (bytes / floor)")
-    print(f"{'group':<15} {'kernel':<42} {'isa':<8} {'MB':>7} {'ms':>8} {'GB/s':>6} {'floor':>6} {'x floor':>7}")
+    print(f"threads {nt}; floor = np.add split over {nt} threads at the same bytes; x floor = time / (bytes / floor);")
+    print("cache = the compute alone (one thread in L2, scaled to the work and the threads); cache x = cache / floor time")
+    print(f"{'group':<15} {'kernel':<42} {'isa':<8} {'MB':>7} {'ms':>8} {'GB/s':>6} {'floor':>6} {'x floor':>7} "
+          f"{'cache':>7} {'cache x':>7}")
     for r in rows:
         print(f"{r['group']:<15} {r['kernel']:<42} {r['isa']:<8} {r['bytes'] / 1e6:7.1f} {r['ms']:8.2f} "
-              f"{r['GB_per_s']:6.1f} {r['floor_GB_per_s']:6.1f} {r['x_floor']:7.2f}")
+              f"{r['GB_per_s']:6.1f} {r['floor_GB_per_s']:6.1f} {r['x_floor']:7.2f} {r['cache_ms']:7.2f} "
+              f"{r['cache_x_floor']:7.2f}")
 
 
 if __name__ == "__main__":
