@@ -7,8 +7,9 @@
  *     scores are finite, as padded q rows are zeros, and their outputs are never written);
  *   - bf16 rounding is attb_rnd's (nearest even, a subnormal result flushed to a signed zero).
  * So results differ from the emulated path's in the last bits of P and dS, well inside the
- * bounds tests/test_attention_bf16.py derives. The transposes run on 32-bit gathers and the
- * bf16 pair packing on whole words. Included by attention_bf16.h only. */
+ * bounds tests/test_attention_bf16.py derives. The transposes run on 16 x 16 transposes of
+ * 32-bit words in registers and the bf16 pair packing on whole words. Included by
+ * attention_bf16.h only. */
 #ifndef LLMCTL_ATTENTION_BF16_AVX512_H
 #define LLMCTL_ATTENTION_BF16_AVX512_H
 
@@ -135,29 +136,63 @@ ATTB_TGT_V static void attb_fwd_out_avx512(float* out, uint16_t* out16, float* l
     }
 }
 
-/* dst (hsp x Tp) = R (Tp x hsp)^T, 16 rows of R and two columns per 32-bit gather */
+/* o[k] = 32-bit word k of the 16 rows src, src + ld, ... (ld in bf16): a 16 x 16 transpose of
+   words in registers, by unpacks within 128-bit lanes and then lane shuffles (Zen 4 runs a
+   16-lane gather at about one element a cycle; this is 64 shuffles for 256 words) */
+ATTB_TGT_V static inline void attb_tr16x16(__m512i* o, const uint16_t* src, ptrdiff_t ld)
+{
+    __m512i r[16], t[16], u[16], v[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512((const void*)(src + i * ld));
+    for (int q = 0; q < 16; q += 4) {       /* u[q + p]: word 4L + p of rows q..q+3, in lane L */
+        t[q] = _mm512_unpacklo_epi32(r[q], r[q + 1]);
+        t[q + 1] = _mm512_unpackhi_epi32(r[q], r[q + 1]);
+        t[q + 2] = _mm512_unpacklo_epi32(r[q + 2], r[q + 3]);
+        t[q + 3] = _mm512_unpackhi_epi32(r[q + 2], r[q + 3]);
+        u[q] = _mm512_unpacklo_epi64(t[q], t[q + 2]);
+        u[q + 1] = _mm512_unpackhi_epi64(t[q], t[q + 2]);
+        u[q + 2] = _mm512_unpacklo_epi64(t[q + 1], t[q + 3]);
+        u[q + 3] = _mm512_unpackhi_epi64(t[q + 1], t[q + 3]);
+    }
+    for (int s = 0; s < 16; s += 8)         /* v[s + p]: words p, 8 + p; v[s + 4 + p]: 4 + p, 12 + p */
+        for (int p = 0; p < 4; p++) {
+            v[s + p] = _mm512_shuffle_i32x4(u[s + p], u[s + 4 + p], 0x88);
+            v[s + 4 + p] = _mm512_shuffle_i32x4(u[s + p], u[s + 4 + p], 0xdd);
+        }
+    for (int p = 0; p < 4; p++) {
+        o[p] = _mm512_shuffle_i32x4(v[p], v[8 + p], 0x88);
+        o[8 + p] = _mm512_shuffle_i32x4(v[p], v[8 + p], 0xdd);
+        o[4 + p] = _mm512_shuffle_i32x4(v[4 + p], v[12 + p], 0x88);
+        o[12 + p] = _mm512_shuffle_i32x4(v[4 + p], v[12 + p], 0xdd);
+    }
+}
+
+/* dst (hsp x Tp) = R (Tp x hsp)^T: 16 rows by 16 words (32 columns) at a time */
 ATTB_TGT_V static void attb_transpose_avx512(uint16_t* dst, const uint16_t* R, ptrdiff_t Tp, ptrdiff_t hsp)
 {
-    __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                     _mm512_set1_epi32((int)(hsp / 2)));
+    __m512i o[16];
     for (ptrdiff_t t0 = 0; t0 < Tp; t0 += 16)
-        for (ptrdiff_t d = 0; d < hsp; d += 2) {
-            __m512i w = _mm512_i32gather_epi32(idx, (const void*)(R + t0 * hsp + d), 4);
-            _mm256_storeu_si256((__m256i*)(dst + d * Tp + t0), _mm512_cvtepi32_epi16(w));
-            _mm256_storeu_si256((__m256i*)(dst + (d + 1) * Tp + t0), _mm512_cvtepi32_epi16(_mm512_srli_epi32(w, 16)));
+        for (ptrdiff_t j0 = 0; j0 < hsp / 2; j0 += 16) {
+            attb_tr16x16(o, R + t0 * hsp + 2 * j0, hsp);
+            for (int k = 0; k < 16; k++) {
+                ptrdiff_t d = 2 * (j0 + k);
+                _mm256_storeu_si256((__m256i*)(dst + d * Tp + t0), _mm512_cvtepi32_epi16(o[k]));
+                _mm256_storeu_si256((__m256i*)(dst + (d + 1) * Tp + t0),
+                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(o[k], 16)));
+            }
         }
 }
 
-/* columns paired per block of 32 rows: a transpose of 32-bit words, one gather per 16 */
+/* columns paired per block of 32 rows: a transpose of 32-bit words, 16 rows by 16 words at a time */
 ATTB_TGT_V static void attb_colpairs_avx512(uint16_t* dst, const uint16_t* R, ptrdiff_t Tp, ptrdiff_t hsp)
 {
-    __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                     _mm512_set1_epi32((int)(hsp / 2)));
+    __m512i o[16];
     for (ptrdiff_t t0 = 0; t0 < Tp; t0 += ATTB_BLK)
-        for (ptrdiff_t r = 0; r < hsp / 2; r++)
-            for (ptrdiff_t n0 = 0; n0 < ATTB_BLK; n0 += 16)
-                _mm512_storeu_si512((void*)(dst + t0 * hsp + (r * ATTB_BLK + n0) * 2),
-                                    _mm512_i32gather_epi32(idx, (const void*)(R + (t0 + n0) * hsp + 2 * r), 4));
+        for (ptrdiff_t n0 = 0; n0 < ATTB_BLK; n0 += 16)
+            for (ptrdiff_t j0 = 0; j0 < hsp / 2; j0 += 16) {
+                attb_tr16x16(o, R + (t0 + n0) * hsp + 2 * j0, hsp);
+                for (int k = 0; k < 16; k++)
+                    _mm512_storeu_si512((void*)(dst + t0 * hsp + ((j0 + k) * ATTB_BLK + n0) * 2), o[k]);
+            }
 }
 
 /* rows paired: word d of pair p = R[2p][d] | R[2p+1][d] << 16 */
