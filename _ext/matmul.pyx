@@ -804,19 +804,35 @@ cdef Py_ssize_t _gemv_grain = 65536
 # primitive's sum post-op); a dX written (accumulate=False, beta 0) with a short K is faster on
 # the primitive at any rows: at 4096 rows, cold operands, K = 768 (attproj, fcproj) 3.1 / 14.6 ms
 # against the gemm call's 5.3 / 18.6, K = 2304 even, K = 3072 (fc) 15.4 against 13.5.
+# Those figures are an AMX Xeon's. On a Zen 4 (AVX512_BF16, no AMX) the primitive's dW is
+# slower at 256 rows too (0.78-0.91x the gemm call's, bench/gemm.py), and a d12 B=4 T=64 bf16
+# step ran 0.94x the time with dW (and the accumulated dX) on the gemm call; the written dX
+# with a short K still gains on the primitive there at 4096 rows (the T=1024 step 1.03-1.07x
+# slower without it). So dW has its own limit, picked by the CPU at import.
 cdef int _prim_rows = 512
+cdef int _prim_dw_rows = 512 if _cpu_bf16_flags & 2 else 0
 cdef enum:
     PRIM_DX_K_MAX = 8192
     PRIM_DX_SHORT_K = 1024
 
 
 def set_bf16_primitive_rows(int rows):
-    """Run the "dnnl" engine's backward products on the matmul primitive for at most `rows`
-    rows (B*T), the gemm call above that, except a written dX (accumulate=False) with K <= 1024,
+    """Run the "dnnl" engine's backward dX on the matmul primitive for at most `rows` rows
+    (B*T), the gemm call above that, except a written dX (accumulate=False) with K <= 1024,
     which runs on the primitive at any rows (0: never). Returns the old value."""
     global _prim_rows
     old = _prim_rows
     _prim_rows = rows
+    return old
+
+
+def set_bf16_primitive_dw_rows(int rows):
+    """Run the "dnnl" engine's dW on the matmul primitive for at most `rows` rows (B*T), the
+    gemm call above that (0: never). The default: 512 on a CPU with AMX, 0 otherwise (see
+    above). Returns the old value."""
+    global _prim_dw_rows
+    old = _prim_dw_rows
+    _prim_dw_rows = rows
     return old
 
 
@@ -1021,7 +1037,7 @@ def matmul_backward_bf16(dinp, float[::1] dweight, dbias, dout, uint16_t[::1] do
             elif dinp_ptr != NULL:
                 st = llmctl_dnnl_gemm_bf16(b'N', b'N', BT, C, OC, &dout_bf16[0], OC, &weight[0], C,
                                            dbeta, dinp_ptr, C, n_threads)
-            if st == 0 and BT <= _prim_rows:
+            if st == 0 and BT <= _prim_dw_rows:
                 st = llmctl_dnnl_matmul_bf16(b'T', b'N', OC, C, BT, &dout_bf16[0], OC, &inp[0], C,
                                              NULL, 1.0, &dweight[0], C, n_threads)
             elif st == 0:

@@ -6,7 +6,8 @@ GFLOP/s of matmul_forward_bf16 (out = inp @ W^T + bias), of matmul_backward_bf16
 the FLOPs), on
 - "dnnl_gemm": oneDNN's BLAS-like dnnl_gemm_bf16bf16f32 (llmctl's bf16 engine until now), and
 - "dnnl": the default bf16 engine: oneDNN's matmul primitive, cached per shape, for the forward
-  and for the backward products where it is faster (set_bf16_primitive_rows), the gemm call
+  and for the backward products where it is faster (set_bf16_primitive_rows for dX,
+  set_bf16_primitive_dw_rows for dW: 512 rows with AMX, none without), the gemm call
   for the others,
 each the best of --repeat timed calls, the two engines alternating call by call so that a busy
 machine disturbs both alike. Prints the ratio new/old of GFLOP/s per product, and the sum of
@@ -27,7 +28,7 @@ Needs a CPU with native bf16 (AVX512_BF16 or AMX) and llmctl built with oneDNN.
     python bench/gemm.py --rows 4096 --repeat 5
     python bench/gemm.py --threads 1 --cpu-time     # per-core figures on a busy machine
     python bench/gemm.py --fresh-shapes
-    python bench/gemm.py --rows 4096 --primitive-rows 100000   # the backward on the primitive too
+    python bench/gemm.py --rows 4096 --primitive-rows 100000 --primitive-dw-rows 100000   # the backward on the primitive too
 """
 import argparse
 import sys
@@ -124,8 +125,11 @@ def main(argv=None):
     ap.add_argument("--cpu-time", action="store_true",
                     help="time the calling thread's CPU time, not wall time (needs --threads 1; for a busy machine)")
     ap.add_argument("--primitive-rows", type=int, default=None,
-                    help="run dnnl's backward products on the primitive up to this many rows "
+                    help="run dnnl's backward dX on the primitive up to this many rows "
                          "(default: llmctl's choice, 512; e.g. 100000 to compare the primitive everywhere)")
+    ap.add_argument("--primitive-dw-rows", type=int, default=None,
+                    help="run dnnl's backward dW on the primitive up to this many rows "
+                         "(default: llmctl's choice, 512 with AMX, 0 without)")
     ap.add_argument("--spread", action="store_true",
                     help="also show the spread of 1000 back-to-back attproj forwards per engine")
     ap.add_argument("--fresh-shapes", action="store_true",
@@ -141,6 +145,8 @@ def main(argv=None):
     TH.configure_threads(args.threads)
     if args.primitive_rows is not None:
         matmul.set_bf16_primitive_rows(args.primitive_rows)
+    if args.primitive_dw_rows is not None:
+        matmul.set_bf16_primitive_dw_rows(args.primitive_dw_rows)
     BT = args.rows
     print(f"bf16 GEMM GFLOP/s, B*T={BT}, {args.threads} threads, best of {args.repeat} alternating"
           f"{' (thread CPU time)' if args.cpu_time else ''}; "

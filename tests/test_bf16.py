@@ -234,8 +234,17 @@ def test_matmul_bf16_dnnl_engines_match_rounded_reference(engine, n_threads, sha
     _forward_backward(engine, BT, C, OC, n_threads, seed=BT + C + OC)
 
 
+@pytest.fixture
+def dw_on_primitive():
+    """dW on the matmul primitive at these tests' few rows, whatever this CPU's default (AMX: yes,
+    else no): the cache tests count three primitives per forward + backward."""
+    old = matmul.set_bf16_primitive_dw_rows(512)
+    yield
+    matmul.set_bf16_primitive_dw_rows(old)
+
+
 @needs_native
-def test_matmul_bf16_primitive_cache_reuses_and_keys_each_call():
+def test_matmul_bf16_primitive_cache_reuses_and_keys_each_call(dw_on_primitive):
     # "dnnl" builds one oneDNN matmul primitive per (shape, transposes, bias, accumulation,
     # threads) and passes the operands at each call: a second call with new data reuses the
     # primitive and must not see the first call's buffers; a new bias/thread/shape key builds one
@@ -252,7 +261,7 @@ def test_matmul_bf16_primitive_cache_reuses_and_keys_each_call():
 
 
 @needs_native
-def test_matmul_bf16_primitive_cache_evicts_and_rebuilds():
+def test_matmul_bf16_primitive_cache_evicts_and_rebuilds(dw_on_primitive):
     # more shapes than the cache holds (64): the least recently used are rebuilt, results stay right
     first = _forward_backward("dnnl", 5, 5, 7, 1, seed=0)   # BT > 4: no GEMV
     for k in range(30):     # 3 primitives each
@@ -266,21 +275,31 @@ def test_matmul_bf16_primitive_cache_evicts_and_rebuilds():
 
 @needs_native
 def test_matmul_bf16_backward_runs_each_product_on_the_faster_path():
-    # the backward's products run on the matmul primitive up to set_bf16_primitive_rows() rows
-    # (and dX not for an lm-head-sized K), on the gemm call otherwise: both right, counted builds
-    built = matmul.dnnl_matmul_builds()
-    _forward_backward("dnnl", 23, 40, 9000, 2, seed=6)     # K = 9000 for dX: the gemm call
-    assert matmul.dnnl_matmul_builds() == built + 2        # forward and dW only
-    old = matmul.set_bf16_primitive_rows(22)
+    # the backward's dX runs on the matmul primitive up to set_bf16_primitive_rows() rows (not
+    # for an lm-head-sized K), its dW up to set_bf16_primitive_dw_rows() rows (by default 512
+    # with AMX, 0 without: measured per CPU), on the gemm call otherwise: both right, counted builds
+    old_dw = matmul.set_bf16_primitive_dw_rows(512)
     try:
+        assert old_dw == (512 if "amx_bf16" in matmul.cpu_bf16_features() else 0)
         built = matmul.dnnl_matmul_builds()
-        _forward_backward("dnnl", 23, 41, 19, 2, seed=7)   # 23 rows > 22: backward on the gemm call
-        assert matmul.dnnl_matmul_builds() == built + 1    # the forward only
+        _forward_backward("dnnl", 23, 40, 9000, 2, seed=6)     # K = 9000 for dX: the gemm call
+        assert matmul.dnnl_matmul_builds() == built + 2        # forward and dW only
+        old = matmul.set_bf16_primitive_rows(22)
+        try:
+            built = matmul.dnnl_matmul_builds()
+            _forward_backward("dnnl", 23, 41, 19, 2, seed=7)   # 23 rows > 22: dX on the gemm call
+            assert matmul.dnnl_matmul_builds() == built + 2    # the forward and dW
+        finally:
+            matmul.set_bf16_primitive_rows(old)
+        matmul.set_bf16_primitive_dw_rows(22)                  # 23 rows > 22: dW on the gemm call
+        built = matmul.dnnl_matmul_builds()
+        _forward_backward("dnnl", 23, 42, 19, 2, seed=8)
+        assert matmul.dnnl_matmul_builds() == built + 2        # the forward and dX
     finally:
-        matmul.set_bf16_primitive_rows(old)
+        matmul.set_bf16_primitive_dw_rows(old_dw)
     built = matmul.dnnl_matmul_builds()
-    _forward_backward("dnnl", 23, 41, 19, 2, seed=7)
-    assert matmul.dnnl_matmul_builds() == built + 2        # now dX and dW too
+    _forward_backward("dnnl", 23, 43, 19, 2, seed=9)
+    assert matmul.dnnl_matmul_builds() == built + (3 if old_dw >= 23 else 2)   # dW as the default has it
 
 
 GEMV_SHAPES = [(1, 1, 1), (1, 768, 67), (1, 130, 5), (1, 33, 130), (2, 31, 9), (3, 128, 70),
