@@ -52,7 +52,10 @@ bf16 (attention_forward_bf16 / attention_backward_bf16, _ext/attention_bf16.h): 
 attention with its products on bf16 operands for the bf16 model. q, k, v and dout are rounded to
 bf16 once, in one pass along the rows of qkv/dout; P is rounded before P V and P^T dout, dS before
 dS K and dS^T Q; every product is exact and summed in fp32; softmax, lse and D stay fp32 (the exp
-is the "default" set's polynomial as a vectorisable loop, so LLMCTL_ATT_ISA does not change them). Work items are (batch, head); 32-row blocks. The products run on one
+is the "default" set's polynomial as a vectorisable loop, so LLMCTL_ATT_ISA does not change them). Work
+items are (batch, head); 32-row blocks. The forward takes each block of query rows against all the
+keys it sees in one product (keys x 32 scores in the thread's scratch), so its softmax is exact,
+not online; the backward takes each block of keys against all the rows that see it. The products run on one
 of three paths, picked at import from cpuid (and, for AMX, Linux's permission to use the tiles,
 asked once with arch_prctl; refused -> AVX512_BF16) or by LLMCTL_ATT_BF16=emulated|avx512_bf16|amx
 |auto, or set_bf16_path(): "amx" (TDPBF16PS tiles), "avx512_bf16" (VDPBF16PS), "emulated" (plain

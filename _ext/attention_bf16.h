@@ -1,11 +1,13 @@
 /* bf16 attention for _ext/attention.pyx: the QK^T and PV products (forward) and the five
- * products of the backward as blocked bf16 x bf16 -> fp32 GEMMs, around the same online softmax
- * and flash-attention-2 recurrence as the fp32 kernels (attention_kernels.h).
+ * products of the backward as blocked bf16 x bf16 -> fp32 GEMMs. The backward is the fp32 kernels'
+ * flash-attention-2 recurrence (attention_kernels.h); the forward takes each block of 32 query
+ * rows against all the keys it sees at once (their scores, keys x 32 fp32, sit in the thread's
+ * scratch: O(T), never T x T), so its softmax is exact rather than online.
  *
  * Numerics, the same on every path: q, k, v and dout are rounded to bf16 (round to nearest
  * even, bf16.h; a bf16 subnormal becomes a signed zero, as the hardware's DAZ does), and so are
  * the probabilities P before P V, P^T dout, and dS before dS K, dS^T Q. Every product of two bf16
- * is exact in fp32 and is added into an fp32 accumulator. Everything else (scores, the running
+ * is exact in fp32 and is added into an fp32 accumulator. Everything else (scores, the row
  * max and sum, lse, D = dout.out, dS = P (dP - D) / sqrt(hs), the accumulation of dQ, dK, dV) is
  * fp32, as in the fp32 kernels (the exp is attention_kernels.h's range reduction and polynomial,
  * written here, so the bf16 results do not depend on the fp32 kernel set). The native paths run
@@ -21,8 +23,9 @@
  * then rearranged into the two forms a GEMM C += A B needs here: A row-major (M x K), and B
  * "pair-packed" (K/2 x N x 2: row r holds, for each column n, B[2r][n] and B[2r+1][n] next to
  * each other), which is AMX's VNNI tile layout and what one VDPBF16PS lane reads. M, N and K are
- * multiples of 32. The forward works on transposed blocks (S^T = K Q^T, out^T += V^T P^T) so the
- * online softmax has the query rows in the vector lanes; the backward computes dK^T and dV^T.
+ * multiples of 32. The forward works on transposed blocks (S^T = K Q^T, out^T = V^T P^T) so the
+ * softmax has the query rows in the vector lanes; the backward computes dK^T and dV^T, each key
+ * block's products over all the query rows that see it as one GEMM.
  */
 #ifndef LLMCTL_ATTENTION_BF16_H
 #define LLMCTL_ATTENTION_BF16_H
@@ -246,15 +249,15 @@ static inline ptrdiff_t attb_pad(ptrdiff_t n, ptrdiff_t to) { return (n + to - 1
 static ptrdiff_t attb_forward_scratch_bytes(ptrdiff_t T, ptrdiff_t hs)
 {
     ptrdiff_t Tp = attb_pad(T, ATTB_BLK), hsp = attb_pad(hs, 32);
-    return 2 * Tp * hsp * 2 + ATTB_BLK * ATTB_BLK * 2                  /* Q^T, V^T, P^T */
-           + (ATTB_BLK * ATTB_BLK + ATTB_BLK * hsp + 3 * ATTB_BLK) * 4;   /* S^T, out^T, m l corr */
+    return 2 * Tp * hsp * 2 + Tp * ATTB_BLK * 2                        /* Q^T, V^T, P^T */
+           + (Tp * ATTB_BLK + ATTB_BLK * hsp + 2 * ATTB_BLK) * 4;      /* S^T, out^T, m l */
 }
 
 static ptrdiff_t attb_backward_scratch_bytes(ptrdiff_t T, ptrdiff_t hs)
 {
     ptrdiff_t Tp = attb_pad(T, ATTB_BLK), hsp = attb_pad(hs, 32), BB = ATTB_BLK * ATTB_BLK;
-    return 5 * Tp * hsp * 2 + 4 * BB * 2                        /* Qr Kc Kr Vc Or, P, dS */
-           + (Tp * hsp + 2 * BB + 4 * ATTB_BLK * hsp) * 4;       /* dq, S, dP, dk^T, dv^T, dk, dv */
+    return 5 * Tp * hsp * 2 + (BB + 3 * Tp * ATTB_BLK) * 2          /* Qr Kc Kr Vc Or, P, P dS dS */
+           + (Tp * hsp + 2 * Tp * ATTB_BLK + 4 * ATTB_BLK * hsp) * 4;  /* dq, S, dP, dk^T, dv^T, dk, dv */
 }
 
 /* shared by the threads: pack_heads' bf16 rows of q, k, v (and dout, and D, for backward) */

@@ -56,34 +56,35 @@ static inline __mmask16 attb_v_diag_keys(int r, int half)
     return k < 0 ? (__mmask16)0 : (k >= 15 ? (__mmask16)0xFFFF : (__mmask16)((1u << (k + 1)) - 1));
 }
 
-/* the forward's online-softmax step on one block: see attention_bf16_body.h's fwd_softmax */
-ATTB_TGT_V static int attb_fwd_softmax_avx512(float* ST, float* m, float* l, float* corr, uint16_t* Pp,
-                                              float scale, int diag, ptrdiff_t nr)
+/* the forward's softmax over the keys 0..nk of one block of query rows: see
+   attention_bf16_body.h's fwd_softmax (padding rows are not masked: their scores are finite) */
+ATTB_TGT_V static void attb_fwd_softmax_avx512(float* ST, ptrdiff_t nk, float* m, float* l, uint16_t* Pp,
+                                               float scale, ptrdiff_t nr)
 {
     const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
-    __m512 m0 = _mm512_loadu_ps(m), m1 = _mm512_loadu_ps(m + 16), x0 = m0, x1 = m1, c0, c1, l0, l1;
+    const ptrdiff_t d0 = nk - 32;
+    __m512 x0 = ninf, x1 = ninf, l0 = _mm512_setzero_ps(), l1 = _mm512_setzero_ps();
     (void)nr;
-    for (int c = 0; c < 32; c++) {
+    for (ptrdiff_t c = 0; c < d0; c++) {
         __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(ST + c * 32), sc);
         __m512 s1 = _mm512_mul_ps(_mm512_loadu_ps(ST + c * 32 + 16), sc);
-        if (diag) {
-            s0 = _mm512_mask_mov_ps(ninf, attb_v_diag_rows(c, 0), s0);
-            s1 = _mm512_mask_mov_ps(ninf, attb_v_diag_rows(c, 1), s1);
-        }
         _mm512_storeu_ps(ST + c * 32, s0);
         _mm512_storeu_ps(ST + c * 32 + 16, s1);
         x0 = _mm512_max_ps(x0, s0);
         x1 = _mm512_max_ps(x1, s1);
     }
-    c0 = llmctl_expf16(_mm512_sub_ps(m0, x0));        /* 0 on the first block (m = -inf) */
-    c1 = llmctl_expf16(_mm512_sub_ps(m1, x1));
-    l0 = _mm512_mul_ps(_mm512_loadu_ps(l), c0);
-    l1 = _mm512_mul_ps(_mm512_loadu_ps(l + 16), c1);
-    _mm512_storeu_ps(corr, c0);
-    _mm512_storeu_ps(corr + 16, c1);
+    for (int c = 0; c < 32; c++) {          /* the diagonal block */
+        float* s = ST + (d0 + c) * 32;
+        __m512 s0 = _mm512_mask_mov_ps(ninf, attb_v_diag_rows(c, 0), _mm512_mul_ps(_mm512_loadu_ps(s), sc));
+        __m512 s1 = _mm512_mask_mov_ps(ninf, attb_v_diag_rows(c, 1), _mm512_mul_ps(_mm512_loadu_ps(s + 16), sc));
+        _mm512_storeu_ps(s, s0);
+        _mm512_storeu_ps(s + 16, s1);
+        x0 = _mm512_max_ps(x0, s0);
+        x1 = _mm512_max_ps(x1, s1);
+    }
     _mm512_storeu_ps(m, x0);
     _mm512_storeu_ps(m + 16, x1);
-    for (int c = 0; c < 32; c += 2) {
+    for (ptrdiff_t c = 0; c < nk; c += 2) {
         __m512 e00 = llmctl_expf16(_mm512_sub_ps(_mm512_loadu_ps(ST + c * 32), x0));
         __m512 e01 = llmctl_expf16(_mm512_sub_ps(_mm512_loadu_ps(ST + c * 32 + 16), x1));
         __m512 e10 = llmctl_expf16(_mm512_sub_ps(_mm512_loadu_ps(ST + c * 32 + 32), x0));
@@ -95,45 +96,6 @@ ATTB_TGT_V static int attb_fwd_softmax_avx512(float* ST, float* m, float* l, flo
     }
     _mm512_storeu_ps(l, l0);
     _mm512_storeu_ps(l + 16, l1);
-    return _mm512_cmp_ps_mask(c0, _mm512_set1_ps(1.0f), _CMP_EQ_OQ) == 0xFFFF
-           && _mm512_cmp_ps_mask(c1, _mm512_set1_ps(1.0f), _CMP_EQ_OQ) == 0xFFFF;
-}
-
-/* the forward's output of one block of query rows: see attention_bf16_body.h's fwd_out */
-ATTB_TGT_V static void attb_fwd_out_avx512(float* out, uint16_t* out16, float* lse, const float* accT,
-                                           const float* m, const float* l, ptrdiff_t C, ptrdiff_t hs,
-                                           ptrdiff_t nr)
-{
-    __mmask16 k0 = nr >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nr) - 1);
-    __mmask16 k1 = nr >= 32 ? (__mmask16)0xFFFF : (nr <= 16 ? (__mmask16)0 : (__mmask16)((1u << (nr - 16)) - 1));
-    __m512 one = _mm512_set1_ps(1.0f);
-    __m512 inv0 = _mm512_div_ps(one, _mm512_loadu_ps(l)), inv1 = _mm512_div_ps(one, _mm512_loadu_ps(l + 16));
-    __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (ptrdiff_t r = 0; r < nr; r++) lse[r] = m[r] + logf(l[r]);
-    if (out16 && (hs & 1)) {    /* no whole words: one element at a time */
-        for (ptrdiff_t r = 0; r < nr; r++)
-            for (ptrdiff_t d = 0; d < hs; d++)
-                out16[r * C + d] = llmctl_f32_to_bf16(accT[d * 32 + r] * (1.0f / l[r]));
-    } else if (out16) {    /* words of two columns, at (r*C + d)/2: C and hs are even here */
-        __m512i i0 = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)(C / 2)));
-        __m512i i1 = _mm512_add_epi32(i0, _mm512_set1_epi32((int)(8 * C)));
-        for (ptrdiff_t d = 0; d < hs; d += 2) {
-            const float* a = accT + d * 32;
-            __m512i w0 = attb_v_pair(attb_v_bf16(_mm512_mul_ps(_mm512_loadu_ps(a), inv0)),
-                                     attb_v_bf16(_mm512_mul_ps(_mm512_loadu_ps(a + 32), inv0)));
-            __m512i w1 = attb_v_pair(attb_v_bf16(_mm512_mul_ps(_mm512_loadu_ps(a + 16), inv1)),
-                                     attb_v_bf16(_mm512_mul_ps(_mm512_loadu_ps(a + 48), inv1)));
-            _mm512_mask_i32scatter_epi32((void*)(out16 + d), k0, i0, w0, 4);
-            _mm512_mask_i32scatter_epi32((void*)(out16 + d), k1, i1, w1, 4);
-        }
-    } else {
-        __m512i i0 = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)C));
-        __m512i i1 = _mm512_add_epi32(i0, _mm512_set1_epi32((int)(16 * C)));
-        for (ptrdiff_t d = 0; d < hs; d++) {
-            _mm512_mask_i32scatter_ps(out + d, k0, i0, _mm512_mul_ps(_mm512_loadu_ps(accT + d * 32), inv0), 4);
-            _mm512_mask_i32scatter_ps(out + d, k1, i1, _mm512_mul_ps(_mm512_loadu_ps(accT + d * 32 + 16), inv1), 4);
-        }
-    }
 }
 
 /* o[k] = 32-bit word k of the 16 rows src, src + ld, ... (ld in bf16): a 16 x 16 transpose of
@@ -163,6 +125,58 @@ ATTB_TGT_V static inline void attb_tr16x16(__m512i* o, const uint16_t* src, ptrd
         o[8 + p] = _mm512_shuffle_i32x4(v[p], v[8 + p], 0xdd);
         o[4 + p] = _mm512_shuffle_i32x4(v[4 + p], v[12 + p], 0x88);
         o[12 + p] = _mm512_shuffle_i32x4(v[4 + p], v[12 + p], 0xdd);
+    }
+}
+
+/* the forward's output of one block of query rows: see attention_bf16_body.h's fwd_out */
+ATTB_TGT_V static void attb_fwd_out_avx512(float* out, uint16_t* out16, float* lse, const float* accT,
+                                           const float* m, const float* l, ptrdiff_t C, ptrdiff_t hs,
+                                           ptrdiff_t nr)
+{
+    __m512 one = _mm512_set1_ps(1.0f);
+    __m512 inv0 = _mm512_div_ps(one, _mm512_loadu_ps(l)), inv1 = _mm512_div_ps(one, _mm512_loadu_ps(l + 16));
+    for (ptrdiff_t r = 0; r < nr; r++) lse[r] = m[r] + logf(l[r]);
+    if (out16 && (hs & 1)) {    /* no whole words: one element at a time */
+        for (ptrdiff_t r = 0; r < nr; r++)
+            for (ptrdiff_t d = 0; d < hs; d++)
+                out16[r * C + d] = llmctl_f32_to_bf16(accT[d * 32 + r] * (1.0f / l[r]));
+        return;
+    }
+    /* the output's 32-bit words (two bf16 columns, or one fp32), 16 words x 32 rows at a time:
+       staged as words x rows, then turned into rows 16 x 16 at a time in registers (the
+       scatters this replaced were a sixth of the forward) */
+    uint32_t w[16 * 32];
+    char* dst = out16 ? (char*)out16 : (char*)out;
+    const ptrdiff_t nw = out16 ? hs / 2 : hs, ldw = out16 ? C / 2 : C;   /* words; C even with out16 */
+    for (ptrdiff_t j0 = 0; j0 < nw; j0 += 16) {
+        ptrdiff_t n = nw - j0 < 16 ? nw - j0 : 16;
+        __mmask16 km = n == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
+        for (ptrdiff_t j = 0; j < n; j++) {
+            __m512i w0, w1;
+            if (out16) {
+                const float* a = accT + 2 * (j0 + j) * 32;
+                w0 = attb_v_pair(attb_v_bf16(_mm512_mul_ps(_mm512_loadu_ps(a), inv0)),
+                                 attb_v_bf16(_mm512_mul_ps(_mm512_loadu_ps(a + 32), inv0)));
+                w1 = attb_v_pair(attb_v_bf16(_mm512_mul_ps(_mm512_loadu_ps(a + 16), inv1)),
+                                 attb_v_bf16(_mm512_mul_ps(_mm512_loadu_ps(a + 48), inv1)));
+            } else {
+                const float* a = accT + (j0 + j) * 32;
+                w0 = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(a), inv0));
+                w1 = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(a + 16), inv1));
+            }
+            _mm512_storeu_si512((void*)(w + j * 32), w0);
+            _mm512_storeu_si512((void*)(w + j * 32 + 16), w1);
+        }
+        for (ptrdiff_t j = n; j < 16; j++) {    /* rows past the last word: read, never stored */
+            _mm512_storeu_si512((void*)(w + j * 32), _mm512_setzero_si512());
+            _mm512_storeu_si512((void*)(w + j * 32 + 16), _mm512_setzero_si512());
+        }
+        for (ptrdiff_t r0 = 0; r0 < nr; r0 += 16) {
+            __m512i o[16];
+            attb_tr16x16(o, (const uint16_t*)(w + r0), 64);
+            for (ptrdiff_t k = 0; k < 16 && r0 + k < nr; k++)
+                _mm512_mask_storeu_epi32((void*)(dst + ((r0 + k) * ldw + j0) * 4), km, o[k]);
+        }
     }
 }
 
@@ -206,6 +220,41 @@ ATTB_TGT_V static void attb_rowpairs_avx512(uint16_t* dst, const uint16_t* R, pt
             _mm512_storeu_si512((void*)(dst + 2 * p * hsp + 2 * d), _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
         }
     }
+}
+
+/* the backward's dK^T, dV^T of a key block as rows: see attention_bf16_body.h's rows_of */
+ATTB_TGT_V static void attb_rows_of_avx512(float* dst, const float* src, ptrdiff_t hsp)
+{
+    __m512i o[16];
+    for (ptrdiff_t d0 = 0; d0 < hsp; d0 += 16)
+        for (int c0 = 0; c0 < 32; c0 += 16) {
+            attb_tr16x16(o, (const uint16_t*)(src + d0 * 32 + c0), 64);
+            for (int k = 0; k < 16; k++) _mm512_storeu_si512((void*)(dst + (c0 + k) * hsp + d0), o[k]);
+        }
+}
+
+/* part[d] += x[i][d] as doubles, rows in order: see attention_bf16_body.h's colsums; eight
+   columns at a time, their sums in a register across the rows */
+ATTB_TGT_V static void attb_colsums_avx512(double* part, const float* x, ptrdiff_t ldx, ptrdiff_t n, ptrdiff_t hs)
+{
+    ptrdiff_t d = 0;
+    for (; d + 32 <= hs; d += 32) {
+        __m512d a0 = _mm512_loadu_pd(part + d), a1 = _mm512_loadu_pd(part + d + 8);
+        __m512d a2 = _mm512_loadu_pd(part + d + 16), a3 = _mm512_loadu_pd(part + d + 24);
+        for (ptrdiff_t i = 0; i < n; i++) {
+            const float* r = x + i * ldx + d;
+            a0 = _mm512_add_pd(a0, _mm512_cvtps_pd(_mm256_loadu_ps(r)));
+            a1 = _mm512_add_pd(a1, _mm512_cvtps_pd(_mm256_loadu_ps(r + 8)));
+            a2 = _mm512_add_pd(a2, _mm512_cvtps_pd(_mm256_loadu_ps(r + 16)));
+            a3 = _mm512_add_pd(a3, _mm512_cvtps_pd(_mm256_loadu_ps(r + 24)));
+        }
+        _mm512_storeu_pd(part + d, a0);
+        _mm512_storeu_pd(part + d + 8, a1);
+        _mm512_storeu_pd(part + d + 16, a2);
+        _mm512_storeu_pd(part + d + 24, a3);
+    }
+    for (; d < hs; d++)
+        for (ptrdiff_t i = 0; i < n; i++) part[d] += (double)x[i * ldx + d];
 }
 
 /* the backward's P and dS of one block: see attention_bf16_body.h's bwd_block */

@@ -129,48 +129,44 @@ static void ATTB_FN(transpose)(uint16_t* dst, const uint16_t* R, ptrdiff_t Tp, p
             for (ptrdiff_t t = t0; t < t0 + ATTB_BLK; t++) dst[d * Tp + t] = R[t * hsp + d];
 }
 
-/* The forward's online-softmax step on one block of S^T (keys x 32 query rows), in place:
-   scale it, mask it (on a diagonal block, key c is seen by rows r >= c; rows r >= nr are
-   padding), move the running max m, write corr = exp(m_old - m_new) and l = l corr + the row
-   sums of P^T = exp(S^T - m), and P^T in bf16 with keys paired into Pp. Returns nonzero when
-   every corr is 1, so the caller can skip rescaling its accumulator. */
-static int ATTB_FN(fwd_softmax)(float* ST, float* m, float* l, float* corr, uint16_t* Pp,
-                                float scale, int diag, ptrdiff_t nr)
+/* The forward's softmax over the keys 0..nk of one block of 32 query rows, on S^T (keys x
+   rows), in place: scale it, mask it (the last 32 keys are the diagonal block, where key c is
+   seen by rows r >= c; rows r >= nr are padding), take each row's max m over all its keys, then
+   l = the row sums of P^T = exp(S^T - m) in key order, and P^T in bf16 with keys paired into
+   Pp. The max is known before any exp, so no partial sum or output needs rescaling. */
+static void ATTB_FN(fwd_softmax)(float* ST, ptrdiff_t nk, float* m, float* l, uint16_t* Pp,
+                                 float scale, ptrdiff_t nr)
 {
     enum { N = ATTB_BLK };
-    float mx[ATTB_BLK];
-    int same = 1;
-    for (int r = 0; r < N; r++) mx[r] = m[r];
-    for (int c = 0; c < N; c++) {
+    const ptrdiff_t d0 = nk - N;
+    for (int r = 0; r < N; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    for (ptrdiff_t c = 0; c < nk; c++) {
         float* s = ST + c * N;
         for (int r = 0; r < N; r++) {
-            float v = ((!diag || c <= r) && r < nr) ? s[r] * scale : -INFINITY;
+            float v = ((c < d0 || c - d0 <= r) && r < nr) ? s[r] * scale : -INFINITY;
             s[r] = v;
-            mx[r] = v > mx[r] ? v : mx[r];
+            m[r] = v > m[r] ? v : m[r];
         }
     }
-    for (int r = 0; r < N; r++) {            /* -inf only on padding rows: keep them 0 */
-        if (mx[r] == -INFINITY) mx[r] = 0.0f;
-        corr[r] = ATTB_FN(exp1)(m[r] - mx[r]);   /* 0 on the first block (m = -inf) */
-        l[r] *= corr[r];
-        m[r] = mx[r];
-        same &= corr[r] == 1.0f;
-    }
-    for (int c = 0; c < N; c++) {            /* P^T = exp(S^T - max), row sums */
+    for (int r = 0; r < N; r++)               /* -inf only on padding rows: keep them 0 */
+        if (m[r] == -INFINITY) m[r] = 0.0f;
+    for (ptrdiff_t c = 0; c < nk; c++) {      /* P^T = exp(S^T - max), row sums */
         float* s = ST + c * N;
         for (int r = 0; r < N; r++) {
-            s[r] = ATTB_FN(exp1)(s[r] - mx[r]);
+            s[r] = ATTB_FN(exp1)(s[r] - m[r]);
             l[r] += s[r];
         }
     }
-    for (int c = 0; c < N; c += 2) {         /* bf16, keys paired */
+    for (ptrdiff_t c = 0; c < nk; c += 2) {   /* bf16, keys paired */
         uint16_t* o = Pp + c * N;
         for (int r = 0; r < N; r++) {
             o[2 * r] = attb_rnd(ST[c * N + r]);
             o[2 * r + 1] = attb_rnd(ST[(c + 1) * N + r]);
         }
     }
-    return same;
 }
 
 /* The forward's output for nr query rows: out's rows (fp32, or with out16 non-NULL bf16, each
@@ -186,6 +182,20 @@ static void ATTB_FN(fwd_out)(float* out, uint16_t* out16, float* lse, const floa
             for (ptrdiff_t d = 0; d < hs; d++) out[r * C + d] = accT[d * ATTB_BLK + r] * inv;
         lse[r] = m[r] + logf(l[r]);
     }
+}
+
+/* dst (32 x hsp, rows hsp apart) = src (hsp x 32)^T: the backward's dK^T, dV^T of a key block as rows */
+static void ATTB_FN(rows_of)(float* dst, const float* src, ptrdiff_t hsp)
+{
+    for (ptrdiff_t d = 0; d < hsp; d++)
+        for (int c = 0; c < ATTB_BLK; c++) dst[c * hsp + d] = src[d * ATTB_BLK + c];
+}
+
+/* part[d] += x[i][d] (as doubles) for the rows i = 0..n in order, rows ldx apart, d < hs */
+static void ATTB_FN(colsums)(double* part, const float* x, ptrdiff_t ldx, ptrdiff_t n, ptrdiff_t hs)
+{
+    for (ptrdiff_t i = 0; i < n; i++)
+        for (ptrdiff_t d = 0; d < hs; d++) part[d] += (double)x[i * ldx + d];
 }
 
 /* The backward's P = exp(S/sqrt(hs) - lse) and dS = P (dP - D) / sqrt(hs) of the block of query
@@ -216,10 +226,12 @@ static void ATTB_FN(bwd_block)(float* S, const float* dP, uint16_t* Pb, uint16_t
 
 /* ---- forward: one (batch, head) ---- */
 
-/* Works on transposed blocks, S^T = K Q^T (keys x query rows) and out^T += V^T P^T, so that the
-   online softmax runs down the keys with the 32 query rows in the vector lanes: the running max,
-   the correction exp(m_old - m_new) and the row sums are elementwise vector operations, with no
-   horizontal reduction per row and block. Row i's sum adds its keys in order. */
+/* Works on transposed blocks, S^T = K Q^T (keys x query rows) and out^T = V^T P^T, so that the
+   softmax runs down the keys with the 32 query rows in the vector lanes: the max and the row sums
+   are elementwise vector operations, with no horizontal reduction per row. Each block of 32
+   query rows takes its scores against all the keys it sees in one product (keys x 32 fp32 in the
+   thread's scratch, O(T), never T x T), so the softmax is exact rather than online and P V runs
+   as one product over all those keys. Row i's sum adds its keys in order. */
 static void ATTB_FN(forward_head)(float* out, uint16_t* out16, float* lse, const uint16_t* rows, ptrdiff_t B,
                                   ptrdiff_t b, ptrdiff_t h, ptrdiff_t T, ptrdiff_t C, ptrdiff_t NH,
                                   void* scratch, int path)
@@ -233,33 +245,22 @@ static void ATTB_FN(forward_head)(float* out, uint16_t* out16, float* lse, const
     const uint16_t* Kw = Qa + BNH * TH;              /* K as A (S^T = K Q^T) */
     const uint16_t* Vw = Kw + BNH * TH;
     uint16_t* Qc = (uint16_t*)scratch;               /* Q^T as B (S^T = K Q^T) */
-    uint16_t* VT = Qc + TH;                          /* V^T as A (out^T += V^T P^T) */
-    uint16_t* Pp = VT + TH;                          /* bf16 P^T, keys paired: B of out^T += V^T P^T */
-    float* ST = (float*)(Pp + N * N);                /* S^T, then P^T (keys x rows) */
-    float* accT = ST + N * N;                        /* out^T (hsp x rows), unnormalised */
-    float* m = accT + N * hsp;                       /* per row: running max, sum, correction */
+    uint16_t* VT = Qc + TH;                          /* V^T as A (out^T = V^T P^T) */
+    uint16_t* Pp = VT + TH;                          /* bf16 P^T (Tp keys x rows), keys paired: B of V^T P^T */
+    float* ST = (float*)(Pp + Tp * N);               /* S^T, then P^T (Tp keys x rows) */
+    float* accT = ST + Tp * N;                       /* out^T (hsp x rows), unnormalised */
+    float* m = accT + N * hsp;                       /* per row: max, sum */
     float* l = m + N;
-    float* corr = l + N;
 
     attb_mark(path);
     ATTB_FN(colpairs)(Qc, Qa, Tp, hsp);
     ATTB_FN(transpose)(VT, Vw, Tp, hsp);
     if (path == ATTB_AMX) attb_amx_begin();
     for (ptrdiff_t i0 = 0; i0 < T; i0 += N) {
-        ptrdiff_t nr = T - i0 < N ? T - i0 : N;
-        memset(accT, 0, N * hsp * 4);
-        for (int r = 0; r < N; r++) {
-            m[r] = -INFINITY;
-            l[r] = 0.0f;
-        }
-        for (ptrdiff_t j0 = 0; j0 <= i0; j0 += N) {
-            gemm(ST, N, Kw + j0 * hsp, hsp, Qc + i0 * hsp, 2 * N, N, N, (int)hsp, 0);
-            /* blocks before the diagonal one are all visible (key j0+c <= row i0+r) */
-            if (!ATTB_FN(fwd_softmax)(ST, m, l, corr, Pp, scale, j0 == i0, nr) && j0 > 0)
-                for (ptrdiff_t d = 0; d < hsp; d++)
-                    for (int r = 0; r < N; r++) accT[d * N + r] *= corr[r];
-            gemm(accT, N, VT + j0, Tp, Pp, 2 * N, (int)hsp, N, N, 1);
-        }
+        ptrdiff_t nr = T - i0 < N ? T - i0 : N, nk = i0 + N;   /* keys 0..nk: blocks up to the diagonal one */
+        gemm(ST, N, Kw, hsp, Qc + i0 * hsp, 2 * N, (int)nk, N, (int)hsp, 0);
+        ATTB_FN(fwd_softmax)(ST, nk, m, l, Pp, scale, nr);
+        gemm(accT, N, VT, Tp, Pp, 2 * N, (int)hsp, N, (int)nk, 0);
         ATTB_FN(fwd_out)(out16 ? NULL : out + (b * T + i0) * C + h * hs,
                          out16 ? out16 + (b * T + i0) * C + h * hs : NULL,
                          lse + (b * NH + h) * T + i0, accT, m, l, C, hs, nr);
@@ -308,14 +309,14 @@ static void ATTB_FN(backward_head)(float* dqkv, uint16_t* dqkv16, double* part, 
     uint16_t* Kr = Kc + TH;              /* K as B over rows (dQ += dS K) */
     uint16_t* Vc = Kr + TH;              /* V^T as B (dP = dout V^T) */
     uint16_t* OT = Vc + TH;              /* dout^T as A (dV^T += dout^T P) */
-    uint16_t* Pb = OT + TH;              /* P, dS (bf16) and the same with rows paired */
-    uint16_t* Pp = Pb + BB;
-    uint16_t* dSb = Pp + BB;
-    uint16_t* dSp = dSb + BB;
-    float* dq = (float*)(dSp + BB);
-    float* S = dq + TH;
-    float* dP = S + BB;
-    float* dkT = dP + BB;                /* dK^T, dV^T of the key block (hsp x 32) */
+    uint16_t* Pb = OT + TH;              /* one block of P (bf16), the emulated copy's staging */
+    uint16_t* Pp = Pb + BB;              /* P, dS (bf16) of the rows j0..Tp: rows paired, dS also row-major */
+    uint16_t* dSb = Pp + Tp * ATTB_BLK;
+    uint16_t* dSp = dSb + Tp * ATTB_BLK;
+    float* dq = (float*)(dSp + Tp * ATTB_BLK);
+    float* S = dq + TH;                  /* S, dP of the rows j0..Tp (x 32 keys) */
+    float* dP = S + Tp * ATTB_BLK;
+    float* dkT = dP + Tp * ATTB_BLK;                /* dK^T, dV^T of the key block (hsp x 32) */
     float* dvT = dkT + ATTB_BLK * hsp;
     float* dkr = dvT + ATTB_BLK * hsp;   /* the same as rows (32 x hsp), added to dqkv row by row */
     float* dvr = dkr + ATTB_BLK * hsp;
@@ -329,34 +330,37 @@ static void ATTB_FN(backward_head)(float* dqkv, uint16_t* dqkv16, double* part, 
     memset(dq, 0, TH * 4);
     if (path == ATTB_AMX) attb_amx_begin();
     for (ptrdiff_t j0 = 0; j0 < T; j0 += ATTB_BLK) {
-        memset(dkT, 0, ATTB_BLK * hsp * 4);
-        memset(dvT, 0, ATTB_BLK * hsp * 4);
+        const ptrdiff_t nr = Tp - j0;    /* the rows that see key block j0, as one product each */
+        gemm(S, ATTB_BLK, Qa + j0 * hsp, hsp, Kc + j0 * hsp, 2 * ATTB_BLK, (int)nr, ATTB_BLK, (int)hsp, 0);
+        gemm(dP, ATTB_BLK, Oa + j0 * hsp, hsp, Vc + j0 * hsp, 2 * ATTB_BLK, (int)nr, ATTB_BLK, (int)hsp, 0);
         for (ptrdiff_t i0 = j0; i0 < T; i0 += ATTB_BLK) {
-            gemm(S, ATTB_BLK, Qa + i0 * hsp, hsp, Kc + j0 * hsp, 2 * ATTB_BLK, ATTB_BLK, ATTB_BLK, (int)hsp, 0);
-            gemm(dP, ATTB_BLK, Oa + i0 * hsp, hsp, Vc + j0 * hsp, 2 * ATTB_BLK, ATTB_BLK, ATTB_BLK, (int)hsp, 0);
-            ATTB_FN(bwd_block)(S, dP, Pb, Pp, dSb, dSp, lb, D, i0, j0, T, scale);
-            /* dV^T += dout^T P and dK^T += Q^T dS: the same products and sums over the rows as
-               dV += P^T dout, dK += dS^T Q, without transposing P and dS (only pairing rows) */
-            gemm(dvT, ATTB_BLK, OT + i0, Tp, Pp, 2 * ATTB_BLK, (int)hsp, ATTB_BLK, ATTB_BLK, 1);
-            gemm(dkT, ATTB_BLK, QT + i0, Tp, dSp, 2 * ATTB_BLK, (int)hsp, ATTB_BLK, ATTB_BLK, 1);
-            gemm(dq + i0 * hsp, hsp, dSb, ATTB_BLK, Kr + j0 * hsp, 2 * hsp, ATTB_BLK, (int)hsp, ATTB_BLK, 1);
+            ptrdiff_t o = (i0 - j0) * ATTB_BLK;
+            ATTB_FN(bwd_block)(S + o, dP + o, Pb, Pp + o, dSb + o, dSp + o, lb, D, i0, j0, T, scale);
         }
+        /* dV^T = dout^T P and dK^T = Q^T dS over all the rows: the same products and sums over the
+           rows as dV += P^T dout, dK += dS^T Q, without transposing P and dS (only pairing rows);
+           the same additions in the same order as one product per block of rows */
+        gemm(dvT, ATTB_BLK, OT + j0, Tp, Pp, 2 * ATTB_BLK, (int)hsp, ATTB_BLK, (int)nr, 0);
+        gemm(dkT, ATTB_BLK, QT + j0, Tp, dSp, 2 * ATTB_BLK, (int)hsp, ATTB_BLK, (int)nr, 0);
+        gemm(dq + j0 * hsp, hsp, dSb, ATTB_BLK, Kr + j0 * hsp, 2 * hsp, (int)nr, (int)hsp, ATTB_BLK, 1);
         /* transposed in L1 first, so that the adds into dqkv's rows (a page apart) run along
            contiguous rows, vectorised (the strided scalar adds were a fifth of this function) */
-        for (ptrdiff_t d = 0; d < hs; d++)
-            for (int c = 0; c < ATTB_BLK; c++) {
-                dkr[c * hsp + d] = dkT[d * ATTB_BLK + c];
-                dvr[c * hsp + d] = dvT[d * ATTB_BLK + c];
-            }
-        for (ptrdiff_t c = 0; c < ATTB_BLK && j0 + c < T; c++) {
+        ATTB_FN(rows_of)(dkr, dkT, hsp);
+        ATTB_FN(rows_of)(dvr, dvT, hsp);
+        ptrdiff_t nc = T - j0 < ATTB_BLK ? T - j0 : ATTB_BLK;
+        for (ptrdiff_t c = 0; c < nc; c++) {
             ptrdiff_t o = (j0 + c) * C3;
-            ATTB_FN(put_row)(dqb ? dqb + C + o : NULL, dqb16 ? dqb16 + C + o : NULL, part ? part + hs : NULL,
-                             dkr + c * hsp, hs, acc);
-            ATTB_FN(put_row)(dqb ? dqb + 2 * C + o : NULL, dqb16 ? dqb16 + 2 * C + o : NULL,
-                             part ? part + 2 * hs : NULL, dvr + c * hsp, hs, acc);
+            ATTB_FN(put_row)(dqb ? dqb + C + o : NULL, dqb16 ? dqb16 + C + o : NULL, NULL, dkr + c * hsp, hs, acc);
+            ATTB_FN(put_row)(dqb ? dqb + 2 * C + o : NULL, dqb16 ? dqb16 + 2 * C + o : NULL, NULL,
+                             dvr + c * hsp, hs, acc);
+        }
+        if (part) {     /* the bias sums in row order, each column's partial sum kept in registers */
+            ATTB_FN(colsums)(part + hs, dkr, hsp, nc, hs);
+            ATTB_FN(colsums)(part + 2 * hs, dvr, hsp, nc, hs);
         }
     }
     if (path == ATTB_AMX) attb_amx_end();
     for (ptrdiff_t i = 0; i < T; i++)
-        ATTB_FN(put_row)(dqb ? dqb + i * C3 : NULL, dqb16 ? dqb16 + i * C3 : NULL, part, dq + i * hsp, hs, acc);
+        ATTB_FN(put_row)(dqb ? dqb + i * C3 : NULL, dqb16 ? dqb16 + i * C3 : NULL, NULL, dq + i * hsp, hs, acc);
+    if (part) ATTB_FN(colsums)(part, dq, hsp, T, hs);
 }

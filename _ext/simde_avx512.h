@@ -103,6 +103,21 @@ static inline simde__m512i llmctl_simde_maskz_loadu_epi16(simde__mmask32 k, cons
     llmctl_simde_lanes(&v, p, k, 32, 2, 1);
     return v;
 }
+static inline void llmctl_simde_mask_storeu_epi32(void* p, simde__mmask16 k, simde__m512i a)
+{
+    llmctl_simde_lanes(p, &a, k, 16, 4, 0);
+}
+/* vcvtps2pd (SIMDe 0.8.2 has no _mm512_cvtps_pd): each float widened exactly */
+static inline simde__m512d llmctl_simde_cvtps_pd(simde__m256 a)
+{
+    simde__m256_private p = simde__m256_to_private(a);
+    simde__m512d_private r;
+    for (int i = 0; i < 8; i++) r.f64[i] = (double)p.f32[i];
+    return simde__m512d_from_private(r);
+}
+#define _mm512_cvtps_pd(a) llmctl_simde_cvtps_pd(a)
+#undef _mm512_mask_storeu_epi32
+#define _mm512_mask_storeu_epi32(p, k, a) llmctl_simde_mask_storeu_epi32((p), (k), (a))
 #undef _mm512_mask_storeu_ps
 #undef _mm512_maskz_loadu_ps
 #undef _mm512_maskz_loadu_epi16

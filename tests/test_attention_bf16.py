@@ -278,8 +278,11 @@ def test_backward_writes_bf16_dqkv_and_sums_the_bias_gradient(B, T, C, NH, path)
         np.testing.assert_array_equal(d16, want16)
         got.append(db)
     np.testing.assert_array_equal(got[0], got[1])
-    sums = d32.reshape(B * T, 3 * C).astype(np.float64).sum(0)
-    np.testing.assert_allclose(got[0], (db0 + sums).astype(np.float32), rtol=1e-6, atol=1e-6)
+    # exactly: each batch row's T rows summed in order in double, the batch rows' sums added in
+    # order, then rounded to fp32 and added to dbias
+    rows = np.add.accumulate(d32.reshape(B, T, 3 * C).astype(np.float64), axis=1)[:, -1]
+    sums = np.add.accumulate(rows, axis=0)[-1]
+    np.testing.assert_array_equal(got[0], db0 + sums.astype(np.float32))
     db = db0.copy()    # the fp32 output sums the same
     A.attention_backward_bf16(np.empty_like(d32), dout.ravel(), qkv.ravel(), out, lse, B, T, C, NH, 2,
                               accumulate=False, dbias=db)
