@@ -269,9 +269,8 @@ static void ATTB_FN(forward_head)(float* out, uint16_t* out16, float* lse, const
 }
 
 /* one row of a gradient (hs values x) into dqkv's row: fp32 o32 (+= with acc, else 0 + x: the
-   bits of a zeroed +=) or, with o16, bf16(0 + x); part (hs doubles, or NULL) += x */
-static inline void ATTB_FN(put_row)(float* o32, uint16_t* o16, double* part, const float* x,
-                                    ptrdiff_t hs, int acc)
+   bits of a zeroed +=) or, with o16, bf16(0 + x) */
+static inline void ATTB_FN(put_row)(float* o32, uint16_t* o16, const float* x, ptrdiff_t hs, int acc)
 {
     if (o16)
         for (ptrdiff_t d = 0; d < hs; d++) o16[d] = llmctl_f32_to_bf16(0.0f + x[d]);
@@ -279,8 +278,6 @@ static inline void ATTB_FN(put_row)(float* o32, uint16_t* o16, double* part, con
         for (ptrdiff_t d = 0; d < hs; d++) o32[d] += x[d];
     else
         for (ptrdiff_t d = 0; d < hs; d++) o32[d] = 0.0f + x[d];
-    if (part)
-        for (ptrdiff_t d = 0; d < hs; d++) part[d] += (double)x[d];
 }
 
 /* ---- backward: one (batch, head); dqkv += (acc) or = 0 + (the same bits as zeroing first),
@@ -350,9 +347,8 @@ static void ATTB_FN(backward_head)(float* dqkv, uint16_t* dqkv16, double* part, 
         ptrdiff_t nc = T - j0 < ATTB_BLK ? T - j0 : ATTB_BLK;
         for (ptrdiff_t c = 0; c < nc; c++) {
             ptrdiff_t o = (j0 + c) * C3;
-            ATTB_FN(put_row)(dqb ? dqb + C + o : NULL, dqb16 ? dqb16 + C + o : NULL, NULL, dkr + c * hsp, hs, acc);
-            ATTB_FN(put_row)(dqb ? dqb + 2 * C + o : NULL, dqb16 ? dqb16 + 2 * C + o : NULL, NULL,
-                             dvr + c * hsp, hs, acc);
+            ATTB_FN(put_row)(dqb ? dqb + C + o : NULL, dqb16 ? dqb16 + C + o : NULL, dkr + c * hsp, hs, acc);
+            ATTB_FN(put_row)(dqb ? dqb + 2 * C + o : NULL, dqb16 ? dqb16 + 2 * C + o : NULL, dvr + c * hsp, hs, acc);
         }
         if (part) {     /* the bias sums in row order, each column's partial sum kept in registers */
             ATTB_FN(colsums)(part + hs, dkr, hsp, nc, hs);
@@ -361,6 +357,6 @@ static void ATTB_FN(backward_head)(float* dqkv, uint16_t* dqkv16, double* part, 
     }
     if (path == ATTB_AMX) attb_amx_end();
     for (ptrdiff_t i = 0; i < T; i++)
-        ATTB_FN(put_row)(dqb ? dqb + i * C3 : NULL, dqb16 ? dqb16 + i * C3 : NULL, NULL, dq + i * hsp, hs, acc);
+        ATTB_FN(put_row)(dqb ? dqb + i * C3 : NULL, dqb16 ? dqb16 + i * C3 : NULL, dq + i * hsp, hs, acc);
     if (part) ATTB_FN(colsums)(part, dq, hsp, T, hs);
 }
