@@ -38,6 +38,8 @@
 
 enum { ATTB_EMULATED = 0, ATTB_AVX512_BF16 = 1, ATTB_AMX = 2, ATTB_N_PATH = 3 };
 #define ATTB_BLK 32
+/* the backward's dQ += dS K runs once per this many keys (a multiple of ATTB_BLK), not per key block */
+#define ATTB_DQ_KEYS 128
 
 typedef void (*attb_gemm_t)(float* C, ptrdiff_t ldc, const uint16_t* A, ptrdiff_t lda,
                             const uint16_t* B, ptrdiff_t ldb, int M, int N, int K, int acc);
@@ -256,7 +258,7 @@ static ptrdiff_t attb_forward_scratch_bytes(ptrdiff_t T, ptrdiff_t hs)
 static ptrdiff_t attb_backward_scratch_bytes(ptrdiff_t T, ptrdiff_t hs)
 {
     ptrdiff_t Tp = attb_pad(T, ATTB_BLK), hsp = attb_pad(hs, 32), BB = ATTB_BLK * ATTB_BLK;
-    return 5 * Tp * hsp * 2 + (BB + 3 * Tp * ATTB_BLK) * 2          /* Qr Kc Kr Vc Or, P, P dS dS */
+    return 5 * Tp * hsp * 2 + (BB + 2 * Tp * ATTB_BLK + Tp * ATTB_DQ_KEYS) * 2   /* Qr Kc Kr Vc Or, P, P dS, dS */
            + (Tp * hsp + 2 * Tp * ATTB_BLK + 4 * ATTB_BLK * hsp) * 4;  /* dq, S, dP, dk^T, dv^T, dk, dv */
 }
 

@@ -259,8 +259,8 @@ ATTB_TGT_V static void attb_colsums_avx512(double* part, const float* x, ptrdiff
 
 /* the backward's P and dS of one block: see attention_bf16_body.h's bwd_block */
 ATTB_TGT_V static void attb_bwd_block_avx512(const float* S, const float* dP, uint16_t* Pb, uint16_t* Pp,
-                                             uint16_t* dSb, uint16_t* dSp, const float* lb, const float* D,
-                                             ptrdiff_t i0, ptrdiff_t j0, ptrdiff_t T, float scale)
+                                             uint16_t* dSb, ptrdiff_t lds, uint16_t* dSp, const float* lb,
+                                             const float* D, ptrdiff_t i0, ptrdiff_t j0, ptrdiff_t T, float scale)
 {
     const __m512 sc = _mm512_set1_ps(scale);
     __m512i p[2][2], q[2][2];
@@ -280,7 +280,7 @@ ATTB_TGT_V static void attb_bwd_block_avx512(const float* S, const float* dP, ui
             }
             p[r & 1][h] = attb_v_rnd(P);
             q[r & 1][h] = attb_v_rnd(dS);
-            _mm256_storeu_si256((__m256i*)(dSb + r * 32 + 16 * h), _mm512_cvtepi32_epi16(_mm512_srli_epi32(q[r & 1][h], 16)));
+            _mm256_storeu_si256((__m256i*)(dSb + r * lds + 16 * h), _mm512_cvtepi32_epi16(_mm512_srli_epi32(q[r & 1][h], 16)));
         }
         if (r & 1)
             for (int h = 0; h < 2; h++) {

@@ -200,11 +200,12 @@ static void ATTB_FN(colsums)(double* part, const float* x, ptrdiff_t ldx, ptrdif
 
 /* The backward's P = exp(S/sqrt(hs) - lse) and dS = P (dP - D) / sqrt(hs) of the block of query
    rows i0.. and keys j0.. (0 where masked or past T), rounded to bf16: P with rows paired (Pp),
-   dS row-major (dSb) and with rows paired (dSp) */
+   dS row-major (dSb, rows lds apart) and with rows paired (dSp) */
 static void ATTB_FN(bwd_block)(float* S, const float* dP, uint16_t* Pb, uint16_t* Pp, uint16_t* dSb,
-                               uint16_t* dSp, const float* lb, const float* D, ptrdiff_t i0,
+                               ptrdiff_t lds, uint16_t* dSp, const float* lb, const float* D, ptrdiff_t i0,
                                ptrdiff_t j0, ptrdiff_t T, float scale)
 {
+    uint16_t ds[ATTB_BLK * ATTB_BLK];
     for (ptrdiff_t r = 0; r < ATTB_BLK; r++) {
         float* srow = S + r * ATTB_BLK;
         const float* dprow = dP + r * ATTB_BLK;
@@ -216,11 +217,12 @@ static void ATTB_FN(bwd_block)(float* S, const float* dP, uint16_t* Pb, uint16_t
         ATTB_FN(exp_row)(srow);
         for (int c = 0; c < ATTB_BLK; c++) {
             Pb[r * ATTB_BLK + c] = attb_rnd(srow[c]);
-            dSb[r * ATTB_BLK + c] = attb_rnd(srow[c] * (dprow[c] - Di) * scale);
+            ds[r * ATTB_BLK + c] = attb_rnd(srow[c] * (dprow[c] - Di) * scale);
         }
+        memcpy(dSb + r * lds, ds + r * ATTB_BLK, ATTB_BLK * 2);
     }
     ATTB_FN(rowpairs)(Pp, Pb, ATTB_BLK, ATTB_BLK);
-    ATTB_FN(rowpairs)(dSp, dSb, ATTB_BLK, ATTB_BLK);
+    ATTB_FN(rowpairs)(dSp, ds, ATTB_BLK, ATTB_BLK);
 }
 #endif
 
@@ -290,7 +292,7 @@ static void ATTB_FN(backward_head)(float* dqkv, uint16_t* dqkv16, double* part, 
                                    ptrdiff_t NH, void* scratch, int path, int acc)
 {
     const ptrdiff_t hs = C / NH, C3 = 3 * C, Tp = attb_pad(T, ATTB_BLK), hsp = attb_pad(hs, 32);
-    const ptrdiff_t BB = ATTB_BLK * ATTB_BLK, TH = Tp * hsp, BNH = B * NH;
+    const ptrdiff_t BB = ATTB_BLK * ATTB_BLK, TH = Tp * hsp, BNH = B * NH, G = ATTB_DQ_KEYS;
     const float scale = 1.0f / sqrtf((float)hs);
     const float* lb = lse + (b * NH + h) * T;
     const float* D = Dall + (b * NH + h) * T;
@@ -307,10 +309,10 @@ static void ATTB_FN(backward_head)(float* dqkv, uint16_t* dqkv16, double* part, 
     uint16_t* Vc = Kr + TH;              /* V^T as B (dP = dout V^T) */
     uint16_t* OT = Vc + TH;              /* dout^T as A (dV^T += dout^T P) */
     uint16_t* Pb = OT + TH;              /* one block of P (bf16), the emulated copy's staging */
-    uint16_t* Pp = Pb + BB;              /* P, dS (bf16) of the rows j0..Tp: rows paired, dS also row-major */
-    uint16_t* dSb = Pp + Tp * ATTB_BLK;
-    uint16_t* dSp = dSb + Tp * ATTB_BLK;
-    float* dq = (float*)(dSp + Tp * ATTB_BLK);
+    uint16_t* Pp = Pb + BB;              /* P, dS (bf16) of the rows j0..Tp: rows paired */
+    uint16_t* dSp = Pp + Tp * ATTB_BLK;
+    uint16_t* dSg = dSp + Tp * ATTB_BLK; /* dS row-major of the rows g0..Tp x the group's keys, G apart */
+    float* dq = (float*)(dSg + Tp * G);
     float* S = dq + TH;                  /* S, dP of the rows j0..Tp (x 32 keys) */
     float* dP = S + Tp * ATTB_BLK;
     float* dkT = dP + Tp * ATTB_BLK;                /* dK^T, dV^T of the key block (hsp x 32) */
@@ -324,22 +326,30 @@ static void ATTB_FN(backward_head)(float* dqkv, uint16_t* dqkv16, double* part, 
     ATTB_FN(rowpairs)(Kr, Kw, Tp, hsp);
     ATTB_FN(colpairs)(Vc, Vw, Tp, hsp);
     ATTB_FN(transpose)(OT, Oa, Tp, hsp);
-    memset(dq, 0, TH * 4);
     if (path == ATTB_AMX) attb_amx_begin();
     for (ptrdiff_t j0 = 0; j0 < T; j0 += ATTB_BLK) {
         const ptrdiff_t nr = Tp - j0;    /* the rows that see key block j0, as one product each */
+        const ptrdiff_t g0 = j0 / G * G, q = j0 - g0;   /* the group's first key, this block's column */
         gemm(S, ATTB_BLK, Qa + j0 * hsp, hsp, Kc + j0 * hsp, 2 * ATTB_BLK, (int)nr, ATTB_BLK, (int)hsp, 0);
         gemm(dP, ATTB_BLK, Oa + j0 * hsp, hsp, Vc + j0 * hsp, 2 * ATTB_BLK, (int)nr, ATTB_BLK, (int)hsp, 0);
+        for (ptrdiff_t i = g0; i < j0; i++)     /* rows above the diagonal block see none of these keys */
+            memset(dSg + (i - g0) * G + q, 0, ATTB_BLK * 2);
         for (ptrdiff_t i0 = j0; i0 < T; i0 += ATTB_BLK) {
             ptrdiff_t o = (i0 - j0) * ATTB_BLK;
-            ATTB_FN(bwd_block)(S + o, dP + o, Pb, Pp + o, dSb + o, dSp + o, lb, D, i0, j0, T, scale);
+            ATTB_FN(bwd_block)(S + o, dP + o, Pb, Pp + o, dSg + (i0 - g0) * G + q, G, dSp + o, lb, D, i0, j0, T,
+                               scale);
         }
         /* dV^T = dout^T P and dK^T = Q^T dS over all the rows: the same products and sums over the
            rows as dV += P^T dout, dK += dS^T Q, without transposing P and dS (only pairing rows);
            the same additions in the same order as one product per block of rows */
         gemm(dvT, ATTB_BLK, OT + j0, Tp, Pp, 2 * ATTB_BLK, (int)hsp, ATTB_BLK, (int)nr, 0);
         gemm(dkT, ATTB_BLK, QT + j0, Tp, dSp, 2 * ATTB_BLK, (int)hsp, ATTB_BLK, (int)nr, 0);
-        gemm(dq + j0 * hsp, hsp, dSb, ATTB_BLK, Kr + j0 * hsp, 2 * hsp, (int)nr, (int)hsp, ATTB_BLK, 1);
+        /* dQ += dS K once a group of key blocks is done: the same sums in the same key order as a
+           product per key block, with dQ's accumulators loaded and stored once a group, not once
+           a block (the first group starts them from zero) */
+        if (q + ATTB_BLK == G || j0 + ATTB_BLK >= T)
+            gemm(dq + g0 * hsp, hsp, dSg, G, Kr + g0 * hsp, 2 * hsp, (int)(Tp - g0), (int)hsp,
+                 (int)(q + ATTB_BLK), g0 > 0);
         /* transposed in L1 first, so that the adds into dqkv's rows (a page apart) run along
            contiguous rows, vectorised (the strided scalar adds were a fifth of this function) */
         ATTB_FN(rows_of)(dkr, dkT, hsp);
