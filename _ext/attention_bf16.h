@@ -40,6 +40,7 @@ enum { ATTB_EMULATED = 0, ATTB_AVX512_BF16 = 1, ATTB_AMX = 2, ATTB_N_PATH = 3 };
 #define ATTB_BLK 32
 /* the backward's dQ += dS K runs once per this many keys (a multiple of ATTB_BLK), not per key block */
 #define ATTB_DQ_KEYS 128
+#define ATTB_DLANES 16   /* the backward's D = dout . out: partial sums, whatever the vector width */
 
 typedef void (*attb_gemm_t)(float* C, ptrdiff_t ldc, const uint16_t* A, ptrdiff_t lda,
                             const uint16_t* B, ptrdiff_t ldb, int M, int N, int K, int acc);

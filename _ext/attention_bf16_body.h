@@ -10,7 +10,8 @@
    One pass along src's rows (a per-head pass would stride through memory a page per row);
    columns hs..hsp and, with the last rows, rows T..Tp are zeroed. With D (n = 1, dout):
    D[(b * NH + h) * T + t] = bf16(dout) . out over the head's columns, in fp32 (out fp32, or
-   out16: the bf16 output, widened). */
+   out16: the bf16 output, widened), summed in ATTB_DLANES lanes (a sum in column order was a
+   chain of hs dependent adds per row and head, most of this pass's time). */
 static void ATTB_FN(pack_heads)(uint16_t* dst, const float* src, ptrdiff_t n, ptrdiff_t B,
                                 ptrdiff_t b, ptrdiff_t T, ptrdiff_t t0, ptrdiff_t t1,
                                 ptrdiff_t C, ptrdiff_t NH, float* D, const float* out,
@@ -24,16 +25,22 @@ static void ATTB_FN(pack_heads)(uint16_t* dst, const float* src, ptrdiff_t n, pt
                 const float* x = src + (b * T + t) * n * C + w * C + h * hs;
                 for (ptrdiff_t d = 0; d < hs; d++) o[d] = attb_rnd(x[d]);
                 for (ptrdiff_t d = hs; d < hsp; d++) o[d] = 0;
-                if (D && out16) {
-                    const uint16_t* y = out16 + (b * T + t) * C + h * hs;
-                    float s = 0.0f;
-                    for (ptrdiff_t d = 0; d < hs; d++) s += llmctl_bf16_to_f32(o[d]) * llmctl_bf16_to_f32(y[d]);
-                    D[(b * NH + h) * T + t] = s;
-                } else if (D) {
-                    const float* y = out + (b * T + t) * C + h * hs;
-                    float s = 0.0f;
-                    for (ptrdiff_t d = 0; d < hs; d++) s += llmctl_bf16_to_f32(o[d]) * y[d];
-                    D[(b * NH + h) * T + t] = s;
+                if (D) {    /* ATTB_DLANES partial sums, then halved pairwise: a fixed order */
+                    const uint16_t* y16 = out16 ? out16 + (b * T + t) * C + h * hs : NULL;
+                    const float* y = out16 ? NULL : out + (b * T + t) * C + h * hs;
+                    float s[ATTB_DLANES] = {0.0f};
+                    ptrdiff_t dm = hs - hs % ATTB_DLANES, d = 0;
+                    if (y16)
+                        for (; d < dm; d += ATTB_DLANES)
+                            for (int j = 0; j < ATTB_DLANES; j++)
+                                s[j] += llmctl_bf16_to_f32(o[d + j]) * llmctl_bf16_to_f32(y16[d + j]);
+                    else
+                        for (; d < dm; d += ATTB_DLANES)
+                            for (int j = 0; j < ATTB_DLANES; j++) s[j] += llmctl_bf16_to_f32(o[d + j]) * y[d + j];
+                    for (int w = ATTB_DLANES / 2; w > 0; w /= 2)
+                        for (int j = 0; j < w; j++) s[j] += s[j + w];
+                    for (; d < hs; d++) s[0] += llmctl_bf16_to_f32(o[d]) * (y16 ? llmctl_bf16_to_f32(y16[d]) : y[d]);
+                    D[(b * NH + h) * T + t] = s[0];
                 }
             }
     if (t1 == T)
