@@ -50,7 +50,7 @@ backward time of "default" over the set's): avx512 2.0x/2.2x at T=64, 2.7x/2.8x 
 
 bf16 (attention_forward_bf16 / attention_backward_bf16, _ext/attention_bf16.h): the same
 attention with its products on bf16 operands for the bf16 model. q, k, v and dout are rounded to
-bf16 once, in one pass along the rows of qkv/dout; P is rounded before P V and P^T dout, dS before
+bf16 by each (batch, head) into its thread's scratch; P is rounded before P V and P^T dout, dS before
 dS K and dS^T Q; every product is exact and summed in fp32; softmax, lse and D stay fp32 (the exp
 is the "default" set's polynomial as a vectorisable loop, so LLMCTL_ATT_ISA does not change them). Work
 items are (batch, head); 32-row blocks. The forward takes each block of query rows against all the
@@ -61,7 +61,7 @@ asked once with arch_prctl; refused -> AVX512_BF16) or by LLMCTL_ATT_BF16=emulat
 |auto, or set_bf16_path(): "amx" (TDPBF16PS tiles), "avx512_bf16" (VDPBF16PS), "emulated" (plain
 C on fp32, the same rounding points, every CPU). They differ only in the order of fp32 additions;
 "emulated" adds each pair in VDPBF16PS's documented order. Bit-identical for any thread count on
-a given path. Scratch (a bf16 copy of qkv, dout for backward, and O(T*hs) per thread) is kept
+a given path. Scratch (O(T*hs) per thread: one head's bf16 rows and their layouts) is kept
 between calls. Speed and the fp32/bf16 ratios: docs/performance.md.
 """
 from cython.parallel cimport parallel, prange
@@ -117,20 +117,19 @@ cdef extern from "attention_bf16.h" nogil:
     unsigned attb_ran_take(int reset)
     Py_ssize_t attb_forward_scratch_bytes(Py_ssize_t T, Py_ssize_t hs)
     Py_ssize_t attb_backward_scratch_bytes(Py_ssize_t T, Py_ssize_t hs)
-    Py_ssize_t attb_shared_bytes(Py_ssize_t B, Py_ssize_t T, Py_ssize_t C, Py_ssize_t NH, int backward)
     Py_ssize_t attb_pad(Py_ssize_t n, Py_ssize_t to)
-    void attb_pack_heads_b16(uint16_t* dst, const uint16_t* src, Py_ssize_t B, Py_ssize_t b, Py_ssize_t T,
-                             Py_ssize_t t0, Py_ssize_t t1, Py_ssize_t C, Py_ssize_t NH, int path)
-    void attb_pack_heads(uint16_t* dst, const float* src, Py_ssize_t n, Py_ssize_t B, Py_ssize_t b,
-                         Py_ssize_t T, Py_ssize_t t0, Py_ssize_t t1, Py_ssize_t C, Py_ssize_t NH,
-                         float* D, const float* out, const uint16_t* out16, int path)
-    void attb_forward_head(float* out, uint16_t* out16, float* lse, const uint16_t* rows, Py_ssize_t B, Py_ssize_t b,
-                           Py_ssize_t h, Py_ssize_t T, Py_ssize_t C, Py_ssize_t NH, void* scratch,
-                           int path)
-    void attb_backward_head(float* dqkv, uint16_t* dqkv16, double* part, const uint16_t* rows,
-                            const uint16_t* drows, const float* D, const float* lse, Py_ssize_t B,
-                            Py_ssize_t b, Py_ssize_t h, Py_ssize_t T, Py_ssize_t C, Py_ssize_t NH,
-                            void* scratch, int path, int acc)
+    ctypedef struct attb_src:
+        const float* qkv32
+        const uint16_t* qkv16
+        const float* dout
+        const float* out
+        const uint16_t* out16
+    void attb_forward_head(float* out, uint16_t* out16, float* lse, const attb_src* src, Py_ssize_t B,
+                           Py_ssize_t b, Py_ssize_t h, Py_ssize_t T, Py_ssize_t C, Py_ssize_t NH,
+                           void* scratch, int path)
+    void attb_backward_head(float* dqkv, uint16_t* dqkv16, double* part, const attb_src* src,
+                            const float* lse, Py_ssize_t B, Py_ssize_t b, Py_ssize_t h, Py_ssize_t T,
+                            Py_ssize_t C, Py_ssize_t NH, void* scratch, int path, int acc)
 
 # tile sizes: BR query rows per forward work item, BC keys per key tile, BQ query rows per
 # backward block; the transposed (hs, BC) key/value tiles are 16 KB each at hs=64
@@ -539,12 +538,12 @@ cdef int _check_apart(str a, const char* pa, Py_ssize_t na, str b, const char* p
     return 0
 
 
-cdef void _pack_qkv(uint16_t* rows, const qkv_t* qkv, Py_ssize_t B, Py_ssize_t b, Py_ssize_t T,
-                    Py_ssize_t t0, Py_ssize_t t1, Py_ssize_t C, Py_ssize_t NH, int path) noexcept nogil:
+cdef void _src_qkv(attb_src* src, const qkv_t* qkv) noexcept nogil:
+    src.qkv32, src.qkv16, src.dout, src.out, src.out16 = NULL, NULL, NULL, NULL, NULL
     if qkv_t is float:
-        attb_pack_heads(rows, qkv, 3, B, b, T, t0, t1, C, NH, NULL, NULL, NULL, path)
+        src.qkv32 = qkv
     else:
-        attb_pack_heads_b16(rows, qkv, B, b, T, t0, t1, C, NH, path)
+        src.qkv16 = qkv
 
 
 def forward_scratch_bytes(int T, int C, int NH, int n_threads=1):
@@ -688,10 +687,6 @@ def _bf16_ran(bint reset=False):
 _from_env(BF16_ENV, set_bf16_path, bf16_best_path)
 
 
-cdef enum:
-    TILE_T = 32     # rows per packing work item (pack_heads)
-
-
 cdef inline Py_ssize_t _align64(Py_ssize_t n) noexcept nogil:
     return (n + 63) // 64 * 64
 
@@ -735,17 +730,18 @@ cdef void _give_scratch(char* p, bint own) noexcept:
 
 
 def bf16_forward_scratch_bytes(int B, int T, int C, int NH, int n_threads=1):
-    """Bytes of scratch attention_forward_bf16 uses: the bf16 copy of qkv (B*T*3C, padded) and
-    O(T*hs) per thread; never O(T*T). Kept between calls."""
+    """Bytes of scratch attention_forward_bf16 uses: O(T*hs) per thread (one head's bf16 rows and
+    their layouts, the block buffers); never O(T*T), nothing per batch row. Kept between calls."""
     _check_dims(B, T, C, NH, n_threads)
-    return _align64(attb_shared_bytes(B, T, C, NH, 0)) + n_threads * _align64(attb_forward_scratch_bytes(T, C // NH))
+    return n_threads * _align64(attb_forward_scratch_bytes(T, C // NH))
 
 
 def bf16_backward_scratch_bytes(int B, int T, int C, int NH, int n_threads=1):
-    """Bytes of scratch attention_backward_bf16 uses: bf16 copies of qkv and dout, D (B*NH*T) and
-    O(T*hs) per thread; never O(T*T). Kept between calls."""
+    """Bytes of scratch attention_backward_bf16 uses: O(T*hs) per thread (one head's bf16 rows of
+    q, k, v and dout, their layouts, D, dQ, the block buffers); never O(T*T). Kept between calls
+    (with dbias the call also takes B*NH*3*hs doubles of column sums)."""
     _check_dims(B, T, C, NH, n_threads)
-    return _align64(attb_shared_bytes(B, T, C, NH, 1)) + n_threads * _align64(attb_backward_scratch_bytes(T, C // NH))
+    return n_threads * _align64(attb_backward_scratch_bytes(T, C // NH))
 
 
 def attention_forward_bf16(aout_t[::1] out, float[::1] lse, const qkv_t[::1] qkv,
@@ -779,24 +775,18 @@ def attention_forward_bf16(aout_t[::1] out, float[::1] lse, const qkv_t[::1] qkv
     cdef int nt = n_threads if n_threads < nwork else <int>nwork
     cdef int path = _bf16
     cdef Py_ssize_t per = _align64(attb_forward_scratch_bytes(T, C // NH))
-    cdef Py_ssize_t shared = _align64(attb_shared_bytes(B, T, C, NH, 0))
-    cdef Py_ssize_t nchunk = (T + TILE_T - 1) // TILE_T
     cdef bint own = False
-    cdef char* scratch = _take_scratch(shared + nt * per, &own)
+    cdef char* scratch = _take_scratch(nt * per, &own)
     cdef char* base
-    cdef uint16_t* rows
-    cdef Py_ssize_t w, t0
+    cdef attb_src src
+    cdef Py_ssize_t w
+    _src_qkv(&src, &qkv[0])
     base = scratch + (64 - (<size_t>scratch) % 64) % 64
-    rows = <uint16_t*>base
     try:
-        with nogil:
-            for w in prange(B * nchunk, num_threads=n_threads, schedule='static'):
-                t0 = (w % nchunk) * TILE_T
-                _pack_qkv(rows, &qkv[0], B, w // nchunk, T, t0, _imin(T, t0 + TILE_T), C, NH, path)
-            with parallel(num_threads=nt):
-                for w in prange(nwork, schedule='static', chunksize=1):
-                    attb_forward_head(o32, o16, &lse[0], rows, B, w // NH, w % NH, T, C, NH,
-                                      base + shared + omp_get_thread_num() * per, path)
+        with nogil, parallel(num_threads=nt):
+            for w in prange(nwork, schedule='static', chunksize=1):
+                attb_forward_head(o32, o16, &lse[0], &src, B, w // NH, w % NH, T, C, NH,
+                                  base + omp_get_thread_num() * per, path)
     finally:
         _give_scratch(scratch, own)
 
@@ -863,39 +853,27 @@ def attention_backward_bf16(dqkv, const float[::1] dout, const qkv_t[::1] qkv,
     cdef int path = _bf16
     cdef Py_ssize_t hs = C // NH
     cdef Py_ssize_t per = _align64(attb_backward_scratch_bytes(T, hs))
-    cdef Py_ssize_t shared = _align64(attb_shared_bytes(B, T, C, NH, 1))
     cdef Py_ssize_t nparts = nwork * 3 * hs if dbias is not None else 0   # doubles: (b, h, q/k/v, d)
-    cdef Py_ssize_t nchunk = (T + TILE_T - 1) // TILE_T
-    cdef Py_ssize_t nrows = <Py_ssize_t>B * NH * attb_pad(T, 32) * attb_pad(hs, 32)
     cdef bint own = False
-    cdef char* scratch = _take_scratch(shared + nt * per + nparts * 8, &own)
+    cdef char* scratch = _take_scratch(nt * per + nparts * 8, &own)
     cdef char* base
-    cdef uint16_t* rows
-    cdef uint16_t* drows
-    cdef float* D
+    cdef attb_src src
     cdef double* parts = NULL
     cdef double acc
-    cdef Py_ssize_t w, t0, bb, hh, k, d
+    cdef Py_ssize_t w, bb, hh, k, d
+    _src_qkv(&src, &qkv[0])
+    src.dout, src.out, src.out16 = &dout[0], o32, o16
     base = scratch + (64 - (<size_t>scratch) % 64) % 64
-    rows = <uint16_t*>base
-    drows = rows + 3 * nrows
-    D = <float*>(drows + nrows)
     if nparts:
-        parts = <double*>(base + shared + nt * per)
+        parts = <double*>(base + nt * per)
         memset(parts, 0, nparts * 8)
     try:
         with nogil:
-            for w in prange(B * nchunk, num_threads=n_threads, schedule='static'):
-                t0 = (w % nchunk) * TILE_T
-                _pack_qkv(rows, &qkv[0], B, w // nchunk, T, t0, _imin(T, t0 + TILE_T), C, NH, path)
-                attb_pack_heads(drows, &dout[0], 1, B, w // nchunk, T, t0, _imin(T, t0 + TILE_T), C, NH,
-                                D, o32, o16, path)
             with parallel(num_threads=nt):
                 for w in prange(nwork, schedule='static', chunksize=1):
                     attb_backward_head(dq32, dq16, parts + w * 3 * hs if parts != NULL else NULL,
-                                       rows, drows, D, &lse[0], B, w // NH, w % NH,
-                                       T, C, NH, base + shared + omp_get_thread_num() * per, path,
-                                       accumulate)
+                                       &src, &lse[0], B, w // NH, w % NH, T, C, NH,
+                                       base + omp_get_thread_num() * per, path, accumulate)
             if parts != NULL:    # the batch rows' sums, in order: the bits do not depend on threads
                 for hh in range(NH):
                     for k in range(3):

@@ -18,9 +18,9 @@
  *   "emulated"     plain C on fp32: each pair adds a[2r+1] b[2r+1], then a[2r] b[2r] (VDPBF16PS's
  *                  documented order), so tests and CPUs without native bf16 run the same math.
  *
- * Layout: qkv and dout are rounded once, in one pass along their rows, into per-head bf16 rows
- * padded to 32 rows and hsp = hs rounded up to 32 columns (zeros); per (batch, head) they are
- * then rearranged into the two forms a GEMM C += A B needs here: A row-major (M x K), and B
+ * Layout: each (batch, head) rounds its own rows of q, k, v (and dout) into bf16 rows in its
+ * thread's scratch, padded to 32 rows and hsp = hs rounded up to 32 columns (zeros), and
+ * rearranges them into the two forms a GEMM C += A B needs here: A row-major (M x K), and B
  * "pair-packed" (K/2 x N x 2: row r holds, for each column n, B[2r][n] and B[2r+1][n] next to
  * each other), which is AMX's VNNI tile layout and what one VDPBF16PS lane reads. M, N and K are
  * multiples of 32. The forward works on transposed blocks (S^T = K Q^T, out^T = V^T P^T) so the
@@ -40,6 +40,7 @@ enum { ATTB_EMULATED = 0, ATTB_AVX512_BF16 = 1, ATTB_AMX = 2, ATTB_N_PATH = 3 };
 #define ATTB_BLK 32
 /* the backward's dQ += dS K runs once per this many keys (a multiple of ATTB_BLK), not per key block */
 #define ATTB_DQ_KEYS 128
+#define ATTB_AHEAD 8     /* rows a head's packing prefetches ahead */
 #define ATTB_DLANES 16   /* the backward's D = dout . out: partial sums, whatever the vector width */
 
 typedef void (*attb_gemm_t)(float* C, ptrdiff_t ldc, const uint16_t* A, ptrdiff_t lda,
@@ -248,26 +249,29 @@ static void attb_amx_end(void) {}
 
 static inline ptrdiff_t attb_pad(ptrdiff_t n, ptrdiff_t to) { return (n + to - 1) / to * to; }
 
-/* per thread: the paired layouts of one head, the block buffers */
+/* what the heads read: q, k, v (B,T,3C) in fp32 or bf16 (one of qkv32, qkv16); for the
+   backward also dout (B,T,C) fp32 and the forward's output, fp32 or bf16 (out, out16) */
+typedef struct {
+    const float* qkv32;
+    const uint16_t* qkv16;
+    const float* dout;
+    const float* out;
+    const uint16_t* out16;
+} attb_src;
+
+/* per thread: one head's rows and their paired layouts, the block buffers */
 static ptrdiff_t attb_forward_scratch_bytes(ptrdiff_t T, ptrdiff_t hs)
 {
     ptrdiff_t Tp = attb_pad(T, ATTB_BLK), hsp = attb_pad(hs, 32);
-    return 2 * Tp * hsp * 2 + Tp * ATTB_BLK * 2                        /* Q^T, V^T, P^T */
+    return 5 * Tp * hsp * 2 + Tp * ATTB_BLK * 2                        /* K, q v rows, Q^T, V^T, P^T */
            + (Tp * ATTB_BLK + ATTB_BLK * hsp + 2 * ATTB_BLK) * 4;      /* S^T, out^T, m l */
 }
 
 static ptrdiff_t attb_backward_scratch_bytes(ptrdiff_t T, ptrdiff_t hs)
 {
     ptrdiff_t Tp = attb_pad(T, ATTB_BLK), hsp = attb_pad(hs, 32), BB = ATTB_BLK * ATTB_BLK;
-    return 5 * Tp * hsp * 2 + (BB + 2 * Tp * ATTB_BLK + Tp * ATTB_DQ_KEYS) * 2   /* Qr Kc Kr Vc Or, P, P dS, dS */
-           + (Tp * hsp + 2 * Tp * ATTB_BLK + 4 * ATTB_BLK * hsp) * 4;  /* dq, S, dP, dk^T, dv^T, dk, dv */
-}
-
-/* shared by the threads: pack_heads' bf16 rows of q, k, v (and dout, and D, for backward) */
-static ptrdiff_t attb_shared_bytes(ptrdiff_t B, ptrdiff_t T, ptrdiff_t C, ptrdiff_t NH, int backward)
-{
-    ptrdiff_t rows = B * NH * attb_pad(T, ATTB_BLK) * attb_pad(C / NH, 32) * 2;
-    return backward ? 4 * rows + B * NH * T * 4 : 3 * rows;
+    return 9 * Tp * hsp * 2 + (BB + 2 * Tp * ATTB_BLK + Tp * ATTB_DQ_KEYS) * 2   /* Q dout k v Qr Kc Kr Vc Or, P, P dS, dS */
+           + (Tp * hsp + 2 * Tp * ATTB_BLK + 4 * ATTB_BLK * hsp + Tp) * 4;  /* dq, S, dP, dk^T, dv^T, dk, dv, D */
 }
 
 #define ATTB_FN(name) attb_##name##_base
@@ -291,41 +295,23 @@ static ptrdiff_t attb_shared_bytes(ptrdiff_t B, ptrdiff_t T, ptrdiff_t C, ptrdif
 #endif
 
 /* path picks the copy: the emulated path runs the baseline one, the native paths AVX-512's */
-static void attb_pack_heads(uint16_t* dst, const float* src, ptrdiff_t n, ptrdiff_t B, ptrdiff_t b,
-                            ptrdiff_t T, ptrdiff_t t0, ptrdiff_t t1, ptrdiff_t C, ptrdiff_t NH,
-                            float* D, const float* out, const uint16_t* out16, int path)
-{
-    (path == ATTB_EMULATED ? attb_pack_heads_base : ATTB_NATIVE(pack_heads))
-        (dst, src, n, B, b, T, t0, t1, C, NH, D, out, out16);
-}
 
-/* pack_heads of q, k, v (n = 3) given in bf16 */
-static void attb_pack_heads_b16(uint16_t* dst, const uint16_t* src, ptrdiff_t B, ptrdiff_t b, ptrdiff_t T,
-                                ptrdiff_t t0, ptrdiff_t t1, ptrdiff_t C, ptrdiff_t NH, int path)
-{
-    (path == ATTB_EMULATED ? attb_pack_heads_b16_base : ATTB_NATIVE(pack_heads_b16))
-        (dst, src, B, b, T, t0, t1, C, NH);
-}
-
-/* out (B,T,C) rows of head h (fp32, or with out16 non-NULL bf16 there), lse (B,NH,T), from
-   pack_heads' rows of qkv */
-static void attb_forward_head(float* out, uint16_t* out16, float* lse, const uint16_t* rows, ptrdiff_t B,
+/* out (B,T,C) rows of head h (fp32, or with out16 non-NULL bf16 there), lse (B,NH,T), from src's qkv */
+static void attb_forward_head(float* out, uint16_t* out16, float* lse, const attb_src* src, ptrdiff_t B,
                               ptrdiff_t b, ptrdiff_t h, ptrdiff_t T, ptrdiff_t C, ptrdiff_t NH,
                               void* scratch, int path)
 {
     (path == ATTB_EMULATED ? attb_forward_head_base : ATTB_NATIVE(forward_head))
-        (out, out16, lse, rows, B, b, h, T, C, NH, scratch, path);
+        (out, out16, lse, src, B, b, h, T, C, NH, scratch, path);
 }
 
 /* dqkv (B,T,3C) += (acc) or = the gradient of head h, or (dqkv NULL) dqkv16 = its bf16
-   rounding; part: 3 x hs column sums of that gradient (+=), or NULL. From pack_heads' rows of
-   qkv and dout, and D */
-static void attb_backward_head(float* dqkv, uint16_t* dqkv16, double* part, const uint16_t* rows,
-                               const uint16_t* drows, const float* D, const float* lse, ptrdiff_t B,
-                               ptrdiff_t b, ptrdiff_t h, ptrdiff_t T, ptrdiff_t C, ptrdiff_t NH,
-                               void* scratch, int path, int acc)
+   rounding; part: 3 x hs column sums of that gradient (+=), or NULL. From src's qkv, dout, out */
+static void attb_backward_head(float* dqkv, uint16_t* dqkv16, double* part, const attb_src* src,
+                               const float* lse, ptrdiff_t B, ptrdiff_t b, ptrdiff_t h, ptrdiff_t T,
+                               ptrdiff_t C, ptrdiff_t NH, void* scratch, int path, int acc)
 {
     (path == ATTB_EMULATED ? attb_backward_head_base : ATTB_NATIVE(backward_head))
-        (dqkv, dqkv16, part, rows, drows, D, lse, B, b, h, T, C, NH, scratch, path, acc);
+        (dqkv, dqkv16, part, src, lse, B, b, h, T, C, NH, scratch, path, acc);
 }
 #endif /* LLMCTL_ATTENTION_BF16_H */

@@ -3,70 +3,85 @@
  * so the packing loops vectorise 16 wide there. The per-block steps between ATTB_V512's guards
  * (softmax, output, P and dS, the pairings and transposes) are the emulated copy's; the native
  * copy takes attention_bf16_avx512.h's forms of them. Not a header to include on its own. */
-/* ---- packing (fp32 strided source -> bf16), zero padded to Tp rows and hsp columns ---- */
+/* ---- packing: one head's rows of q, k, v and dout -> bf16, zero padded to Tp rows and hsp columns ---- */
 
-/* Rows [t0, t1) of batch b of src (B,T,n*C) fp32 -> bf16, row-major per head:
-   dst[(((w * B + b) * NH + h) * Tp + t) * hsp + d] for the n tensors w (q, k, v; or dout).
-   One pass along src's rows (a per-head pass would stride through memory a page per row);
-   columns hs..hsp and, with the last rows, rows T..Tp are zeroed. With D (n = 1, dout):
-   D[(b * NH + h) * T + t] = bf16(dout) . out over the head's columns, in fp32 (out fp32, or
-   out16: the bf16 output, widened), summed in ATTB_DLANES lanes (a sum in column order was a
-   chain of hs dependent adds per row and head, most of this pass's time). */
-static void ATTB_FN(pack_heads)(uint16_t* dst, const float* src, ptrdiff_t n, ptrdiff_t B,
-                                ptrdiff_t b, ptrdiff_t T, ptrdiff_t t0, ptrdiff_t t1,
-                                ptrdiff_t C, ptrdiff_t NH, float* D, const float* out,
-                                const uint16_t* out16)
+/* one row: o[0:hs] = bf16 of fp32 x32 (attb_rnd) or the flushed bf16 x16 (a bf16 that is
+   attb_rnd(x) of some fp32 x packs to the same bits as x), o[hs:hsp] = 0 */
+static inline void ATTB_FN(pack_row)(uint16_t* o, const float* x32, const uint16_t* x16, ptrdiff_t hs,
+                                     ptrdiff_t hsp)
 {
-    const ptrdiff_t hs = C / NH, Tp = attb_pad(T, ATTB_BLK), hsp = attb_pad(hs, 32);
-    for (ptrdiff_t t = t0; t < t1; t++)
-        for (ptrdiff_t w = 0; w < n; w++)
-            for (ptrdiff_t h = 0; h < NH; h++) {
-                uint16_t* o = dst + (((w * B + b) * NH + h) * Tp + t) * hsp;
-                const float* x = src + (b * T + t) * n * C + w * C + h * hs;
-                for (ptrdiff_t d = 0; d < hs; d++) o[d] = attb_rnd(x[d]);
-                for (ptrdiff_t d = hs; d < hsp; d++) o[d] = 0;
-                if (D) {    /* ATTB_DLANES partial sums, then halved pairwise: a fixed order */
-                    const uint16_t* y16 = out16 ? out16 + (b * T + t) * C + h * hs : NULL;
-                    const float* y = out16 ? NULL : out + (b * T + t) * C + h * hs;
-                    float s[ATTB_DLANES] = {0.0f};
-                    ptrdiff_t dm = hs - hs % ATTB_DLANES, d = 0;
-                    if (y16)
-                        for (; d < dm; d += ATTB_DLANES)
-                            for (int j = 0; j < ATTB_DLANES; j++)
-                                s[j] += llmctl_bf16_to_f32(o[d + j]) * llmctl_bf16_to_f32(y16[d + j]);
-                    else
-                        for (; d < dm; d += ATTB_DLANES)
-                            for (int j = 0; j < ATTB_DLANES; j++) s[j] += llmctl_bf16_to_f32(o[d + j]) * y[d + j];
-                    for (int w = ATTB_DLANES / 2; w > 0; w /= 2)
-                        for (int j = 0; j < w; j++) s[j] += s[j + w];
-                    for (; d < hs; d++) s[0] += llmctl_bf16_to_f32(o[d]) * (y16 ? llmctl_bf16_to_f32(y16[d]) : y[d]);
-                    D[(b * NH + h) * T + t] = s[0];
-                }
-            }
-    if (t1 == T)
-        for (ptrdiff_t w = 0; w < n; w++)
-            for (ptrdiff_t h = 0; h < NH; h++)
-                memset(dst + (((w * B + b) * NH + h) * Tp + T) * hsp, 0, (size_t)(Tp - T) * hsp * 2);
+    if (x16)
+        for (ptrdiff_t d = 0; d < hs; d++) o[d] = attb_flush(x16[d]);
+    else
+        for (ptrdiff_t d = 0; d < hs; d++) o[d] = attb_rnd(x32[d]);
+    for (ptrdiff_t d = hs; d < hsp; d++) o[d] = 0;
 }
 
-/* pack_heads for q, k, v already in bf16 (B,T,3C): the same rows, each value flushed as attb_rnd
-   flushes (a bf16 that is attb_rnd(x) of some fp32 x packs to the same bits as x) */
-static void ATTB_FN(pack_heads_b16)(uint16_t* dst, const uint16_t* src, ptrdiff_t B, ptrdiff_t b,
-                                    ptrdiff_t T, ptrdiff_t t0, ptrdiff_t t1, ptrdiff_t C, ptrdiff_t NH)
+static inline void ATTB_FN(prefetch)(const void* p, ptrdiff_t bytes)
 {
-    const ptrdiff_t hs = C / NH, Tp = attb_pad(T, ATTB_BLK), hsp = attb_pad(hs, 32);
-    for (ptrdiff_t t = t0; t < t1; t++)
-        for (ptrdiff_t w = 0; w < 3; w++)
-            for (ptrdiff_t h = 0; h < NH; h++) {
-                uint16_t* o = dst + (((w * B + b) * NH + h) * Tp + t) * hsp;
-                const uint16_t* x = src + (b * T + t) * 3 * C + w * C + h * hs;
-                for (ptrdiff_t d = 0; d < hs; d++) o[d] = attb_flush(x[d]);
-                for (ptrdiff_t d = hs; d < hsp; d++) o[d] = 0;
+    for (ptrdiff_t c = 0; c < bytes; c += 64) __builtin_prefetch((const char*)p + c);
+}
+
+/* Head h of batch b into Tp x hsp row-major bf16 rows, in one pass along its T rows: q, k, v
+   of src->qkv32 or src->qkv16 (B,T,3C) into dq, dk, dv, and dout (B,T,C) into ddo with
+   Dh[t] = bf16(dout) . out over the head's columns in fp32 (out fp32, or out16: the bf16
+   output, widened), summed in ATTB_DLANES lanes then halved pairwise (a fixed order; a sum in
+   column order was a chain of hs dependent adds per row). A NULL destination is skipped. Each
+   head packs its own rows into its thread's scratch, where the products read them from cache. */
+static void ATTB_FN(pack_head)(uint16_t* dq, uint16_t* dk, uint16_t* dv, uint16_t* ddo, float* Dh,
+                               const attb_src* src, ptrdiff_t b, ptrdiff_t h, ptrdiff_t T, ptrdiff_t C,
+                               ptrdiff_t NH)
+{
+    const ptrdiff_t hs = C / NH, Tp = attb_pad(T, ATTB_BLK), hsp = attb_pad(hs, 32), C3 = 3 * C;
+    /* src's pointers in locals: with -fno-strict-aliasing (Python's flags) a store to a row
+       could change a pointer read through src, and gcc would neither hoist nor vectorise */
+    const uint16_t* q16 = src->qkv16 ? src->qkv16 + b * T * C3 + h * hs : NULL;
+    const float* q32 = src->qkv32 ? src->qkv32 + b * T * C3 + h * hs : NULL;
+    const float* dout = ddo ? src->dout + b * T * C + h * hs : NULL;
+    const uint16_t* out16 = ddo && src->out16 ? src->out16 + b * T * C + h * hs : NULL;
+    const float* out = ddo && !src->out16 ? src->out + b * T * C + h * hs : NULL;
+    const ptrdiff_t qb = q16 ? 2 : 4, ob = out16 ? 2 : 4;   /* bytes per value */
+    uint16_t* dst[3] = {dq, dk, dv};
+    for (ptrdiff_t t = 0; t < T; t++) {
+        if (t + ATTB_AHEAD < T) {   /* the rows are pages apart: no hardware prefetcher follows them */
+            const ptrdiff_t a = (t + ATTB_AHEAD) * C3;
+            for (int w = 0; w < 3; w++)
+                if (dst[w]) ATTB_FN(prefetch)(q16 ? (const void*)(q16 + a + w * C) : (const void*)(q32 + a + w * C), hs * qb);
+            if (ddo) {
+                ATTB_FN(prefetch)(dout + (t + ATTB_AHEAD) * C, hs * 4);
+                if (Dh) ATTB_FN(prefetch)(out16 ? (const void*)(out16 + (t + ATTB_AHEAD) * C)
+                                                : (const void*)(out + (t + ATTB_AHEAD) * C), hs * ob);
             }
-    if (t1 == T)
-        for (ptrdiff_t w = 0; w < 3; w++)
-            for (ptrdiff_t h = 0; h < NH; h++)
-                memset(dst + (((w * B + b) * NH + h) * Tp + T) * hsp, 0, (size_t)(Tp - T) * hsp * 2);
+        }
+        for (int w = 0; w < 3; w++)
+            if (dst[w])
+                ATTB_FN(pack_row)(dst[w] + t * hsp, q32 ? q32 + t * C3 + w * C : NULL,
+                                  q16 ? q16 + t * C3 + w * C : NULL, hs, hsp);
+        if (!ddo) continue;
+        uint16_t* o = ddo + t * hsp;
+        ATTB_FN(pack_row)(o, dout + t * C, NULL, hs, hsp);
+        if (Dh) {
+            const uint16_t* y16 = out16 ? out16 + t * C : NULL;
+            const float* y = out16 ? NULL : out + t * C;
+            float s[ATTB_DLANES] = {0.0f};
+            ptrdiff_t dm = hs - hs % ATTB_DLANES, d = 0;
+            if (y16)
+                for (; d < dm; d += ATTB_DLANES)
+                    for (int j = 0; j < ATTB_DLANES; j++)
+                        s[j] += llmctl_bf16_to_f32(o[d + j]) * llmctl_bf16_to_f32(y16[d + j]);
+            else
+                for (; d < dm; d += ATTB_DLANES)
+                    for (int j = 0; j < ATTB_DLANES; j++) s[j] += llmctl_bf16_to_f32(o[d + j]) * y[d + j];
+            for (int k = ATTB_DLANES / 2; k > 0; k /= 2)
+                for (int j = 0; j < k; j++) s[j] += s[j + k];
+            for (; d < hs; d++) s[0] += llmctl_bf16_to_f32(o[d]) * (y16 ? llmctl_bf16_to_f32(y16[d]) : y[d]);
+            Dh[t] = s[0];
+        }
+    }
+    for (int w = 0; w < 4; w++) {
+        uint16_t* p = w < 3 ? dst[w] : ddo;
+        if (p) memset(p + T * hsp, 0, (size_t)(Tp - T) * hsp * 2);
+    }
 }
 
 /* exp(v): attention_kernels.h's exp (Cody-Waite, Cephes degree 6, unfused as in its "default"
@@ -241,29 +256,31 @@ static void ATTB_FN(bwd_block)(float* S, const float* dP, uint16_t* Pb, uint16_t
    query rows takes its scores against all the keys it sees in one product (keys x 32 fp32 in the
    thread's scratch, O(T), never T x T), so the softmax is exact rather than online and P V runs
    as one product over all those keys. Row i's sum adds its keys in order. */
-static void ATTB_FN(forward_head)(float* out, uint16_t* out16, float* lse, const uint16_t* rows, ptrdiff_t B,
+static void ATTB_FN(forward_head)(float* out, uint16_t* out16, float* lse, const attb_src* src, ptrdiff_t B,
                                   ptrdiff_t b, ptrdiff_t h, ptrdiff_t T, ptrdiff_t C, ptrdiff_t NH,
                                   void* scratch, int path)
 {
     enum { N = ATTB_BLK };
     const ptrdiff_t hs = C / NH, Tp = attb_pad(T, N), hsp = attb_pad(hs, 32);
-    const ptrdiff_t TH = Tp * hsp, BNH = B * NH;
+    const ptrdiff_t TH = Tp * hsp;
     const float scale = 1.0f / sqrtf((float)hs);
     attb_gemm_t gemm = attb_gemms[path];
-    const uint16_t* Qa = rows + (b * NH + h) * TH;   /* pack_heads' q, k, v of this head */
-    const uint16_t* Kw = Qa + BNH * TH;              /* K as A (S^T = K Q^T) */
-    const uint16_t* Vw = Kw + BNH * TH;
-    uint16_t* Qc = (uint16_t*)scratch;               /* Q^T as B (S^T = K Q^T) */
+    uint16_t* Kw = (uint16_t*)scratch;               /* K as A (S^T = K Q^T) */
+    uint16_t* Rq = Kw + TH;                          /* q, v as rows */
+    uint16_t* Rv = Rq + TH;
+    uint16_t* Qc = Rv + TH;                          /* Q^T as B (S^T = K Q^T) */
     uint16_t* VT = Qc + TH;                          /* V^T as A (out^T = V^T P^T) */
     uint16_t* Pp = VT + TH;                          /* bf16 P^T (Tp keys x rows), keys paired: B of V^T P^T */
     float* ST = (float*)(Pp + Tp * N);               /* S^T, then P^T (Tp keys x rows) */
     float* accT = ST + Tp * N;                       /* out^T (hsp x rows), unnormalised */
     float* m = accT + N * hsp;                       /* per row: max, sum */
     float* l = m + N;
+    (void)B;
 
     attb_mark(path);
-    ATTB_FN(colpairs)(Qc, Qa, Tp, hsp);
-    ATTB_FN(transpose)(VT, Vw, Tp, hsp);
+    ATTB_FN(pack_head)(Rq, Kw, Rv, NULL, NULL, src, b, h, T, C, NH);
+    ATTB_FN(colpairs)(Qc, Rq, Tp, hsp);
+    ATTB_FN(transpose)(VT, Rv, Tp, hsp);
     if (path == ATTB_AMX) attb_amx_begin();
     for (ptrdiff_t i0 = 0; i0 < T; i0 += N) {
         ptrdiff_t nr = T - i0 < N ? T - i0 : N, nk = i0 + N;   /* keys 0..nk: blocks up to the diagonal one */
@@ -293,24 +310,22 @@ static inline void ATTB_FN(put_row)(float* o32, uint16_t* o16, const float* x, p
    or with dqkv16 (dqkv NULL) its bf16 rounding written; part (3 x hs doubles: q, k, v, or NULL)
    += the column sums of this head's gradient over its T rows, in row order ---- */
 
-static void ATTB_FN(backward_head)(float* dqkv, uint16_t* dqkv16, double* part, const uint16_t* rows,
-                                   const uint16_t* drows, const float* Dall, const float* lse,
-                                   ptrdiff_t B, ptrdiff_t b, ptrdiff_t h, ptrdiff_t T, ptrdiff_t C,
-                                   ptrdiff_t NH, void* scratch, int path, int acc)
+static void ATTB_FN(backward_head)(float* dqkv, uint16_t* dqkv16, double* part, const attb_src* src,
+                                   const float* lse, ptrdiff_t B, ptrdiff_t b, ptrdiff_t h, ptrdiff_t T,
+                                   ptrdiff_t C, ptrdiff_t NH, void* scratch, int path, int acc)
 {
     const ptrdiff_t hs = C / NH, C3 = 3 * C, Tp = attb_pad(T, ATTB_BLK), hsp = attb_pad(hs, 32);
-    const ptrdiff_t BB = ATTB_BLK * ATTB_BLK, TH = Tp * hsp, BNH = B * NH, G = ATTB_DQ_KEYS;
+    const ptrdiff_t BB = ATTB_BLK * ATTB_BLK, TH = Tp * hsp, G = ATTB_DQ_KEYS;
     const float scale = 1.0f / sqrtf((float)hs);
     const float* lb = lse + (b * NH + h) * T;
-    const float* D = Dall + (b * NH + h) * T;
     float* dqb = dqkv ? dqkv + b * T * C3 + h * hs : NULL;
     uint16_t* dqb16 = dqkv16 ? dqkv16 + b * T * C3 + h * hs : NULL;
     attb_gemm_t gemm = attb_gemms[path];
-    const uint16_t* Qa = rows + (b * NH + h) * TH;   /* Q as A (S = Q K^T) */
-    const uint16_t* Kw = Qa + BNH * TH;
-    const uint16_t* Vw = Kw + BNH * TH;
-    const uint16_t* Oa = drows + (b * NH + h) * TH;  /* dout as A (dP = dout V^T) */
-    uint16_t* QT = (uint16_t*)scratch;   /* Q^T as A (dK^T += Q^T dS) */
+    uint16_t* Qa = (uint16_t*)scratch;   /* Q as A (S = Q K^T) */
+    uint16_t* Oa = Qa + TH;              /* dout as A (dP = dout V^T) */
+    uint16_t* Rk = Oa + TH;              /* k, v as rows */
+    uint16_t* Rv = Rk + TH;
+    uint16_t* QT = Rv + TH;              /* Q^T as A (dK^T += Q^T dS) */
     uint16_t* Kc = QT + TH;              /* K^T as B (S = Q K^T) */
     uint16_t* Kr = Kc + TH;              /* K as B over rows (dQ += dS K) */
     uint16_t* Vc = Kr + TH;              /* V^T as B (dP = dout V^T) */
@@ -326,12 +341,15 @@ static void ATTB_FN(backward_head)(float* dqkv, uint16_t* dqkv16, double* part, 
     float* dvT = dkT + ATTB_BLK * hsp;
     float* dkr = dvT + ATTB_BLK * hsp;   /* the same as rows (32 x hsp), added to dqkv row by row */
     float* dvr = dkr + ATTB_BLK * hsp;
+    float* D = dvr + ATTB_BLK * hsp;     /* D = dout . out of the head's rows */
+    (void)B;
 
     attb_mark(path);
+    ATTB_FN(pack_head)(Qa, Rk, Rv, Oa, D, src, b, h, T, C, NH);
+    ATTB_FN(colpairs)(Kc, Rk, Tp, hsp);
+    ATTB_FN(rowpairs)(Kr, Rk, Tp, hsp);
+    ATTB_FN(colpairs)(Vc, Rv, Tp, hsp);
     ATTB_FN(transpose)(QT, Qa, Tp, hsp);
-    ATTB_FN(colpairs)(Kc, Kw, Tp, hsp);
-    ATTB_FN(rowpairs)(Kr, Kw, Tp, hsp);
-    ATTB_FN(colpairs)(Vc, Vw, Tp, hsp);
     ATTB_FN(transpose)(OT, Oa, Tp, hsp);
     if (path == ATTB_AMX) attb_amx_begin();
     for (ptrdiff_t j0 = 0; j0 < T; j0 += ATTB_BLK) {

@@ -340,6 +340,7 @@ def test_no_t_by_t_allocation():
     assert A.bf16_forward_scratch_bytes(1, T, C, NH) < 8 * T * C * 2
     for f in (A.bf16_backward_scratch_bytes, A.bf16_forward_scratch_bytes):   # linear in T
         assert f(1, 2 * T, C, NH) <= 2 * f(1, T, C, NH)
+        assert f(8, T, C, NH) == f(1, T, C, NH)     # per thread only: each head packs its own rows
     qkv, dout = _inputs(1, T, C, seed=2)
     out = np.zeros(T * C, np.float32)
     lse = np.zeros(T * NH, np.float32)
