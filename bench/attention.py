@@ -16,7 +16,9 @@ What it measures, at GPT-2 d12 head shapes (B=4, NH=12, hs=64, C=768) for each T
 - fp32 against the bf16 kernels (attention_forward_bf16 / attention_backward_bf16: q, k, v, P,
   dout, dS rounded to bf16, fp32 accumulation) on each bf16 path named by --bf16 (default: the
   best this CPU runs; "emulated", "avx512_bf16", "amx"), interleaved run by run like the sets, with
-  GFLOP/s and the fp32/bf16 time ratio (> 1: bf16 is faster).
+  GFLOP/s and the fp32/bf16 time ratio (> 1: bf16 is faster). The bf16 kernels read fp32 q, k,
+  v and write fp32 outputs, unless --bf16-io: then they are called as the bf16 model calls them
+  (q, k, v and the output in bf16, d(qkv) written in bf16 with the qkv bias gradient summed).
 
 fp32 vs bf16, measured on an Intel Xeon with AMX: docs/performance.md ("bf16 attention").
 
@@ -27,6 +29,7 @@ difference between the two implementations as a sanity check.
     python bench/attention.py --T 64 --threads 1 --repeat 10 --json
     python bench/attention.py --threads 1 --no-numpy --isa default avx2 avx512
     python bench/attention.py --threads 1 2 --no-numpy --isa --bf16 avx512_bf16 amx   # fp32 vs bf16
+    python bench/attention.py --T 1024 --no-numpy --bf16 amx --bf16-io --repeat 5      # as the model calls it
 
 Measured (1 thread, AMD EPYC Zen 4 shared with other jobs, GCC 12, default SSE2 build; ms, best
 of 10 runs at T <= 256 and of 2 at T = 1024; speed-up = default's time / the set's):
@@ -56,6 +59,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from llmctl._ext import attention as A
+from llmctl._ext import convert
 
 
 def numpy_forward(qkv, NH):
@@ -151,7 +155,7 @@ def _bf16_times(paths, fwd32, bwd32, fwd16, bwd16, repeat):
     return best
 
 
-def bench_one(T, B, NH, hs, n_threads, repeat, with_numpy, isas=(), bf16_paths=()):
+def bench_one(T, B, NH, hs, n_threads, repeat, with_numpy, isas=(), bf16_paths=(), bf16_io=False):
     C = NH * hs
     rng = np.random.default_rng(0)
     qkv = rng.standard_normal((B, T, 3 * C)).astype(np.float32)
@@ -179,14 +183,22 @@ def bench_one(T, B, NH, hs, n_threads, repeat, with_numpy, isas=(), bf16_paths=(
     r["llmctl_fwd_gflops"] = flops_fwd / r["llmctl_fwd_ms"] / 1e6
     r["llmctl_bwd_gflops"] = 2.5 * flops_fwd / r["llmctl_bwd_ms"] / 1e6   # 5 T x T x hs products
     if bf16_paths:
-        out16, lse16, dqkv16 = np.zeros_like(out), np.zeros_like(lse), np.zeros_like(dqkv)
-        fwd16 = lambda: A.attention_forward_bf16(out16, lse16, flat, B, T, C, NH, n_threads)  # noqa: E731
-        bwd16 = lambda: A.attention_backward_bf16(dqkv16, dflat, flat, out16, lse16, B, T, C, NH, n_threads)  # noqa: E731
+        io = np.uint16 if bf16_io else np.float32
+        out16, lse16, dqkv16 = np.zeros(out.size, io), np.zeros_like(lse), np.zeros(dqkv.size, io)
+        q16, kw = flat, {}
+        if bf16_io:   # the bf16 model's calls: bf16 qkv in, bf16 out and d(qkv) written, its dbias summed
+            q16 = np.zeros(flat.size, np.uint16)
+            convert.cast_to_bf16(q16, flat, n_threads)
+            kw = {"accumulate": False, "dbias": np.zeros(3 * C, np.float32)}
+        fwd16 = lambda: A.attention_forward_bf16(out16, lse16, q16, B, T, C, NH, n_threads)  # noqa: E731
+        bwd16 = lambda: A.attention_backward_bf16(dqkv16, dflat, q16, out16, lse16, B, T, C, NH, n_threads,  # noqa: E731
+                                                  **kw)
         bt = _bf16_times(bf16_paths, fwd, bwd, fwd16, bwd16, repeat)
         r["bf16"] = {name: {"fwd_ms": 1e3 * f, "bwd_ms": 1e3 * b,
                             "fwd_gflops": flops_fwd / f / 1e9, "bwd_gflops": 2.5 * flops_fwd / b / 1e9,
                             "fwd_ratio": bt["fp32"][0] / f, "bwd_ratio": bt["fp32"][1] / b}
                      for name, (f, b) in bt.items()}
+        r["bf16_io"] = bool(bf16_io)
         r["bf16_scratch_bytes"] = A.bf16_backward_scratch_bytes(B, T, C, NH, n_threads)
     if with_numpy:
         with threadpool_limits(limits=n_threads):
@@ -232,6 +244,9 @@ def main(argv=None):
     ap.add_argument("--bf16", nargs="*", default=None,
                     help="bf16 paths to time against fp32, interleaved (default: the best this CPU runs; "
                          "--bf16 with no names: none)")
+    ap.add_argument("--bf16-io", action="store_true",
+                    help="call the bf16 kernels as the bf16 model does: bf16 q, k, v and output, bf16 d(qkv) "
+                         "written with the qkv bias gradient (default: fp32 in and out)")
     ap.add_argument("--json", action="store_true", help="print one JSON object per T on stdout")
     args = ap.parse_args(argv)
     isas = ["default", A.best_isa()] if args.isa is None else args.isa
@@ -244,7 +259,7 @@ def main(argv=None):
         ap.error(f"--bf16 {' '.join(bad)}: not available here (available: {' '.join(A.bf16_available_paths())})")
     for T, threads in [(T, n) for n in args.threads for T in args.T]:
         repeat = args.repeat or (10 if T <= 256 else 2)
-        r = bench_one(T, args.B, args.NH, args.hs, threads, repeat, not args.no_numpy, isas, paths)
+        r = bench_one(T, args.B, args.NH, args.hs, threads, repeat, not args.no_numpy, isas, paths, args.bf16_io)
         if args.json:
             print(json.dumps(r), flush=True)
             continue
