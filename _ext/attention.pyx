@@ -117,19 +117,17 @@ cdef extern from "attention_bf16.h" nogil:
     unsigned attb_ran_take(int reset)
     Py_ssize_t attb_forward_scratch_bytes(Py_ssize_t T, Py_ssize_t hs)
     Py_ssize_t attb_backward_scratch_bytes(Py_ssize_t T, Py_ssize_t hs)
-    Py_ssize_t attb_pad(Py_ssize_t n, Py_ssize_t to)
     ctypedef struct attb_src:
         const float* qkv32
         const uint16_t* qkv16
         const float* dout
         const float* out
         const uint16_t* out16
-    void attb_forward_head(float* out, uint16_t* out16, float* lse, const attb_src* src, Py_ssize_t B,
-                           Py_ssize_t b, Py_ssize_t h, Py_ssize_t T, Py_ssize_t C, Py_ssize_t NH,
-                           void* scratch, int path)
+    void attb_forward_head(float* out, uint16_t* out16, float* lse, const attb_src* src, Py_ssize_t b,
+                           Py_ssize_t h, Py_ssize_t T, Py_ssize_t C, Py_ssize_t NH, void* scratch, int path)
     void attb_backward_head(float* dqkv, uint16_t* dqkv16, double* part, const attb_src* src,
-                            const float* lse, Py_ssize_t B, Py_ssize_t b, Py_ssize_t h, Py_ssize_t T,
-                            Py_ssize_t C, Py_ssize_t NH, void* scratch, int path, int acc)
+                            const float* lse, Py_ssize_t b, Py_ssize_t h, Py_ssize_t T, Py_ssize_t C,
+                            Py_ssize_t NH, void* scratch, int path, int acc)
 
 # tile sizes: BR query rows per forward work item, BC keys per key tile, BQ query rows per
 # backward block; the transposed (hs, BC) key/value tiles are 16 KB each at hs=64
@@ -785,7 +783,7 @@ def attention_forward_bf16(aout_t[::1] out, float[::1] lse, const qkv_t[::1] qkv
     try:
         with nogil, parallel(num_threads=nt):
             for w in prange(nwork, schedule='static', chunksize=1):
-                attb_forward_head(o32, o16, &lse[0], &src, B, w // NH, w % NH, T, C, NH,
+                attb_forward_head(o32, o16, &lse[0], &src, w // NH, w % NH, T, C, NH,
                                   base + omp_get_thread_num() * per, path)
     finally:
         _give_scratch(scratch, own)
@@ -872,7 +870,7 @@ def attention_backward_bf16(dqkv, const float[::1] dout, const qkv_t[::1] qkv,
             with parallel(num_threads=nt):
                 for w in prange(nwork, schedule='static', chunksize=1):
                     attb_backward_head(dq32, dq16, parts + w * 3 * hs if parts != NULL else NULL,
-                                       &src, &lse[0], B, w // NH, w % NH, T, C, NH,
+                                       &src, &lse[0], w // NH, w % NH, T, C, NH,
                                        base + omp_get_thread_num() * per, path, accumulate)
             if parts != NULL:    # the batch rows' sums, in order: the bits do not depend on threads
                 for hh in range(NH):

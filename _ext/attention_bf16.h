@@ -297,21 +297,20 @@ static ptrdiff_t attb_backward_scratch_bytes(ptrdiff_t T, ptrdiff_t hs)
 /* path picks the copy: the emulated path runs the baseline one, the native paths AVX-512's */
 
 /* out (B,T,C) rows of head h (fp32, or with out16 non-NULL bf16 there), lse (B,NH,T), from src's qkv */
-static void attb_forward_head(float* out, uint16_t* out16, float* lse, const attb_src* src, ptrdiff_t B,
-                              ptrdiff_t b, ptrdiff_t h, ptrdiff_t T, ptrdiff_t C, ptrdiff_t NH,
-                              void* scratch, int path)
+static void attb_forward_head(float* out, uint16_t* out16, float* lse, const attb_src* src, ptrdiff_t b,
+                              ptrdiff_t h, ptrdiff_t T, ptrdiff_t C, ptrdiff_t NH, void* scratch, int path)
 {
     (path == ATTB_EMULATED ? attb_forward_head_base : ATTB_NATIVE(forward_head))
-        (out, out16, lse, src, B, b, h, T, C, NH, scratch, path);
+        (out, out16, lse, src, b, h, T, C, NH, scratch, path);
 }
 
 /* dqkv (B,T,3C) += (acc) or = the gradient of head h, or (dqkv NULL) dqkv16 = its bf16
    rounding; part: 3 x hs column sums of that gradient (+=), or NULL. From src's qkv, dout, out */
 static void attb_backward_head(float* dqkv, uint16_t* dqkv16, double* part, const attb_src* src,
-                               const float* lse, ptrdiff_t B, ptrdiff_t b, ptrdiff_t h, ptrdiff_t T,
-                               ptrdiff_t C, ptrdiff_t NH, void* scratch, int path, int acc)
+                               const float* lse, ptrdiff_t b, ptrdiff_t h, ptrdiff_t T, ptrdiff_t C,
+                               ptrdiff_t NH, void* scratch, int path, int acc)
 {
     (path == ATTB_EMULATED ? attb_backward_head_base : ATTB_NATIVE(backward_head))
-        (dqkv, dqkv16, part, src, lse, B, b, h, T, C, NH, scratch, path, acc);
+        (dqkv, dqkv16, part, src, lse, b, h, T, C, NH, scratch, path, acc);
 }
 #endif /* LLMCTL_ATTENTION_BF16_H */

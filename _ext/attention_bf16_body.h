@@ -256,8 +256,8 @@ static void ATTB_FN(bwd_block)(float* S, const float* dP, uint16_t* Pb, uint16_t
    query rows takes its scores against all the keys it sees in one product (keys x 32 fp32 in the
    thread's scratch, O(T), never T x T), so the softmax is exact rather than online and P V runs
    as one product over all those keys. Row i's sum adds its keys in order. */
-static void ATTB_FN(forward_head)(float* out, uint16_t* out16, float* lse, const attb_src* src, ptrdiff_t B,
-                                  ptrdiff_t b, ptrdiff_t h, ptrdiff_t T, ptrdiff_t C, ptrdiff_t NH,
+static void ATTB_FN(forward_head)(float* out, uint16_t* out16, float* lse, const attb_src* src, ptrdiff_t b,
+                                  ptrdiff_t h, ptrdiff_t T, ptrdiff_t C, ptrdiff_t NH,
                                   void* scratch, int path)
 {
     enum { N = ATTB_BLK };
@@ -275,7 +275,6 @@ static void ATTB_FN(forward_head)(float* out, uint16_t* out16, float* lse, const
     float* accT = ST + Tp * N;                       /* out^T (hsp x rows), unnormalised */
     float* m = accT + N * hsp;                       /* per row: max, sum */
     float* l = m + N;
-    (void)B;
 
     attb_mark(path);
     ATTB_FN(pack_head)(Rq, Kw, Rv, NULL, NULL, src, b, h, T, C, NH);
@@ -311,8 +310,8 @@ static inline void ATTB_FN(put_row)(float* o32, uint16_t* o16, const float* x, p
    += the column sums of this head's gradient over its T rows, in row order ---- */
 
 static void ATTB_FN(backward_head)(float* dqkv, uint16_t* dqkv16, double* part, const attb_src* src,
-                                   const float* lse, ptrdiff_t B, ptrdiff_t b, ptrdiff_t h, ptrdiff_t T,
-                                   ptrdiff_t C, ptrdiff_t NH, void* scratch, int path, int acc)
+                                   const float* lse, ptrdiff_t b, ptrdiff_t h, ptrdiff_t T, ptrdiff_t C,
+                                   ptrdiff_t NH, void* scratch, int path, int acc)
 {
     const ptrdiff_t hs = C / NH, C3 = 3 * C, Tp = attb_pad(T, ATTB_BLK), hsp = attb_pad(hs, 32);
     const ptrdiff_t BB = ATTB_BLK * ATTB_BLK, TH = Tp * hsp, G = ATTB_DQ_KEYS;
@@ -342,7 +341,6 @@ static void ATTB_FN(backward_head)(float* dqkv, uint16_t* dqkv16, double* part, 
     float* dkr = dvT + ATTB_BLK * hsp;   /* the same as rows (32 x hsp), added to dqkv row by row */
     float* dvr = dkr + ATTB_BLK * hsp;
     float* D = dvr + ATTB_BLK * hsp;     /* D = dout . out of the head's rows */
-    (void)B;
 
     attb_mark(path);
     ATTB_FN(pack_head)(Qa, Rk, Rv, Oa, D, src, b, h, T, C, NH);
