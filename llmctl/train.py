@@ -665,6 +665,7 @@ def train(cfg, comm=None, display=None, *, check_params=False):
     if comm.world_size > 1 and comm.shares_memory:
         adopt_grads(comm, trainer.model)
     if check_params:
+        trainer.model.prepare(trainer.B, trainer.T)   # the bf16 copy it keeps is sized by the plan
         comm.watch(trainer.model.params, "parameters")
         if trainer.model.params_bf16 is not None:  # each rank's own copy the matmuls read
             comm.watch(trainer.model.params_bf16, "bf16 parameters")

@@ -185,11 +185,11 @@ class TrainConfig:
                           help="Recompute in backward instead of keeping per layer: 0 = none, "
                                "1 = GELU, 2 = GELU and layernorms; the same bits either way, "
                                "less memory, a little more time (-1 = auto: 2 once L*B*T*4C "
-                               "floats pass 256 MiB; below that 1 in fp32, where it is free, and 0 "
-                               "in bf16; llm.c's -r, whose default is 1). 3 (llmctl's own) = 2, "
-                               "plus the attention projection's residual (one GEMM a layer) and, "
-                               "in bf16, no bf16 copy of the layers' weights (each layer casts "
-                               "its own as it runs; slower sampling).",
+                               "floats pass 256 MiB, in bf16 3 once also B*T >= 3C; below that 1 "
+                               "in fp32, where it is free, and 0 in bf16; llm.c's -r, whose "
+                               "default is 1). 3 (llmctl's own) = 2, plus the attention "
+                               "projection's residual (one GEMM a layer) and, in bf16, no bf16 "
+                               "copy of the layers' weights (each layer casts its own as it runs).",
                           name="recompute")
     zero_stage: int = flag(0, "-z", "--zero-stage",
                            help="ZeRO stage (llm.c's -z): 0 = every rank holds all AdamW state; "

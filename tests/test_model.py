@@ -142,6 +142,55 @@ def test_recompute_auto_level_follows_the_precision_and_size(precision, monkeypa
     assert big.plan.recompute == 2
 
 
+def test_recompute_auto_level_3_in_bf16_and_weights_lent_between_steps(monkeypatch):
+    # -r -1 in bf16, at level 2's sizes: level 3 once the fc activations (L*BT*4C bf16) can hold
+    # the layers' bf16 weights (12*L*C^2), i.e. B*T >= 3C. Bit for bit a -r 2 model's training,
+    # and its cached forward between steps reads every layer's weights cast once into the fc
+    # buffer: never while a backward may still read it, and never after a forward overwrote it
+    from llmctl._ext import matmul
+    from llmctl.model import gpt2 as G
+
+    if not matmul.bf16_native():
+        monkeypatch.setenv("LLMCTL_BF16_EMULATE", "1")
+    monkeypatch.setattr(G, "KEEP_GELU_BYTES", 0)
+    C = CFG.channels
+    below = GPT2(CFG, n_threads=1, precision="bf16")
+    below._ensure_acts(3 * C - 1, CFG.num_layers)
+    assert below.plan.recompute == 2 and below.ops.lw is None
+    src, _ = _model(1)
+    m = GPT2(CFG, n_threads=1, precision="bf16")
+    base = GPT2(CFG, n_threads=1, precision="bf16", recompute=2)
+    ids, tg = _batch(6, 16, seed=7)   # 96 rows = 3C
+    ctx = _batch(2, 5, seed=8)[0]
+    for x in (m, base):
+        x.params[:] = src.params
+        x.params_changed()
+    seen = []
+    for step in (1, 2, 3):
+        for x in (m, base):
+            x.zero_grad()
+            x.loss = x.forward(ids, tg)
+            if step == 2:   # between forward and backward the activations are not lent
+                x.between = x.forward_cached(KVCache(CFG, 2, 8), ctx)
+            x.backward()
+            x.update(1e-3, 0.9, 0.95, 1e-8, 0.1, 1.0, step)
+            x.hidden = x.forward_cached(KVCache(CFG, 2, 8), ctx)
+            x.hidden2 = x.forward_cached(KVCache(CFG, 2, 8), ctx)   # reads the loan again
+        seen.append(m.ops.held is not None)
+        assert m.loss == base.loss
+        assert m.grads.tobytes() == base.grads.tobytes()
+        assert m.params.tobytes() == base.params.tobytes()
+        assert m.hidden.tobytes() == base.hidden.tobytes() == m.hidden2.tobytes()
+        if step == 2:
+            assert m.between.tobytes() == base.between.tobytes()
+    assert m.plan.recompute == 3 and seen == [True, True, True]
+    kept = CFG.padded_vocab_size * C + CFG.max_seq_len * C   # wte and wpe
+    assert m.params_bf16.size == kept
+    assert m.params_bf16.tobytes() == base.params_bf16[:kept].tobytes()
+    m.forward(ids, tg)
+    assert m.ops.held is None
+
+
 def test_recompute_level_checked():
     with pytest.raises(ConfigError, match="recompute must be"):
         GPT2(CFG, n_threads=1, recompute=4)

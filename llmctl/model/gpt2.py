@@ -192,9 +192,10 @@ class GPT2:
         llm.c's -r levels: 0 = keep all, 1 = recompute fch_gelu, 2 = also
         ln1/ln2. None = while fch_gelu costs <= 256 MiB (small B*T), 1 in fp32 (whose backward
         makes the GELU again in its gradient's pass, no extra kernel) and 0 in bf16 (saves that
-        kernel in backward), else 2; True = 2, False = 0. 3 (llmctl's, beyond llm.c's levels):
-        level 2, and res2 = x + attproj(atty) recomputed in backward (one GEMM a layer), and in
-        bf16 no bf16 copy of the layers' weights: each layer casts its own as it runs.
+        kernel in backward), else 2, in bf16 3 once B*T >= 3C; True = 2, False = 0. 3 (llmctl's,
+        beyond llm.c's levels): level 2, and res2 = x + attproj(atty) recomputed in backward (one
+        GEMM a layer), and in bf16 no bf16 copy of the layers' weights: each layer casts its own
+        as it runs (a cached forward between steps borrows the fc activations for all of them).
         engine: the GEMM engine (None: the default, oneDNN where built, else scipy's BLAS);
         `matmul=` is its former name, still accepted.
         precision: "fp32" or "bf16" (mixed precision, see the module docstring).
@@ -226,15 +227,12 @@ class GPT2:
         # bf16: the copy of the parameters the matmuls read; stale until params_changed() re-casts.
         # At recompute level 3 it holds the first two tensors only (wte, the lm head's, and wpe):
         # the layers cast their own weights as they run (ops.cast_layer)
-        self.params_bf16, self.pb = None, None
+        self.params_bf16, self.pb, self._bf16_fresh = None, None, False
         if self.precision == "bf16":
-            offs = self._offs
-            if recompute == 3:
-                offs = {n: offs[n] for n in ("wte", "wpe")}
-            self.params_bf16 = np.zeros(sum(n for _, n, _ in offs.values()), np.uint16)
-            self.pb = _views(self.params_bf16, offs)
-        self.ops = ops_for(self.precision, self.kernels, self.p, engine, self.pb, layer_weights=recompute == 3)
-        self._bf16_fresh = False
+            self._bf16_copy(self._offs)
+        self.ops = ops_for(self.precision, self.kernels, self.p, engine, self.pb)
+        if recompute == 3:
+            self._layer_weights()
         self.m = None
         self.v = None
         # grads known to be all zero because the last thing that touched them was
@@ -301,6 +299,32 @@ class GPT2:
         self._bf16_fresh = False
         self.ops.params_changed()
 
+    def _bf16_copy(self, offs):
+        """A bf16 copy of the parameters in offs (the first ones of the buffer), as fresh as before."""
+        old, self.params_bf16 = self.params_bf16, np.zeros(sum(n for _, n, _ in offs.values()), np.uint16)
+        if self._bf16_fresh:
+            self.params_bf16[:] = old[:self.params_bf16.size]
+        self.pb = _views(self.params_bf16, offs)
+
+    def _layer_weights(self):
+        """Recompute level 3 in bf16: the bf16 copy keeps wte (the lm head's) and wpe only; each
+        layer casts its own weights as it runs (Bf16Ops.layer_weights)."""
+        if self.precision == "bf16" and self.ops.lw is None:
+            self._bf16_copy({n: self._offs[n] for n in ("wte", "wpe")})
+            self.ops.layer_weights(self.pb)
+
+    def _lend_weights(self):
+        """Level 3, between steps: a cached forward (sampling, HellaSwag) reads every layer's bf16
+        weights from the fc activations' buffer (Bf16Ops.hold), cast there once, not a layer at
+        a time for each token. Only while no backward can still read those activations; any
+        forward that writes them first takes the loan back (forward)."""
+        a = self._acts
+        if a is None or self.plan.layers < self.config.num_layers or self.ops.held is not None:
+            return
+        if self._kept and self._buf_state in ("probs", "train"):
+            return
+        self.ops.hold([a["fch"].reshape(-1)], self.n_threads)
+
     def _sync_bf16(self):
         if self.params_bf16 is not None and not self._bf16_fresh:
             pb = self.params_bf16
@@ -323,6 +347,12 @@ class GPT2:
         if self.recompute is None:   # level 1 costs nothing where the backward's GELU pass makes it again
             free_gelu = self.ops.gelu_forward_backward is not None
             level = 2 if c.num_layers * BT * 4 * c.channels * 4 > KEEP_GELU_BYTES else int(free_gelu)
+            # bf16, once the fc activations (L*BT*4C in bf16) can hold the layers' bf16 weights
+            # (12*L*C^2): drop that copy and residual2 too. The training step pays a weight cast
+            # per layer run and one attproj GEMM a layer (~2 %); a cached forward between steps
+            # borrows the fc buffer for the whole copy (_lend_weights) and does not slow down
+            if level == 2 and self.precision == "bf16" and BT >= 3 * c.channels:
+                level = 3
         else:
             level = 2 if self.recompute is True else int(self.recompute)
         if nl < c.num_layers:   # a forward that keeps nothing holds one layer of everything
@@ -341,6 +371,8 @@ class GPT2:
         if self.plan is not None and BT <= self.plan.rows and nl <= self.plan.layers:
             return
         plan = self._make_plan(BT, nl)
+        if plan.recompute >= 3:
+            self._layer_weights()
         c = self.config
         BT, L, C, NH, Vp = plan.rows, plan.layers, c.channels, c.num_heads, c.padded_vocab_size
         Lg = 1 if plan.recompute >= 1 else L   # fch_gelu: all layers, or one
@@ -376,6 +408,11 @@ class GPT2:
         }
         self._bwd16 = buf
         self.plan = plan
+
+    def prepare(self, B, T):
+        """Allocate the training buffers for B x T now, as the first training forward would: the
+        arrays a caller holds on to are then final (params_bf16, which level 3 shrinks)."""
+        self._ensure_acts(B * T, self.config.num_layers)
 
     def _bwd16_layout(self, BT, level):
         """bf16 training: the backward's scratch in one uint16 buffer, {"size", "at": name ->
@@ -589,6 +626,7 @@ class GPT2:
             raise ValueError("forward(loss_scale=...) is for a training forward: it needs targets "
                              "and keep_activations=True")
         self._lmhead_grad_scale = None
+        self.ops.release()   # the fc buffer may hold the weights a cached forward read (_lend_weights)
         self._sync_bf16()
         self._ensure_acts(BT, L if keep else 1)
         a, p = self._acts, self.p
@@ -675,6 +713,7 @@ class GPT2:
         prefix a cache an earlier part wrote in this call. -> the new residual stream (N, C), in
         out if given (as block_forward)."""
         self._sync_bf16()
+        self._lend_weights()
         if sum(part.rows for part in parts) != x.shape[0]:
             raise ValueError(f"the parts hold {sum(part.rows for part in parts)} rows, x {x.shape[0]}")
         a = self._cached_layer_acts(np.ascontiguousarray(x, dtype=np.float32), out)

@@ -6,8 +6,9 @@ a `Bf16Ops`. Both have the same methods, which are exactly the places where mixe
 changes the computation:
   layernorm / gelu   write a matmul input (bf16: rounded to bf16 by the kernel itself)
   mm_input           the copy of an fp32 activation a matmul reads (bf16: a cast; fp32: itself)
-  cast_layer         before a layer runs: the layer's weights in the matmul precision (bf16 with
-                     layer_weights: cast into one layer's buffer now; otherwise nothing to do)
+  cast_layer         before a layer runs: the layer's weights in the matmul precision (bf16 after
+                     layer_weights(): cast into one layer's buffer now, unless hold() cast every
+                     layer's into memory the model lent until release(); otherwise nothing to do)
   matmul             out = inp @ W^T + b, W the model's weight in the matmul precision
   matmul_backward    dinp, dW, db += their gradients (bf16: dout rounded to bf16 for the GEMMs);
                      accumulate=False: dinp written, not added to
@@ -46,6 +47,7 @@ class Fp32Ops:
     """fp32 everywhere: llm.c's train_gpt2.c."""
 
     act_dtype = np.float32
+    held = None   # Bf16Ops.hold's loan
     # a one-row matmul (decode) runs on NumPy's BLAS and its own threads, not on OpenMP's
     gemv_on_openmp = False
 
@@ -57,6 +59,12 @@ class Fp32Ops:
         return (self.p[name] if l is None else self.p[name][l]).reshape(-1)
 
     def cast_layer(self, l, nt):
+        pass
+
+    def hold(self, regions, nt):
+        return False
+
+    def release(self):
         pass
 
     def params_changed(self):
@@ -132,26 +140,63 @@ class Bf16Ops(Fp32Ops):
 
     LAYER_WEIGHTS = ("qkvw", "attprojw", "fcw", "fcprojw")
 
-    def __init__(self, k, params, engine, params_bf16, layer_weights=False):
-        """params_bf16: dict name -> the bf16 copy of the weights the matmuls read.
-        layer_weights: that copy holds wte (the lm head's) and wpe only; each layer's weights are cast
-        from the fp32 parameters into one layer's buffer as the layer runs (cast_layer), forward
-        and backward (recompute level 3: less memory, a cast pass per layer run)."""
+    def __init__(self, k, params, engine, params_bf16):
+        """params_bf16: dict name -> the bf16 copy of the weights the matmuls read."""
         super().__init__(k, params, engine)
         self.pb = params_bf16
-        self.lw, self.lw_layer = None, -1
-        if layer_weights:
-            sizes = [params[n][0].size for n in self.LAYER_WEIGHTS]
-            buf, off = np.zeros(sum(sizes), np.uint16), np.cumsum([0] + sizes)
-            self.lw = {n: buf[off[i]:off[i + 1]] for i, n in enumerate(self.LAYER_WEIGHTS)}
+        self.lw, self.lw_layer, self.held = None, -1, None
         # decode's one-row products run on OpenMP's threads (gemv_bf16.h, oneDNN), or, emulated
         # on fp32 sgemm ("blas") where this CPU has no copy of the GEMV, on the BLAS's own
         self.gemv_on_openmp = (k.matmul.gemv_bf16_available()
                                or (engine or k.matmul.get_bf16_engines()[0]) != "blas")
 
+    def layer_weights(self, params_bf16):
+        """From now on params_bf16 (dict name -> bf16 copy) holds wte (the lm head's) and wpe only, and
+        each layer's weights are cast from the fp32 parameters into one layer's buffer as the layer
+        runs (cast_layer), forward and backward (recompute level 3: less memory, a cast pass per
+        layer run)."""
+        self.pb = params_bf16
+        if self.lw is None:
+            sizes = [self.p[n][0].size for n in self.LAYER_WEIGHTS]
+            buf, off = np.zeros(sum(sizes), np.uint16), np.cumsum([0] + sizes)
+            self.lw = {n: buf[off[i]:off[i + 1]] for i, n in enumerate(self.LAYER_WEIGHTS)}
+        self.lw_layer = -1
+
+    def hold(self, regions, nt):
+        """Layer weights: cast every layer's into `regions` (uint16 arrays whose contents are dead
+        until release()) and read them from there, not cast a layer at a time, until release() or
+        params_changed(). -> whether they fit (else nothing is held). The model lends it the
+        training activations between steps, so that a sampled or scored cached forward, a layer
+        and a token at a time, reads bf16 weights as a model with the whole copy does."""
+        if self.lw is None or self.held is not None:
+            return self.held is not None
+        L, held, it = self.p[self.LAYER_WEIGHTS[0]].shape[0], [], iter(regions)
+        region, at = next(it, None), 0
+        for l in range(L):
+            layer = {}
+            for n in self.LAYER_WEIGHTS:
+                size = self.p[n][l].size
+                while region is not None and at + size > region.size:
+                    region, at = next(it, None), 0
+                if region is None:
+                    return False
+                layer[n], at = region[at:at + size], at + size
+            held.append(layer)
+        for l, layer in enumerate(held):
+            for n, dst in layer.items():
+                self.k.convert.cast_to_bf16(dst, self.p[n][l].reshape(-1), nt)
+        self.held = held
+        return True
+
+    def release(self):
+        """The regions hold() was lent are about to be written: stop reading weights there."""
+        self.held = None
+
     def weight(self, name, l):
         if l is None or self.lw is None:
             return (self.pb[name] if l is None else self.pb[name][l]).reshape(-1)
+        if self.held is not None:
+            return self.held[l][name]
         if self.lw_layer != l:
             raise RuntimeError(f"bf16 weights of layer {l} requested, the layer buffer holds layer "
                                f"{self.lw_layer}: call cast_layer({l}) first")
@@ -159,16 +204,16 @@ class Bf16Ops(Fp32Ops):
 
     def cast_layer(self, l, nt):
         """Layer l's weights cast to bf16 into the layer buffer (the same rounding as AdamW's
-        copy), unless it holds them already: the last layer of a forward is the first of the
-        backward."""
-        if self.lw is not None and self.lw_layer != l:
+        copy), unless it holds them already (the last layer of a forward is the first of the
+        backward) or every layer's are held."""
+        if self.lw is not None and self.held is None and self.lw_layer != l:
             self.lw_layer = -1
             for n in self.LAYER_WEIGHTS:
                 self.k.convert.cast_to_bf16(self.lw[n], self.p[n][l].reshape(-1), nt)
             self.lw_layer = l
 
     def params_changed(self):
-        self.lw_layer = -1
+        self.lw_layer, self.held = -1, None
 
     def layernorm(self, out, mean, rstd, x, w, b, N, C, nt):
         self.k.layers.layernorm_forward_bf16(out, mean, rstd, x, w, b, N, C, nt)
@@ -227,7 +272,7 @@ class Bf16Ops(Fp32Ops):
         return None, d16
 
 
-def ops_for(precision, kernels, params, engine, params_bf16=None, layer_weights=False):
+def ops_for(precision, kernels, params, engine, params_bf16=None):
     if precision == "fp32":
         return Fp32Ops(kernels, params, engine)
-    return Bf16Ops(kernels, params, engine, params_bf16, layer_weights)
+    return Bf16Ops(kernels, params, engine, params_bf16)
