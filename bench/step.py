@@ -412,7 +412,8 @@ def main(argv=None):
                     help="-r level of llmctl's timed runs (default: the model's own choice)")
     ap.add_argument("--rss-recompute", default="3",
                     help="also measure the big bf16 RSS run at these -r levels, comma-separated "
-                         "(default 3: the level that trades step time for memory; '' for none)")
+                         "(default 3: llmctl's level that trades step time for memory, bf16's own "
+                         "choice at d12 B=4 T=1024 and larger; '' for none)")
     ap.add_argument("--_rss-child", nargs=7, help=argparse.SUPPRESS)
     ap.add_argument("--_roof-child", nargs=5, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
