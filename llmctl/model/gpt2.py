@@ -318,12 +318,12 @@ class GPT2:
         weights from the fc activations' buffer (Bf16Ops.hold), cast there once, not a layer at
         a time for each token. Only while no backward can still read those activations; any
         forward that writes them first takes the loan back (forward)."""
-        a = self._acts
-        if a is None or self.plan.layers < self.config.num_layers or self.ops.held is not None:
+        if self.plan is None or self.plan.recompute < 3 or self.plan.layers < self.config.num_layers \
+                or self.ops.held is not None:
             return
         if self._kept and self._buf_state in ("probs", "train"):
             return
-        self.ops.hold([a["fch"].reshape(-1)], self.n_threads)
+        self.ops.hold(self._acts["fch"].reshape(-1), self.n_threads)
 
     def _sync_bf16(self):
         if self.params_bf16 is not None and not self._bf16_fresh:

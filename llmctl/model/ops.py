@@ -61,7 +61,7 @@ class Fp32Ops:
     def cast_layer(self, l, nt):
         pass
 
-    def hold(self, regions, nt):
+    def hold(self, buf, nt):
         return False
 
     def release(self):
@@ -162,34 +162,29 @@ class Bf16Ops(Fp32Ops):
             self.lw = {n: buf[off[i]:off[i + 1]] for i, n in enumerate(self.LAYER_WEIGHTS)}
         self.lw_layer = -1
 
-    def hold(self, regions, nt):
-        """Layer weights: cast every layer's into `regions` (uint16 arrays whose contents are dead
-        until release()) and read them from there, not cast a layer at a time, until release() or
-        params_changed(). -> whether they fit (else nothing is held). The model lends it the
-        training activations between steps, so that a sampled or scored cached forward, a layer
-        and a token at a time, reads bf16 weights as a model with the whole copy does."""
+    def hold(self, buf, nt):
+        """Layer weights: cast every layer's into buf (uint16, its contents dead until release())
+        and read them from there, not cast a layer at a time, until release() or params_changed().
+        -> whether they fit (else nothing is held). The model lends it the training activations
+        between steps, so that a sampled or scored cached forward, a layer and a token at a time,
+        reads bf16 weights as a model with the whole copy does."""
         if self.lw is None or self.held is not None:
             return self.held is not None
-        L, held, it = self.p[self.LAYER_WEIGHTS[0]].shape[0], [], iter(regions)
-        region, at = next(it, None), 0
+        L = self.p[self.LAYER_WEIGHTS[0]].shape[0]
+        if buf.size < L * sum(w.size for w in self.lw.values()):
+            return False
+        held, at = [], 0
         for l in range(L):
             layer = {}
             for n in self.LAYER_WEIGHTS:
-                size = self.p[n][l].size
-                while region is not None and at + size > region.size:
-                    region, at = next(it, None), 0
-                if region is None:
-                    return False
-                layer[n], at = region[at:at + size], at + size
+                layer[n], at = buf[at:at + self.lw[n].size], at + self.lw[n].size
+                self.k.convert.cast_to_bf16(layer[n], self.p[n][l].reshape(-1), nt)
             held.append(layer)
-        for l, layer in enumerate(held):
-            for n, dst in layer.items():
-                self.k.convert.cast_to_bf16(dst, self.p[n][l].reshape(-1), nt)
         self.held = held
         return True
 
     def release(self):
-        """The regions hold() was lent are about to be written: stop reading weights there."""
+        """The buffer hold() was lent is about to be written: stop reading weights there."""
         self.held = None
 
     def weight(self, name, l):
