@@ -121,6 +121,7 @@ cdef extern from "attention_bf16.h" nogil:
         const float* qkv32
         const uint16_t* qkv16
         const float* dout
+        const uint16_t* dout16
         const float* out
         const uint16_t* out16
     void attb_forward_head(float* out, uint16_t* out16, float* lse, const attb_src* src, Py_ssize_t b,
@@ -537,7 +538,7 @@ cdef int _check_apart(str a, const char* pa, Py_ssize_t na, str b, const char* p
 
 
 cdef void _src_qkv(attb_src* src, const qkv_t* qkv) noexcept nogil:
-    src.qkv32, src.qkv16, src.dout, src.out, src.out16 = NULL, NULL, NULL, NULL, NULL
+    src.qkv32, src.qkv16, src.dout, src.dout16, src.out, src.out16 = NULL, NULL, NULL, NULL, NULL, NULL
     if qkv_t is float:
         src.qkv32 = qkv
     else:
@@ -789,7 +790,7 @@ def attention_forward_bf16(aout_t[::1] out, float[::1] lse, const qkv_t[::1] qkv
         _give_scratch(scratch, own)
 
 
-def attention_backward_bf16(dqkv, const float[::1] dout, const qkv_t[::1] qkv,
+def attention_backward_bf16(dqkv, dout, const qkv_t[::1] qkv,
                             const aout_t[::1] out, const float[::1] lse,
                             int B, int T, int C, int NH, int n_threads=1, bint accumulate=True,
                             dbias=None):
@@ -803,6 +804,8 @@ def attention_backward_bf16(dqkv, const float[::1] dout, const qkv_t[::1] qkv,
     bits convert.cast_to_bf16 gives the fp32 one), what the qkv layer's backward GEMMs read.
     dbias (3C float32, or None): += the column sums of the fp32 gradient (the qkv layer's bias
     gradient), in double: each batch row's T rows in order, then the batch rows in order.
+    dout may be uint16: bf16 already (matmul_backward_bf16's bf16 dinp), the same bits as the
+    fp32 dout it rounds.
     """
     _check_dims(B, T, C, NH, n_threads)
     cdef Py_ssize_t BT = <Py_ssize_t>B * T
@@ -812,6 +815,21 @@ def attention_backward_bf16(dqkv, const float[::1] dout, const qkv_t[::1] qkv,
     cdef float* dq32 = NULL
     cdef uint16_t* dq16 = NULL
     cdef const char* dptr
+    cdef const float[::1] dout32
+    cdef const uint16_t[::1] dout16
+    cdef const float* do32 = NULL
+    cdef const uint16_t* do16 = NULL
+    cdef Py_ssize_t dout_n, dout_bytes
+    if getattr(dout, "dtype", None) == "uint16":
+        dout16 = dout
+        dout_n, dout_bytes = dout16.shape[0], dout16.shape[0] * 2
+        if dout_n:
+            do16 = &dout16[0]
+    else:
+        dout32 = dout
+        dout_n, dout_bytes = dout32.shape[0], dout32.shape[0] * 4
+        if dout_n:
+            do32 = &dout32[0]
     if getattr(dqkv, "dtype", None) == "uint16":
         if accumulate:
             raise ValueError("a bf16 (uint16) dqkv is written, not accumulated: pass accumulate=False")
@@ -828,13 +846,14 @@ def attention_backward_bf16(dqkv, const float[::1] dout, const qkv_t[::1] qkv,
     if dbias is not None:
         db = dbias
         check_len("dbias", db.shape[0], 3 * C, f"3C = 3*{C}")
-    check_len("dout", dout.shape[0], BT * C, f"B*T*C = {B}*{T}*{C}")
+    check_len("dout", dout_n, BT * C, f"B*T*C = {B}*{T}*{C}")
     check_len("qkv", qkv.shape[0], BT * 3 * C, f"B*T*3C = {B}*{T}*3*{C}")
     check_len("out", out.shape[0], BT * C, f"B*T*C = {B}*{T}*{C}")
     check_len("lse", lse.shape[0], BT * NH, f"B*NH*T = {B}*{NH}*{T}")
     if BT == 0:
         return
-    _check_apart("dqkv", dptr, dbytes, "dout", <const char*>&dout[0], dout.nbytes)
+    _check_apart("dqkv", dptr, dbytes, "dout", <const char*>do32 if do32 != NULL else <const char*>do16,
+                 dout_bytes)
     _check_apart("dqkv", dptr, dbytes, "lse", <const char*>&lse[0], lse.nbytes)
     _check_apart("dqkv", dptr, dbytes, "qkv", <const char*>&qkv[0], qkv.nbytes)
     _check_apart("dqkv", dptr, dbytes, "out", <const char*>&out[0], out.nbytes)
@@ -860,7 +879,7 @@ def attention_backward_bf16(dqkv, const float[::1] dout, const qkv_t[::1] qkv,
     cdef double acc
     cdef Py_ssize_t w, bb, hh, k, d
     _src_qkv(&src, &qkv[0])
-    src.dout, src.out, src.out16 = &dout[0], o32, o16
+    src.dout, src.dout16, src.out, src.out16 = do32, do16, o32, o16
     base = scratch + (64 - (<size_t>scratch) % 64) % 64
     if nparts:
         parts = <double*>(base + nt * per)

@@ -255,6 +255,7 @@ typedef struct {
     const float* qkv32;
     const uint16_t* qkv16;
     const float* dout;
+    const uint16_t* dout16;   /* or dout in bf16 (the attproj backward GEMM's rounded output) */
     const float* out;
     const uint16_t* out16;
 } attb_src;

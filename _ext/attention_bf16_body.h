@@ -23,7 +23,8 @@ static inline void ATTB_FN(prefetch)(const void* p, ptrdiff_t bytes)
 }
 
 /* Head h of batch b into Tp x hsp row-major bf16 rows, in one pass along its T rows: q, k, v
-   of src->qkv32 or src->qkv16 (B,T,3C) into dq, dk, dv, and dout (B,T,C) into ddo with
+   of src->qkv32 or src->qkv16 (B,T,3C) into dq, dk, dv, and dout (B,T,C; src->dout, or
+   src->dout16 in bf16, flushed as q, k, v are: the bits of the rounded fp32) into ddo with
    Dh[t] = bf16(dout) . out over the head's columns in fp32 (out fp32, or out16: the bf16
    output, widened), summed in ATTB_DLANES lanes then halved pairwise (a fixed order; a sum in
    column order was a chain of hs dependent adds per row). A NULL destination is skipped. Each
@@ -37,7 +38,8 @@ static void ATTB_FN(pack_head)(uint16_t* dq, uint16_t* dk, uint16_t* dv, uint16_
        could change a pointer read through src, and gcc would neither hoist nor vectorise */
     const uint16_t* q16 = src->qkv16 ? src->qkv16 + b * T * C3 + h * hs : NULL;
     const float* q32 = src->qkv32 ? src->qkv32 + b * T * C3 + h * hs : NULL;
-    const float* dout = ddo ? src->dout + b * T * C + h * hs : NULL;
+    const float* dout = ddo && src->dout ? src->dout + b * T * C + h * hs : NULL;
+    const uint16_t* dout16 = ddo && src->dout16 ? src->dout16 + b * T * C + h * hs : NULL;
     const uint16_t* out16 = ddo && src->out16 ? src->out16 + b * T * C + h * hs : NULL;
     const float* out = ddo && !src->out16 ? src->out + b * T * C + h * hs : NULL;
     const ptrdiff_t qb = q16 ? 2 : 4, ob = out16 ? 2 : 4;   /* bytes per value */
@@ -48,7 +50,8 @@ static void ATTB_FN(pack_head)(uint16_t* dq, uint16_t* dk, uint16_t* dv, uint16_
             for (int w = 0; w < 3; w++)
                 if (dst[w]) ATTB_FN(prefetch)(q16 ? (const void*)(q16 + a + w * C) : (const void*)(q32 + a + w * C), hs * qb);
             if (ddo) {
-                ATTB_FN(prefetch)(dout + (t + ATTB_AHEAD) * C, hs * 4);
+                ATTB_FN(prefetch)(dout16 ? (const void*)(dout16 + (t + ATTB_AHEAD) * C)
+                                         : (const void*)(dout + (t + ATTB_AHEAD) * C), hs * (dout16 ? 2 : 4));
                 if (Dh) ATTB_FN(prefetch)(out16 ? (const void*)(out16 + (t + ATTB_AHEAD) * C)
                                                 : (const void*)(out + (t + ATTB_AHEAD) * C), hs * ob);
             }
@@ -59,7 +62,7 @@ static void ATTB_FN(pack_head)(uint16_t* dq, uint16_t* dk, uint16_t* dv, uint16_
                                   q16 ? q16 + t * C3 + w * C : NULL, hs, hsp);
         if (!ddo) continue;
         uint16_t* o = ddo + t * hsp;
-        ATTB_FN(pack_row)(o, dout + t * C, NULL, hs, hsp);
+        ATTB_FN(pack_row)(o, dout16 ? NULL : dout + t * C, dout16 ? dout16 + t * C : NULL, hs, hsp);
         if (Dh) {
             const uint16_t* y16 = out16 ? out16 + t * C : NULL;
             const float* y = out16 ? NULL : out + t * C;

@@ -91,16 +91,25 @@ static float llmctl_gelu_tab_k = 0.0f;   /* the k they were built for; 0: not bu
         for (ptrdiff_t i = llmctl_gelu_fwd_tab_vec_##SUFFIX(out, x, n); i < n; i++)            \
             out[i] = (uint16_t)llmctl_gelu_tab_fwd[x[i]];                                      \
     }                                                                                          \
-    ATTR static void llmctl_gelu_bwd_tab_cols_##SUFFIX(uint16_t* out, double* acc, const uint16_t* x, \
-                                                       const float* dy, ptrdiff_t BT, ptrdiff_t OC, \
-                                                       ptrdiff_t n) {                          \
+    LLMCTL_GELU_BWD_TAB_COLS(llmctl_gelu_bwd_tab_cols_##SUFFIX, ATTR, float,                     \
+                             llmctl_gelu_grad_tab_vec_##SUFFIX, LLMCTL_DY_F32)                     \
+    LLMCTL_GELU_BWD_TAB_COLS(llmctl_gelu_bwd_tab_cols16_##SUFFIX, ATTR, uint16_t,                \
+                             llmctl_gelu_grad_tab16_vec_##SUFFIX, llmctl_bf16_to_f32)
+
+/* The gradient pass from the tables over columns 0..n of BT rows (LLMCTL_GELU_BWD_COLS_ROW's
+   operations); dy fp32, or bf16 (DT uint16_t: the fcproj backward GEMM's rounded output, widened
+   exactly, then the same operations) */
+#define LLMCTL_DY_F32(v) (v)
+#define LLMCTL_GELU_BWD_TAB_COLS(NAME, ATTR, DT, VEC, WIDEN)                                     \
+    ATTR static void NAME(uint16_t* out, double* acc, const uint16_t* x, const DT* dy, ptrdiff_t BT, \
+                          ptrdiff_t OC, ptrdiff_t n) {                                         \
         float g[LLMCTL_GELU_COLS];                                                             \
         for (ptrdiff_t bt = 0; bt < BT; bt++) {                                                \
             const uint16_t* xr = x + bt * OC;                                                  \
-            const float* dr = dy + bt * OC;                                                    \
+            const DT* dr = dy + bt * OC;                                                       \
             uint16_t* orow = out + bt * OC;                                                    \
-            for (ptrdiff_t i = llmctl_gelu_grad_tab_vec_##SUFFIX(g, xr, dr, n); i < n; i++)    \
-                g[i] = 0.0f + llmctl_gelu_tab_grad[xr[i]] * dr[i];                             \
+            for (ptrdiff_t i = VEC(g, xr, dr, n); i < n; i++)                                  \
+                g[i] = 0.0f + llmctl_gelu_tab_grad[xr[i]] * WIDEN(dr[i]);                      \
             for (ptrdiff_t i = 0; i < n; i++) {                                                \
                 acc[i] += (double)g[i];                                                        \
                 orow[i] = llmctl_f32_to_bf16(g[i]);                                            \
@@ -113,6 +122,11 @@ static inline ptrdiff_t llmctl_gelu_fwd_tab_vec_base(uint16_t* out, const uint16
     return 0;
 }
 static inline ptrdiff_t llmctl_gelu_grad_tab_vec_base(float* g, const uint16_t* x, const float* dy, ptrdiff_t n) {
+    (void)g; (void)x; (void)dy; (void)n;
+    return 0;
+}
+static inline ptrdiff_t llmctl_gelu_grad_tab16_vec_base(float* g, const uint16_t* x, const uint16_t* dy,
+                                                        ptrdiff_t n) {
     (void)g; (void)x; (void)dy; (void)n;
     return 0;
 }
@@ -150,7 +164,7 @@ LLMCTL_GELU_KERNELS(avx512, __attribute__((target("avx512f,avx512bw,avx512dq,avx
 /* The table reads as gathers: gcc's generic tuning will not emit them and loads lane by lane
    instead (4.6x slower here). The same table entries and the same float operations: the same bits. */
 #define LLMCTL_GELU_TAB_GATHERS(SUFFIX, ATTR, W, VI, VF, LOADX, GATHER_I, GATHER_F, NARROW, STOREO,      \
-                                LOADF, MULF, ADDF, ZEROF, STOREF)                                        \
+                                LOADF, LOADF16, MULF, ADDF, ZEROF, STOREF)                                        \
     ATTR static ptrdiff_t llmctl_gelu_fwd_tab_vec_##SUFFIX(uint16_t* out, const uint16_t* x, ptrdiff_t n) { \
         ptrdiff_t i = 0;                                                                       \
         for (; i + W <= n; i += W) {                                                           \
@@ -167,6 +181,15 @@ LLMCTL_GELU_KERNELS(avx512, __attribute__((target("avx512f,avx512bw,avx512dq,avx
             STOREF(g + i, ADDF(ZEROF(), MULF(t, LOADF(dy + i))));                              \
         }                                                                                      \
         return i;                                                                              \
+    }                                                                                          \
+    ATTR static ptrdiff_t llmctl_gelu_grad_tab16_vec_##SUFFIX(float* g, const uint16_t* x,     \
+                                                              const uint16_t* dy, ptrdiff_t n) { \
+        ptrdiff_t i = 0;                                                                       \
+        for (; i + W <= n; i += W) {                                                           \
+            VF t = GATHER_F(LOADX(x + i), llmctl_gelu_tab_grad);                               \
+            STOREF(g + i, ADDF(ZEROF(), MULF(t, LOADF16(dy + i))));                            \
+        }                                                                                      \
+        return i;                                                                              \
     }
 
 #define LLMCTL_AVX2_ATTR __attribute__((target("avx2")))
@@ -181,11 +204,14 @@ LLMCTL_GELU_KERNELS(avx512, __attribute__((target("avx512f,avx512bw,avx512dq,avx
 #define LLMCTL_GI16(ix, t) _mm512_i32gather_epi32(ix, t, 4)
 #define LLMCTL_GF16(ix, t) _mm512_i32gather_ps(ix, t, 4)
 #define LLMCTL_ST16(p, v) _mm256_storeu_si256((__m256i*)(p), v)
+/* bf16 (uint16) to fp32 exactly: the bits in the top half of each lane */
+#define LLMCTL_LDB8(p) _mm256_castsi256_ps(_mm256_slli_epi32(LLMCTL_LDX8(p), 16))
+#define LLMCTL_LDB16(p) _mm512_castsi512_ps(_mm512_slli_epi32(LLMCTL_LDX16(p), 16))
 LLMCTL_GELU_TAB_GATHERS(avx2, LLMCTL_AVX2_ATTR, 8, __m256i, __m256, LLMCTL_LDX8, LLMCTL_GI8, LLMCTL_GF8,
-                        LLMCTL_NARROW8, LLMCTL_ST8, _mm256_loadu_ps, _mm256_mul_ps, _mm256_add_ps,
+                        LLMCTL_NARROW8, LLMCTL_ST8, _mm256_loadu_ps, LLMCTL_LDB8, _mm256_mul_ps, _mm256_add_ps,
                         _mm256_setzero_ps, _mm256_storeu_ps)
 LLMCTL_GELU_TAB_GATHERS(avx512, LLMCTL_AVX512_ATTR, 16, __m512i, __m512, LLMCTL_LDX16, LLMCTL_GI16,
-                        LLMCTL_GF16, _mm512_cvtepi32_epi16, LLMCTL_ST16, _mm512_loadu_ps, _mm512_mul_ps,
+                        LLMCTL_GF16, _mm512_cvtepi32_epi16, LLMCTL_ST16, _mm512_loadu_ps, LLMCTL_LDB16, _mm512_mul_ps,
                         _mm512_add_ps, _mm512_setzero_ps, _mm512_storeu_ps)
 LLMCTL_GELU_TAB_KERNELS(avx2, LLMCTL_AVX2_ATTR)
 LLMCTL_GELU_TAB_KERNELS(avx512, LLMCTL_AVX512_ATTR)
@@ -231,5 +257,9 @@ static inline void llmctl_gelu_fwd_tab(uint16_t* out, const uint16_t* x, ptrdiff
 static inline void llmctl_gelu_bwd_tab_cols(uint16_t* out, double* acc, const uint16_t* x, const float* dy,
                                             ptrdiff_t BT, ptrdiff_t OC, ptrdiff_t n) {
     LLMCTL_ROWS_DISPATCH(llmctl_gelu_bwd_tab_cols, out, acc, x, dy, BT, OC, n);
+}
+static inline void llmctl_gelu_bwd_tab_cols16(uint16_t* out, double* acc, const uint16_t* x, const uint16_t* dy,
+                                              ptrdiff_t BT, ptrdiff_t OC, ptrdiff_t n) {
+    LLMCTL_ROWS_DISPATCH(llmctl_gelu_bwd_tab_cols16, out, acc, x, dy, BT, OC, n);
 }
 #endif

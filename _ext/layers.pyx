@@ -46,6 +46,8 @@ cdef extern from "gelu.h" nogil:
     void llmctl_gelu_fwd_tab(uint16_t* out, const uint16_t* x, Py_ssize_t n)
     void llmctl_gelu_bwd_tab_cols(uint16_t* out, double* acc, const uint16_t* x, const float* dy,
                                   Py_ssize_t BT, Py_ssize_t OC, Py_ssize_t n)
+    void llmctl_gelu_bwd_tab_cols16(uint16_t* out, double* acc, const uint16_t* x, const uint16_t* dy,
+                                    Py_ssize_t BT, Py_ssize_t OC, Py_ssize_t n)
     enum: LLMCTL_GELU_COLS
 
 cdef extern from "rows.h" nogil:
@@ -501,23 +503,29 @@ ctypedef fused gin_t:
     float
     uint16_t
 
+ctypedef fused gdy_t:
+    float
+    uint16_t
 
-cdef void _gelu_bwd_bf16_cols(uint16_t* dinp, float* dbias, const gin_t* inp, const float* dout,
+
+cdef void _gelu_bwd_bf16_cols(uint16_t* dinp, float* dbias, const gin_t* inp, const gdy_t* dout,
                               Py_ssize_t BT, int OC, int o0, int w) noexcept nogil:
     # columns o0..o0+w (w <= LLMCTL_GELU_COLS) of every row; acc on this task's own stack
     cdef double acc[LLMCTL_GELU_COLS]
     cdef int o, n = imin(w, OC - o0)
     memset(acc, 0, sizeof(acc))
-    if gin_t is float:
+    if gin_t is float and gdy_t is float:
         llmctl_gelu_bwd_bf16_cols(dinp + o0, acc, inp + o0, dout + o0, BT, OC, n, GELU_SCALE)
-    else:
+    elif gin_t is uint16_t and gdy_t is float:
         llmctl_gelu_bwd_tab_cols(dinp + o0, acc, inp + o0, dout + o0, BT, OC, n)
+    elif gin_t is uint16_t and gdy_t is uint16_t:
+        llmctl_gelu_bwd_tab_cols16(dinp + o0, acc, inp + o0, dout + o0, BT, OC, n)
     if dbias != NULL:
         for o in range(n):
             dbias[o0 + o] += <float>acc[o]
 
 
-cdef void _gelu_backward_bf16(uint16_t* dinp, float* dbias, const gin_t* inp, const float* dout,
+cdef void _gelu_backward_bf16(uint16_t* dinp, float* dbias, const gin_t* inp, const gdy_t* dout,
                               Py_ssize_t BT, int OC, int n_threads) noexcept nogil:
     # wide chunks of columns (col_chunk): the bits do not depend on the thread count
     cdef int w = col_chunk(OC, n_threads, LLMCTL_GELU_COLS)
@@ -526,14 +534,15 @@ cdef void _gelu_backward_bf16(uint16_t* dinp, float* dbias, const gin_t* inp, co
         _gelu_bwd_bf16_cols(dinp, dbias, inp, dout, BT, OC, ch * w, w)
 
 
-def gelu_backward_bf16(uint16_t[::1] dinp, dbias, const gin_t[::1] inp, const float[::1] dout,
+def gelu_backward_bf16(uint16_t[::1] dinp, dbias, const gin_t[::1] inp, const gdy_t[::1] dout,
                        long BT, int OC, int n_threads=1):
     """The fc layer's gradient for its bf16 backward GEMMs in one pass: dinp (BT,OC) =
     bf16(gelu'(inp) * dout), written, not accumulated (the same bits as a zero fill, gelu_backward's
     += and a cast); dbias (OC) += the column sums of that fp32 gradient (double accumulators, rows
     in order: the sum matmul_backward_bf16 makes from an fp32 dout), unless dbias is None. inp:
-    float32, or uint16 (bf16, widened exactly). Feed dinp to matmul_backward_bf16 as dout_bf16
-    with dout=None, dbias=None."""
+    float32, or uint16 (bf16, widened exactly). dout: float32, or with a bf16 inp also uint16 (the
+    bf16 gradient matmul_backward_bf16 writes into a uint16 dinp, widened exactly). Feed dinp to
+    matmul_backward_bf16 as dout_bf16 with dout=None, dbias=None."""
     cdef float[::1] db
     cdef float* db_ptr = NULL
     check_threads(n_threads)
@@ -547,6 +556,8 @@ def gelu_backward_bf16(uint16_t[::1] dinp, dbias, const gin_t[::1] inp, const fl
         db = dbias
         check_len("dbias", db.shape[0], OC)
         db_ptr = &db[0]
+    if gin_t is float and gdy_t is uint16_t:
+        raise TypeError("gelu_backward_bf16: a bf16 (uint16) dout needs a bf16 inp")
     n_threads = eff_threads(n_threads, N, _grain)
     with nogil:
         _gelu_backward_bf16(&dinp[0], db_ptr, &inp[0], &dout[0], BT, OC, n_threads)

@@ -997,7 +997,12 @@ def matmul_backward_bf16(dinp, float[::1] dweight, dbias, dout, uint16_t[::1] do
 
     dout (BT,OC) fp32 given: this call first writes dout_bf16 = bf16(dout), in the same pass that
     sums dbias (from the fp32 values). dout None: dout_bf16 already holds the gradient (written
-    by the kernel that produced it) and dbias must be None. dinp and dbias may be None (skipped)."""
+    by the kernel that produced it) and dbias must be None. dinp and dbias may be None (skipped).
+
+    dinp may be uint16 (with accumulate=False): dout @ weight rounded to bf16 (nearest even, the
+    bits cast_to_bf16 gives the fp32 result of the same engine; oneDNN's primitive writes it so
+    itself, the other engines round an fp32 result), for a gradient that only feeds kernels
+    reading it in bf16 (the GELU's backward, the attention's), at half the bytes."""
     cdef int which = _bf16_engine_id(engine)
     cdef float[::1] dinp_mv, dbias_mv
     cdef const float[::1] dout_mv
@@ -1008,6 +1013,28 @@ def matmul_backward_bf16(dinp, float[::1] dweight, dbias, dout, uint16_t[::1] do
     cdef float* ww = NULL
     cdef int st = 0
     cdef float dbeta = 1.0 if accumulate else 0.0
+    cdef uint16_t[::1] dinp16
+    cdef float[::1] tmp
+    if getattr(dinp, "dtype", None) == "uint16":
+        if accumulate:
+            raise ValueError("a bf16 (uint16) dinp is written, not accumulated: pass accumulate=False")
+        dinp16 = dinp
+        check_len("dinp", dinp16.shape[0], <Py_ssize_t>BT * C)
+        check_disjoint("dinp", <float*>&dinp16[0], <Py_ssize_t>BT * C // 2, "dweight", &dweight[0],
+                       <Py_ssize_t>OC * C)
+        if which == DNNL:
+            matmul_backward_bf16(None, dweight, dbias, dout, dout_bf16, inp, weight, BT, C, OC, n_threads, engine)
+            with nogil:
+                st = llmctl_dnnl_matmul_bf16_dst(b'N', b'N', BT, C, OC, &dout_bf16[0], OC, &weight[0], C,
+                                                 NULL, 0.0, &dinp16[0], C, 1, n_threads)
+            _check_dnnl(st, "matmul_backward_bf16")
+            return
+        tmp = memoryview(bytearray(<Py_ssize_t>BT * C * 4)).cast("f")
+        matmul_backward_bf16(tmp, dweight, dbias, dout, dout_bf16, inp, weight, BT, C, OC, n_threads, engine,
+                             accumulate=False)
+        with nogil:
+            _convert(&dinp16[0], &tmp[0], <Py_ssize_t>BT * C, n_threads)
+        return
     _check_sizes("dout_bf16", dout_bf16.shape[0], inp.shape[0], weight.shape[0], BT, C, OC, n_threads)
     check_len("dweight", dweight.shape[0], <Py_ssize_t>OC * C)
     if dinp is not None:

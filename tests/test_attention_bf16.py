@@ -398,6 +398,27 @@ def test_env_var_read_at_import(value):
         assert r.stdout.strip() == value
 
 
+def test_bf16_dout_gives_the_bits_of_its_fp32_values(path):
+    # the bf16 model's attproj backward GEMM writes d(atty) in bf16: the backward must give the
+    # bits it gives the fp32 dout that rounds to it (subnormals flushed as the packing flushes)
+    B, T, C, NH = 2, 45, 64, 2
+    qkv, dout = _inputs(B, T, C, seed=7)
+    dout.ravel()[:6] = [1e-39, -1e-39, 3e-41, 0.0, -0.0, 1e-45]
+    out, lse = _forward(qkv, NH, 2)
+    d16 = np.empty(dout.size, np.uint16)
+    convert.cast_to_bf16(d16, dout.ravel(), 2)
+    runs = []
+    for d in (dout.ravel(), d16):
+        dq, db = np.full(qkv.size, 0xFFFF, np.uint16), np.zeros(3 * C, np.float32)
+        A.attention_backward_bf16(dq, d, qkv.ravel(), out, lse, B, T, C, NH, 2, accumulate=False, dbias=db)
+        runs.append((dq, db))
+    np.testing.assert_array_equal(runs[1][0], runs[0][0])
+    np.testing.assert_array_equal(runs[1][1], runs[0][1])
+    assert np.any(runs[0][1] != 0)
+    with pytest.raises(ValueError, match="dout"):
+        A.attention_backward_bf16(runs[0][0], d16[:-1], qkv.ravel(), out, lse, B, T, C, NH, 2, accumulate=False)
+
+
 def test_bf16_model_runs_the_bf16_attention_and_fp32_does_not(monkeypatch):
     from llmctl._ext import matmul
     from llmctl.model import GPT2, GPT2Config, init_llmc_

@@ -634,6 +634,60 @@ def test_gelu_bf16_kernels_read_bf16_input_as_its_exact_widening(BT, OC):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("BT, OC", [(37, 131), (3, 2048 + 40)])   # ragged; two column chunks
+def test_gelu_backward_bf16_reads_bf16_dout_as_its_exact_widening(BT, OC):
+    # the bf16 model's fcproj backward GEMM writes d(gelu) in bf16: every copy of the loop (each
+    # ISA this CPU runs) must give the bits the fp32 loop gives the widened values
+    rng = np.random.default_rng(BT * OC)
+    xb, dyb = to_bf16(_f32(rng, BT * OC, scale=3.0)), to_bf16(_f32(rng, BT * OC))
+    dyb[1::7] = 0x8000                                   # -0.0
+    want16, want_db = np.empty(BT * OC, np.uint16), np.zeros(OC, np.float32)
+    layers.gelu_backward_bf16(want16, want_db, xb, from_bf16(dyb), BT, OC, 2)
+    old = layers.simd()
+    try:
+        for isa in layers.ISAS[:layers.ISAS.index(old) + 1]:
+            layers.set_simd(isa)
+            got16, got_db = np.full(BT * OC, 0xFFFF, np.uint16), np.zeros(OC, np.float32)
+            layers.gelu_backward_bf16(got16, got_db, xb, dyb, BT, OC, 2)
+            np.testing.assert_array_equal(got16, want16, err_msg=isa)
+            np.testing.assert_array_equal(got_db, want_db, err_msg=isa)
+    finally:
+        layers.set_simd(old)
+    assert np.any(want_db != 0)
+    with pytest.raises(TypeError, match="bf16 inp"):
+        layers.gelu_backward_bf16(got16, None, from_bf16(xb), dyb, BT, OC, 2)
+
+
+@pytest.mark.parametrize("engine", BF16_ENGINES)
+@pytest.mark.parametrize("shape", [(70, 96, 40), (600, 96, 40), (600, 40, 1100)])
+def test_matmul_backward_bf16_writes_a_bf16_dinp_as_the_rounded_fp32_one(engine, shape):
+    # a uint16 dinp (accumulate=False): the bf16 rounding of the fp32 dinp that engine writes
+    # where both run on the same GEMM (oneDNN's primitive for the model's written dX with
+    # K <= 1024; 600 x 40 x 1100 runs fp32 on the gemm call, another order: the bound there),
+    # and dweight, dbias and the cast dout exactly as with an fp32 dinp
+    BT, C, OC = shape
+    rng = np.random.default_rng(BT + C + OC)
+    ib, wb, dout = to_bf16(_f32(rng, BT, C)), to_bf16(_f32(rng, OC, C)), _f32(rng, BT, OC).ravel()
+    runs = []
+    for dinp in (np.full(BT * C, np.nan, np.float32), np.full(BT * C, 0xFFFF, np.uint16)):
+        dw, db, d16 = np.zeros(OC * C, np.float32), np.zeros(OC, np.float32), np.empty(BT * OC, np.uint16)
+        matmul.matmul_backward_bf16(dinp, dw, db, dout, d16, ib.ravel(), wb.ravel(), BT, C, OC,
+                                    n_threads=2, engine=engine, accumulate=False)
+        runs.append((dinp, dw, db, d16))
+    for a, b in zip(runs[0][1:], runs[1][1:]):
+        np.testing.assert_array_equal(a, b)
+    if not (engine == "dnnl" and BT > 512 and OC > 1024):
+        np.testing.assert_array_equal(runs[1][0], to_bf16(runs[0][0]))
+    x64, w64, d64 = (from_bf16(a).astype(np.float64).reshape(r, c)
+                     for a, r, c in ((ib, BT, C), (wb, OC, C), (runs[0][3], BT, OC)))
+    got = from_bf16(runs[1][0]).reshape(BT, C).astype(np.float64)
+    want = d64 @ w64
+    assert np.all(np.abs(got - want) <= 2 ** -8 * np.abs(want) + 1e-5 * (np.abs(d64) @ np.abs(w64)))
+    with pytest.raises(ValueError, match="accumulate=False"):
+        matmul.matmul_backward_bf16(runs[1][0], runs[1][1], None, None, runs[1][3], ib.ravel(), wb.ravel(),
+                                    BT, C, OC, n_threads=2, engine=engine, accumulate=True)
+
+
 @pytest.mark.parametrize("engine", BF16_ENGINES)
 @pytest.mark.parametrize("BT", [1, 3, 70])      # 1, 3: the GEMV rows of a decode step
 def test_matmul_forward_bf16_writes_bf16_as_the_rounded_fp32_result(engine, BT):
@@ -760,6 +814,37 @@ def test_bf16_step0_loss_and_grads_close_to_fp32(bf16_ok, tmp_path):
     assert m16.params.dtype == np.float32 and m16.grads.dtype == np.float32
     np.testing.assert_array_equal(m16.params, m32.params)
     np.testing.assert_array_equal(m16.params_bf16, to_bf16(m16.params))
+
+
+def test_bf16_backward_hands_bf16_gradients_to_the_gelu_and_the_attention(bf16_ok):
+    # as autocast's bf16 matmul outputs get bf16 gradients: the fcproj and attproj backward GEMMs
+    # write d(gelu) and d(atty) rounded to bf16 (half the bytes), which the GELU's and the
+    # attention's backward read as they are; fp32 keeps llm.c's fp32 gradients
+    class Spy:
+        def __init__(self, mod, arg):
+            self.mod, self.arg = mod, arg
+
+        def __getattr__(self, name):
+            f = getattr(self.mod, name)
+            if name not in self.arg:
+                return f
+
+            def call(*a, **kw):
+                seen.append((name, a[self.arg[name]].dtype))
+                return f(*a, **kw)
+            return call
+
+    x, y = _data(B=2, T=32)
+    for precision, dt in (("bf16", np.uint16), ("fp32", np.float32)):
+        m, seen = _init(precision), []
+        k = m.kernels
+        k.layers = Spy(k.layers, {"gelu_backward_bf16": 3, "gelu_backward": 2, "gelu_forward_backward": 1})
+        k.attention = Spy(k.attention, {"attention_backward_bf16": 1, "attention_backward": 1})
+        m.zero_grad()
+        m.forward(x, y)
+        m.backward()
+        assert len(seen) == 2 * MCFG.num_layers, seen
+        assert all(d == dt for _, d in seen), (precision, seen)
 
 
 def test_bf16_training_is_bit_exact_on_resume(bf16_ok, tmp_path):

@@ -416,14 +416,15 @@ class GPT2:
 
     def _bwd16_layout(self, BT, level):
         """bf16 training: the backward's scratch in one uint16 buffer, {"size", "at": name ->
-        offset, "n16": the staging's elements}. dbig (fp32, 2 of BT*4C), dout16 (BT*4C) and then the one layer of gelu (-r >= 1)
+        offset, "n16": the staging's elements}. dbig (BT*4C: the fcproj backward's d(gelu), which
+        the GEMM writes in bf16), dout16 (BT*4C) and then the one layer of gelu (-r >= 1)
         and ln2, ln1 (-r >= 2) the forward and backward recompute, all overlapping the lm head's
         dlogits staging (n16), which is in use only between the last layer's forward and the
         first layer's backward, when those are dead."""
         c = self.config
         C, nbig = c.channels, BT * 4 * c.channels
         n16 = min(BT, LMHEAD_GRAD_ROWS) * c.padded_vocab_size
-        at, end = {"dbig": 0, "dout16": 2 * nbig}, 3 * nbig
+        at, end = {"dbig": 0, "dout16": nbig}, 2 * nbig
         for name, size, lv in (("gelu", nbig, 1), ("ln2", BT * C, 2), ("ln1", BT * C, 2)):
             if level >= lv:
                 at[name], end = end, end + size
@@ -503,12 +504,12 @@ class GPT2:
             if self.precision == "fp32":
                 self._scratch["dbig"] = np.zeros(BT * 4 * C, np.float32)
             else:
-                # dbig, every backward GEMM's bf16 dout (d(fch) too: gelu_backward writes it there)
-                # and the lm head's dlogits staged LMHEAD_GRAD_ROWS rows at a time, in the buffer a
+                # dbig (the fcproj backward's bf16 d(gelu)), dout16 (every backward GEMM's bf16
+                # dout; d(fch) too: gelu_backward writes it there) and the lm head's dlogits staged LMHEAD_GRAD_ROWS rows at a time, in the buffer a
                 # training plan allocated (_bwd16_layout): the staging is done with before the
                 # first layer's backward
                 lay, buf, nbig = self._bwd16_layout(BT, self.plan.recompute), self._bwd16, BT * 4 * C
-                self._scratch.update(dbig=buf[:2 * nbig].view(np.float32), dout16=buf[2 * nbig:3 * nbig],
+                self._scratch.update(dbig=buf[:nbig], dout16=buf[nbig:2 * nbig],
                                      dlogits16=buf[:lay["n16"]])
         return self._scratch
 
@@ -909,19 +910,21 @@ class GPT2:
             dfch, dbfc = o.gelu_forward_backward(a.gelu, dbig, gb("fcw"), a.fch, BT, 4 * C, nt)
             o.matmul_backward(None, gW("fcprojw"), None, dres, d16, a.gelu, "fcprojw", l, BT, 4 * C, C, nt)
         else:
-            o.matmul_backward(dbig, gW("fcprojw"), gb("fcprojw"), dres, d16, a.gelu, "fcprojw", l, BT, 4 * C, C,
+            dgelu = o.act_grad(dbig, 4 * n)
+            o.matmul_backward(dgelu, gW("fcprojw"), gb("fcprojw"), dres, d16, a.gelu, "fcprojw", l, BT, 4 * C, C,
                               nt, accumulate=False)
             # fp32: d(fch) over the gelu buffer, free now; bf16: straight into d16 with fc's dbias
-            dfch, dbfc = o.gelu_backward(a.gelu, d16, gb("fcw"), a.fch, dbig, BT, 4 * C, nt)
+            dfch, dbfc = o.gelu_backward(a.gelu, d16, gb("fcw"), a.fch, dgelu, BT, 4 * C, nt)
         o.matmul_backward(dsmall, gW("fcw"), dbfc, dfch, d16, a.ln2, "fcw", l, BT, C, 4 * C, nt, accumulate=False)
         # d(x2) = d(out) + the LN2 branch, accumulated in place
         Ly.layernorm_backward(dres, g["ln2w"][l], g["ln2b"][l], dsmall, a.x2, p["ln2w"][l],
                               a.ln2_mean, a.ln2_rstd, BT, C, nt)
         # x2 = x + attproj(attention(qkv(ln1(x))))
-        o.matmul_backward(dsmall, gW("attprojw"), gb("attprojw"), dres, d16, a.atty, "attprojw", l, BT, C, C, nt,
+        datty = o.act_grad(dsmall, n)
+        o.matmul_backward(datty, gW("attprojw"), gb("attprojw"), dres, d16, a.atty, "attprojw", l, BT, C, C, nt,
                           accumulate=False)
         # fp32: d(qkv) over dbig; bf16: straight into d16 with qkv's dbias, as fc's above
-        dqkv, dbqkv = o.attention_backward(dbig, d16, gb("qkvw"), dsmall, a.qkv, a.atty, a.lse, B, T, C, NH, nt)
+        dqkv, dbqkv = o.attention_backward(dbig, d16, gb("qkvw"), datty, a.qkv, a.atty, a.lse, B, T, C, NH, nt)
         o.matmul_backward(dsmall, gW("qkvw"), dbqkv, dqkv, d16, a.ln1, "qkvw", l, BT, C, 3 * C, nt,
                           accumulate=False)
         Ly.layernorm_backward(dres, g["ln1w"][l], g["ln1b"][l], dsmall, a.x, p["ln1w"][l],

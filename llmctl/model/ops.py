@@ -12,6 +12,8 @@ changes the computation:
   matmul             out = inp @ W^T + b, W the model's weight in the matmul precision
   matmul_backward    dinp, dW, db += their gradients (bf16: dout rounded to bf16 for the GEMMs);
                      accumulate=False: dinp written, not added to
+  act_grad           the buffer such a dinp goes into when only the GELU's or the attention's
+                     backward reads it (bf16: a bf16 array, the GEMM rounds it as they would)
   gelu_backward      d(fch) as the fc layer's matmul_backward reads it (bf16: rounded, with the
                      fc bias gradient summed in the same pass)
   gelu_forward_backward   fp32 only (bf16: None): a backward that recomputes the GELU does it
@@ -96,6 +98,11 @@ class Fp32Ops:
         if not accumulate and dinp is not None:
             self.k.layers.zero_fill(dinp, nt)
         self.k.matmul.matmul_backward(dinp, dW, db, dout, inp, self.weight(name, l), N, C, OC, nt, self.engine)
+
+    def act_grad(self, free, n):
+        """Where a backward GEMM writes an activation gradient (accumulate=False) that only
+        gelu_backward or attention_backward reads: n elements of `free` (fp32, dead until then)."""
+        return free[:n]
 
     def gelu_backward(self, free, dout_mm, db, x, dy, N, OC, nt):
         """-> (dout, dbias) for the fc layer's matmul_backward: d(fch) = gelu'(x) dy written over
@@ -230,6 +237,12 @@ class Bf16Ops(Fp32Ops):
         """dout fp32 (cast into dout_mm, the same pass summing db), or None: dout_mm already holds it."""
         self.k.matmul.matmul_backward_bf16(dinp, dW, db, dout, dout_mm[:N * OC], inp, self.weight(name, l),
                                            N, C, OC, nt, self.engine, accumulate)
+
+    def act_grad(self, free, n):
+        """n bf16 values in free's memory: the GEMM writes the gradient rounded to bf16, which is
+        all the GELU's table backward and the attention (which rounds its dout itself) read of
+        it, as autocast's bf16 matmul outputs have bf16 gradients."""
+        return free.reshape(-1).view(np.uint16)[:n]
 
     def gelu_backward(self, free, dout_mm, db, x, dy, N, OC, nt):
         """-> (None, None): d(fch) written in bf16 into dout_mm and its bias gradient summed into
