@@ -736,12 +736,13 @@ cdef void _forward_widened(float* out, const float* winp, const uint16_t* weight
 
 cdef void _backward_widened(float* dinp, float* dweight, const uint16_t* dout, float* wdout,
                             const float* winp, const uint16_t* weight, float* wbuf, int BT, int C,
-                            int OC, float dinp_beta, int n_threads) noexcept nogil:
+                            int OC, float dinp_beta, float dw_beta, int n_threads) noexcept nogil:
     # per block of weight rows o0..o0+ob (= columns of dout, widened into wdout (BT,ob) so the
     # lm head's dout is never held whole in fp32): dinp = dinp_beta dinp + dout[:, blk] @ W[blk]
-    # for the first block, += for the rest; dW[blk] += dout[:, blk]^T @ inp
+    # for the first block, += for the rest; dW[blk] = dw_beta dW[blk] + dout[:, blk]^T @ inp
     cdef float one = 1.0
     cdef float beta = dinp_beta
+    cdef float wbeta = dw_beta
     cdef char tn = b'N', tt = b'T'
     cdef int o0, ob
     _ensure_blas_threads(n_threads)
@@ -755,7 +756,7 @@ cdef void _backward_widened(float* dinp, float* dweight, const uint16_t* dout, f
             sgemm(&tn, &tn, &C, &BT, &ob, &one, wbuf, &C, wdout, &ob, &beta, dinp, &C)
             beta = one
         # column-major: dW^T[:, blk] (C,ob) += inp^T (C,BT) @ dout[:, blk] (BT,ob)
-        sgemm(&tn, &tt, &C, &ob, &BT, &one, <float*>winp, &C, wdout, &ob, &one,
+        sgemm(&tn, &tt, &C, &ob, &BT, &one, <float*>winp, &C, wdout, &ob, &wbeta,
               dweight + <Py_ssize_t>o0 * C, &C)
         o0 = o0 + ob
 
@@ -989,11 +990,14 @@ def _matmul_forward_bf16_f32(float[::1] out, const uint16_t[::1] inp, const uint
 
 def matmul_backward_bf16(dinp, float[::1] dweight, dbias, dout, uint16_t[::1] dout_bf16,
                          const uint16_t[::1] inp, const uint16_t[::1] weight,
-                         int BT, int C, int OC, int n_threads=1, engine=None, bint accumulate=True):
+                         int BT, int C, int OC, int n_threads=1, engine=None, bint accumulate=True,
+                         bint dweight_accumulate=True):
     """Accumulate in fp32: dinp (BT,C) += dout @ weight; dweight (OC,C) += dout^T @ inp;
     dbias (OC) += sum over BT of dout. inp, weight and the GEMMs' dout are bf16.
     accumulate=False: dinp = dout @ weight instead (the GEMM's beta 0: no zero fill before, and
-    its old contents are not read); dweight and dbias still accumulate.
+    its old contents are not read); dweight and dbias still accumulate. dweight_accumulate=False:
+    dweight = dout^T @ inp likewise (a beta-0 GEMM: the bits of += into zeros, up to the sign of a
+    zero), the first write of a step's gradient with no zero fill before it.
 
     dout (BT,OC) fp32 given: this call first writes dout_bf16 = bf16(dout), in the same pass that
     sums dbias (from the fp32 values). dout None: dout_bf16 already holds the gradient (written
@@ -1013,6 +1017,7 @@ def matmul_backward_bf16(dinp, float[::1] dweight, dbias, dout, uint16_t[::1] do
     cdef float* ww = NULL
     cdef int st = 0
     cdef float dbeta = 1.0 if accumulate else 0.0
+    cdef float wbeta = 1.0 if dweight_accumulate else 0.0
     cdef uint16_t[::1] dinp16
     cdef float[::1] tmp
     if getattr(dinp, "dtype", None) == "uint16":
@@ -1023,7 +1028,8 @@ def matmul_backward_bf16(dinp, float[::1] dweight, dbias, dout, uint16_t[::1] do
         check_disjoint("dinp", <float*>&dinp16[0], <Py_ssize_t>BT * C // 2, "dweight", &dweight[0],
                        <Py_ssize_t>OC * C)
         if which == DNNL:
-            matmul_backward_bf16(None, dweight, dbias, dout, dout_bf16, inp, weight, BT, C, OC, n_threads, engine)
+            matmul_backward_bf16(None, dweight, dbias, dout, dout_bf16, inp, weight, BT, C, OC, n_threads, engine,
+                                 dweight_accumulate=dweight_accumulate)
             with nogil:
                 st = llmctl_dnnl_matmul_bf16_dst(b'N', b'N', BT, C, OC, &dout_bf16[0], OC, &weight[0], C,
                                                  NULL, 0.0, &dinp16[0], C, 1, n_threads)
@@ -1031,7 +1037,7 @@ def matmul_backward_bf16(dinp, float[::1] dweight, dbias, dout, uint16_t[::1] do
             return
         tmp = memoryview(bytearray(<Py_ssize_t>BT * C * 4)).cast("f")
         matmul_backward_bf16(tmp, dweight, dbias, dout, dout_bf16, inp, weight, BT, C, OC, n_threads, engine,
-                             accumulate=False)
+                             accumulate=False, dweight_accumulate=dweight_accumulate)
         with nogil:
             _convert(&dinp16[0], &tmp[0], <Py_ssize_t>BT * C, n_threads)
         return
@@ -1066,10 +1072,10 @@ def matmul_backward_bf16(dinp, float[::1] dweight, dbias, dout, uint16_t[::1] do
                                            dbeta, dinp_ptr, C, n_threads)
             if st == 0 and BT <= _prim_dw_rows:
                 st = llmctl_dnnl_matmul_bf16(b'T', b'N', OC, C, BT, &dout_bf16[0], OC, &inp[0], C,
-                                             NULL, 1.0, &dweight[0], C, n_threads)
+                                             NULL, wbeta, &dweight[0], C, n_threads)
             elif st == 0:
                 st = llmctl_dnnl_gemm_bf16(b'T', b'N', OC, C, BT, &dout_bf16[0], OC, &inp[0], C,
-                                           1.0, &dweight[0], C, n_threads)
+                                           wbeta, &dweight[0], C, n_threads)
         _check_dnnl(st, "matmul_backward_bf16")
         return
     if which == DNNL_GEMM:
@@ -1079,7 +1085,7 @@ def matmul_backward_bf16(dinp, float[::1] dweight, dbias, dout, uint16_t[::1] do
                                            dbeta, dinp_ptr, C, n_threads)
             if st == 0:
                 st = llmctl_dnnl_gemm_bf16(b'T', b'N', OC, C, BT, &dout_bf16[0], OC, &inp[0], C,
-                                           1.0, &dweight[0], C, n_threads)
+                                           wbeta, &dweight[0], C, n_threads)
         _check_dnnl(st, "matmul_backward_bf16")
         return
     try:
@@ -1090,7 +1096,7 @@ def matmul_backward_bf16(dinp, float[::1] dweight, dbias, dout, uint16_t[::1] do
             raise MemoryError("matmul_backward_bf16: cannot allocate the widening buffers")
         with nogil:
             _backward_widened(dinp_ptr, &dweight[0], &dout_bf16[0], wd, wi, &weight[0], ww, BT, C, OC,
-                              dbeta, n_threads)
+                              dbeta, wbeta, n_threads)
     finally:
         free(wd)
         free(wi)

@@ -201,14 +201,15 @@ def _batch(cfg, B, T, seed=0):
 
 
 def _step(m, x, y, t):
-    m.zero_grad()
+    # as `llmctl train`: bf16's backward overwrites spent gradients, no fill (older trees fill)
+    m.zero_grad(**({"lazy": True} if "lazy" in inspect.signature(m.zero_grad).parameters else {}))
     # loss_scale as `llmctl train` passes it (the bf16 blocked lm head then makes its gradient in
     # the forward); versions before that take the forward without it
     kw = {"loss_scale": 1.0} if "loss_scale" in inspect.signature(m.forward).parameters else {}
     loss = m.forward(x, y, **kw)
     m.backward()
     norm = m.grad_norm()
-    # zero_grads as `llmctl train` does: AdamW clears the gradients, the next zero_grad is free
+    # zero_grads as `llmctl train` does: AdamW spends the gradients, the next zero_grad is free
     m.update(3e-4, 0.9, 0.95, 1e-8, 0.0, 1.0 / norm if norm > 1 else 1.0, t, zero_grads=True)
     return loss
 

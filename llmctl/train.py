@@ -7,7 +7,7 @@ val loss -> HellaSwag (-h 1) -> sample -> checkpoint -> (stop at the last step) 
 forward/backward with gradient accumulation -> all-reduce of the flat gradient buffer (-z 1:
 reduce-scatter, and AdamW on this rank's shard then an all-gather: llmctl/distributed/zero.py)
 -> lr schedule, grad-norm clip, AdamW (skipped when -sl/-sg's outlier z-score says so, llmctl/outlier.py;
-it also clears the gradients, so the next step's zero_grad has nothing to fill) -> log
+it also spends the gradients, so the next step's zero_grad has nothing to fill) -> log
 `s:%d trl:%.4f lr:%.6f norm:%.2f`. Checkpoints are llm.c's `model_%08d.bin` (rank 0),
 `state_%08d_%05d.bin` (every rank; with -sl/-sg also a `state_%08d_%05d.outlier.json` sidecar
 holding the detectors, which llm.c does not save) and an empty `DONE_%08d` written last, every -n
@@ -381,7 +381,7 @@ class Trainer:
         grad_z (None while a window fills) and skipped). Raises TrainingDiverged (before any
         update) on a non-finite loss/norm."""
         model = self.model
-        model.zero_grad()
+        model.zero_grad(lazy=True)   # bf16: the backward overwrites them (GPT2.zero_grad)
         loss_sum = 0.0
         if self.cfg.overfit_single_batch:  # train_gpt2.cu: the same batches every step
             self.train_loader.reset()
@@ -409,8 +409,10 @@ class Trainer:
             return loss, lr, grad_norm, outlier
         clip = self.cfg.grad_clip
         grad_scale = clip / grad_norm if clip > 0 and grad_norm > clip else 1.0
-        # AdamW also clears the gradients (no zeroing pass before the next step; a skipped or
-        # diverged step returns above without it, and zero_grad then fills). With shm's shared
+        # AdamW also spends the gradients (no zeroing pass before the next step: fp32's AdamW
+        # writes zeros as it reads, bf16's next backward overwrites them; a skipped or diverged
+        # step returns above without it, and zero_grad then fills or, in bf16, marks them spent
+        # for the backward to overwrite). With shm's shared
         # gradient buffer this is safe: the all-reduce's last collective comes after every
         # rank's reduce of its slice across all rows, so from here on each rank reads and
         # writes only its own row until the next step's all-reduce, whose first collective

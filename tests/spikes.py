@@ -51,9 +51,9 @@ def train_entry(args, comm):
     comm.watch(t.model.params, "parameters")
     skipped, zero_grad = [0], t.model.zero_grad
 
-    def counted_zero_grad():
+    def counted_zero_grad(lazy=False):
         skipped[0] += t.model.grads_known_zero
-        zero_grad()
+        zero_grad(lazy=lazy)
     t.model.zero_grad = counted_zero_grad
     summary = t.run()
     return {**summary, "grads_shared": comm.is_shared(t.model.grads), "fills_skipped": skipped[0]}

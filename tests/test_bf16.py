@@ -925,6 +925,42 @@ def test_bf16_lmhead_in_blocks_matches_the_full_lmhead(bf16_ok, monkeypatch, gra
     np.testing.assert_allclose(g1, g_ref, rtol=0, atol=tol)
 
 
+@pytest.mark.parametrize("loss_scale", [None, 0.5])
+@pytest.mark.parametrize("grad_rows", [1024, 100])
+def test_bf16_backward_overwrites_spent_gradients(bf16_ok, monkeypatch, loss_scale, grad_rows):
+    # zero_grad(lazy=True) on junk gradients (NaN here) fills nothing in bf16: the next gradient
+    # write overwrites each tensor (beta-0 GEMMs for the lm head's first staged rows and each
+    # layer's matrices, a fill of the rest), a second micro-step adds, and the gradients are the
+    # bits of zero_grad()'s fill; update() and grad_norm() fill spent ones first
+    import llmctl.model.gpt2 as gpt2
+
+    monkeypatch.setattr(gpt2, "LMHEAD_GRAD_ROWS", grad_rows)   # 100: several staged GEMMs
+    batches = [_data(B=3, T=64, seed=s) for s in (3, 4)]
+    runs = []
+    for lazy in (False, True):
+        m = _init("bf16")
+        m.grads[:] = np.nan
+        m.zero_grad(lazy=lazy)
+        assert m.grads_spent == lazy and (lazy or not m.grads.any())
+        for x, y in batches:
+            m.forward(x, y, loss_scale=loss_scale)
+            m.backward(loss_scale=1.0 if loss_scale is None else loss_scale)
+            assert not m.grads_spent
+        runs.append(m.grads.copy())
+    assert np.isfinite(runs[1]).all()
+    np.testing.assert_array_equal(runs[1], runs[0])
+    m = _init("bf16")
+    m.grads[:] = np.nan
+    m.zero_grad(lazy=True)
+    assert m.grad_norm() == 0.0 and not m.grads_spent
+    m.zero_grad(lazy=True)
+    assert not m.grads_spent      # known zero: nothing to mark
+    m.update(1e-3, 0.9, 0.95, 1e-8, 0.0, 1.0, 1, zero_grads=True)
+    assert m.grads_spent and not m.grads_known_zero
+    m.zero_grad()                 # the eager form fills spent gradients
+    assert not m.grads_spent and not m.grads.any()
+
+
 @pytest.mark.parametrize("precision,blocks,grad_rows", [("bf16", True, 1024), ("bf16", True, 100),
                                                         ("bf16", False, 100), ("fp32", False, None)])
 def test_lmhead_gradient_made_in_the_forward_is_the_backwards(bf16_ok, monkeypatch, precision, blocks, grad_rows):

@@ -345,7 +345,7 @@ class ShmComm(HubComm):
             self._k.reduce_mean_inplace(self.gseg.slots, lo, hi, self.n_threads)
             # after this collective no rank reads or writes another rank's row until the next
             # all_reduce_mean's first collective: each rank may then clear its own row at will
-            # (the trainer's AdamW does, zero_grads=True)
+            # (the trainer's fp32 AdamW does, zero_grads=True; bf16's next backward overwrites it)
             self._collective("allgather-shared", n)
             self.allreduce_calls += 1
             self.allreduce_seconds += time.perf_counter() - t0

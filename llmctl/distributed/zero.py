@@ -108,7 +108,7 @@ class Zero1:
                            grad_scale, step)
         t1 = time.perf_counter()
         # the gradients are spent once AdamW has read them: the all-gather may stage in them
-        # (zero_grad clears them before the next backward)
+        # (zero_grad clears them before the next backward, or in bf16 marks them for it to overwrite)
         self.comm.all_gather(model.params, self.ranges, scratch=model.grads)
         others = [(lo, hi) for r, rr in enumerate(self.ranges) if r != self.rank for lo, hi in rr]
         model.params_gathered(others)

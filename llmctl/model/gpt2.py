@@ -26,7 +26,9 @@ Differences from train_gpt2.c, on purpose:
   2-D tensors, grad_scale for clipping, t 1-based.
 - forward accepts any B, T with T <= maxT; buffers grow only when B*T grows.
 - No separate gradient-zeroing pass in training: update(zero_grads=True) has the AdamW kernel
-  clear each gradient chunk right after reading it, and the next zero_grad() is then free.
+  clear each gradient chunk right after reading it, and the next zero_grad() is then free; in
+  bf16 nothing clears them: the next backward writes each gradient's first contribution (beta-0
+  GEMMs, a fill of the ~1 % the GEMMs do not write) instead of adding it to zeros.
 See docs/model.md for the byte count.
 
 Precision (`precision="bf16"`, mixed precision as PyTorch autocast on CPU does it): every matmul
@@ -48,6 +50,10 @@ from llmctl.model.config import PARAM_NAMES, GPT2Config, num_parameters, param_o
 from llmctl.model.ops import Kernels, ops_for
 
 DECAY_PARAMS = {"wte", "wpe", "qkvw", "attprojw", "fcw", "fcprojw"}
+# the gradients one GEMM writes whole (the lm head's first block of rows, each layer's dW): where
+# the ops can (bf16), a spent gradient's next backward writes these with beta-0 GEMMs instead of
+# adding into zeros, and fills only the rest (biases, layernorms, wpe: ~1 % of the parameters)
+GEMM_GRADS = ("wte", "qkvw", "attprojw", "fcw", "fcprojw")
 INIT_SEED = 42
 
 
@@ -238,6 +244,11 @@ class GPT2:
         # grads known to be all zero because the last thing that touched them was
         # update(zero_grads=True); backward() and zero_grad() clear it (see zero_grad)
         self.grads_known_zero = False
+        # grads spent (bf16: update(zero_grads=True), zero_grad(lazy=True)): their values are
+        # junk and the next gradient write overwrites them (_begin_grads), or a reader fills them
+        # with zeros first (_fill_spent)
+        self.grads_spent = False
+        self._overwrite = set()    # GEMM_GRADS whose next GEMM writes them (beta 0), this step
         self.plan = None           # ActPlan of the activation buffers (None until the first forward)
         self._acts = None          # dict of activation buffers, as self.plan says
         self._scratch = None       # one layer of activation gradients (allocated at first backward)
@@ -777,22 +788,49 @@ class GPT2:
             got = f"{b.dtype} {b.shape}" if isinstance(b, np.ndarray) else type(b).__name__
             raise ValueError(f"bind_grads needs a writable 1-D C-contiguous float32 array of "
                              f"{self.num_parameters} (num_parameters), got {got}")
+        self._fill_spent()
         if b is not self.grads:
             b[:] = self.grads
         self.grads = b
         self.g = _views(b, self._offs)
         return b
 
-    def zero_grad(self):
+    def zero_grad(self, lazy=False):
         """Set grads to 0 before a step's backward. Free right after update(zero_grads=True),
         whose AdamW pass already cleared them (grads_known_zero); otherwise (the first step, a
         skipped or refused update, grads written by backward since) one fill over the buffer. Code
         that writes grads other than through backward() must do it after zero_grad(), not between
-        update() and it."""
-        if not self.grads_known_zero:
+        update() and it.
+
+        lazy=True (the trainer's): where the ops write a gradient's first contribution instead of
+        adding it (bf16: beta-0 GEMMs for GEMM_GRADS, a fill of the rest), only mark the grads
+        spent, with no pass over them: the next forward(loss_scale=)/backward() overwrites them,
+        with the bits of adding into zeros, and until then they read as junk (update() and
+        grad_norm() fill them first). fp32 fills (llm.c's kernels accumulate)."""
+        if lazy and self.ops.first_write and not self.grads_known_zero:
+            self.grads_spent = True
+        elif not self.grads_known_zero:
             self.kernels.layers.zero_fill(self.grads, self.n_threads)
+            self.grads_spent = False
+        self._overwrite = set()
         self.grads_known_zero = False
         self._lmhead_grad_scale = None   # a forward's lm-head gradient is gone: backward remakes it
+
+    def _fill_spent(self):
+        """Spent grads read by something other than a backward: the zeros they stand for."""
+        if self.grads_spent:
+            self.kernels.layers.zero_fill(self.grads, self.n_threads)
+            self.grads_spent, self._overwrite, self.grads_known_zero = False, set(), True
+
+    def _begin_grads(self):
+        """Before a gradient write: spent grads get their small tensors zeroed, and GEMM_GRADS
+        are marked for the next GEMM into each to overwrite."""
+        if self.grads_spent:
+            nt = self.n_threads
+            for name in PARAM_NAMES:
+                if name not in GEMM_GRADS:
+                    self.kernels.layers.zero_fill(self.g[name].reshape(-1), nt)
+            self.grads_spent, self._overwrite = False, set(GEMM_GRADS)
 
     def backward(self, loss_scale=1.0):
         """Accumulate d(loss_scale * mean loss)/d(params) into self.grads (dloss per token =
@@ -801,6 +839,7 @@ class GPT2:
             raise RuntimeError("backward() needs a forward(inputs, targets) right before it "
                                "(with keep_activations=True)")
         self.grads_known_zero = False
+        self._begin_grads()
         c = self.config
         L, C = c.num_layers, c.channels
         B, T = self._B, self._T
@@ -814,6 +853,7 @@ class GPT2:
         for l in reversed(range(L)):
             self._block_backward(l, self._layer_acts(l, BT, True), B, T)
         Ly.encoder_backward(g["wte"].reshape(-1), g["wpe"].reshape(-1), dres, self._ids.reshape(-1), B, T, C, nt)
+        self._overwrite = set()
 
     def _lmhead_grad(self, BT, loss_scale, blocks, losses=None):
         """dlnf (the scratch's dsmall, B*T*C) = d(loss_scale * mean loss)/d(lnf), and the lm head's
@@ -823,6 +863,7 @@ class GPT2:
         the scratch, and the GEMMs run each time those are full; fp32: in place over the probs
         (one block of every row)."""
         self.grads_known_zero = False
+        self._begin_grads()
         C, V, Vp, nt = self.config.channels, self.config.vocab_size, self.config.padded_vocab_size, self.n_threads
         tg, lnf = self._targets.reshape(-1), self._acts["lnf"]
         dlosses = self._acts["dlosses"][:BT]
@@ -831,9 +872,10 @@ class GPT2:
         d16 = self._scratch.get("dlogits16")
         G = BT if d16 is None else d16.size // Vp
 
-        def gemms(s0, s1, dout):   # rows s0..s1 of dlnf written, d(wte) accumulated
+        def gemms(s0, s1, dout):   # rows s0..s1 of dlnf written, d(wte) accumulated (or written first)
             self.ops.matmul_backward(dlnf[s0 * C:s1 * C], self.g["wte"].reshape(-1), None, dout, d16,
-                                     lnf[s0 * C:s1 * C], "wte", None, s1 - s0, C, Vp, nt, accumulate=False)
+                                     lnf[s0 * C:s1 * C], "wte", None, s1 - s0, C, Vp, nt, accumulate=False,
+                                     dweight_accumulate=self._written("wte"))
 
         s0, dout = 0, None   # the first staged row; fp32's dlogits
         for r0, nr, probs in blocks:
@@ -849,6 +891,16 @@ class GPT2:
                                                          nr, V, Vp, nt)
         gemms(s0, BT, dout)
         return dlnf
+
+    def _written(self, name):
+        """Whether the next GEMM into gradient `name` adds to it. False for a spent step's first:
+        it overwrites. The lm head's later row blocks then add; a layer matrix's name stays
+        marked until backward() ends, as each layer's GEMM is the first into its own rows."""
+        if name not in self._overwrite:
+            return True
+        if name == "wte":
+            self._overwrite.discard(name)
+        return False
 
     def _held_blocks(self, BT):
         """(r0, nr, rows r0..r0+nr of the logits buffer) over all BT rows, as many rows a block as
@@ -908,31 +960,34 @@ class GPT2:
             o.matmul_backward(dbig, None, gb("fcprojw"), dres, d16, a.gelu, "fcprojw", l, BT, 4 * C, C, nt,
                               accumulate=False)
             dfch, dbfc = o.gelu_forward_backward(a.gelu, dbig, gb("fcw"), a.fch, BT, 4 * C, nt)
-            o.matmul_backward(None, gW("fcprojw"), None, dres, d16, a.gelu, "fcprojw", l, BT, 4 * C, C, nt)
+            o.matmul_backward(None, gW("fcprojw"), None, dres, d16, a.gelu, "fcprojw", l, BT, 4 * C, C, nt,
+                              dweight_accumulate=self._written("fcprojw"))
         else:
             dgelu = o.act_grad(dbig, 4 * n)
             o.matmul_backward(dgelu, gW("fcprojw"), gb("fcprojw"), dres, d16, a.gelu, "fcprojw", l, BT, 4 * C, C,
-                              nt, accumulate=False)
+                              nt, accumulate=False, dweight_accumulate=self._written("fcprojw"))
             # fp32: d(fch) over the gelu buffer, free now; bf16: straight into d16 with fc's dbias
             dfch, dbfc = o.gelu_backward(a.gelu, d16, gb("fcw"), a.fch, dgelu, BT, 4 * C, nt)
-        o.matmul_backward(dsmall, gW("fcw"), dbfc, dfch, d16, a.ln2, "fcw", l, BT, C, 4 * C, nt, accumulate=False)
+        o.matmul_backward(dsmall, gW("fcw"), dbfc, dfch, d16, a.ln2, "fcw", l, BT, C, 4 * C, nt, accumulate=False,
+                          dweight_accumulate=self._written("fcw"))
         # d(x2) = d(out) + the LN2 branch, accumulated in place
         Ly.layernorm_backward(dres, g["ln2w"][l], g["ln2b"][l], dsmall, a.x2, p["ln2w"][l],
                               a.ln2_mean, a.ln2_rstd, BT, C, nt)
         # x2 = x + attproj(attention(qkv(ln1(x))))
         datty = o.act_grad(dsmall, n)
         o.matmul_backward(datty, gW("attprojw"), gb("attprojw"), dres, d16, a.atty, "attprojw", l, BT, C, C, nt,
-                          accumulate=False)
+                          accumulate=False, dweight_accumulate=self._written("attprojw"))
         # fp32: d(qkv) over dbig; bf16: straight into d16 with qkv's dbias, as fc's above
         dqkv, dbqkv = o.attention_backward(dbig, d16, gb("qkvw"), datty, a.qkv, a.atty, a.lse, B, T, C, NH, nt)
         o.matmul_backward(dsmall, gW("qkvw"), dbqkv, dqkv, d16, a.ln1, "qkvw", l, BT, C, 3 * C, nt,
-                          accumulate=False)
+                          accumulate=False, dweight_accumulate=self._written("qkvw"))
         Ly.layernorm_backward(dres, g["ln1w"][l], g["ln1b"][l], dsmall, a.x, p["ln1w"][l],
                               a.ln1_mean, a.ln1_rstd, BT, C, nt)
 
     # -- optimizer ------------------------------------------------------------------------------
     def grad_norm(self):
         """Global L2 norm of all gradients (deterministic for a fixed n_threads)."""
+        self._fill_spent()
         return math.sqrt(self.kernels.adamw.global_norm_sq(self.grads, self.n_threads))
 
     def _decay_runs(self, cut=None):
@@ -950,8 +1005,11 @@ class GPT2:
 
     def update(self, lr, beta1, beta2, eps, weight_decay, grad_scale, step, zero_grads=False):
         """One AdamW step (train_gpt2.cu `gpt2_update`): t = step is 1-based; weight decay only on DECAY_PARAMS.
-        zero_grads: the same pass also sets grads to 0, each chunk right after AdamW read it (the
-        parameters, m, v and bf16 copy are the same bits), and the next zero_grad() skips its fill."""
+        zero_grads: the gradients are spent once read, and the next zero_grad() skips its fill:
+        fp32's AdamW pass sets each chunk to 0 right after reading it (the parameters, m, v are
+        the same bits); bf16 marks them spent for the next backward to overwrite (no zeros written
+        at all: zero_grad(lazy=True) keeps them so, a plain zero_grad() fills them)."""
+        self._fill_spent()
         if step < 1:
             raise ValueError(f"AdamW step t is 1-based, got {step}")
         if self.m is None:
@@ -962,6 +1020,8 @@ class GPT2:
             if arr.shape != (self.num_parameters,) or arr.dtype != np.float32 or not arr.flags.c_contiguous:
                 raise ValueError(f"AdamW state {name} must be a contiguous float32 array of {self.num_parameters}")
         pb = self.params_bf16
+        spend = bool(zero_grads) and self.ops.first_write
+        zero_grads = bool(zero_grads) and not spend
         for lo, hi, dec in self._decay_runs(None if pb is None else pb.size):
             self.kernels.adamw.adamw_update(self.params[lo:hi], self.grads[lo:hi], self.m[lo:hi], self.v[lo:hi],
                                        lr, beta1, beta2, eps, weight_decay if dec else 0.0, grad_scale,
@@ -970,6 +1030,7 @@ class GPT2:
         self._bf16_fresh = pb is not None   # the runs cover every parameter
         self.ops.params_changed()
         self.grads_known_zero = bool(zero_grads)   # ... and every gradient
+        self.grads_spent = spend
 
     def update_shard(self, pieces, m, v, lr, beta1, beta2, eps, weight_decay, grad_scale, step):
         """AdamW (as update) on some pieces of the parameters only: ZeRO-1's shard
@@ -978,6 +1039,7 @@ class GPT2:
         pass; the rest of it must be re-cast (params_gathered) once the other ranks' pieces are in."""
         if step < 1:
             raise ValueError(f"AdamW step t is 1-based, got {step}")
+        self._fill_spent()
         pb = self.params_bf16
         for lo, hi, mo, name in pieces:
             n = hi - lo

@@ -11,7 +11,8 @@ changes the computation:
                      layer's into memory the model lent until release(); otherwise nothing to do)
   matmul             out = inp @ W^T + b, W the model's weight in the matmul precision
   matmul_backward    dinp, dW, db += their gradients (bf16: dout rounded to bf16 for the GEMMs);
-                     accumulate=False: dinp written, not added to
+                     accumulate=False: dinp written, not added to; dweight_accumulate=False:
+                     dW likewise (bf16, first_write: a beta-0 GEMM; fp32: a fill first)
   act_grad           the buffer such a dinp goes into when only the GELU's or the attention's
                      backward reads it (bf16: a bf16 array, the GEMM rounds it as they would)
   gelu_backward      d(fch) as the fc layer's matmul_backward reads it (bf16: rounded, with the
@@ -50,6 +51,10 @@ class Fp32Ops:
 
     act_dtype = np.float32
     held = None   # Bf16Ops.hold's loan
+    # whether matmul_backward(dweight_accumulate=False) is a beta-0 GEMM (no fill before it): the
+    # model then never fills spent gradients (GPT2.zero_grad(lazy=True)); fp32 keeps llm.c's
+    # accumulating kernels and its fills
+    first_write = False
     # a one-row matmul (decode) runs on NumPy's BLAS and its own threads, not on OpenMP's
     gemv_on_openmp = False
 
@@ -94,9 +99,12 @@ class Fp32Ops:
 
     # llm.c's backward kernels accumulate (+=); where the model wants a gradient written
     # (accumulate=False), fp32 zeroes it first and keeps llm.c's kernels and their bits
-    def matmul_backward(self, dinp, dW, db, dout, dout_mm, inp, name, l, N, C, OC, nt, accumulate=True):
+    def matmul_backward(self, dinp, dW, db, dout, dout_mm, inp, name, l, N, C, OC, nt, accumulate=True,
+                        dweight_accumulate=True):
         if not accumulate and dinp is not None:
             self.k.layers.zero_fill(dinp, nt)
+        if not dweight_accumulate and dW is not None:
+            self.k.layers.zero_fill(dW, nt)
         self.k.matmul.matmul_backward(dinp, dW, db, dout, inp, self.weight(name, l), N, C, OC, nt, self.engine)
 
     def act_grad(self, free, n):
@@ -144,6 +152,7 @@ class Bf16Ops(Fp32Ops):
     """Mixed precision as PyTorch autocast on CPU: bf16 matmul inputs, fp32 accumulation and outputs."""
 
     act_dtype = np.uint16
+    first_write = True
 
     LAYER_WEIGHTS = ("qkvw", "attprojw", "fcw", "fcprojw")
 
@@ -233,10 +242,11 @@ class Bf16Ops(Fp32Ops):
         W = self.weight(name, l)[:OC * C]
         self.k.matmul.matmul_forward_bf16(out, inp, W, bias, N, C, OC, nt, self.engine)
 
-    def matmul_backward(self, dinp, dW, db, dout, dout_mm, inp, name, l, N, C, OC, nt, accumulate=True):
+    def matmul_backward(self, dinp, dW, db, dout, dout_mm, inp, name, l, N, C, OC, nt, accumulate=True,
+                        dweight_accumulate=True):
         """dout fp32 (cast into dout_mm, the same pass summing db), or None: dout_mm already holds it."""
         self.k.matmul.matmul_backward_bf16(dinp, dW, db, dout, dout_mm[:N * OC], inp, self.weight(name, l),
-                                           N, C, OC, nt, self.engine, accumulate)
+                                           N, C, OC, nt, self.engine, accumulate, dweight_accumulate)
 
     def act_grad(self, free, n):
         """n bf16 values in free's memory: the GEMM writes the gradient rounded to bf16, which is
