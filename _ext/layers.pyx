@@ -63,6 +63,8 @@ cdef extern from "rows.h" nogil:
     void llmctl_xent_bwd_bf16(uint16_t* dlogits, const float* probs, int target, float dloss, int V, int Vp)
     void llmctl_xent_fwd_bwd_bf16(float* loss, uint16_t* dlogits, float* probs, const float* logits, int target,
                                   float dloss, int V, int Vp)
+    void llmctl_xent16_fwd_bwd(float* loss, uint16_t* dlogits, float* probs, const uint16_t* logits, int target,
+                               float dloss, int V, int Vp)
     void llmctl_ln_dparams(float* dw, float* db, double* aw, double* ab, const float* dy, const float* x,
                            const float* mean, const float* rstd, Py_ssize_t N, Py_ssize_t C, int n)
     int llmctl_rows_set_isa(int level)
@@ -304,10 +306,16 @@ cdef void _softmax_crossentropy_forward_backward(float* losses, float* dlogits, 
                                 V, Vp)
 
 
-cdef int _xent_forward_backward_bf16(float* losses, uint16_t* dlogits, const float* logits, const int* targets,
+ctypedef fused lg_t:     # logits: fp32, or the bf16 lm head's bf16
+    float
+    uint16_t
+
+
+cdef int _xent_forward_backward_bf16(float* losses, uint16_t* dlogits, const lg_t* logits, const int* targets,
                                      const float* dlosses, int BT, int V, int Vp, int n_threads) noexcept nogil:
     # row by row, each row's probs in a row of the thread's own (201 KB at GPT-2's Vp: it stays in
-    # L2 for the backward); the logits are only read, so the block is never written back to memory
+    # L2 for the backward); the logits are only read, so the block is never written back to memory.
+    # dlogits NULL: the losses only (dlosses unread)
     cdef Py_ssize_t bt
     cdef float* probs = NULL
     cdef int failed = 0
@@ -318,8 +326,14 @@ cdef int _xent_forward_backward_bf16(float* losses, uint16_t* dlogits, const flo
             failed_p[0] = 1
         else:
             for bt in prange(BT, schedule='static'):
-                llmctl_xent_fwd_bwd_bf16(losses + bt, dlogits + bt * Vp, probs, logits + bt * Vp, targets[bt],
-                                         dlosses[bt], V, Vp)
+                if lg_t is float:
+                    llmctl_xent_fwd_bwd_bf16(losses + bt, NULL if dlogits == NULL else dlogits + bt * Vp, probs,
+                                             logits + bt * Vp, targets[bt], 0.0 if dlosses == NULL else dlosses[bt],
+                                             V, Vp)
+                else:
+                    llmctl_xent16_fwd_bwd(losses + bt, NULL if dlogits == NULL else dlogits + bt * Vp, probs,
+                                          logits + bt * Vp, targets[bt], 0.0 if dlosses == NULL else dlosses[bt],
+                                          V, Vp)
             free(probs)
     return failed
 
@@ -658,19 +672,38 @@ def softmax_crossentropy_forward_backward(float[::1] losses, float[::1] dlogits,
                                                BT, V, Vp, n_threads)
 
 
-def softmax_crossentropy_forward_backward_bf16(float[::1] losses, uint16_t[::1] dlogits, const float[::1] logits,
-                                               const int[::1] targets, const float[::1] dlosses,
+def softmax_crossentropy_forward_backward_bf16(float[::1] losses, dlogits, const lg_t[::1] logits,
+                                               const int[::1] targets, dlosses,
                                                int BT, int V, int Vp, int n_threads=1):
     """softmax_crossentropy_forward (losses) and then softmax_crossentropy_backward_bf16 (dlogits)
     one row after the other, the same bits as the two calls. Each row's probs live only in a row
     buffer of the thread, read back from cache; logits is left as it was (the bf16 lm head's
-    blocks: only read, it is never written back to memory)."""
-    _check_xent("logits", logits.shape[0], "losses", losses.shape[0], logits, targets, BT, V, Vp, n_threads)
-    _check_xent("dlogits", dlogits.shape[0], "dlosses", dlosses.shape[0], logits, targets, BT, V, Vp, n_threads)
+    blocks: only read, it is never written back to memory). logits: float32, or uint16 (the bf16
+    lm head's bf16 logits: the bits of the float32 call on their exact widening). dlogits and
+    dlosses None: the losses only."""
+    cdef uint16_t[::1] d16
+    cdef const float[::1] dl
+    cdef uint16_t* d16p = NULL
+    cdef const float* dlp = NULL
+    check_threads(n_threads)
+    check_positive("BT", BT); check_positive("V", V)
+    if Vp < V:
+        raise ValueError(f"Vp={Vp} is smaller than V={V}")
+    check_len("logits", logits.shape[0], <Py_ssize_t>BT * Vp)
+    check_len("losses", losses.shape[0], BT)
+    check_len("targets", targets.shape[0], BT)
+    _check_ids("targets", targets, V)
+    if (dlogits is None) != (dlosses is None):
+        raise ValueError("dlogits and dlosses go together: pass both, or neither for the losses only")
+    if dlogits is not None:
+        d16, dl = dlogits, dlosses
+        check_len("dlogits", d16.shape[0], <Py_ssize_t>BT * Vp)
+        check_len("dlosses", dl.shape[0], BT)
+        d16p, dlp = &d16[0], &dl[0]
     n_threads = eff_threads(n_threads, <Py_ssize_t>BT * V, _grain)
     cdef int failed
     with nogil:
-        failed = _xent_forward_backward_bf16(&losses[0], &dlogits[0], &logits[0], &targets[0], &dlosses[0],
+        failed = _xent_forward_backward_bf16(&losses[0], d16p, &logits[0], &targets[0], dlp,
                                              BT, V, Vp, n_threads)
     if failed:
         raise MemoryError("softmax_crossentropy_forward_backward_bf16: cannot allocate a row of probs")

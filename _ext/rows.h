@@ -103,30 +103,36 @@ typedef int32_t llmctl_i32a;
 
 /* probs[0:V] = exp(logits - max) (probs may alias logits), inv = 1 / their sum, and loss =
    -log p[target] as log(sum) - (x_target - max). The exp pass goes through a stack block: with
-   the stores going straight to a possibly aliased probs, gcc would not vectorise the exp. */
-#define LLMCTL_XENT_EXPS_BODY                                                                  \
+   the stores going straight to a possibly aliased probs, gcc would not vectorise the exp.
+   LT, KEY, LD: the logits' type, a logit's order key and its value: fp32, or bf16 (the bf16 lm
+   head's logits, widened exactly: the same float operations on the same values, the same bits). */
+#define LLMCTL_KEY_F32(p, i) LLMCTL_ORDKEY(((const llmctl_i32a*)(p))[i])
+#define LLMCTL_LD_F32(p, i) ((p)[i])
+#define LLMCTL_KEY_BF16(p, i) LLMCTL_ORDKEY((int32_t)((uint32_t)(p)[i] << 16))
+#define LLMCTL_LD_BF16(p, i) llmctl_bf16_to_f32((p)[i])
+#define LLMCTL_XENT_EXPS_BODY_T(LT, KEY, LD)                                                   \
     float buf[LLMCTL_SMBLOCK], maxv, xt, e, inv;                                               \
     int32_t mk = LLMCTL_ORDKEY(-8388609), k;   /* -FLT_MAX */                                  \
     double s[LLMCTL_ROW_LANES], tot = 0.0;                                                     \
     int vm = V - V % LLMCTL_ROW_LANES;                                                         \
-    const llmctl_i32a* lb = (const llmctl_i32a*)logits;                                        \
-    for (int i = 0; i < V; i++) { k = LLMCTL_ORDKEY(lb[i]); mk = k > mk ? k : mk; }            \
+    for (int i = 0; i < V; i++) { k = KEY(logits, i); mk = k > mk ? k : mk; }                 \
     mk = LLMCTL_ORDKEY(mk);                                                                    \
     memcpy(&maxv, &mk, 4);                                                                     \
-    xt = logits[target];   /* read before probs (which may alias logits) is written */         \
+    xt = LD(logits, target);   /* read before probs (which may alias logits) is written */     \
     for (int j = 0; j < LLMCTL_ROW_LANES; j++) s[j] = 0.0;                                     \
     for (int b0 = 0; b0 < vm; b0 += LLMCTL_SMBLOCK) {                                          \
         int nb = vm - b0 < LLMCTL_SMBLOCK ? vm - b0 : LLMCTL_SMBLOCK;                          \
-        const float* lr = logits + b0;   /* (logits[b0 + i]: gcc loads it lane by lane) */     \
-        for (int i = 0; i < nb; i++) buf[i] = llmctl_expf(lr[i] - maxv);                       \
+        const LT* lr = logits + b0;   /* (logits[b0 + i]: gcc loads it lane by lane) */        \
+        for (int i = 0; i < nb; i++) buf[i] = llmctl_expf(LD(lr, i) - maxv);                   \
         for (int i = 0; i < nb; i += LLMCTL_ROW_LANES)                                         \
             for (int j = 0; j < LLMCTL_ROW_LANES; j++) s[j] += buf[i + j];                     \
         memcpy(probs + b0, buf, (size_t)nb * sizeof(float));                                   \
     }                                                                                          \
     for (int j = 0; j < LLMCTL_ROW_LANES; j++) tot += s[j];                                    \
-    for (int i = vm; i < V; i++) { e = llmctl_expf(logits[i] - maxv); probs[i] = e; tot += e; } \
+    for (int i = vm; i < V; i++) { e = llmctl_expf(LD(logits, i) - maxv); probs[i] = e; tot += e; } \
     inv = (float)(1.0 / tot);                                                                  \
     *loss = (float)(log(tot) - ((double)xt - (double)maxv));
+#define LLMCTL_XENT_EXPS_BODY LLMCTL_XENT_EXPS_BODY_T(float, LLMCTL_KEY_F32, LLMCTL_LD_F32)
 
 /* probs = softmax(logits[0:V]) (probs[V:Vp] = 0; probs may alias logits), loss = -log p[target] */
 #define LLMCTL_XENT_FWD_BODY                                                                   \
@@ -136,13 +142,17 @@ typedef int32_t llmctl_i32a;
 
 /* the forward's loss and the backward's bf16 dlogits of one row in one go, probs a row of
    scratch: the exps are scaled to probs as they are read for dlogits, in the same float
-   operations as the forward's pass over probs and the backward's pass over them (the same bits) */
-#define LLMCTL_XENT_FWD_BWD_BF16_BODY                                                          \
-    LLMCTL_XENT_EXPS_BODY                                                                      \
+   operations as the forward's pass over probs and the backward's pass over them (the same bits).
+   The bf16-logits form (EXPS: LLMCTL_XENT_EXPS_BODY_T on bf16) skips dlogits when it is NULL:
+   the loss alone. */
+#define LLMCTL_XENT_FWD_BWD_BF16_BODY_T(EXPS)                                                  \
+    EXPS                                                                                       \
+    if (dlogits == NULL) return;                                                               \
     float pt = probs[target] * inv;                                                            \
     for (int i = 0; i < V; i++) dlogits[i] = llmctl_f32_to_bf16((probs[i] * inv) * dloss);     \
     dlogits[target] = llmctl_f32_to_bf16((pt - 1.0f) * dloss);                                 \
     for (int i = V; i < Vp; i++) dlogits[i] = 0;
+#define LLMCTL_XENT_FWD_BWD_BF16_BODY LLMCTL_XENT_FWD_BWD_BF16_BODY_T(LLMCTL_XENT_EXPS_BODY)
 
 /* the same in fp32: the exps go into dlogits' row (it may alias logits: in place) and are then
    scaled to probs and to dlogits in one pass, the forward's and the backward's float operations */
@@ -236,6 +246,11 @@ typedef int32_t llmctl_i32a;
                                                     int Vp) {                                              \
         LLMCTL_XENT_FWD_BWD_BF16_BODY                                                                      \
     }                                                                                                      \
+    ATTR static void llmctl_xent16_fwd_bwd_##SFX(float* loss, uint16_t* dlogits, float* probs,             \
+                                                 const uint16_t* logits, int target, float dloss, int V,   \
+                                                 int Vp) {                                                 \
+        LLMCTL_XENT_FWD_BWD_BF16_BODY_T(LLMCTL_XENT_EXPS_BODY_T(uint16_t, LLMCTL_KEY_BF16, LLMCTL_LD_BF16)) \
+    }                                                                                                      \
     ATTR static void llmctl_xent_fwd_bwd_f32_##SFX(float* loss, float* dlogits, const float* logits,       \
                                                    int target, float dloss, int V, int Vp) {               \
         LLMCTL_XENT_FWD_BWD_F32_BODY                                                                       \
@@ -310,6 +325,11 @@ static inline void llmctl_xent_fwd(float* loss, float* probs, const float* logit
 static inline void llmctl_xent_fwd_bwd_bf16(float* loss, uint16_t* dlogits, float* probs, const float* logits,
                                             int target, float dloss, int V, int Vp) {
     LLMCTL_ROWS_DISPATCH(llmctl_xent_fwd_bwd_bf16, loss, dlogits, probs, logits, target, dloss, V, Vp);
+}
+/* bf16 logits (widened exactly): loss, and dlogits unless NULL, as llmctl_xent_fwd_bwd_bf16 on the widening */
+static inline void llmctl_xent16_fwd_bwd(float* loss, uint16_t* dlogits, float* probs, const uint16_t* logits,
+                                         int target, float dloss, int V, int Vp) {
+    LLMCTL_ROWS_DISPATCH(llmctl_xent16_fwd_bwd, loss, dlogits, probs, logits, target, dloss, V, Vp);
 }
 static inline void llmctl_xent_fwd_bwd_f32(float* loss, float* dlogits, const float* logits, int target,
                                            float dloss, int V, int Vp) {

@@ -414,7 +414,8 @@ class GPT2:
             "fch": zm(L, BT * 4 * C),    # bf16: the fc matmul rounds its output (GELU reads only that)
             "gelu": zm(Lg, BT * 4 * C, "gelu"),
             "lnf": zm(1, BT * C)[0], "lnf_mean": z(BT), "lnf_rstd": z(BT),
-            "logits": z(plan.logits_rows * Vp),   # logits -> probs -> dlogits, in place (fp32)
+            # fp32: logits -> probs -> dlogits, in place; bf16: the lm head's bf16 logits
+            "logits": np.zeros(plan.logits_rows * Vp, self.ops.logits_dtype),
             "losses": z(BT), "dlosses": z(BT),
         }
         self._bwd16 = buf
@@ -500,8 +501,7 @@ class GPT2:
         buf = self._acts["logits"][:nr * Vp]
         self.ops.matmul(buf, self._acts["lnf"][r0 * C:(r0 + nr) * C], "wte", None, None, nr, C, Vp, self.n_threads)
         if losses is not None:
-            self.kernels.layers.softmax_crossentropy_forward(losses, buf, buf, tg[r0:r0 + nr], nr, V, Vp,
-                                                             self.n_threads)
+            self.ops.loss_forward(losses, buf, tg[r0:r0 + nr], nr, V, Vp, self.n_threads)
         return buf
 
     def _ensure_scratch(self):
@@ -510,6 +510,7 @@ class GPT2:
             # dres, the residual stream's gradient, is first written once the lm head's logits are
             # done with: it lives in the logits buffer where that is big enough
             lg = self._acts["logits"]
+            lg = lg if lg.dtype == np.float32 else lg[:lg.size // 2 * 2].view(np.float32)   # bf16's
             dres = lg[:BT * C] if lg.size >= BT * C else np.zeros(BT * C, np.float32)
             self._scratch = {"dres": dres, "dsmall": np.zeros(BT * C, np.float32)}
             if self.precision == "fp32":
@@ -667,7 +668,7 @@ class GPT2:
             self._lmhead_grad_scale = loss_scale
             return float(losses.astype(np.float64).mean())
         if self.plan.logits_rows < BT:   # the logits of every row are asked for: hold them all
-            a["logits"] = np.zeros(self.plan.rows * Vp, np.float32)
+            a["logits"] = np.zeros(self.plan.rows * Vp, self.ops.logits_dtype)
             self.plan = replace(self.plan, logits_rows=self.plan.rows)
         logits = a["logits"][:BT * Vp]
         self.ops.matmul(logits, a["lnf"][:BT * C], "wte", None, None, BT, C, Vp, self.n_threads)
@@ -676,9 +677,8 @@ class GPT2:
             return None
         losses = a["losses"][:BT]
         if loss_scale is None:
-            self.kernels.layers.softmax_crossentropy_forward(losses, logits, logits, tg.reshape(-1), BT, V, Vp,
-                                                             self.n_threads)
-            self._buf_state = "probs"
+            self.ops.loss_forward(losses, logits, tg.reshape(-1), BT, V, Vp, self.n_threads)
+            self._buf_state = "probs"   # (bf16: the logits, which loss_backward reads)
         else:   # the losses, and the dlogits and GEMMs of the lm head's gradient, in one pass over the rows
             self._lmhead_grad(BT, loss_scale, self._held_blocks(BT), losses)
             self._buf_state = "train"
@@ -693,12 +693,13 @@ class GPT2:
         return self._acts["losses"][:self._B * self._T].reshape(self._B, self._T)
 
     def logits(self):
-        """(B,T,Vp) logits of the last forward (a view; overwritten by the next forward).
-        Valid only after forward(inputs) without targets (with targets the buffer holds probs)."""
+        """(B,T,Vp) float32 logits of the last forward (fp32: a view, overwritten by the next
+        forward; bf16: the lm head's bf16 logits widened into a new array). Valid only after
+        forward(inputs) without targets (with targets the buffer holds probs)."""
         if self._buf_state != "logits":
             raise RuntimeError("logits are only available after forward(inputs) without targets")
         BT, Vp = self._B * self._T, self.config.padded_vocab_size
-        return self._acts["logits"][:BT * Vp].reshape(self._B, self._T, Vp)
+        return self.ops.logits_fp32(self._acts["logits"][:BT * Vp].reshape(self._B, self._T, Vp))
 
     # -- the cached forward (sampling, HellaSwag): new positions attend to a KV cache ------------
     def embed(self, tokens, pos):

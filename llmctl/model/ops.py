@@ -19,8 +19,13 @@ changes the computation:
                      fc bias gradient summed in the same pass)
   gelu_forward_backward   fp32 only (bf16: None): a backward that recomputes the GELU does it
                      in gelu_backward's pass over fch
+  logits_dtype       the lm head's logits as the training forward holds them (bf16: the GEMM
+                     rounds them, as autocast's lm head; the KV-cached forward's stay fp32)
+  loss_forward       the losses of a block of logits (fp32: probs over them in place; bf16:
+                     the logits kept), what loss_backward then reads
   loss_backward      dlogits of a block of rows, as the lm head's matmul_backward reads it
                      (loss_forward_backward: the softmax and losses first, row by row)
+  logits_fp32        the held logits as float32 (bf16: widened, exactly)
   attention_forward / attention_backward   the flash-style attention over T positions (bf16:
                      QK^T, PV and the backward's products on bf16 operands, fp32 accumulation)
 Everything else (residuals, the softmax statistics, the loss, AdamW, the master weights) is fp32
@@ -50,6 +55,7 @@ class Fp32Ops:
     """fp32 everywhere: llm.c's train_gpt2.c."""
 
     act_dtype = np.float32
+    logits_dtype = np.float32
     held = None   # Bf16Ops.hold's loan
     # whether matmul_backward(dweight_accumulate=False) is a beta-0 GEMM (no fill before it): the
     # model then never fills spent gradients (GPT2.zero_grad(lazy=True)); fp32 keeps llm.c's
@@ -135,6 +141,13 @@ class Fp32Ops:
         self.k.attention.attention_backward(dqkv, dout, qkv, out, lse, B, T, C, NH, nt, accumulate=False)
         return dqkv, db
 
+    def loss_forward(self, losses, logits, targets, N, V, Vp, nt):
+        """losses of a block of logits; their probs over them, in place, for loss_backward."""
+        self.k.layers.softmax_crossentropy_forward(losses, logits, logits, targets, N, V, Vp, nt)
+
+    def logits_fp32(self, logits):
+        return logits
+
     def loss_backward(self, dst16, probs, targets, dlosses, N, V, Vp, nt):
         """-> (dout, dout_mm) for matmul_backward: dlogits overwrite the probs in place."""
         self.k.layers.softmax_crossentropy_backward(probs, probs, targets, dlosses, N, V, Vp, nt)
@@ -152,6 +165,7 @@ class Bf16Ops(Fp32Ops):
     """Mixed precision as PyTorch autocast on CPU: bf16 matmul inputs, fp32 accumulation and outputs."""
 
     act_dtype = np.uint16
+    logits_dtype = np.uint16
     first_write = True
 
     LAYER_WEIGHTS = ("qkvw", "attprojw", "fcw", "fcprojw")
@@ -275,10 +289,21 @@ class Bf16Ops(Fp32Ops):
                                                  accumulate=False, dbias=db)
         return None, None
 
-    def loss_backward(self, dst16, probs, targets, dlosses, N, V, Vp, nt):
-        """-> (None, dlogits in bf16, written straight into dst16; the probs stay fp32)."""
+    def loss_forward(self, losses, logits, targets, N, V, Vp, nt):
+        """losses of a block of bf16 logits, which stay as they are for loss_backward (no probs)."""
+        self.k.layers.softmax_crossentropy_forward_backward_bf16(losses, None, logits, targets, None, N, V, Vp, nt)
+
+    def logits_fp32(self, logits):
+        out = np.empty(logits.size, np.float32)
+        self.k.convert.widen_bf16(out, logits.reshape(-1), 1)
+        return out.reshape(logits.shape)
+
+    def loss_backward(self, dst16, logits, targets, dlosses, N, V, Vp, nt):
+        """-> (None, dlogits in bf16, written straight into dst16): from the bf16 logits loss_forward
+        kept, their softmax made again row by row (the same bits as loss_forward_backward's)."""
         d16 = dst16[:N * Vp]
-        self.k.layers.softmax_crossentropy_backward_bf16(d16, probs, targets, dlosses, N, V, Vp, nt)
+        self.k.layers.softmax_crossentropy_forward_backward_bf16(np.empty(N, np.float32), d16, logits, targets,
+                                                                 dlosses, N, V, Vp, nt)
         return None, d16
 
     def loss_forward_backward(self, losses, dst16, logits, targets, dlosses, N, V, Vp, nt):
