@@ -31,6 +31,7 @@ from kernels cimport check_threads, check_len, check_positive, check_disjoint, c
 cdef enum:
     CCHUNK = 64         # channels per task in the column-parallel reductions (stack accumulators)
     LN_CHUNK_MAX = 1024 # layernorm's parameter gradients: channels per task at most (see there)
+    LN_FUSED_ROWS = 64  # bf16's fused layernorm backward: rows per task (see there)
     ECHUNK = 16384      # elements per task in elementwise kernels
 
 cdef float GELU_SCALE = <float>sqrt(2.0 / 3.14159265358979323846)  # llm.c: sqrtf(2.0f / M_PI)
@@ -56,6 +57,8 @@ cdef extern from "rows.h" nogil:
     void llmctl_ln_fwd_bf16(uint16_t* out, float* mean, float* rstd, const float* x, const float* w,
                             const float* b, int C)
     void llmctl_ln_dinp(float* dx, const float* dy, const float* x, const float* w, float m, float r, int C)
+    void llmctl_ln_bwd_fused(float* dx, uint16_t* o16, double* aw, double* ab, double* an, const float* dy,
+                             const float* x, const float* w, float m, float r, int C)
     void llmctl_xent_fwd(float* loss, float* probs, const float* logits, int target, int V, int Vp)
     void llmctl_xent_fwd_bwd_f32(float* loss, float* dlogits, const float* logits, int target, float dloss,
                                  int V, int Vp)
@@ -200,6 +203,112 @@ cdef void _layernorm_backward(float* dinp, float* dweight, float* dbias, const f
         if c1 > C:
             c1 = C
         _layernorm_dparams_chunk(dweight, dbias, dout, inp, mean, rstd, N, C, c0, c1)
+
+
+# bf16's fused layernorm backward: each task of LN_FUSED_ROWS rows sums its rows' terms of the
+# parameter gradients (and of the next GEMM's bias gradient) in row order into its own partials,
+# which are then added task by task in order: the same bits at any thread count. The partials
+# (a few MB at most) are kept between calls: a fresh block that size is a fresh mmap, faulted in
+# on every call. A call made while another holds it (two Python threads) allocates its own.
+cdef double* _lnparts = NULL
+cdef Py_ssize_t _lnparts_size = 0
+cdef bint _lnparts_busy = False
+
+
+cdef void _layernorm_backward_fused(float* dinp, float* dweight, float* dbias, const float* dout,
+                                    const float* inp, const float* weight, const float* mean, const float* rstd,
+                                    int N, int C, uint16_t* d16, float* dnext, double* part,
+                                    int n_threads) noexcept nogil:
+    cdef Py_ssize_t nt = (N + LN_FUSED_ROWS - 1) // LN_FUSED_ROWS
+    cdef Py_ssize_t k = 3 if d16 != NULL else 2
+    cdef Py_ssize_t t, n, c
+    cdef double* p
+    cdef double sw, sb, sn
+    memset(part, 0, <size_t>(nt * k * C) * sizeof(double))
+    for t in prange(nt, schedule='static', num_threads=n_threads):
+        p = part + t * k * C
+        for n in range(t * LN_FUSED_ROWS, imin(N, (t + 1) * LN_FUSED_ROWS)):
+            llmctl_ln_bwd_fused(dinp + n * C, d16 + n * C if d16 != NULL else NULL, p, p + C,
+                                p + 2 * C if d16 != NULL else NULL, dout + n * C, inp + n * C, weight,
+                                mean[n], rstd[n], C)
+    for c in prange(C, schedule='static', num_threads=n_threads):
+        sw = 0.0
+        sb = 0.0
+        sn = 0.0
+        for t in range(nt):
+            sw = sw + part[t * k * C + c]
+            sb = sb + part[t * k * C + C + c]
+            if d16 != NULL:
+                sn = sn + part[t * k * C + 2 * C + c]
+        dweight[c] += <float>sw
+        dbias[c] += <float>sb
+        if dnext != NULL:
+            dnext[c] += <float>sn
+
+
+def layernorm_backward_bf16(float[::1] dinp, float[::1] dweight, float[::1] dbias, const float[::1] dout,
+                            const float[::1] inp, const float[::1] weight, const float[::1] mean,
+                            const float[::1] rstd, int N, int C, int n_threads=1, dinp16=None, dbias_next=None):
+    """layernorm_backward for the bf16 model, in one pass over the rows: dinp += its gradient (the
+    bits of layernorm_backward's), and dweight, dbias += theirs, each row's terms summed in double
+    in row order within blocks of 64 rows, the blocks then in order (another order than
+    layernorm_backward's column sums: the bits differ in the last place, and do not depend on
+    the thread count). With dinp16 (uint16, N*C): also dinp16 = bf16(dinp) of the final dinp
+    (the residual stream's gradient, as the next backward GEMM reads it) and, with dbias_next (C),
+    dbias_next += the column sums of dinp in the same order: the bias gradient and the cast that
+    matmul_backward_bf16 would otherwise make in a pass of its own."""
+    global _lnparts, _lnparts_size, _lnparts_busy
+    cdef uint16_t[::1] d16
+    cdef float[::1] dn
+    cdef uint16_t* d16p = NULL
+    cdef float* dnp = NULL
+    cdef double* part
+    cdef bint own = False
+    check_threads(n_threads)
+    check_positive("N", N); check_positive("C", C)
+    check_len("dinp", dinp.shape[0], <Py_ssize_t>N * C)
+    check_len("dweight", dweight.shape[0], C)
+    check_len("dbias", dbias.shape[0], C)
+    check_len("dout", dout.shape[0], <Py_ssize_t>N * C)
+    check_len("inp", inp.shape[0], <Py_ssize_t>N * C)
+    check_len("weight", weight.shape[0], C)
+    check_len("mean", mean.shape[0], N)
+    check_len("rstd", rstd.shape[0], N)
+    check_disjoint("dinp", &dinp[0], <Py_ssize_t>N * C, "dout", &dout[0], <Py_ssize_t>N * C)
+    if dbias_next is not None and dinp16 is None:
+        raise ValueError("dbias_next is summed in the pass that writes dinp16: pass dinp16 too")
+    if dinp16 is not None:
+        d16 = dinp16
+        check_len("dinp16", d16.shape[0], <Py_ssize_t>N * C)
+        d16p = &d16[0]
+        if dbias_next is not None:
+            dn = dbias_next
+            check_len("dbias_next", dn.shape[0], C)
+            dnp = &dn[0]
+    cdef Py_ssize_t need = ((N + LN_FUSED_ROWS - 1) // LN_FUSED_ROWS) * (3 if d16p != NULL else 2) * C
+    if _lnparts_busy:
+        part, own = <double*>malloc(<size_t>need * sizeof(double)), True
+    else:
+        if _lnparts_size < need:
+            free(_lnparts)
+            _lnparts, _lnparts_size = <double*>malloc(<size_t>need * sizeof(double)), need
+            if _lnparts == NULL:
+                _lnparts_size = 0
+        part, _lnparts_busy = _lnparts, True
+    if part == NULL:
+        if not own:
+            _lnparts_busy = False
+        raise MemoryError(f"layernorm_backward_bf16: cannot allocate {need * 8} bytes of partial sums")
+    n_threads = eff_threads(n_threads, <Py_ssize_t>N * C, _grain)
+    try:
+        with nogil:
+            _layernorm_backward_fused(&dinp[0], &dweight[0], &dbias[0], &dout[0], &inp[0], &weight[0],
+                                      &mean[0], &rstd[0], N, C, d16p, dnp, part, n_threads)
+    finally:
+        if own:
+            free(part)
+        else:
+            _lnparts_busy = False
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,6 +31,11 @@
 #include "mathf.h"
 
 #define LLMCTL_ROW_LANES 16      /* independent partial sums of a row reduction (fixed order) */
+#if defined(__GNUC__)
+#define LLMCTL_ROW_RESTRICT __restrict__   /* dx, written in a loop that also adds to the sums */
+#else
+#define LLMCTL_ROW_RESTRICT
+#endif
 #define LLMCTL_SMBLOCK 1024      /* softmax exp block through the stack (a multiple of the lanes) */
 
 /* a float's bits as an int32 that orders as the float does (-0 just below +0; NaNs beyond the
@@ -75,17 +80,49 @@ typedef int32_t llmctl_i32a;
 
 /* dx += r * (dnorm - mean(dnorm) - norm * mean(dnorm * norm)), dnorm = w * dy */
 #define LLMCTL_LN_DINP_BODY                                                                    \
+    LLMCTL_LN_DINP_MEANS                                                                       \
+    for (int i = 0; i < C; i++) {                                                              \
+        norm = (x[i] - m) * r;                                                                 \
+        dnorm = w[i] * dy[i];                                                                  \
+        dx[i] += r * (dnorm - dmean - norm * dnmean);                                          \
+    }
+
+/* bf16's fused layernorm backward of one row: LLMCTL_LN_DINP_BODY's dx (the same bits), and in
+   the same pass this row's terms of the parameter gradients, aw[c] += (double)(norm * dy) and
+   ab[c] += (double)dy (LLMCTL_LN_DPARAMS_BODY's), and, with o16, of the next bf16 GEMM's input:
+   o16 = bf16(dx) (dx's final value: the residual stream's gradient) and an[c] += (double)dx */
+#define LLMCTL_LN_BWD_FUSED_BODY                                                               \
+    LLMCTL_LN_DINP_MEANS                                                                \
+    for (int i = 0; i < C; i++) {                                                              \
+        norm = (x[i] - m) * r;                                                                 \
+        dnorm = w[i] * dy[i];                                                                  \
+        dx[i] += r * (dnorm - dmean - norm * dnmean);                                          \
+        aw[i] += (double)(norm * dy[i]);                                                       \
+        ab[i] += (double)dy[i];                                                                \
+    }                                                                                          \
+    if (o16 != NULL)                                                                           \
+        for (int i = 0; i < C; i++) {                                                          \
+            o16[i] = llmctl_f32_to_bf16(dx[i]);                                                \
+            an[i] += (double)dx[i];                                                            \
+        }
+
+/* dmean = mean(dnorm), dnmean = mean(dnorm * norm) of the row, summed in double in
+   LLMCTL_ROW_LANES lanes. Each 16 lanes' float terms are staged first: gcc then vectorises the
+   float part whole and the double sums as whole vectors (with the sums in the same loop it mixed
+   vector widths and scalars, ~1.5x slower); the same operations in the same order either way */
+#define LLMCTL_LN_DINP_MEANS                                                            \
     double s1[LLMCTL_ROW_LANES], s2[LLMCTL_ROW_LANES], a = 0.0, b2 = 0.0;                      \
-    float norm, dnorm, dmean, dnmean;                                                          \
+    float norm, dnorm, dmean, dnmean, t1[LLMCTL_ROW_LANES], t2[LLMCTL_ROW_LANES];              \
     int cm = C - C % LLMCTL_ROW_LANES;                                                         \
     for (int j = 0; j < LLMCTL_ROW_LANES; j++) { s1[j] = 0.0; s2[j] = 0.0; }                   \
-    for (int i = 0; i < cm; i += LLMCTL_ROW_LANES)                                             \
+    for (int i = 0; i < cm; i += LLMCTL_ROW_LANES) {                                           \
         for (int j = 0; j < LLMCTL_ROW_LANES; j++) {                                           \
-            norm = (x[i + j] - m) * r;                                                         \
-            dnorm = w[i + j] * dy[i + j];                                                      \
-            s1[j] += dnorm;                                                                    \
-            s2[j] += dnorm * norm;                                                             \
+            float nj = (x[i + j] - m) * r, dj = w[i + j] * dy[i + j];                          \
+            t1[j] = dj;                                                                        \
+            t2[j] = dj * nj;                                                                   \
         }                                                                                      \
+        for (int j = 0; j < LLMCTL_ROW_LANES; j++) { s1[j] += t1[j]; s2[j] += t2[j]; }         \
+    }                                                                                          \
     for (int j = 0; j < LLMCTL_ROW_LANES; j++) { a += s1[j]; b2 += s2[j]; }                    \
     for (int i = cm; i < C; i++) {                                                             \
         norm = (x[i] - m) * r;                                                                 \
@@ -94,12 +131,7 @@ typedef int32_t llmctl_i32a;
         b2 += dnorm * norm;                                                                    \
     }                                                                                          \
     dmean = (float)(a / C);                                                                    \
-    dnmean = (float)(b2 / C);                                                                  \
-    for (int i = 0; i < C; i++) {                                                              \
-        norm = (x[i] - m) * r;                                                                 \
-        dnorm = w[i] * dy[i];                                                                  \
-        dx[i] += r * (dnorm - dmean - norm * dnmean);                                          \
-    }
+    dnmean = (float)(b2 / C);
 
 /* probs[0:V] = exp(logits - max) (probs may alias logits), inv = 1 / their sum, and loss =
    -log p[target] as log(sum) - (x_target - max). The exp pass goes through a stack block: with
@@ -237,6 +269,13 @@ typedef int32_t llmctl_i32a;
                                           float m, float r, int C) {                                       \
         LLMCTL_LN_DINP_BODY                                                                                \
     }                                                                                                      \
+    ATTR static void llmctl_ln_bwd_fused_##SFX(float* LLMCTL_ROW_RESTRICT dx, uint16_t* LLMCTL_ROW_RESTRICT o16, \
+                                               double* LLMCTL_ROW_RESTRICT aw, double* LLMCTL_ROW_RESTRICT ab, \
+                                               double* LLMCTL_ROW_RESTRICT an, const float* LLMCTL_ROW_RESTRICT dy, \
+                                               const float* LLMCTL_ROW_RESTRICT x,                         \
+                                               const float* LLMCTL_ROW_RESTRICT w, float m, float r, int C) { \
+        LLMCTL_LN_BWD_FUSED_BODY                                                                           \
+    }                                                                                                      \
     ATTR static void llmctl_xent_fwd_##SFX(float* loss, float* probs, const float* logits, int target,     \
                                            int V, int Vp) {                                                \
         LLMCTL_XENT_FWD_BODY                                                                               \
@@ -314,6 +353,10 @@ static inline void llmctl_ln_fwd_f32(float* out, float* mean, float* rstd, const
 static inline void llmctl_ln_fwd_bf16(uint16_t* out, float* mean, float* rstd, const float* x, const float* w,
                                       const float* b, int C) {
     LLMCTL_ROWS_DISPATCH(llmctl_ln_fwd_bf16, out, mean, rstd, x, w, b, C);
+}
+static inline void llmctl_ln_bwd_fused(float* dx, uint16_t* o16, double* aw, double* ab, double* an,
+                                       const float* dy, const float* x, const float* w, float m, float r, int C) {
+    LLMCTL_ROWS_DISPATCH(llmctl_ln_bwd_fused, dx, o16, aw, ab, an, dy, x, w, m, r, C);
 }
 static inline void llmctl_ln_dinp(float* dx, const float* dy, const float* x, const float* w, float m, float r,
                                   int C) {

@@ -771,6 +771,50 @@ def test_softmax_crossentropy_reads_bf16_logits_as_their_exact_widening(BT, V, V
         layers.softmax_crossentropy_forward_backward_bf16(got_l, got_d, lg16, targets, None, BT, V, Vp, 2)
 
 
+@pytest.mark.parametrize("N, C", [(300, 96), (70, 37)])   # several 64-row tasks, ragged; C odd
+def test_layernorm_backward_bf16_is_one_pass_of_the_fp32_kernels(N, C):
+    # bf16's layernorm backward in one pass: dinp gets the bits of layernorm_backward's; dweight
+    # and dbias its sums in another order (64-row blocks, then the blocks in order); and, with
+    # dinp16, the final dinp rounded (cast_to_bf16's bits) and its column sums added to
+    # dbias_next: matmul_backward_bf16's cast pass and bias gradient, which it replaces. Every
+    # ISA copy and thread count gives the same bits.
+    rng = np.random.default_rng(N + C)
+    x, dy, d0 = _f32(rng, N * C), _f32(rng, N * C), _f32(rng, N * C)
+    w, mean, rstd = _f32(rng, C), _f32(rng, N, scale=0.1), (1.0 + rng.random(N)).astype(np.float32)
+    dw0, db0, dn0 = _f32(rng, C), _f32(rng, C), _f32(rng, C)
+    want, want_w, want_b = d0.copy(), dw0.copy(), db0.copy()
+    layers.layernorm_backward(want, want_w, want_b, dy, x, w, mean, rstd, N, C, 2)
+    want16 = np.empty(N * C, np.uint16)
+    convert.cast_to_bf16(want16, want, 1)
+    runs = []
+    old = layers.simd()
+    try:
+        for isa in layers.ISAS[:layers.ISAS.index(old) + 1]:
+            layers.set_simd(isa)
+            for nt in (1, 2, 3):
+                d, dw, db, dn = d0.copy(), dw0.copy(), db0.copy(), dn0.copy()
+                d16 = np.full(N * C, 0xFFFF, np.uint16)
+                layers.layernorm_backward_bf16(d, dw, db, dy, x, w, mean, rstd, N, C, nt, dinp16=d16, dbias_next=dn)
+                runs.append((d, dw, db, dn, d16))
+    finally:
+        layers.set_simd(old)
+    for r in runs:
+        for a, b in zip(r, runs[0]):
+            np.testing.assert_array_equal(a, b)
+    d, dw, db, dn, d16 = runs[0]
+    np.testing.assert_array_equal(d, want)
+    np.testing.assert_array_equal(d16, want16)
+    np.testing.assert_allclose(dw, want_w, rtol=1e-6, atol=1e-6 * np.abs(want_w).max())
+    np.testing.assert_allclose(db, want_b, rtol=1e-6, atol=1e-6 * np.abs(want_b).max())
+    np.testing.assert_allclose(dn, dn0 + d.reshape(N, C).astype(np.float64).sum(0), rtol=1e-6, atol=1e-6 * N)
+    d2, dw2, db2 = d0.copy(), dw0.copy(), db0.copy()
+    layers.layernorm_backward_bf16(d2, dw2, db2, dy, x, w, mean, rstd, N, C, 2)   # no cast
+    for a, b in ((d2, d), (dw2, dw), (db2, db)):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="dinp16"):
+        layers.layernorm_backward_bf16(d2, dw2, db2, dy, x, w, mean, rstd, N, C, 2, dbias_next=dn)
+
+
 @pytest.mark.parametrize("N", [1, 1000, 70001])   # 70001: three AdamW chunks, ragged
 def test_adamw_writes_the_bf16_copy_without_changing_fp32(N):
     rng = np.random.default_rng(N)
@@ -842,6 +886,9 @@ def test_bf16_step0_loss_and_grads_close_to_fp32(bf16_ok, tmp_path):
         m.backward()
     rel = np.linalg.norm(m16.grads - m32.grads) / np.linalg.norm(m32.grads)
     assert rel < 2e-2, rel
+    for name in m32.g:     # each tensor, the small ones (biases, layernorms) too
+        g32, g16 = m32.g[name], m16.g[name]
+        assert np.linalg.norm(g16 - g32) <= 5e-2 * np.linalg.norm(g32), name
     # master weights stay fp32 and the bf16 copy is their cast
     assert m16.params.dtype == np.float32 and m16.grads.dtype == np.float32
     np.testing.assert_array_equal(m16.params, m32.params)

@@ -849,10 +849,11 @@ class GPT2:
         s = self._ensure_scratch()
         dres, dlnf = s["dres"][:n], self._lmhead_backward(loss_scale)
         Ly.zero_fill(dres, nt)
-        Ly.layernorm_backward(dres, g["lnfw"], g["lnfb"], dlnf, a["resid"][L, :n], p["lnfw"],
-                              a["lnf_mean"][:BT], a["lnf_rstd"][:BT], BT, C, nt)
+        cast = self.ops.layernorm_backward(dres, g["lnfw"], g["lnfb"], dlnf, a["resid"][L, :n], p["lnfw"],
+                                           a["lnf_mean"][:BT], a["lnf_rstd"][:BT], BT, C, nt, s.get("dout16"),
+                                           g["fcprojb"][L - 1])
         for l in reversed(range(L)):
-            self._block_backward(l, self._layer_acts(l, BT, True), B, T)
+            cast = self._block_backward(l, self._layer_acts(l, BT, True), B, T, cast)
         Ly.encoder_backward(g["wte"].reshape(-1), g["wpe"].reshape(-1), dres, self._ids.reshape(-1), B, T, C, nt)
         self._overwrite = set()
 
@@ -934,9 +935,11 @@ class GPT2:
                         BT, C, Vp, self.n_threads)
         return self._lmhead_grad(BT, loss_scale, self._held_blocks(BT), junk)
 
-    def _block_backward(self, l, a, B, T):
+    def _block_backward(self, l, a, B, T, cast):
         """Layer l of train_gpt2.c's gpt2_backward: the scratch's dres holds d(a.out) on entry
-        and d(a.x) on return; layer l's parameter gradients are accumulated."""
+        and d(a.x) on return; layer l's parameter gradients are accumulated. cast: the layernorm
+        backward before this already wrote dres in bf16 into dout16 and summed fcproj's bias
+        gradient (ops.layernorm_backward). -> the same for the layer below."""
         c = self.config
         C, NH = c.channels, c.num_heads
         BT, n, nt = B * T, B * T * C, self.n_threads
@@ -958,32 +961,36 @@ class GPT2:
             o.layernorm(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, p["ln1w"][l], p["ln1b"][l], BT, C, nt)
         # out = x2 + fcproj(gelu(fc(ln2(x2)))); the activation gradients are written (accumulate=False)
         if fuse:   # d(gelu) first, d(fch) over it in place with the GELU, then fcproj's d(weight)
-            o.matmul_backward(dbig, None, gb("fcprojw"), dres, d16, a.gelu, "fcprojw", l, BT, 4 * C, C, nt,
-                              accumulate=False)
+            o.matmul_backward(dbig, None, None if cast else gb("fcprojw"), None if cast else dres, d16, a.gelu,
+                              "fcprojw", l, BT, 4 * C, C, nt, accumulate=False)
             dfch, dbfc = o.gelu_forward_backward(a.gelu, dbig, gb("fcw"), a.fch, BT, 4 * C, nt)
-            o.matmul_backward(None, gW("fcprojw"), None, dres, d16, a.gelu, "fcprojw", l, BT, 4 * C, C, nt,
-                              dweight_accumulate=self._written("fcprojw"))
+            o.matmul_backward(None, gW("fcprojw"), None, None if cast else dres, d16, a.gelu, "fcprojw", l, BT,
+                              4 * C, C, nt, dweight_accumulate=self._written("fcprojw"))
         else:
             dgelu = o.act_grad(dbig, 4 * n)
-            o.matmul_backward(dgelu, gW("fcprojw"), gb("fcprojw"), dres, d16, a.gelu, "fcprojw", l, BT, 4 * C, C,
-                              nt, accumulate=False, dweight_accumulate=self._written("fcprojw"))
+            o.matmul_backward(dgelu, gW("fcprojw"), None if cast else gb("fcprojw"), None if cast else dres, d16,
+                              a.gelu, "fcprojw", l, BT, 4 * C, C, nt, accumulate=False,
+                              dweight_accumulate=self._written("fcprojw"))
             # fp32: d(fch) over the gelu buffer, free now; bf16: straight into d16 with fc's dbias
             dfch, dbfc = o.gelu_backward(a.gelu, d16, gb("fcw"), a.fch, dgelu, BT, 4 * C, nt)
         o.matmul_backward(dsmall, gW("fcw"), dbfc, dfch, d16, a.ln2, "fcw", l, BT, C, 4 * C, nt, accumulate=False,
                           dweight_accumulate=self._written("fcw"))
         # d(x2) = d(out) + the LN2 branch, accumulated in place
-        Ly.layernorm_backward(dres, g["ln2w"][l], g["ln2b"][l], dsmall, a.x2, p["ln2w"][l],
-                              a.ln2_mean, a.ln2_rstd, BT, C, nt)
+        cast = o.layernorm_backward(dres, g["ln2w"][l], g["ln2b"][l], dsmall, a.x2, p["ln2w"][l],
+                                    a.ln2_mean, a.ln2_rstd, BT, C, nt, d16, gb("attprojw"))
         # x2 = x + attproj(attention(qkv(ln1(x))))
         datty = o.act_grad(dsmall, n)
-        o.matmul_backward(datty, gW("attprojw"), gb("attprojw"), dres, d16, a.atty, "attprojw", l, BT, C, C, nt,
-                          accumulate=False, dweight_accumulate=self._written("attprojw"))
+        o.matmul_backward(datty, gW("attprojw"), None if cast else gb("attprojw"), None if cast else dres, d16,
+                          a.atty, "attprojw", l, BT, C, C, nt, accumulate=False,
+                          dweight_accumulate=self._written("attprojw"))
         # fp32: d(qkv) over dbig; bf16: straight into d16 with qkv's dbias, as fc's above
         dqkv, dbqkv = o.attention_backward(dbig, d16, gb("qkvw"), datty, a.qkv, a.atty, a.lse, B, T, C, NH, nt)
         o.matmul_backward(dsmall, gW("qkvw"), dbqkv, dqkv, d16, a.ln1, "qkvw", l, BT, C, 3 * C, nt,
                           accumulate=False, dweight_accumulate=self._written("qkvw"))
-        Ly.layernorm_backward(dres, g["ln1w"][l], g["ln1b"][l], dsmall, a.x, p["ln1w"][l],
-                              a.ln1_mean, a.ln1_rstd, BT, C, nt)
+        # below layer 0 the encoder's backward reads dres in fp32: nothing to cast
+        return o.layernorm_backward(dres, g["ln1w"][l], g["ln1b"][l], dsmall, a.x, p["ln1w"][l],
+                                    a.ln1_mean, a.ln1_rstd, BT, C, nt, d16 if l > 0 else None,
+                                    g["fcprojb"][l - 1] if l > 0 else None)
 
     # -- optimizer ------------------------------------------------------------------------------
     def grad_norm(self):

@@ -13,6 +13,10 @@ changes the computation:
   matmul_backward    dinp, dW, db += their gradients (bf16: dout rounded to bf16 for the GEMMs);
                      accumulate=False: dinp written, not added to; dweight_accumulate=False:
                      dW likewise (bf16, first_write: a beta-0 GEMM; fp32: a fill first)
+  layernorm_backward dinp, dweight, dbias += the layernorm's gradients; bf16 also writes the
+                     residual stream's gradient as the next backward GEMM reads it (bf16) and
+                     sums that GEMM's bias gradient, in the same pass (-> True: matmul_backward
+                     then takes dout=None, db=None)
   act_grad           the buffer such a dinp goes into when only the GELU's or the attention's
                      backward reads it (bf16: a bf16 array, the GEMM rounds it as they would)
   gelu_backward      d(fch) as the fc layer's matmul_backward reads it (bf16: rounded, with the
@@ -117,6 +121,11 @@ class Fp32Ops:
         """Where a backward GEMM writes an activation gradient (accumulate=False) that only
         gelu_backward or attention_backward reads: n elements of `free` (fp32, dead until then)."""
         return free[:n]
+
+    def layernorm_backward(self, dinp, dw, db, dy, x, w, mean, rstd, N, C, nt, dout_mm=None, db_next=None):
+        """llm.c's layernorm_backward (+=). -> False: the next matmul_backward casts dinp itself."""
+        self.k.layers.layernorm_backward(dinp, dw, db, dy, x, w, mean, rstd, N, C, nt)
+        return False
 
     def gelu_backward(self, free, dout_mm, db, x, dy, N, OC, nt):
         """-> (dout, dbias) for the fc layer's matmul_backward: d(fch) = gelu'(x) dy written over
@@ -261,6 +270,14 @@ class Bf16Ops(Fp32Ops):
         """dout fp32 (cast into dout_mm, the same pass summing db), or None: dout_mm already holds it."""
         self.k.matmul.matmul_backward_bf16(dinp, dW, db, dout, dout_mm[:N * OC], inp, self.weight(name, l),
                                            N, C, OC, nt, self.engine, accumulate, dweight_accumulate)
+
+    def layernorm_backward(self, dinp, dw, db, dy, x, w, mean, rstd, N, C, nt, dout_mm=None, db_next=None):
+        """One pass (layers.layernorm_backward_bf16): dinp += its gradient (fp32's bits), dw and db
+        += theirs, and with dout_mm the final dinp rounded into it for the next backward GEMM, whose
+        bias gradient db_next (or None) gets dinp's column sums. -> whether dout_mm was written."""
+        self.k.layers.layernorm_backward_bf16(dinp, dw, db, dy, x, w, mean, rstd, N, C, nt,
+                                              None if dout_mm is None else dout_mm[:N * C], db_next)
+        return dout_mm is not None
 
     def act_grad(self, free, n):
         """n bf16 values in free's memory: the GEMM writes the gradient rounded to bf16, which is
