@@ -4,12 +4,15 @@ What it does: times zero_grad + forward + backward + grad_norm + AdamW (bench/st
 or, with --precision bf16, bf16 in both trees, which must both have it) in two source trees, this one and `--other DIR` (a checkout of an earlier commit with its
 extensions built in place: `git worktree add DIR COMMIT && cd DIR && python setup.py build_ext
 --inplace`), each in its own child process, alternating between the two `--rounds` times so
-that both see the same machine load. Prints the best and median step of each and the ratio.
-What it is not: a breakdown (bench/step.py).
+that both see the same machine load. Prints the best and median step of each and the ratio;
+with --kernels also each kernel function's total time in each tree's best step (the kernel
+modules' calls wrapped and timed, matmuls by their shape), the smallest over the rounds.
+What it is not: a breakdown by category (bench/step.py).
 
     python bench/versions.py --other ../llmctl-before              # d12 B=4 T=64, 3 rounds x 3 steps
     python bench/versions.py --other ../llmctl-before --model d6 --rounds 4 --json
     python bench/versions.py --other ../llmctl-before --precision bf16 --rounds 6
+    python bench/versions.py --other ../llmctl-before --precision bf16 --seq-len 1024 --kernels
 """
 import argparse
 import json
@@ -26,30 +29,54 @@ import numpy as np
 import llmctl
 from llmctl.model import GPT2
 desc, B, T, steps, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-precision = sys.argv[6]
+precision, kernels = sys.argv[6], sys.argv[7] == "1"
 m = GPT2.from_descriptor(desc, n_threads=threads, **({"precision": precision} if precision != "fp32" else {}))
+calls = {}
+if kernels:   # each kernel function's time in the step, matmuls keyed by their (rows, C, OC)
+    class Timed:
+        def __init__(self, mod, shaped):
+            self.mod, self.shaped = mod, shaped
+        def __getattr__(self, name):
+            f = getattr(self.mod, name)
+            if not callable(f) or name.startswith(("_", "get", "set")):
+                return f
+            def timed(*a, **k):
+                t0 = time.perf_counter()
+                r = f(*a, **k)
+                key = name + (str(tuple(v for v in a if type(v) is int)[:3]) if self.shaped else "")
+                calls[key] = calls.get(key, 0.0) + time.perf_counter() - t0
+                return r
+            return timed
+    k = m.kernels
+    k.matmul, k.layers, k.attention = Timed(k.matmul, True), Timed(k.layers, False), Timed(k.attention, False)
+    k.adamw, k.convert = Timed(k.adamw, False), Timed(k.convert, False)
 x = np.random.default_rng(0).integers(0, m.config.vocab_size, (B, T + 1))
 # the trainer's AdamW call: versions that can clear the gradients in AdamW's pass are asked to
 kw = {"zero_grads": True} if "zero_grads" in inspect.signature(m.update).parameters else {}
 # ... and the forward is told the backward's loss_scale where it takes it, as the trainer does
 fkw = {"loss_scale": 1.0} if "loss_scale" in inspect.signature(m.forward).parameters else {}
-times = []
+# ... and zero_grad as the trainer calls it (bf16: spent gradients are overwritten, not filled)
+zkw = {"lazy": True} if "lazy" in inspect.signature(m.zero_grad).parameters else {}
+times, best = [], None
 for t in range(1, steps + 2):
+    calls.clear()
     t0 = time.perf_counter()
-    m.zero_grad()
+    m.zero_grad(**zkw)
     m.forward(x[:, :T], x[:, 1:], **fkw)
     m.backward()
     norm = m.grad_norm()
     m.update(3e-4, 0.9, 0.95, 1e-8, 0.0, 1.0 / norm if norm > 1 else 1.0, t, **kw)
     times.append(time.perf_counter() - t0)
-print(json.dumps({"times": times[1:], "file": llmctl.__file__}))
+    if t > 1 and (best is None or times[-1] < best[0]):
+        best = (times[-1], dict(calls))
+print(json.dumps({"times": times[1:], "file": llmctl.__file__, "kernels": best[1]}))
 """
 
 
 def run(tree, args):
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
     out = subprocess.run([sys.executable, "-c", CHILD, args.model, str(args.batch_size), str(args.seq_len),
-                          str(args.steps), str(args.threads), args.precision],
+                          str(args.steps), str(args.threads), args.precision, "1" if args.kernels else "0"],
                          env=env, cwd=os.path.abspath(tree), capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(f"the step in {tree} failed (exit {out.returncode}):\n{out.stderr[-2000:]}")
@@ -116,6 +143,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
                     help="the step's precision in both trees (default fp32)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also each kernel function's total in each tree's best step (min over the rounds)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -123,12 +152,14 @@ def main():
     for tree in trees.values():
         check_built(tree)
     times = {k: [] for k in trees}
+    kern = {k: [] for k in trees}
     files = {}
     load0 = os.getloadavg()[0]
     for r in range(args.rounds):
         for k in (("this", "other") if r % 2 == 0 else ("other", "this")):
             res = run(trees[k], args)
             times[k] += res["times"]
+            kern[k].append(res["kernels"])
             files[k] = res["file"]
     if os.path.realpath(files["this"]) == os.path.realpath(files["other"]):
         raise SystemExit(f"both trees imported the same llmctl ({files['this']}): is --other a source tree?")
@@ -139,6 +170,11 @@ def main():
               for k, v in times.items()}}
     out["best_ratio"] = out["this"]["best_ms"] / out["other"]["best_ms"]
     out["median_ratio"] = out["this"]["median_ms"] / out["other"]["median_ms"]
+    if args.kernels:
+        names = sorted(set().union(*(set(r) for k in trees for r in kern[k])),
+                       key=lambda n: -max(min(r.get(n, 0.0) for r in kern[k]) for k in trees))
+        out["kernels_ms"] = {n: {k: round(1e3 * min(r.get(n, 0.0) for r in kern[k]), 1) for k in trees}
+                             for n in names}
     if args.json:
         print(json.dumps(out))
         return
@@ -147,6 +183,10 @@ def main():
     for k in trees:
         print(f"  {k:>5}: best {out[k]['best_ms']:8.1f} ms  median {out[k]['median_ms']:8.1f} ms   ({files[k]})")
     print(f"  this / other: best {out['best_ratio']:.3f}x, median {out['median_ratio']:.3f}x")
+    if args.kernels:
+        print(f"  {'kernel (total in the best step, min over rounds, ms)':<56} {'this':>8} {'other':>8}")
+        for n, v in out["kernels_ms"].items():
+            print(f"  {n:<56} {v['this']:8.1f} {v['other']:8.1f}")
 
 
 if __name__ == "__main__":
