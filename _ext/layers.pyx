@@ -169,12 +169,16 @@ cdef void _layernorm_row(out_t* out, float* mean, float* rstd, const float* x, c
         llmctl_ln_fwd_bf16(out, mean, rstd, x, w, b, C)
 
 
-cdef void _layernorm_forward(out_t* out, float* mean, float* rstd, const float* inp,
+cdef void _layernorm_forward(out_t* out, float* mean, float* rstd, float* inp,
                              const float* weight, const float* bias, int N, int C,
-                             int n_threads) noexcept nogil:
-    # out (N,C) = (inp - mean) * rstd * weight (C) + bias (C); mean, rstd (N) cached; eps 1e-5
+                             const float* residual, int n_threads) noexcept nogil:
+    # out (N,C) = (inp - mean) * rstd * weight (C) + bias (C); mean, rstd (N) cached; eps 1e-5.
+    # residual not NULL: first inp += residual, row by row (residual_forward's adds: the same
+    # bits), the layernorm then reading the row from L1 instead of memory
     cdef Py_ssize_t n
     for n in prange(N, schedule='static', num_threads=n_threads):
+        if residual != NULL:
+            _residual_fwd_chunk(inp + n * C, inp + n * C, residual + n * C, C)
         _layernorm_row(out + n * C, mean + n, rstd + n, inp + n * C, weight, bias, C)
 
 
@@ -496,34 +500,57 @@ def encoder_backward(float[::1] dwte, float[::1] dwpe, const float[::1] dout, co
 
 # The fp32 and bf16 forms of a kernel share one checked body (`_checked_*`, over out_t).
 
-cdef int _checked_layernorm_forward(out_t[::1] out, float[::1] mean, float[::1] rstd,
-                                    const float[::1] inp, const float[::1] weight,
-                                    const float[::1] bias, int N, int C, int n_threads) except -1:
+cdef int _checked_layernorm_forward(out_t[::1] out, float[::1] mean, float[::1] rstd, inp,
+                                    const float[::1] weight, const float[::1] bias, int N, int C,
+                                    int n_threads, residual) except -1:
+    # inp: read-only float32 (N,C), or with residual (N,C) written first: inp += residual
+    cdef const float[::1] x
+    cdef float[::1] xw
+    cdef const float[::1] res
+    cdef const float* res_ptr = NULL
+    cdef float* x_ptr
     check_threads(n_threads)
     check_positive("N", N); check_positive("C", C)
     check_len("out", out.shape[0], <Py_ssize_t>N * C)
     check_len("mean", mean.shape[0], N)
     check_len("rstd", rstd.shape[0], N)
-    check_len("inp", inp.shape[0], <Py_ssize_t>N * C)
+    if residual is None:
+        x = inp
+        check_len("inp", x.shape[0], <Py_ssize_t>N * C)
+        x_ptr = <float*>&x[0]     # only read
+    else:
+        xw = inp
+        res = residual
+        check_len("inp", xw.shape[0], <Py_ssize_t>N * C)
+        check_len("residual", res.shape[0], <Py_ssize_t>N * C)
+        x_ptr, res_ptr = &xw[0], &res[0]
+        check_disjoint("inp", x_ptr, <Py_ssize_t>N * C, "residual", res_ptr, <Py_ssize_t>N * C)
+        if out_t is float:
+            check_disjoint("out", &out[0], <Py_ssize_t>N * C, "inp", x_ptr, <Py_ssize_t>N * C)
     check_len("weight", weight.shape[0], C)
     check_len("bias", bias.shape[0], C)
     n_threads = eff_threads(n_threads, <Py_ssize_t>N * C, _grain)
     with nogil:
-        _layernorm_forward(&out[0], &mean[0], &rstd[0], &inp[0], &weight[0], &bias[0], N, C, n_threads)
+        _layernorm_forward(&out[0], &mean[0], &rstd[0], x_ptr, &weight[0], &bias[0], N, C, res_ptr, n_threads)
     return 0
 
 
-def layernorm_forward(float[::1] out, float[::1] mean, float[::1] rstd, const float[::1] inp,
-                      const float[::1] weight, const float[::1] bias, int N, int C, int n_threads=1):
-    """out (N,C) = layernorm(inp (N,C)) * weight (C) + bias (C); caches mean, rstd (N). eps 1e-5."""
-    _checked_layernorm_forward(out, mean, rstd, inp, weight, bias, N, C, n_threads)
+def layernorm_forward(float[::1] out, float[::1] mean, float[::1] rstd, inp,
+                      const float[::1] weight, const float[::1] bias, int N, int C, int n_threads=1,
+                      residual=None):
+    """out (N,C) = layernorm(inp (N,C)) * weight (C) + bias (C); caches mean, rstd (N). eps 1e-5.
+    residual (N,C) given: first inp += residual (written: residual_forward's sum, the same bits),
+    row by row in the same pass, so the layernorm reads each row from cache."""
+    _checked_layernorm_forward(out, mean, rstd, inp, weight, bias, N, C, n_threads, residual)
 
 
-def layernorm_forward_bf16(uint16_t[::1] out, float[::1] mean, float[::1] rstd, const float[::1] inp,
-                           const float[::1] weight, const float[::1] bias, int N, int C, int n_threads=1):
+def layernorm_forward_bf16(uint16_t[::1] out, float[::1] mean, float[::1] rstd, inp,
+                           const float[::1] weight, const float[::1] bias, int N, int C, int n_threads=1,
+                           residual=None):
     """layernorm_forward with out (N,C) written as bf16 (round to nearest even) instead of fp32:
-    the matmul that follows reads bf16, and layernorm_backward needs only inp, mean and rstd."""
-    _checked_layernorm_forward(out, mean, rstd, inp, weight, bias, N, C, n_threads)
+    the matmul that follows reads bf16, and layernorm_backward needs only inp, mean and rstd.
+    residual as layernorm_forward's."""
+    _checked_layernorm_forward(out, mean, rstd, inp, weight, bias, N, C, n_threads, residual)
 
 
 def layernorm_backward(float[::1] dinp, float[::1] dweight, float[::1] dbias, const float[::1] dout,

@@ -574,6 +574,25 @@ def test_layernorm_forward_bf16_is_the_cast_fp32_output(N, C):
     np.testing.assert_allclose(from_bf16(o16).reshape(N, C), want, rtol=2 ** -8, atol=1e-6)
 
 
+@pytest.mark.parametrize("N, C", [(1, 7), (37, 131)])
+def test_layernorm_forward_adds_a_residual_in_the_same_pass(N, C):
+    # x2 = x + attproj(...) and ln2 of it in one pass: the input gets residual_forward's sum and
+    # the output (fp32 or bf16), mean and rstd layernorm_forward's bits on that sum
+    rng = np.random.default_rng(N * C)
+    y, x, w, b = _f32(rng, N * C), _f32(rng, N * C), _f32(rng, C), _f32(rng, C)
+    want_x = np.empty(N * C, np.float32)
+    layers.residual_forward(want_x, y, x, N * C, 2)
+    for fn, dt in ((layers.layernorm_forward, np.float32), (layers.layernorm_forward_bf16, np.uint16)):
+        want, wm, wr = np.empty(N * C, dt), np.empty(N, np.float32), np.empty(N, np.float32)
+        fn(want, wm, wr, want_x, w, b, N, C, 2)
+        got, gm, gr, inp = np.empty(N * C, dt), np.empty(N, np.float32), np.empty(N, np.float32), y.copy()
+        fn(got, gm, gr, inp, w, b, N, C, 2, residual=x)
+        for a, c in ((inp, want_x), (got, want), (gm, wm), (gr, wr)):
+            np.testing.assert_array_equal(a, c)
+    with pytest.raises(ValueError, match="overlap"):
+        layers.layernorm_forward(np.empty(N * C, np.float32), gm, gr, inp, w, b, N, C, 2, residual=inp)
+
+
 def test_gelu_forward_bf16_is_the_cast_fp32_output():
     rng = np.random.default_rng(1)
     x = _f32(rng, 40000, scale=3.0)

@@ -585,8 +585,8 @@ class GPT2:
                 self._attention_cached(part, a.qkv[3 * C * r:], a.atty[C * r:])
                 r += part.rows
         o.matmul(a.x2, o.mm_input(a.atty16, a.atty, nte), "attprojw", l, p["attprojb"][l], BT, C, C, nt)
-        Ly.residual_forward(a.x2, a.x2, a.x, n, nte)
-        o.layernorm(a.ln2, a.ln2_mean, a.ln2_rstd, a.x2, p["ln2w"][l], p["ln2b"][l], BT, C, nte)
+        # x2 = x + attproj(...), and ln2 of it in the same pass over the rows
+        o.layernorm(a.ln2, a.ln2_mean, a.ln2_rstd, a.x2, p["ln2w"][l], p["ln2b"][l], BT, C, nte, residual=a.x)
         o.matmul(a.fch, a.ln2, "fcw", l, p["fcb"][l], BT, C, 4 * C, nt)
         o.gelu(a.gelu, a.fch, 4 * n, nte)
         o.matmul(a.out, a.gelu, "fcprojw", l, p["fcprojb"][l], BT, 4 * C, C, nt)
@@ -943,21 +943,22 @@ class GPT2:
         c = self.config
         C, NH = c.channels, c.num_heads
         BT, n, nt = B * T, B * T * C, self.n_threads
-        o, Ly, p, g = self.ops, self.kernels.layers, self.p, self.g
+        o, p, g = self.ops, self.p, self.g
         s = self._scratch
         dres, dsmall, dbig, d16 = s["dres"][:n], s["dsmall"][:n], s["dbig"][:4 * n], s.get("dout16")
         gW = lambda name: g[name][l].reshape(-1)
         gb = lambda name: g[name[:-1] + "b"][l]
         o.cast_layer(l, nt)
-        if self.plan.recompute >= 3:   # x2 as the forward made it: the same GEMM on the same inputs
+        if self.plan.recompute >= 3:   # x2 (and ln2) as the forward made them: the same GEMM on the same inputs
             o.matmul(a.x2, o.mm_input(a.atty16, a.atty, nt), "attprojw", l, p["attprojb"][l], BT, C, C, nt)
-            Ly.residual_forward(a.x2, a.x2, a.x, n, nt)
+            o.layernorm(a.ln2, a.ln2_mean, a.ln2_rstd, a.x2, p["ln2w"][l], p["ln2b"][l], BT, C, nt, residual=a.x)
         # the GELU again, on the same inputs: the same bits; fp32 makes it in its backward's pass
         fuse = self.plan.recompute >= 1 and o.gelu_forward_backward is not None
         if self.plan.recompute >= 1 and not fuse:
             o.gelu(a.gelu, a.fch, 4 * n, nt)
-        if self.plan.recompute >= 2:
+        if self.plan.recompute == 2:
             o.layernorm(a.ln2, a.ln2_mean, a.ln2_rstd, a.x2, p["ln2w"][l], p["ln2b"][l], BT, C, nt)
+        if self.plan.recompute >= 2:
             o.layernorm(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, p["ln1w"][l], p["ln1b"][l], BT, C, nt)
         # out = x2 + fcproj(gelu(fc(ln2(x2)))); the activation gradients are written (accumulate=False)
         if fuse:   # d(gelu) first, d(fch) over it in place with the GELU, then fcproj's d(weight)

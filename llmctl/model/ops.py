@@ -4,7 +4,8 @@ What it is: `Kernels`, the compiled kernel modules the model calls (one namespac
 can time every call by wrapping its attributes), and `ops_for(precision, ...)`: an `Fp32Ops` or
 a `Bf16Ops`. Both have the same methods, which are exactly the places where mixed precision
 changes the computation:
-  layernorm / gelu   write a matmul input (bf16: rounded to bf16 by the kernel itself)
+  layernorm / gelu   write a matmul input (bf16: rounded to bf16 by the kernel itself); the
+                     layernorm adds a residual into its input first where given (one pass)
   mm_input           the copy of an fp32 activation a matmul reads (bf16: a cast; fp32: itself)
   cast_layer         before a layer runs: the layer's weights in the matmul precision (bf16 after
                      layer_weights(): cast into one layer's buffer now, unless hold() cast every
@@ -87,8 +88,8 @@ class Fp32Ops:
     def params_changed(self):
         pass
 
-    def layernorm(self, out, mean, rstd, x, w, b, N, C, nt):
-        self.k.layers.layernorm_forward(out, mean, rstd, x, w, b, N, C, nt)
+    def layernorm(self, out, mean, rstd, x, w, b, N, C, nt, residual=None):
+        self.k.layers.layernorm_forward(out, mean, rstd, x, w, b, N, C, nt, residual=residual)
 
     def gelu(self, out, x, n, nt):
         self.k.layers.gelu_forward(out, x, n, nt)
@@ -249,8 +250,8 @@ class Bf16Ops(Fp32Ops):
     def params_changed(self):
         self.lw_layer, self.held = -1, None
 
-    def layernorm(self, out, mean, rstd, x, w, b, N, C, nt):
-        self.k.layers.layernorm_forward_bf16(out, mean, rstd, x, w, b, N, C, nt)
+    def layernorm(self, out, mean, rstd, x, w, b, N, C, nt, residual=None):
+        self.k.layers.layernorm_forward_bf16(out, mean, rstd, x, w, b, N, C, nt, residual=residual)
 
     def gelu(self, out, x, n, nt):
         self.k.layers.gelu_forward_bf16(out, x, n, nt)
