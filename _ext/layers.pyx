@@ -209,6 +209,23 @@ cdef void _layernorm_backward(float* dinp, float* dweight, float* dbias, const f
         _layernorm_dparams_chunk(dweight, dbias, dout, inp, mean, rstd, N, C, c0, c1)
 
 
+cdef int _check_layernorm_backward(float[::1] dinp, float[::1] dweight, float[::1] dbias, const float[::1] dout,
+                                   const float[::1] inp, const float[::1] weight, const float[::1] mean,
+                                   const float[::1] rstd, int N, int C, int n_threads) except -1:
+    check_threads(n_threads)
+    check_positive("N", N); check_positive("C", C)
+    check_len("dinp", dinp.shape[0], <Py_ssize_t>N * C)
+    check_len("dweight", dweight.shape[0], C)
+    check_len("dbias", dbias.shape[0], C)
+    check_len("dout", dout.shape[0], <Py_ssize_t>N * C)
+    check_len("inp", inp.shape[0], <Py_ssize_t>N * C)
+    check_len("weight", weight.shape[0], C)
+    check_len("mean", mean.shape[0], N)
+    check_len("rstd", rstd.shape[0], N)
+    check_disjoint("dinp", &dinp[0], <Py_ssize_t>N * C, "dout", &dout[0], <Py_ssize_t>N * C)
+    return 0
+
+
 # bf16's fused layernorm backward: each task of LN_FUSED_ROWS rows sums its rows' terms of the
 # parameter gradients (and of the next GEMM's bias gradient) in row order into its own partials,
 # which are then added task by task in order: the same bits at any thread count. The partials
@@ -268,17 +285,7 @@ def layernorm_backward_bf16(float[::1] dinp, float[::1] dweight, float[::1] dbia
     cdef float* dnp = NULL
     cdef double* part
     cdef bint own = False
-    check_threads(n_threads)
-    check_positive("N", N); check_positive("C", C)
-    check_len("dinp", dinp.shape[0], <Py_ssize_t>N * C)
-    check_len("dweight", dweight.shape[0], C)
-    check_len("dbias", dbias.shape[0], C)
-    check_len("dout", dout.shape[0], <Py_ssize_t>N * C)
-    check_len("inp", inp.shape[0], <Py_ssize_t>N * C)
-    check_len("weight", weight.shape[0], C)
-    check_len("mean", mean.shape[0], N)
-    check_len("rstd", rstd.shape[0], N)
-    check_disjoint("dinp", &dinp[0], <Py_ssize_t>N * C, "dout", &dout[0], <Py_ssize_t>N * C)
+    _check_layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C, n_threads)
     if dbias_next is not None and dinp16 is None:
         raise ValueError("dbias_next is summed in the pass that writes dinp16: pass dinp16 too")
     if dinp16 is not None:
@@ -557,17 +564,7 @@ def layernorm_backward(float[::1] dinp, float[::1] dweight, float[::1] dbias, co
                        const float[::1] inp, const float[::1] weight, const float[::1] mean,
                        const float[::1] rstd, int N, int C, int n_threads=1):
     """Accumulate: dinp (N,C), dweight (C), dbias (C) += gradients. dinp must not alias dout."""
-    check_threads(n_threads)
-    check_positive("N", N); check_positive("C", C)
-    check_len("dinp", dinp.shape[0], <Py_ssize_t>N * C)
-    check_len("dweight", dweight.shape[0], C)
-    check_len("dbias", dbias.shape[0], C)
-    check_len("dout", dout.shape[0], <Py_ssize_t>N * C)
-    check_len("inp", inp.shape[0], <Py_ssize_t>N * C)
-    check_len("weight", weight.shape[0], C)
-    check_len("mean", mean.shape[0], N)
-    check_len("rstd", rstd.shape[0], N)
-    check_disjoint("dinp", &dinp[0], <Py_ssize_t>N * C, "dout", &dout[0], <Py_ssize_t>N * C)
+    _check_layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, N, C, n_threads)
     n_threads = eff_threads(n_threads, <Py_ssize_t>N * C, _grain)
     with nogil:
         _layernorm_backward(&dinp[0], &dweight[0], &dbias[0], &dout[0], &inp[0], &weight[0],
