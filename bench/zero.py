@@ -193,7 +193,7 @@ def alternating_steps(a, levels):
         for r in (levels if k % 2 == 0 else levels[::-1]):
             m = models[r]
             t0 = time.perf_counter()
-            m.zero_grad()
+            m.zero_grad(lazy=True)
             m.forward(x[:, :T], x[:, 1:], loss_scale=1.0)
             m.backward()
             norm = m.grad_norm()

@@ -517,9 +517,9 @@ class GPT2:
                 self._scratch["dbig"] = np.zeros(BT * 4 * C, np.float32)
             else:
                 # dbig (the fcproj backward's bf16 d(gelu)), dout16 (every backward GEMM's bf16
-                # dout; d(fch) too: gelu_backward writes it there) and the lm head's dlogits staged LMHEAD_GRAD_ROWS rows at a time, in the buffer a
-                # training plan allocated (_bwd16_layout): the staging is done with before the
-                # first layer's backward
+                # dout; d(fch) too: gelu_backward writes it there) and the lm head's dlogits staged
+                # LMHEAD_GRAD_ROWS rows at a time, in the buffer a training plan allocated
+                # (_bwd16_layout): the staging is done with before the first layer's backward
                 lay, buf, nbig = self._bwd16_layout(BT, self.plan.recompute), self._bwd16, BT * 4 * C
                 self._scratch.update(dbig=buf[:nbig], dout16=buf[nbig:2 * nbig],
                                      dlogits16=buf[:lay["n16"]])
@@ -797,8 +797,9 @@ class GPT2:
         return b
 
     def zero_grad(self, lazy=False):
-        """Set grads to 0 before a step's backward. Free right after update(zero_grads=True),
-        whose AdamW pass already cleared them (grads_known_zero); otherwise (the first step, a
+        """Set grads to 0 before a step's backward. Free right after fp32's update(zero_grads=True),
+        whose AdamW pass already cleared them (grads_known_zero; after bf16's, which writes no
+        zeros, lazy=True is free and a plain call fills); otherwise (the first step, a
         skipped or refused update, grads written by backward since) one fill over the buffer. Code
         that writes grads other than through backward() must do it after zero_grad(), not between
         update() and it.
