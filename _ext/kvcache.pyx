@@ -19,9 +19,12 @@ Layouts (flat float32, C order):
           positions below lengths[b] are row rows[b]'s there, and its own cache holds positions
           lengths[b] on, from index 0
 Every query is computed by one thread start to finish, so results do not depend on the
-thread count. The per-query kernel is the vector form of the loops below the CPU runs best,
-picked at import: kvcache_avx512.h's on CPUs with AVX-512, kvcache_avx2.h's on those with AVX2
-and FMA (set_isa picks any, for tests); results agree to float32 rounding, not bits.
+thread count. The kernel is the vector form of the loops below the CPU runs best, picked at
+import: kvcache_avx512.h's on CPUs with AVX-512, kvcache_avx2.h's on those with AVX2 and FMA
+(set_isa picks any, for tests); results agree to float32 rounding, not bits. The AVX-512 copy
+takes up to LLMCTL_KV_QB consecutive queries of a row and head at once and reads each key once
+for them all (a prompt's queries: HellaSwag's contexts and endings); each query still gets the
+bits it gets alone, as a decode step computes it.
 """
 from cython.parallel cimport prange
 from libc.math cimport expf, sqrtf
@@ -35,9 +38,12 @@ from _openmp cimport omp_get_thread_num
 # C-level kernels
 
 cdef extern from "kvcache_avx512.h" nogil:
+    int LLMCTL_KV_QB
+    long llmctl_kv_scratch_floats(long nkeys)
     int llmctl_kv_avx512_runs()
-    void llmctl_kv_attend_avx512(float* out, const float* q, const float* kp, const float* vp, int np,
-                                 const float* k, const float* v, int n, int hs, float scale, float* scores)
+    void llmctl_kv_attend_avx512(float* out, long out_stride, const float* q, long q_stride, int nq,
+                                 const float* kp, const float* vp, int np, const float* k, const float* v,
+                                 int n, int hs, float scale, float* scratch)
 
 cdef extern from "kvcache_avx2.h" nogil:
     int llmctl_kv_avx2_runs()
@@ -60,21 +66,23 @@ cdef enum:
     MAX_HS = 512   # largest head size the attention kernel accepts (GPT-2/3 use 64..128)
 
 cdef void kvcache_append(float* kcache, float* vcache, const float* qkv, const int* pos,
-                         int B, int Tq, int C, int NH, int Tcap) noexcept nogil:
-    # copy the k and v parts of qkv (B,Tq,3C) into the caches (B,NH,Tcap,hs) at pos[b] + t
+                         int B, int Tq, int C, int NH, int Tcap, int n_threads) noexcept nogil:
+    # copy the k and v parts of qkv (B,Tq,3C) into the caches (B,NH,Tcap,hs) at pos[b] + t, the
+    # rows split over the threads
     cdef int hs = C // NH
     cdef int b, t, h
-    cdef long p
+    cdef long r, p
     cdef const float* src
-    for b in range(B):
-        for t in range(Tq):
-            p = pos[b] + t
-            src = qkv + (<long>b * Tq + t) * 3 * C
-            for h in range(NH):
-                memcpy(kcache + ((<long>b * NH + h) * Tcap + p) * hs, src + C + h * hs,
-                       hs * sizeof(float))
-                memcpy(vcache + ((<long>b * NH + h) * Tcap + p) * hs, src + 2 * C + h * hs,
-                       hs * sizeof(float))
+    for r in prange(<long>B * Tq, schedule='static', num_threads=n_threads):
+        b = <int>(r // Tq)
+        t = <int>(r % Tq)
+        p = pos[b] + t
+        src = qkv + r * 3 * C
+        for h in range(NH):
+            memcpy(kcache + ((<long>b * NH + h) * Tcap + p) * hs, src + C + h * hs,
+                   hs * sizeof(float))
+            memcpy(vcache + ((<long>b * NH + h) * Tcap + p) * hs, src + 2 * C + h * hs,
+                   hs * sizeof(float))
 
 
 cdef inline float _dot(const float* a, const float* b, int n) noexcept nogil:
@@ -148,24 +156,34 @@ cdef int attention_cached_forward(float* out, const float* qkv, const float* kca
     # (kvcache_append). Returns -1 if out of memory.
     cdef int hs = C // NH
     cdef float scale = 1.0 / sqrtf(<float>hs)
-    cdef long total = <long>B * NH * Tq
+    # queries go in blocks of LLMCTL_KV_QB consecutive positions of one row and head: the AVX-512
+    # copy reads each key once for the block; the others take its queries one by one
+    cdef int QB = LLMCTL_KV_QB
+    cdef int nblk = (Tq + QB - 1) // QB
+    cdef long total = <long>B * NH * nblk
     cdef long idx, row = (Tcap + Tp + 15) // 16 * 16
-    cdef int b, h, t, npre
+    cdef int b, h, t, t0, nq, npre
     cdef const float* kp
     cdef const float* vp
+    cdef const float* kc
+    cdef const float* vc
     cdef attend_fn attend = _attend_one
     if _isa == 2:
-        attend = llmctl_kv_attend_avx512
+        row = llmctl_kv_scratch_floats(Tcap + Tp)
     elif _isa == 1:
         attend = llmctl_kv_attend_avx2
-    # one score row (every key a query can see, Tp + Tcap, rounded up to whole vectors) per thread
+    # per thread: one score row (every key a query can see, Tp + Tcap, rounded up to whole
+    # vectors), or the AVX-512 copy's scratch for a block
     cdef float* scratch = <float*>malloc(<size_t>n_threads * row * sizeof(float))
     if scratch == NULL:
         return -1
     for idx in prange(total, schedule='static', num_threads=n_threads):
-        b = <int>(idx // (NH * Tq))
-        h = <int>((idx // Tq) % NH)
-        t = <int>(idx % Tq)
+        b = <int>(idx // (NH * nblk))
+        h = <int>((idx // nblk) % NH)
+        t0 = <int>(idx % nblk) * QB
+        nq = Tq - t0
+        if nq > QB:
+            nq = QB
         npre = 0
         kp = kcache
         vp = vcache
@@ -173,9 +191,18 @@ cdef int attention_cached_forward(float* out, const float* qkv, const float* kca
             npre = pre_len[b]
             kp = kpre + (<long>pre_row[b] * NH + h) * Tp * hs
             vp = vpre + (<long>pre_row[b] * NH + h) * Tp * hs
-        attend(out + (<long>b * Tq + t) * C + h * hs, qkv + (<long>b * Tq + t) * 3 * C + h * hs,
-               kp, vp, npre, kcache + (<long>b * NH + h) * Tcap * hs, vcache + (<long>b * NH + h) * Tcap * hs,
-               pos[b] + t + 1, hs, scale, scratch + <long>omp_get_thread_num() * row)
+        kc = kcache + (<long>b * NH + h) * Tcap * hs
+        vc = vcache + (<long>b * NH + h) * Tcap * hs
+        if _isa == 2:
+            llmctl_kv_attend_avx512(out + (<long>b * Tq + t0) * C + h * hs, C,
+                                    qkv + (<long>b * Tq + t0) * 3 * C + h * hs, 3 * C, nq,
+                                    kp, vp, npre, kc, vc, pos[b] + t0 + 1, hs, scale,
+                                    scratch + <long>omp_get_thread_num() * row)
+        else:
+            for t in range(t0, t0 + nq):
+                attend(out + (<long>b * Tq + t) * C + h * hs, qkv + (<long>b * Tq + t) * 3 * C + h * hs,
+                       kp, vp, npre, kc, vc, pos[b] + t + 1, hs, scale,
+                       scratch + <long>omp_get_thread_num() * row)
     free(scratch)
     return 0
 
@@ -228,15 +255,17 @@ def _check_dims(int B, int Tq, int C, int NH, int Tcap):
 
 
 def kvcache_append_forward(float[::1] kcache, float[::1] vcache, const float[::1] qkv,
-                           const int[::1] pos, int B, int Tq, int C, int NH, int Tcap):
+                           const int[::1] pos, int B, int Tq, int C, int NH, int Tcap, int n_threads=1):
     """Write the K and V of qkv (B,Tq,3C) into kcache/vcache (B,NH,Tcap,hs) at pos[b] + t."""
     _check_dims(B, Tq, C, NH, Tcap)
     _check("kcache", kcache.shape[0], <Py_ssize_t>B * Tcap * C)
     _check("vcache", vcache.shape[0], <Py_ssize_t>B * Tcap * C)
     _check("qkv", qkv.shape[0], <Py_ssize_t>B * Tq * 3 * C)
     _check_pos(pos, B, Tq, Tcap)
+    if n_threads < 1:
+        raise ValueError("n_threads must be >= 1")
     with nogil:
-        kvcache_append(&kcache[0], &vcache[0], &qkv[0], &pos[0], B, Tq, C, NH, Tcap)
+        kvcache_append(&kcache[0], &vcache[0], &qkv[0], &pos[0], B, Tq, C, NH, Tcap, n_threads)
 
 
 def attention_cached(float[::1] out, const float[::1] qkv, const float[::1] kcache,

@@ -1,21 +1,37 @@
-/* AVX-512 form of kvcache.pyx's _attend_one: one query against n cached keys/values (rows of hs
+/* AVX-512 form of kvcache.pyx's _attend_one: a query against n cached keys/values (rows of hs
  * floats), as llm.c's attention_forward computes a row (scale 1/sqrt(hs), softmax with
- * exp(x - max), the max starting at -10000, a multiply by 1/sum, out = sum_j att_j v_j).
+ * exp(x - max), the max starting at -10000, a multiply by 1/sum, out = sum_j att_j v_j), for up
+ * to LLMCTL_KV_QB queries of one head at consecutive positions at once.
  *
  * What differs from the plain loops: each dot product is one vector FMA chain over hs and a
- * horizontal sum, four keys at a time; the exp is mathf_avx512.h's (mathf.h's with FMAs)
- * (1-2 ulp, where the plain loops call libm's expf); the sum of the exps keeps 16 lane partials.
- * So results differ from the plain loops' in the last bits (tests/test_sample.py holds both to
- * a float64 reference). Every query is still computed by one thread, whole.
+ * horizontal sum (GCC's _mm512_reduce_add_ps tree); the exp is mathf_avx512.h's (mathf.h's with
+ * FMAs) (1-2 ulp, where the plain loops call libm's expf); the sum of the exps keeps 16 lane
+ * partials; the weighted sum of the values adds even and odd keys apart. So results differ from
+ * the plain loops' in the last bits (tests/test_sample.py holds both to a float64 reference).
+ * Every query is still computed by one thread, whole, and alone: its bits do not depend on the
+ * other queries of the call (a prompt's rows, a decode step's one).
+ *
+ * How it is fast: the queries of a block read each key and value once between them (from L2
+ * for the first, then L1: a query at a time streamed every key from L2); sixteen keys' dot
+ * products run side by side and one shuffle network reduces all sixteen (the adds of sixteen
+ * reductions, in fewer instructions); the values' sum runs eight independent chains. Against
+ * the query-at-a-time loops: 1.5-2x on a prompt's attention (docs/performance.md).
  */
 #ifndef LLMCTL_KVCACHE_AVX512_H
 #define LLMCTL_KVCACHE_AVX512_H
+
+/* the most queries llmctl_kv_attend_avx512 takes in a call, and the floats of scratch it needs
+   where no query sees more than nkeys keys: each query's scores, and its value sums' accumulators */
+#define LLMCTL_KV_QB 8
+static inline long llmctl_kv_scratch_floats(long nkeys)
+{
+    return LLMCTL_KV_QB * ((nkeys + 15) / 16 * 16 + 128);
+}
 #include <math.h>
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(LLMCTL_NO_AVX_DISPATCH) && __GNUC__ >= 11
 #include <immintrin.h>
 #include "mathf_avx512.h"
-#include "kvcache_row.h"
 #define LLMCTL_KV_AVX512 1
 #define LLMCTL_KV_TGT __attribute__((target("avx512f")))
 
@@ -32,80 +48,191 @@ static inline __mmask16 llmctl_kv_tail(int hs)
     return r ? (__mmask16)((1u << r) - 1) : (__mmask16)0xFFFF;
 }
 
-/* q . k_j for one key, hs in chunks of 16 */
-LLMCTL_KV_TGT static inline __m512 llmctl_kv_dot16(const float* q, const float* k, int hs, __mmask16 tail)
+/* rows of the cnt keys (or values) numbered j0 .. j0+cnt-1: the prefix's rows (kp) below np, the
+ * row's own cache (k) from np on */
+static inline const float* llmctl_kv_row(const float* kp, int np, const float* k, int j, int hs)
 {
-    __m512 s = _mm512_setzero_ps();
-    int i = 0;
-    for (; i + 16 < hs; i += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(k + i), s);
-    return _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, q + i), _mm512_maskz_loadu_ps(tail, k + i), s);
+    return j < np ? kp + (long)j * hs : k + (long)(j - np) * hs;
 }
 
-/* sc[j] = (q . key j) * scale for the cnt keys at rows 0 .. cnt-1 of k; four independent
- * chains, then one reduce each (a key's score does not depend on its neighbours) */
-LLMCTL_KV_TGT static inline void llmctl_kv_scores16(float* sc, const float* q, const float* k, int cnt, int hs,
-                                                    float scale, __mmask16 tail)
+/* one vector r with r[j] = _mm512_reduce_add_ps(a[j]) for 16 vectors a, each lane's sums in GCC's
+ * tree for one vector (its 256-bit halves, then 128-bit quarters, then the pairs (0, 2) and
+ * (1, 3), then those two), the same adds with the same operands, so the same bits: four levels
+ * of shuffles that pair up two vectors' parts at a time, then one permute into key order. */
+LLMCTL_KV_TGT static inline __m512 llmctl_kv_reduce16x16(const __m512* a)
 {
-    int j = 0;
-    for (; j + 4 <= cnt; j += 4) {
-        __m512 s0 = llmctl_kv_dot16(q, k + (long)j * hs, hs, tail);
-        __m512 s1 = llmctl_kv_dot16(q, k + (long)(j + 1) * hs, hs, tail);
-        __m512 s2 = llmctl_kv_dot16(q, k + (long)(j + 2) * hs, hs, tail);
-        __m512 s3 = llmctl_kv_dot16(q, k + (long)(j + 3) * hs, hs, tail);
-        sc[j] = _mm512_reduce_add_ps(s0) * scale;
-        sc[j + 1] = _mm512_reduce_add_ps(s1) * scale;
-        sc[j + 2] = _mm512_reduce_add_ps(s2) * scale;
-        sc[j + 3] = _mm512_reduce_add_ps(s3) * scale;
+    __m512 b[8], c[4], d[2], e;
+    for (int m = 0; m < 8; m++)   /* keys 2m, 2m+1: lanes i and i + 8 */
+        b[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0xEE),
+                             _mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0x44));
+    for (int m = 0; m < 4; m++)   /* keys 4m .. 4m+3 in the 128-bit quarters: lanes i and i + 4 */
+        c[m] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * m], b[2 * m + 1], 0xDD),
+                             _mm512_shuffle_f32x4(b[2 * m], b[2 * m + 1], 0x88));
+    for (int m = 0; m < 2; m++)   /* quarter k: keys 8m+k, 8m+4+k, two lanes each: (0, 2) and (1, 3) */
+        d[m] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * m], c[2 * m + 1], 0x44),
+                             _mm512_shuffle_ps(c[2 * m], c[2 * m + 1], 0xEE));
+    /* element 4k + m: key k + 4m */
+    e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), e);
+}
+
+/* the rows of keys (or values) j0 .. j0+15: those at or past n are row j0 (read, then masked) */
+static inline void llmctl_kv_rows16(const float** r, const float* kp, int np, const float* k, int j0, int n, int hs)
+{
+    for (int jj = 0; jj < 16; jj++) r[jj] = llmctl_kv_row(kp, np, k, j0 + jj < n ? j0 + jj : j0, hs);
+}
+
+/* (q . key jj) * scale for the 16 keys at kr (those from cnt on: -inf), each dot product the FMA
+ * chain over hs's chunks of 16 that a one-key loop runs (the last chunk masked), sixteen keys'
+ * chains independent, then one reduction of the sixteen */
+LLMCTL_KV_TGT static inline __m512 llmctl_kv_scores16(const float* q, const float* const* kr, int cnt, int hs,
+                                                      float scale, __mmask16 tail)
+{
+    __m512 a[16];
+    if (hs == 64) {   /* GPT-2's heads: the chains unrolled, the query in registers (the same adds) */
+        __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16), q2 = _mm512_loadu_ps(q + 32),
+               q3 = _mm512_loadu_ps(q + 48);
+#pragma GCC unroll 16
+        for (int jj = 0; jj < 16; jj++) {
+            const float* r = kr[jj];
+            __m512 s = _mm512_fmadd_ps(q0, _mm512_loadu_ps(r), _mm512_setzero_ps());
+            s = _mm512_fmadd_ps(q1, _mm512_loadu_ps(r + 16), s);
+            s = _mm512_fmadd_ps(q2, _mm512_loadu_ps(r + 32), s);
+            a[jj] = _mm512_fmadd_ps(q3, _mm512_loadu_ps(r + 48), s);
+        }
+    } else {
+#pragma GCC unroll 16
+        for (int jj = 0; jj < 16; jj++) {
+            const float* r = kr[jj];
+            __m512 s = _mm512_setzero_ps();
+            int i = 0;
+            for (; i + 16 < hs; i += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(r + i), s);
+            a[jj] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, q + i), _mm512_maskz_loadu_ps(tail, r + i), s);
+        }
     }
-    for (; j < cnt; j++) sc[j] = _mm512_reduce_add_ps(llmctl_kv_dot16(q, k + (long)j * hs, hs, tail)) * scale;
+    return _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), (__mmask16)((1u << cnt) - 1u),
+                              _mm512_mul_ps(llmctl_kv_reduce16x16(a), _mm512_set1_ps(scale)));
 }
 
-/* columns i .. i+15 of the weighted sum of a segment's values (kvcache_row.h) */
-#define LLMCTL_KV_LOADM16(p, m) _mm512_maskz_loadu_ps(m, p)
-LLMCTL_KV_PV_SEGMENT(llmctl_kv_pv16, LLMCTL_KV_TGT, __m512, __mmask16, _mm512_set1_ps, LLMCTL_KV_LOADM16, _mm512_fmadd_ps)
+/* columns i .. i+63 of one query's weighted sum of the values over keys j .. jend-1 (j even), even
+ * keys into a0 and odd ones into a1 per 16 columns; vr: the rows of keys j0 ..; LOAD(p, c) loads
+ * chunk c of the 64 columns at p */
+#define LLMCTL_KV_PV64(LOAD)                                                                        \
+    for (; j + 2 <= jend; j += 2) {                                                                 \
+        const float* r0 = vr[j - j0] + i;                                                           \
+        const float* r1 = vr[j - j0 + 1] + i;                                                       \
+        __m512 p0 = _mm512_set1_ps(sc[j]), p1 = _mm512_set1_ps(sc[j + 1]);                          \
+        _Pragma("GCC unroll 4")                                                                     \
+        for (int c = 0; c < 4; c++) {                                                               \
+            a0[c] = _mm512_fmadd_ps(p0, LOAD(r0, c), a0[c]);                                        \
+            a1[c] = _mm512_fmadd_ps(p1, LOAD(r1, c), a1[c]);                                        \
+        }                                                                                           \
+    }                                                                                               \
+    if (j < jend) {                                                                                 \
+        const float* r0 = vr[j - j0] + i;                                                           \
+        __m512 p0 = _mm512_set1_ps(sc[j]);                                                          \
+        _Pragma("GCC unroll 4")                                                                     \
+        for (int c = 0; c < 4; c++) a0[c] = _mm512_fmadd_ps(p0, LOAD(r0, c), a0[c]);                \
+    }
+#define LLMCTL_KV_LOAD_FULL(r, c) _mm512_loadu_ps((r) + 16 * (c))
+#define LLMCTL_KV_LOAD_MASKED(r, c) _mm512_maskz_loadu_ps(m[c], (r) + 16 * (c))
 
-/* out (hs) = softmax(q K^T / sqrt(hs)) V over n keys; scores: scratch of n rounded up to 16.
+/* out = softmax(q K^T / sqrt(hs)) V for nq <= LLMCTL_KV_QB queries of one head at consecutive
+ * positions: query i (row i of q, q_stride floats apart; of out, out_stride apart) sees n + i keys.
  * Keys/values 0 .. np-1 are rows of kp/vp (a shared prefix: np = 0 when there is none), the rest
  * rows of k/v from their start (key j at row j - np). Each key's score and its place in the sums
- * depend only on j, so where the keys live changes no bit. */
-LLMCTL_KV_TGT static void llmctl_kv_attend_avx512(float* out, const float* q, const float* kp, const float* vp,
-                                                  int np, const float* k, const float* v,
-                                                  int n, int hs, float scale, float* scores)
+ * depend only on j, so where the keys live changes no bit. scratch: llmctl_kv_scratch_floats.
+ *
+ * Each block of 16 keys is read once for all the queries (from L1 after the first; a query at a
+ * time streamed every key from L2 per query), in three passes: the scores and their maxima, the
+ * exps and their sums per query, the weighted sums of the values 64 columns at a time, even keys
+ * into one accumulator and odd ones into another per 16 columns, then (even + odd) / sum. */
+LLMCTL_KV_TGT static void llmctl_kv_attend_avx512(float* out, long out_stride, const float* q, long q_stride,
+                                                  int nq, const float* kp, const float* vp, int np,
+                                                  const float* k, const float* v, int n, int hs, float scale,
+                                                  float* scratch)
 {
     const __mmask16 tail = llmctl_kv_tail(hs);
-    const int n16 = (n + 15) / 16 * 16;
-    float maxval = -10000.0f, expsum, inv;
-    __m512 mx, sum = _mm512_setzero_ps();
-    int j;
-    if (np > n) np = n;
-    llmctl_kv_scores16(scores, q, kp, np, hs, scale, tail);
-    llmctl_kv_scores16(scores + np, q, k, n - np, hs, scale, tail);
-    for (j = n; j < n16; j++) scores[j] = -INFINITY;     /* padding lanes: exp gives 0 */
-    mx = _mm512_set1_ps(maxval);
-    for (j = 0; j < n16; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(scores + j));
-    maxval = _mm512_reduce_max_ps(mx);
-    mx = _mm512_set1_ps(maxval);
-    for (j = 0; j < n16; j += 16) {
-        __m512 e = llmctl_expf16(_mm512_sub_ps(_mm512_loadu_ps(scores + j), mx));
-        _mm512_storeu_ps(scores + j, e);
-        sum = _mm512_add_ps(sum, e);
+    const int nmax = n + nq - 1, row = (nmax + 15) / 16 * 16;
+    float* acc = scratch + (long)LLMCTL_KV_QB * row;
+    float inv[LLMCTL_KV_QB];
+    __m512 mx[LLMCTL_KV_QB];
+    const float* kr[16];
+    int j0, j, qi;
+    if (np > nmax) np = nmax;
+    for (qi = 0; qi < nq; qi++) mx[qi] = _mm512_set1_ps(-10000.0f);
+    for (j0 = 0; j0 < nmax; j0 += 16) {
+        llmctl_kv_rows16(kr, kp, np, k, j0, nmax, hs);
+        for (qi = j0 < n ? 0 : j0 - n + 1; qi < nq; qi++)   /* the queries that see key j0 */ {
+            int cnt = n + qi - j0 < 16 ? n + qi - j0 : 16;
+            __m512 s = llmctl_kv_scores16(q + qi * q_stride, kr, cnt, hs, scale, tail);
+            _mm512_storeu_ps(scratch + (long)qi * row + j0, s);
+            mx[qi] = _mm512_max_ps(mx[qi], s);
+        }
     }
-    expsum = _mm512_reduce_add_ps(sum);
-    inv = expsum != 0.0f ? 1.0f / expsum : 0.0f;
-    for (int i = 0; i < hs; i += 16) {   /* 16 output columns at a time, down the keys */
-        __mmask16 m = i + 16 <= hs ? (__mmask16)0xFFFF : tail;
-        __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-        llmctl_kv_pv16(&acc0, &acc1, scores, vp, np, 0, hs, i, m);
-        llmctl_kv_pv16(&acc0, &acc1, scores + np, v, n - np, np & 1, hs, i, m);
-        _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(_mm512_add_ps(acc0, acc1), _mm512_set1_ps(inv)));
+    for (qi = 0; qi < nq; qi++) {
+        float* sc = scratch + (long)qi * row;
+        __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx[qi])), sum = _mm512_setzero_ps();
+        float expsum;
+        for (j = 0; j < n + qi; j += 16) {
+            __m512 e = llmctl_expf16(_mm512_sub_ps(_mm512_loadu_ps(sc + j), m));
+            _mm512_storeu_ps(sc + j, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        expsum = _mm512_reduce_add_ps(sum);
+        inv[qi] = expsum != 0.0f ? 1.0f / expsum : 0.0f;
+    }
+    for (int i = 0; i < hs; i += 64) {
+        __mmask16 m[4];
+        for (int c = 0; c < 4; c++) {
+            int lo = i + 16 * c;
+            m[c] = lo + 16 <= hs ? (__mmask16)0xFFFF : lo < hs ? tail : (__mmask16)0;
+        }
+        for (j0 = 0; j0 < nmax; j0 += 16) {
+            llmctl_kv_rows16(kr, vp, np, v, j0, nmax, hs);
+            const float* const* vr = kr;
+            for (qi = j0 < n ? 0 : j0 - n + 1; qi < nq; qi++) {
+                const float* sc = scratch + (long)qi * row;
+                float* ac = acc + qi * 128;
+                int jend = j0 + 16 < n + qi ? j0 + 16 : n + qi;
+                __m512 a0[4], a1[4];
+#pragma GCC unroll 4
+                for (int c = 0; c < 4; c++) {
+                    a0[c] = j0 ? _mm512_loadu_ps(ac + 16 * c) : _mm512_setzero_ps();
+                    a1[c] = j0 ? _mm512_loadu_ps(ac + 64 + 16 * c) : _mm512_setzero_ps();
+                }
+                j = j0;
+                if (i + 64 <= hs) {   /* whole chunks (GPT-2's heads: hs = 64) */
+                    LLMCTL_KV_PV64(LLMCTL_KV_LOAD_FULL)
+                } else {              /* zeros past hs */
+                    LLMCTL_KV_PV64(LLMCTL_KV_LOAD_MASKED)
+                }
+#pragma GCC unroll 4
+                for (int c = 0; c < 4; c++) {
+                    _mm512_storeu_ps(ac + 16 * c, a0[c]);
+                    _mm512_storeu_ps(ac + 64 + 16 * c, a1[c]);
+                }
+            }
+        }
+        for (qi = 0; qi < nq; qi++) {
+            const float* ac = acc + qi * 128;
+            __m512 vinv = _mm512_set1_ps(inv[qi]);
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++)
+                _mm512_mask_storeu_ps(out + qi * out_stride + i + 16 * c, m[c],
+                                      _mm512_mul_ps(_mm512_add_ps(_mm512_loadu_ps(ac + 16 * c),
+                                                                  _mm512_loadu_ps(ac + 64 + 16 * c)), vinv));
+        }
     }
 }
 #else   /* no AVX-512 copy in this build: never called, as llmctl_kv_avx512_runs() says 0 */
 static int llmctl_kv_avx512_runs(void) { return 0; }
-static void llmctl_kv_attend_avx512(float* out, const float* q, const float* kp, const float* vp, int np,
-                                    const float* k, const float* v, int n, int hs, float scale, float* scores)
+static void llmctl_kv_attend_avx512(float* out, long out_stride, const float* q, long q_stride, int nq,
+                                    const float* kp, const float* vp, int np, const float* k, const float* v,
+                                    int n, int hs, float scale, float* scratch)
 {
-    (void)out; (void)q; (void)kp; (void)vp; (void)np; (void)k; (void)v; (void)n; (void)hs; (void)scale; (void)scores;
+    (void)out; (void)out_stride; (void)q; (void)q_stride; (void)nq; (void)kp; (void)vp; (void)np; (void)k;
+    (void)v; (void)n; (void)hs; (void)scale; (void)scratch;
 }
 #endif
 #endif /* LLMCTL_KVCACHE_AVX512_H */

@@ -143,6 +143,81 @@ def test_attention_cached_prefix_gives_the_bits_of_one_cache(hs, threads, kv_isa
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("hs,Tq,threads", [(64, 21, 2), (64, 17, 1), (20, 11, 2), (40, 9, 1)])
+def test_attention_cached_query_gives_the_bits_of_itself_alone(hs, Tq, threads, kv_isa):
+    # a prompt's queries run in blocks that share each key's reads (the AVX-512 copy): every query
+    # must still get the bits it gets alone, as a decode step computes it, wherever it falls in
+    # its block, with or without a prefix, for rows of different pasts
+    from llmctl._ext.kvcache import attention_cached, kvcache_append_forward
+
+    rng = np.random.default_rng(hs * 100 + Tq)
+    NH, B, P, Tp = 2, 3, 2, 19
+    C = NH * hs
+    qkv = rng.normal(size=(B, Tq, 3 * C)).astype(np.float32) * 2
+    kpre = rng.normal(size=(P, NH, Tp, hs)).astype(np.float32)
+    vpre = rng.normal(size=kpre.shape).astype(np.float32)
+    for prefix in (None, (np.array([1, 0, 1], np.int32), np.array([19, 0, 7], np.int32))):
+        Tcap = Tq + 13
+        pos = np.array([13, 0, 5], np.int32) if prefix is None else prefix[1]
+        kc = rng.normal(size=(B, NH, Tcap, hs)).astype(np.float32)
+        vc = rng.normal(size=kc.shape).astype(np.float32)
+        app = pos if prefix is None else np.zeros(B, np.int32)
+        kvcache_append_forward(kc.reshape(-1), vc.reshape(-1), qkv.reshape(-1), app, B, Tq, C, NH, Tcap, threads)
+        pre = None if prefix is None else (kpre.reshape(-1), vpre.reshape(-1), prefix[0], prefix[1], Tp)
+        whole = np.full((B, Tq, C), np.nan, np.float32)
+        attention_cached(whole.reshape(-1), qkv.reshape(-1), kc.reshape(-1), vc.reshape(-1), pos, B, Tq, C, NH,
+                         Tcap, threads, prefix=pre)
+        np.testing.assert_allclose(whole, _attention_ref(qkv, *_one_cache(kc, vc, kpre, vpre, prefix, Tcap + Tp),
+                                                         pos, NH), atol=1e-5, rtol=1e-5)
+        for b in range(B):
+            for t in range(Tq):
+                one = np.full(C, np.nan, np.float32)
+                # row b alone, query t alone: the cache holds its keys up to its own position
+                sub = None if pre is None else (pre[0], pre[1], prefix[0][b:b + 1], prefix[1][b:b + 1], Tp)
+                attention_cached(one, np.ascontiguousarray(qkv[b, t]), np.ascontiguousarray(kc[b]).reshape(-1),
+                                 np.ascontiguousarray(vc[b]).reshape(-1), pos[b:b + 1] + t, 1, 1, C, NH, Tcap, 1,
+                                 prefix=sub)
+                np.testing.assert_array_equal(one, whole[b, t], err_msg=f"row {b}, query {t}")
+
+
+def _one_cache(kc, vc, kpre, vpre, prefix, cap):
+    """The caches of test_attention_cached_query_gives_the_bits_of_itself_alone as one cache per row
+    (the prefix's keys first), for _attention_ref."""
+    if prefix is None:
+        return kc, vc
+    rows, lens = prefix
+    B, NH, Tcap, hs = kc.shape
+    k1, v1 = np.zeros((B, NH, cap, hs), np.float32), np.zeros((B, NH, cap, hs), np.float32)
+    for b in range(B):
+        n = lens[b]
+        k1[b, :, :n], v1[b, :, :n] = kpre[rows[b], :, :n], vpre[rows[b], :, :n]
+        k1[b, :, n:n + Tcap], v1[b, :, n:n + Tcap] = kc[b], vc[b]
+    return k1, v1
+
+
+def test_kvcache_append_threads_write_the_same_caches():
+    from llmctl._ext.kvcache import kvcache_append_forward
+
+    rng = np.random.default_rng(3)
+    B, Tq, NH, hs, Tcap = 3, 37, 4, 16, 50
+    C = NH * hs
+    qkv = rng.normal(size=(B, Tq, 3 * C)).astype(np.float32)
+    pos = np.array([0, 13, 5], np.int32)
+    caches = []
+    for threads in (1, 2):
+        kc, vc = np.full((B, NH, Tcap, hs), np.nan, np.float32), np.full((B, NH, Tcap, hs), np.nan, np.float32)
+        kvcache_append_forward(kc.reshape(-1), vc.reshape(-1), qkv.reshape(-1), pos, B, Tq, C, NH, Tcap, threads)
+        caches.append((kc, vc))
+        for b in range(B):
+            want_k = qkv[b, :, C:2 * C].reshape(Tq, NH, hs).transpose(1, 0, 2)
+            np.testing.assert_array_equal(kc[b, :, pos[b]:pos[b] + Tq], want_k)
+            assert np.isnan(kc[b, :, :pos[b]]).all() and np.isnan(vc[b, :, pos[b] + Tq:]).all()
+    np.testing.assert_array_equal(caches[0][0], caches[1][0])
+    np.testing.assert_array_equal(caches[0][1], caches[1][1])
+    with pytest.raises(ValueError, match="n_threads"):
+        kvcache_append_forward(kc.reshape(-1), vc.reshape(-1), qkv.reshape(-1), pos, B, Tq, C, NH, Tcap, 0)
+
+
 def test_attention_cached_rejects_a_bad_prefix():
     from llmctl._ext.kvcache import attention_cached
 

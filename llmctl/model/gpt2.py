@@ -602,7 +602,6 @@ class GPT2:
         KV = self.kernels.kvcache
         kf, vf = k.reshape(-1), v.reshape(-1)
         qkv, atty = qkv[:part.rows * 3 * C], atty[:part.rows * C]
-        KV.kvcache_append_forward(kf, vf, qkv, part.append_pos, B, T, C, NH, Tcap)
         # the cache is read from memory (the matmuls in between evict it): two threads read
         # it faster once it holds a few hundred KB (d12: a capacity of 86 positions or more).
         # Not where the one-row matmuls run on NumPy's BLAS (fp32): an OpenMP region between
@@ -610,6 +609,7 @@ class GPT2:
         span = Tcap + (0 if pre is None else pre[4])
         small = self.ops.gemv_on_openmp and B * span * C >= _MIN_PARALLEL
         nta = nt if small or part.rows * span * C >= _MIN_PARALLEL * 16 else 1
+        KV.kvcache_append_forward(kf, vf, qkv, part.append_pos, B, T, C, NH, Tcap, nta)
         if pre is not None:
             pre = (pre[0].reshape(-1), pre[1].reshape(-1)) + pre[2:]
         KV.attention_cached(atty, qkv, kf, vf, pos, B, T, C, NH, Tcap, nta, prefix=pre)
