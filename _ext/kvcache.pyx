@@ -21,8 +21,8 @@ Layouts (flat float32, C order):
 Every query is computed by one thread start to finish, so results do not depend on the
 thread count. The kernel is the vector form of the loops below the CPU runs best, picked at
 import: kvcache_avx512.h's on CPUs with AVX-512, kvcache_avx2.h's on those with AVX2 and FMA
-(set_isa picks any, for tests); results agree to float32 rounding, not bits. The AVX-512 copy
-takes up to LLMCTL_KV_QB consecutive queries of a row and head at once and reads each key once
+(set_isa picks any, for tests); results agree to float32 rounding, not bits. The vector copies
+take up to LLMCTL_KV_QB consecutive queries of a row and head at once and read each key once
 for them all (a prompt's queries: HellaSwag's contexts and endings); each query still gets the
 bits it gets alone, as a decode step computes it.
 """
@@ -37,9 +37,11 @@ from _openmp cimport omp_get_thread_num
 # ----------------------------------------------------------------------------------------------
 # C-level kernels
 
-cdef extern from "kvcache_avx512.h" nogil:
+cdef extern from "kvcache_row.h" nogil:
     int LLMCTL_KV_QB
     long llmctl_kv_scratch_floats(long nkeys)
+
+cdef extern from "kvcache_avx512.h" nogil:
     int llmctl_kv_avx512_runs()
     void llmctl_kv_attend_avx512(float* out, long out_stride, const float* q, long q_stride, int nq,
                                  const float* kp, const float* vp, int np, const float* k, const float* v,
@@ -47,14 +49,16 @@ cdef extern from "kvcache_avx512.h" nogil:
 
 cdef extern from "kvcache_avx2.h" nogil:
     int llmctl_kv_avx2_runs()
-    void llmctl_kv_attend_avx2(float* out, const float* q, const float* kp, const float* vp, int np,
-                               const float* k, const float* v, int n, int hs, float scale, float* scores)
+    void llmctl_kv_attend_avx2(float* out, long out_stride, const float* q, long q_stride, int nq,
+                               const float* kp, const float* vp, int np, const float* k, const float* v,
+                               int n, int hs, float scale, float* scratch)
 
-# one query's attention (out, q, the prefix's kp, vp and np keys, the own k, v, n keys in all, hs,
-# scale, scores scratch): the copy the loop calls
-ctypedef void (*attend_fn)(float* out, const float* q, const float* kp, const float* vp, int np,
-                           const float* k, const float* v, int n, int hs, float scale,
-                           float* scores) noexcept nogil
+# a block of queries' attention (out, its row stride, q, its row stride, the number of queries, the
+# prefix's kp, vp and np keys, the own k, v, the keys of the first query, hs, scale, scratch):
+# the vector copies
+ctypedef void (*attend_block_fn)(float* out, long out_stride, const float* q, long q_stride, int nq,
+                                 const float* kp, const float* vp, int np, const float* k, const float* v,
+                                 int n, int hs, float scale, float* scratch) noexcept nogil
 
 ISAS = ("baseline", "avx2", "avx512")
 cdef bint _avx2_runs = llmctl_kv_avx2_runs() != 0
@@ -156,8 +160,8 @@ cdef int attention_cached_forward(float* out, const float* qkv, const float* kca
     # (kvcache_append). Returns -1 if out of memory.
     cdef int hs = C // NH
     cdef float scale = 1.0 / sqrtf(<float>hs)
-    # queries go in blocks of LLMCTL_KV_QB consecutive positions of one row and head: the AVX-512
-    # copy reads each key once for the block; the others take its queries one by one
+    # queries go in blocks of LLMCTL_KV_QB consecutive positions of one row and head: the vector
+    # copies read each key once for the block; the plain loops take its queries one by one
     cdef int QB = LLMCTL_KV_QB
     cdef int nblk = (Tq + QB - 1) // QB
     cdef long total = <long>B * NH * nblk
@@ -167,13 +171,15 @@ cdef int attention_cached_forward(float* out, const float* qkv, const float* kca
     cdef const float* vp
     cdef const float* kc
     cdef const float* vc
-    cdef attend_fn attend = _attend_one
+    cdef attend_block_fn attend = NULL
     if _isa == 2:
-        row = llmctl_kv_scratch_floats(Tcap + Tp)
+        attend = llmctl_kv_attend_avx512
     elif _isa == 1:
         attend = llmctl_kv_attend_avx2
+    if attend != NULL:
+        row = llmctl_kv_scratch_floats(Tcap + Tp)
     # per thread: one score row (every key a query can see, Tp + Tcap, rounded up to whole
-    # vectors), or the AVX-512 copy's scratch for a block
+    # vectors), or a vector copy's scratch for a block
     cdef float* scratch = <float*>malloc(<size_t>n_threads * row * sizeof(float))
     if scratch == NULL:
         return -1
@@ -193,16 +199,15 @@ cdef int attention_cached_forward(float* out, const float* qkv, const float* kca
             vp = vpre + (<long>pre_row[b] * NH + h) * Tp * hs
         kc = kcache + (<long>b * NH + h) * Tcap * hs
         vc = vcache + (<long>b * NH + h) * Tcap * hs
-        if _isa == 2:
-            llmctl_kv_attend_avx512(out + (<long>b * Tq + t0) * C + h * hs, C,
-                                    qkv + (<long>b * Tq + t0) * 3 * C + h * hs, 3 * C, nq,
-                                    kp, vp, npre, kc, vc, pos[b] + t0 + 1, hs, scale,
-                                    scratch + <long>omp_get_thread_num() * row)
+        if attend != NULL:
+            attend(out + (<long>b * Tq + t0) * C + h * hs, C, qkv + (<long>b * Tq + t0) * 3 * C + h * hs,
+                   3 * C, nq, kp, vp, npre, kc, vc, pos[b] + t0 + 1, hs, scale,
+                   scratch + <long>omp_get_thread_num() * row)
         else:
             for t in range(t0, t0 + nq):
-                attend(out + (<long>b * Tq + t) * C + h * hs, qkv + (<long>b * Tq + t) * 3 * C + h * hs,
-                       kp, vp, npre, kc, vc, pos[b] + t + 1, hs, scale,
-                       scratch + <long>omp_get_thread_num() * row)
+                _attend_one(out + (<long>b * Tq + t) * C + h * hs, qkv + (<long>b * Tq + t) * 3 * C + h * hs,
+                            kp, vp, npre, kc, vc, pos[b] + t + 1, hs, scale,
+                            scratch + <long>omp_get_thread_num() * row)
     free(scratch)
     return 0
 

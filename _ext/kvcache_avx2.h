@@ -1,13 +1,19 @@
 /* AVX2 form of kvcache.pyx's _attend_one, for CPUs without AVX-512 (kvcache_avx512.h's kernel
- * in 8 lanes): one query against n cached keys/values (rows of hs floats), as llm.c's
+ * in 8 lanes): a query against n cached keys/values (rows of hs floats), as llm.c's
  * attention_forward computes a row (scale 1/sqrt(hs), softmax with exp(x - max), the max
- * starting at -10000, a multiply by 1/sum, out = sum_j att_j v_j).
+ * starting at -10000, a multiply by 1/sum, out = sum_j att_j v_j), for up to LLMCTL_KV_QB queries
+ * of one head at consecutive positions at once.
  *
  * What differs from the plain loops: each dot product is one FMA chain over hs and a horizontal
- * sum, four keys at a time; the exp is mathf_avx2.h's (where the plain loops call libm's expf,
- * one element at a time); the sum of the exps keeps 8 lane partials. So results differ from
- * the plain loops' in the last bits (tests/test_sample.py holds every copy to a float64
- * reference). Every query is still computed by one thread, whole.
+ * sum (llmctl_kv2_hsum's tree); the exp is mathf_avx2.h's (where the plain loops call libm's
+ * expf, one element at a time); the sum of the exps keeps 8 lane partials; the weighted sum of
+ * the values adds even and odd keys apart. So results differ from the plain loops' in the last
+ * bits (tests/test_sample.py holds every copy to a float64 reference). Every query is computed by
+ * one thread, and its bits do not depend on the other queries of the call.
+ *
+ * How it is fast, as the AVX-512 copy: the queries of a block read each key and value once
+ * between them; eight keys' dot products run side by side and one shuffle network does their
+ * eight reductions; the values' sum runs eight independent chains.
  */
 #ifndef LLMCTL_KVCACHE_AVX2_H
 #define LLMCTL_KVCACHE_AVX2_H
@@ -46,82 +52,155 @@ LLMCTL_KV2_TGT static inline float llmctl_kv2_hmax(__m256 v)
     return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* q . k_j for one key, hs in chunks of 8 (the last one masked) */
-LLMCTL_KV2_TGT static inline __m256 llmctl_kv2_dot8(const float* q, const float* k, int hs, __m256i tail)
+/* one vector r with r[j] = llmctl_kv2_hsum(a[j]) for 8 vectors a, each lane's sums in its tree
+ * (the 128-bit halves, then the pairs (0, 2) and (1, 3), then those two), the same adds with the
+ * same operands, so the same bits: three levels of shuffles that pair up two vectors' parts at a
+ * time, then one permute into key order */
+LLMCTL_KV2_TGT static inline __m256 llmctl_kv2_reduce8x8(const __m256* a)
 {
-    __m256 s = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 8 < hs; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), s);
-    return _mm256_fmadd_ps(_mm256_maskload_ps(q + i, tail), _mm256_maskload_ps(k + i, tail), s);
+    __m256 b[4], c[2], d;
+    for (int m = 0; m < 4; m++)   /* keys 2m, 2m+1 in the halves: lanes i and i + 4 */
+        b[m] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * m], a[2 * m + 1], 0x20),
+                             _mm256_permute2f128_ps(a[2 * m], a[2 * m + 1], 0x31));
+    for (int m = 0; m < 2; m++)   /* half h: keys 4m+h, 4m+2+h, two lanes each: (0, 2) and (1, 3) */
+        c[m] = _mm256_add_ps(_mm256_shuffle_ps(b[2 * m], b[2 * m + 1], 0x44),
+                             _mm256_shuffle_ps(b[2 * m], b[2 * m + 1], 0xEE));
+    /* element 4h + e: key 2e + h */
+    d = _mm256_add_ps(_mm256_shuffle_ps(c[0], c[1], 0x88), _mm256_shuffle_ps(c[0], c[1], 0xDD));
+    return _mm256_permutevar8x32_ps(d, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-/* sc[j] = (q . key j) * scale for the cnt keys at rows 0 .. cnt-1 of k (v: the same rows' values,
- * prefetched for the pass after); four chains, then one reduce each */
-LLMCTL_KV2_TGT static inline void llmctl_kv2_scores(float* sc, const float* q, const float* k, const float* v,
-                                                   int cnt, int hs, float scale, __m256i tail)
+/* (q . key jj) * scale for the 8 keys at kr (those from cnt on: -inf), each dot product the FMA
+ * chain over hs's chunks of 8 that a one-key loop runs (the last chunk masked), eight keys'
+ * chains independent, then one reduction of the eight */
+LLMCTL_KV2_TGT static inline __m256 llmctl_kv2_scores8(const float* q, const float* const* kr, int cnt, int hs,
+                                                      float scale, __m256i tail)
 {
-    int j = 0;
-    for (; j + 4 <= cnt; j += 4) {
-        for (int b = 0; b < 4 * hs; b += 16) {   /* K 8 rows ahead; V's rows for the pass below */
-            _mm_prefetch((const char*)(k + (long)(j + 8) * hs + b), _MM_HINT_T0);
-            _mm_prefetch((const char*)(v + (long)j * hs + b), _MM_HINT_T0);
-        }
-        __m256 s0 = llmctl_kv2_dot8(q, k + (long)j * hs, hs, tail);
-        __m256 s1 = llmctl_kv2_dot8(q, k + (long)(j + 1) * hs, hs, tail);
-        __m256 s2 = llmctl_kv2_dot8(q, k + (long)(j + 2) * hs, hs, tail);
-        __m256 s3 = llmctl_kv2_dot8(q, k + (long)(j + 3) * hs, hs, tail);
-        sc[j] = llmctl_kv2_hsum(s0) * scale;
-        sc[j + 1] = llmctl_kv2_hsum(s1) * scale;
-        sc[j + 2] = llmctl_kv2_hsum(s2) * scale;
-        sc[j + 3] = llmctl_kv2_hsum(s3) * scale;
+    __m256 a[8];
+#pragma GCC unroll 8
+    for (int jj = 0; jj < 8; jj++) {
+        const float* r = kr[jj];
+        __m256 s = _mm256_setzero_ps();
+        int i = 0;
+        for (; i + 8 < hs; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(r + i), s);
+        a[jj] = _mm256_fmadd_ps(_mm256_maskload_ps(q + i, tail), _mm256_maskload_ps(r + i, tail), s);
     }
-    for (; j < cnt; j++) sc[j] = llmctl_kv2_hsum(llmctl_kv2_dot8(q, k + (long)j * hs, hs, tail)) * scale;
+    return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY),
+                            _mm256_mul_ps(llmctl_kv2_reduce8x8(a), _mm256_set1_ps(scale)),
+                            _mm256_castsi256_ps(llmctl_kv2_mask(cnt)));
 }
 
-/* columns i .. i+7 of the weighted sum of a segment's values (kvcache_row.h) */
-LLMCTL_KV_PV_SEGMENT(llmctl_kv2_pv, LLMCTL_KV2_TGT, __m256, __m256i, _mm256_set1_ps, _mm256_maskload_ps, _mm256_fmadd_ps)
-
-/* out (hs) = softmax(q K^T / sqrt(hs)) V over n keys; scores: scratch of n rounded up to 8.
- * Keys/values 0 .. np-1 are rows of kp/vp (a shared prefix; np = 0: none), the rest rows of k/v
- * from their start, as in kvcache_avx512.h: the same bits wherever the keys live. */
-LLMCTL_KV2_TGT static void llmctl_kv_attend_avx2(float* out, const float* q, const float* kp, const float* vp,
-                                                int np, const float* k, const float* v,
-                                                int n, int hs, float scale, float* scores)
+/* out = softmax(q K^T / sqrt(hs)) V for nq <= LLMCTL_KV_QB queries of one head at consecutive
+ * positions, as kvcache_avx512.h's kernel in 8 lanes: query i (row i of q, q_stride floats apart;
+ * of out, out_stride apart) sees n + i keys, keys below np in kp/vp, the rest in k/v from their
+ * start (the same bits wherever the keys live, and the bits each query gets alone); each block of
+ * 8 keys is read once for all the queries. The values' sum runs 32 columns at a time (16 ymm
+ * registers: 8 accumulators), even keys into one accumulator and odd ones into another per 8
+ * columns. scratch: llmctl_kv_scratch_floats. */
+LLMCTL_KV2_TGT static void llmctl_kv_attend_avx2(float* out, long out_stride, const float* q, long q_stride,
+                                                int nq, const float* kp, const float* vp, int np,
+                                                const float* k, const float* v, int n, int hs, float scale,
+                                                float* scratch)
 {
     const __m256i tail = llmctl_kv2_mask(hs % 8 ? hs % 8 : 8);
-    const int n8 = (n + 7) / 8 * 8;
-    float maxval, expsum, inv;
-    __m256 mx, sum = _mm256_setzero_ps();
-    int j;
-    if (np > n) np = n;
-    llmctl_kv2_scores(scores, q, kp, vp, np, hs, scale, tail);
-    llmctl_kv2_scores(scores + np, q, k, v, n - np, hs, scale, tail);
-    for (j = n; j < n8; j++) scores[j] = -INFINITY;      /* padding lanes: exp gives 0 */
-    mx = _mm256_set1_ps(-10000.0f);
-    for (j = 0; j < n8; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(scores + j));
-    maxval = llmctl_kv2_hmax(mx);
-    mx = _mm256_set1_ps(maxval);
-    for (j = 0; j < n8; j += 8) {
-        __m256 e = llmctl_expf8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), mx));
-        _mm256_storeu_ps(scores + j, e);
-        sum = _mm256_add_ps(sum, e);
+    const int nmax = n + nq - 1, row = (nmax + 15) / 16 * 16;
+    float* acc = scratch + (long)LLMCTL_KV_QB * row;
+    float inv[LLMCTL_KV_QB];
+    __m256 mx[LLMCTL_KV_QB];
+    const float* kr[8];
+    int j0, j, qi;
+    if (np > nmax) np = nmax;
+    for (qi = 0; qi < nq; qi++) mx[qi] = _mm256_set1_ps(-10000.0f);
+    for (j0 = 0; j0 < nmax; j0 += 8) {
+        llmctl_kv_rows(kr, 8, kp, np, k, j0, nmax, hs);
+        for (qi = llmctl_kv_first_seeing(j0, n); qi < nq; qi++) {
+            int cnt = n + qi - j0 < 8 ? n + qi - j0 : 8;
+            __m256 s = llmctl_kv2_scores8(q + qi * q_stride, kr, cnt, hs, scale, tail);
+            _mm256_storeu_ps(scratch + (long)qi * row + j0, s);
+            mx[qi] = _mm256_max_ps(mx[qi], s);
+        }
     }
-    expsum = llmctl_kv2_hsum(sum);
-    inv = expsum != 0.0f ? 1.0f / expsum : 0.0f;
-    for (int i = 0; i < hs; i += 8) {   /* 8 output columns at a time, down the keys */
-        __m256i m = i + 8 <= hs ? _mm256_set1_epi32(-1) : tail;
-        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-        llmctl_kv2_pv(&acc0, &acc1, scores, vp, np, 0, hs, i, m);
-        llmctl_kv2_pv(&acc0, &acc1, scores + np, v, n - np, np & 1, hs, i, m);
-        _mm256_maskstore_ps(out + i, m, _mm256_mul_ps(_mm256_add_ps(acc0, acc1), _mm256_set1_ps(inv)));
+    for (qi = 0; qi < nq; qi++) {
+        float* sc = scratch + (long)qi * row;
+        __m256 m = _mm256_set1_ps(llmctl_kv2_hmax(mx[qi])), sum = _mm256_setzero_ps();
+        float expsum;
+        for (j = 0; j < n + qi; j += 8) {
+            __m256 e = llmctl_expf8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), m));
+            _mm256_storeu_ps(sc + j, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        expsum = llmctl_kv2_hsum(sum);
+        inv[qi] = expsum != 0.0f ? 1.0f / expsum : 0.0f;
+    }
+    for (int i = 0; i < hs; i += 32) {
+        __m256i m[4];
+        int full = i + 32 <= hs;
+        for (int c = 0; c < 4; c++) {
+            int lo = i + 8 * c;
+            m[c] = lo + 8 <= hs ? _mm256_set1_epi32(-1) : lo < hs ? tail : _mm256_setzero_si256();
+        }
+        for (j0 = 0; j0 < nmax; j0 += 8) {
+            llmctl_kv_rows(kr, 8, vp, np, v, j0, nmax, hs);
+            for (qi = llmctl_kv_first_seeing(j0, n); qi < nq; qi++) {
+                const float* sc = scratch + (long)qi * row;
+                float* ac = acc + qi * 64;
+                int jend = j0 + 8 < n + qi ? j0 + 8 : n + qi;
+                __m256 a0[4], a1[4];
+#pragma GCC unroll 4
+                for (int c = 0; c < 4; c++) {
+                    a0[c] = j0 ? _mm256_loadu_ps(ac + 8 * c) : _mm256_setzero_ps();
+                    a1[c] = j0 ? _mm256_loadu_ps(ac + 32 + 8 * c) : _mm256_setzero_ps();
+                }
+                for (j = j0; j + 2 <= jend; j += 2) {
+                    const float* r0 = kr[j - j0] + i;
+                    const float* r1 = kr[j - j0 + 1] + i;
+                    __m256 p0 = _mm256_set1_ps(sc[j]), p1 = _mm256_set1_ps(sc[j + 1]);
+                    if (full) {
+#pragma GCC unroll 4
+                        for (int c = 0; c < 4; c++) {
+                            a0[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(r0 + 8 * c), a0[c]);
+                            a1[c] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(r1 + 8 * c), a1[c]);
+                        }
+                    } else {
+#pragma GCC unroll 4
+                        for (int c = 0; c < 4; c++) {
+                            a0[c] = _mm256_fmadd_ps(p0, _mm256_maskload_ps(r0 + 8 * c, m[c]), a0[c]);
+                            a1[c] = _mm256_fmadd_ps(p1, _mm256_maskload_ps(r1 + 8 * c, m[c]), a1[c]);
+                        }
+                    }
+                }
+                if (j < jend) {
+                    const float* r0 = kr[j - j0] + i;
+                    __m256 p0 = _mm256_set1_ps(sc[j]);
+#pragma GCC unroll 4
+                    for (int c = 0; c < 4; c++) a0[c] = _mm256_fmadd_ps(p0, _mm256_maskload_ps(r0 + 8 * c, m[c]), a0[c]);
+                }
+#pragma GCC unroll 4
+                for (int c = 0; c < 4; c++) {
+                    _mm256_storeu_ps(ac + 8 * c, a0[c]);
+                    _mm256_storeu_ps(ac + 32 + 8 * c, a1[c]);
+                }
+            }
+        }
+        for (qi = 0; qi < nq; qi++) {
+            const float* ac = acc + qi * 64;
+            __m256 vinv = _mm256_set1_ps(inv[qi]);
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++)
+                _mm256_maskstore_ps(out + qi * out_stride + i + 8 * c, m[c],
+                                    _mm256_mul_ps(_mm256_add_ps(_mm256_loadu_ps(ac + 8 * c),
+                                                                _mm256_loadu_ps(ac + 32 + 8 * c)), vinv));
+        }
     }
 }
 #else   /* no AVX2 copy in this build: never called, as llmctl_kv_avx2_runs() says 0 */
 static int llmctl_kv_avx2_runs(void) { return 0; }
-static void llmctl_kv_attend_avx2(float* out, const float* q, const float* kp, const float* vp, int np,
-                                  const float* k, const float* v, int n, int hs, float scale, float* scores)
+static void llmctl_kv_attend_avx2(float* out, long out_stride, const float* q, long q_stride, int nq,
+                                  const float* kp, const float* vp, int np, const float* k, const float* v,
+                                  int n, int hs, float scale, float* scratch)
 {
-    (void)out; (void)q; (void)kp; (void)vp; (void)np; (void)k; (void)v; (void)n; (void)hs; (void)scale; (void)scores;
+    (void)out; (void)out_stride; (void)q; (void)q_stride; (void)nq; (void)kp; (void)vp; (void)np; (void)k;
+    (void)v; (void)n; (void)hs; (void)scale; (void)scratch;
 }
 #endif
 #endif /* LLMCTL_KVCACHE_AVX2_H */

@@ -20,13 +20,7 @@
 #ifndef LLMCTL_KVCACHE_AVX512_H
 #define LLMCTL_KVCACHE_AVX512_H
 
-/* the most queries llmctl_kv_attend_avx512 takes in a call, and the floats of scratch it needs
-   where no query sees more than nkeys keys: each query's scores, and its value sums' accumulators */
-#define LLMCTL_KV_QB 8
-static inline long llmctl_kv_scratch_floats(long nkeys)
-{
-    return LLMCTL_KV_QB * ((nkeys + 15) / 16 * 16 + 128);
-}
+#include "kvcache_row.h"
 #include <math.h>
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(LLMCTL_NO_AVX_DISPATCH) && __GNUC__ >= 11
@@ -48,13 +42,6 @@ static inline __mmask16 llmctl_kv_tail(int hs)
     return r ? (__mmask16)((1u << r) - 1) : (__mmask16)0xFFFF;
 }
 
-/* rows of the cnt keys (or values) numbered j0 .. j0+cnt-1: the prefix's rows (kp) below np, the
- * row's own cache (k) from np on */
-static inline const float* llmctl_kv_row(const float* kp, int np, const float* k, int j, int hs)
-{
-    return j < np ? kp + (long)j * hs : k + (long)(j - np) * hs;
-}
-
 /* one vector r with r[j] = _mm512_reduce_add_ps(a[j]) for 16 vectors a, each lane's sums in GCC's
  * tree for one vector (its 256-bit halves, then 128-bit quarters, then the pairs (0, 2) and
  * (1, 3), then those two), the same adds with the same operands, so the same bits: four levels
@@ -74,12 +61,6 @@ LLMCTL_KV_TGT static inline __m512 llmctl_kv_reduce16x16(const __m512* a)
     /* element 4k + m: key k + 4m */
     e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), e);
-}
-
-/* the rows of keys (or values) j0 .. j0+15: those at or past n are row j0 (read, then masked) */
-static inline void llmctl_kv_rows16(const float** r, const float* kp, int np, const float* k, int j0, int n, int hs)
-{
-    for (int jj = 0; jj < 16; jj++) r[jj] = llmctl_kv_row(kp, np, k, j0 + jj < n ? j0 + jj : j0, hs);
 }
 
 /* (q . key jj) * scale for the 16 keys at kr (those from cnt on: -inf), each dot product the FMA
@@ -162,8 +143,8 @@ LLMCTL_KV_TGT static void llmctl_kv_attend_avx512(float* out, long out_stride, c
     if (np > nmax) np = nmax;
     for (qi = 0; qi < nq; qi++) mx[qi] = _mm512_set1_ps(-10000.0f);
     for (j0 = 0; j0 < nmax; j0 += 16) {
-        llmctl_kv_rows16(kr, kp, np, k, j0, nmax, hs);
-        for (qi = j0 < n ? 0 : j0 - n + 1; qi < nq; qi++)   /* the queries that see key j0 */ {
+        llmctl_kv_rows(kr, 16, kp, np, k, j0, nmax, hs);
+        for (qi = llmctl_kv_first_seeing(j0, n); qi < nq; qi++) {
             int cnt = n + qi - j0 < 16 ? n + qi - j0 : 16;
             __m512 s = llmctl_kv_scores16(q + qi * q_stride, kr, cnt, hs, scale, tail);
             _mm512_storeu_ps(scratch + (long)qi * row + j0, s);
@@ -189,9 +170,9 @@ LLMCTL_KV_TGT static void llmctl_kv_attend_avx512(float* out, long out_stride, c
             m[c] = lo + 16 <= hs ? (__mmask16)0xFFFF : lo < hs ? tail : (__mmask16)0;
         }
         for (j0 = 0; j0 < nmax; j0 += 16) {
-            llmctl_kv_rows16(kr, vp, np, v, j0, nmax, hs);
+            llmctl_kv_rows(kr, 16, vp, np, v, j0, nmax, hs);
             const float* const* vr = kr;
-            for (qi = j0 < n ? 0 : j0 - n + 1; qi < nq; qi++) {
+            for (qi = llmctl_kv_first_seeing(j0, n); qi < nq; qi++) {
                 const float* sc = scratch + (long)qi * row;
                 float* ac = acc + qi * 128;
                 int jend = j0 + 16 < n + qi ? j0 + 16 : n + qi;

@@ -1,27 +1,34 @@
-/* kvcache.pyx's caches may be split into a prefix shared by several rows (HellaSwag's context,
- * read by all four endings) and the row's own cache after it: the vector copies' loop over one
- * such segment. */
+/* What kvcache.pyx's vector copies share: a block of a prompt's queries, and where key j lies.
+ * Its caches may be split into a prefix shared by several rows (HellaSwag's context, read by all
+ * four endings) and the row's own cache after it. */
 #ifndef LLMCTL_KVCACHE_ROW_H
 #define LLMCTL_KVCACHE_ROW_H
 
-/* NAME(acc0, acc1, sc, v, cnt, odd, hs, i, m): columns i .. i+W-1 of sum_j sc[j] v_j over the
- * cnt values at rows 0 .. cnt-1 of v, the first of them key number `odd` mod 2: even keys into
- * acc0, odd ones into acc1, each in key order, so a segment starting anywhere adds what the
- * one-cache loop adds. Expanded per vector copy (VF its vector, MASK_T its column mask,
- * LOADM(p, m) its masked load). */
-#define LLMCTL_KV_PV_SEGMENT(NAME, ATTR, VF, MASK_T, SET1, LOADM, FMADD)                            \
-    ATTR static inline void NAME(VF* acc0, VF* acc1, const float* sc, const float* v, int cnt, int odd, \
-                                 int hs, int i, MASK_T m)                                            \
-    {                                                                                                \
-        VF a0 = *acc0, a1 = *acc1;                                                                   \
-        int j = 0;                                                                                   \
-        if (odd && cnt > 0) { a1 = FMADD(SET1(sc[0]), LOADM(v + i, m), a1); j = 1; }                 \
-        for (; j + 2 <= cnt; j += 2) {                                                               \
-            a0 = FMADD(SET1(sc[j]), LOADM(v + (long)j * hs + i, m), a0);                             \
-            a1 = FMADD(SET1(sc[j + 1]), LOADM(v + (long)(j + 1) * hs + i, m), a1);                   \
-        }                                                                                            \
-        if (j < cnt) a0 = FMADD(SET1(sc[j]), LOADM(v + (long)j * hs + i, m), a0);                    \
-        *acc0 = a0;                                                                                  \
-        *acc1 = a1;                                                                                  \
-    }
+/* the most queries a vector copy takes in a call (consecutive positions of one row and head),
+   and the floats of scratch it needs where no query sees more than nkeys keys: each query's
+   scores (rounded up to 16) and its value sums' accumulators (128 floats) */
+#define LLMCTL_KV_QB 8
+static inline long llmctl_kv_scratch_floats(long nkeys)
+{
+    return LLMCTL_KV_QB * ((nkeys + 15) / 16 * 16 + 128);
+}
+
+/* the row of key (or value) j: the prefix's (kp) below np, the row's own cache's (k) from np on */
+static inline const float* llmctl_kv_row(const float* kp, int np, const float* k, int j, int hs)
+{
+    return j < np ? kp + (long)j * hs : k + (long)(j - np) * hs;
+}
+
+/* the rows of keys j0 .. j0+w-1: those at or past n are row j0 (read, then masked) */
+static inline void llmctl_kv_rows(const float** r, int w, const float* kp, int np, const float* k, int j0, int n,
+                                  int hs)
+{
+    for (int jj = 0; jj < w; jj++) r[jj] = llmctl_kv_row(kp, np, k, j0 + jj < n ? j0 + jj : j0, hs);
+}
+
+/* the first query of a block (query i sees n + i keys) that sees key j0 */
+static inline int llmctl_kv_first_seeing(int j0, int n)
+{
+    return j0 < n ? 0 : j0 - n + 1;
+}
 #endif /* LLMCTL_KVCACHE_ROW_H */
