@@ -609,7 +609,10 @@ class GPT2:
         span = Tcap + (0 if pre is None else pre[4])
         small = self.ops.gemv_on_openmp and B * span * C >= _MIN_PARALLEL
         nta = nt if small or part.rows * span * C >= _MIN_PARALLEL * 16 else 1
-        KV.kvcache_append_forward(kf, vf, qkv, part.append_pos, B, T, C, NH, Tcap, nta)
+        # the new K/V: a prompt's (a few MB) copied on the attention's threads, a decode step's
+        # few rows on one (a second thread's barrier costs more than the copy)
+        KV.kvcache_append_forward(kf, vf, qkv, part.append_pos, B, T, C, NH, Tcap,
+                                  nta if 8 * part.rows * C >= _MIN_PARALLEL else 1)
         if pre is not None:
             pre = (pre[0].reshape(-1), pre[1].reshape(-1)) + pre[2:]
         KV.attention_cached(atty, qkv, kf, vf, pos, B, T, C, NH, Tcap, nta, prefix=pre)
