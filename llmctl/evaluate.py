@@ -89,31 +89,40 @@ class _Scratch:
     def __init__(self):
         self._bufs = {}
 
-    def take(self, name, shape):
+    def take(self, name, shape, dtype=np.float32):
         n = int(np.prod(shape))
         b = self._bufs.get(name)
-        if b is None or b.size < n:
-            b = self._bufs[name] = np.empty(max(n, 0 if b is None else b.size * 3 // 2), np.float32)
+        if b is None or b.size < n or b.dtype != dtype:
+            grown = 0 if b is None or b.dtype != dtype else b.size * 3 // 2
+            b = self._bufs[name] = np.empty(max(n, grown), dtype)
         return b[:n].reshape(shape)
 
 
 def _token_losses(model, h, targets, chunk=256, scratch=None):
     """Cross-entropy of final-normed hidden rows h (M,C) against targets (M,) or (M,k) (k targets
-    scored from the same row's distribution) -> float64, the same shape as targets. The fused
-    softmax + cross-entropy kernel scores the first target of each row (log(sum) - (x_t - max),
-    summed in double, as in training); every target of the row is then its log-sum-exp minus
-    its logit, so equal targets score equal losses."""
+    scored from the same row's distribution) -> float64, the same shape as targets. The logits are
+    those of the training forward (bf16 in bf16, as `eval loss` and llm.c's bf16 model score); the
+    fused softmax + cross-entropy kernel scores the first target of each row (log(sum) -
+    (x_t - max), summed in double, as in training) without writing probabilities back; every
+    target of the row is then its log-sum-exp minus its logit, so equal targets score equal
+    losses."""
     targets = np.asarray(targets, dtype=np.int64)
     out = np.empty(targets.shape, dtype=np.float64)
     V = model.config.vocab_size
+    dt = model.ops.logits_dtype
     for s in range(0, h.shape[0], chunk):
         m = min(chunk, h.shape[0] - s)
-        lg = model.logits_from_hidden(h[s:s + m], None if scratch is None else scratch.take("logits", (m, V)))
+        lg = model.logits_from_hidden(h[s:s + m], None if scratch is None else scratch.take("logits", (m, V), dt),
+                                      as_trained=True)
         tg = targets[s:s + chunk].reshape(m, -1)
-        x_t = np.take_along_axis(lg, tg, axis=1).astype(np.float64)   # before the kernel overwrites lg
+        x_t = np.take_along_axis(lg, tg, axis=1)
+        if dt == np.uint16:   # bf16 bits: the top half of a float32's
+            x_t = (x_t.astype(np.uint32) << 16).view(np.float32)
+        x_t = x_t.astype(np.float64)
         loss0 = np.empty(m, dtype=np.float32)
-        model.kernels.layers.softmax_crossentropy_forward(loss0, lg.reshape(-1), lg.reshape(-1),
-                                                          tg[:, 0].astype(np.int32), m, V, V, model.n_threads)
+        model.kernels.layers.softmax_crossentropy_forward_backward_bf16(loss0, None, lg.reshape(-1),
+                                                                        tg[:, 0].astype(np.int32), None,
+                                                                        m, V, V, model.n_threads)
         lse = loss0.astype(np.float64) + x_t[:, 0]
         out[s:s + chunk] = (lse[:, None] - x_t).reshape(out[s:s + chunk].shape)
     return out

@@ -1179,6 +1179,30 @@ def test_bf16_eval_hellaswag_and_loss_agree_with_fp32(bf16_ok, tmp_path):
     assert (e32["precision"], e16["precision"]) == ("fp32", "bf16")
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_hellaswag_scores_the_logits_the_training_forward_holds(precision, bf16_ok):
+    # bf16 scores from bf16 logits, as `eval loss` (the training forward) and llm.c's bf16 model
+    # hold them; fp32 from fp32 ones. Reference: the lm head's fp32 result, rounded to bf16 in
+    # bf16, then log-softmax in float64
+    from llmctl.evaluate import _token_losses
+
+    m = _init(precision)
+    rng = np.random.default_rng(5)
+    h = (rng.normal(size=(37, MCFG.channels)) * 3).astype(np.float32)
+    tg = rng.integers(0, MCFG.vocab_size, size=(37, 2))
+    lg32 = m.logits_from_hidden(h).astype(np.float64)
+    lg = from_bf16(to_bf16(lg32.astype(np.float32))).astype(np.float64) if precision == "bf16" else lg32
+    if precision == "bf16":
+        assert m.logits_from_hidden(h, as_trained=True).dtype == np.uint16
+    lse = np.log(np.exp(lg - lg.max(1, keepdims=True)).sum(1)) + lg.max(1)
+    want = lse[:, None] - np.take_along_axis(lg, tg, axis=1)
+    got = _token_losses(m, h, tg, chunk=16)
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6)
+    if precision == "bf16":   # and not the fp32 logits' losses
+        lse32 = np.log(np.exp(lg32 - lg32.max(1, keepdims=True)).sum(1)) + lg32.max(1)
+        assert np.abs(got - (lse32[:, None] - np.take_along_axis(lg32, tg, axis=1))).max() > 1e-4
+
+
 @pytest.mark.skipif(matmul.bf16_native(), reason="this CPU runs bf16 natively")
 @pytest.mark.parametrize("cmd", [["sample", "-n", "1"], ["eval", "loss"], ["eval", "hellaswag"]])
 def test_cli_precision_bf16_without_native_bf16_is_one_clear_error(cmd, monkeypatch, capsys):

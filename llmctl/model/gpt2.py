@@ -173,12 +173,13 @@ def _engine_arg(engine, matmul):
 # model
 
 
-def _out_buffer(out, n, what):
-    """The flat float32 output of n elements: out itself (checked) or, if None, a new array."""
+def _out_buffer(out, n, what, dtype=np.float32):
+    """The flat output of n elements of dtype: out itself (checked) or, if None, a new array."""
     if out is None:
-        return np.empty(n, np.float32)
-    if out.dtype != np.float32 or out.size != n or not out.flags.c_contiguous or not out.flags.writeable:
-        raise ValueError(f"out must be a writable C-contiguous float32 array of {n} ({what}) elements")
+        return np.empty(n, dtype)
+    if out.dtype != dtype or out.size != n or not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(f"out must be a writable C-contiguous {np.dtype(dtype).name} array of {n} ({what}) "
+                         "elements")
     return out.reshape(-1)
 
 
@@ -746,16 +747,18 @@ class GPT2:
                                               self.p["lnfb"], N, C, self.n_threads)
         return out
 
-    def logits_from_hidden(self, h, out=None):
+    def logits_from_hidden(self, h, out=None, as_trained=False):
         """Logits (..., V) over the real vocab (the padded rows are zero and never sampled) for
-        final-normed hidden states h (..., C); written into out if given (a float32 array of
-        h's rows x V elements: callers scoring many batches keep one)."""
+        final-normed hidden states h (..., C); written into out if given (an array of h's rows x V
+        elements: callers scoring many batches keep one). float32; as_trained=True: in the dtype
+        the training forward holds them (ops.logits_dtype: bf16 bits as uint16 in bf16, as llm.c's
+        bf16 model and autocast's lm head give them), for scoring as `eval loss` scores."""
         self._sync_bf16()
         h = np.asarray(h, dtype=np.float32)
         C, V = self.config.channels, self.config.vocab_size
         x = np.ascontiguousarray(h).reshape(-1)
         N = x.size // C
-        out = _out_buffer(out, N * V, f"{N} x {V}, rows x vocab")
+        out = _out_buffer(out, N * V, f"{N} x {V}, rows x vocab", self.ops.logits_dtype if as_trained else np.float32)
         xm = self.ops.mm_input(np.empty(x.size, self.ops.act_dtype), x, self.n_threads)
         self.ops.matmul(out, xm, "wte", None, None, N, C, V, self.n_threads)
         return out.reshape(h.shape[:-1] + (V,))
