@@ -90,109 +90,84 @@ LLMCTL_KV2_TGT static inline __m256 llmctl_kv2_scores8(const float* q, const flo
                             _mm256_castsi256_ps(llmctl_kv2_mask(cnt)));
 }
 
-/* out = softmax(q K^T / sqrt(hs)) V for nq <= LLMCTL_KV_QB queries of one head at consecutive
- * positions, as kvcache_avx512.h's kernel in 8 lanes: query i (row i of q, q_stride floats apart;
- * of out, out_stride apart) sees n + i keys, keys below np in kp/vp, the rest in k/v from their
- * start (the same bits wherever the keys live, and the bits each query gets alone); each block of
- * 8 keys is read once for all the queries. The values' sum runs 32 columns at a time (16 ymm
- * registers: 8 accumulators), even keys into one accumulator and odd ones into another per 8
- * columns. scratch: llmctl_kv_scratch_floats. */
-LLMCTL_KV2_TGT static void llmctl_kv_attend_avx2(float* out, long out_stride, const float* q, long q_stride,
-                                                int nq, const float* kp, const float* vp, int np,
-                                                const float* k, const float* v, int n, int hs, float scale,
-                                                float* scratch)
+/* the masks of the four chunks of 8 columns from i: whole, hs's tail, or past hs */
+LLMCTL_KV2_TGT static inline void llmctl_kv2_masks(__m256i* m, int i, int hs, __m256i tail)
 {
-    const __m256i tail = llmctl_kv2_mask(hs % 8 ? hs % 8 : 8);
-    const int nmax = n + nq - 1, row = (nmax + 15) / 16 * 16;
-    float* acc = scratch + (long)LLMCTL_KV_QB * row;
-    float inv[LLMCTL_KV_QB];
-    __m256 mx[LLMCTL_KV_QB];
-    const float* kr[8];
-    int j0, j, qi;
-    if (np > nmax) np = nmax;
-    for (qi = 0; qi < nq; qi++) mx[qi] = _mm256_set1_ps(-10000.0f);
-    for (j0 = 0; j0 < nmax; j0 += 8) {
-        llmctl_kv_rows(kr, 8, kp, np, k, j0, nmax, hs);
-        for (qi = llmctl_kv_first_seeing(j0, n); qi < nq; qi++) {
-            int cnt = n + qi - j0 < 8 ? n + qi - j0 : 8;
-            __m256 s = llmctl_kv2_scores8(q + qi * q_stride, kr, cnt, hs, scale, tail);
-            _mm256_storeu_ps(scratch + (long)qi * row + j0, s);
-            mx[qi] = _mm256_max_ps(mx[qi], s);
-        }
-    }
-    for (qi = 0; qi < nq; qi++) {
-        float* sc = scratch + (long)qi * row;
-        __m256 m = _mm256_set1_ps(llmctl_kv2_hmax(mx[qi])), sum = _mm256_setzero_ps();
-        float expsum;
-        for (j = 0; j < n + qi; j += 8) {
-            __m256 e = llmctl_expf8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), m));
-            _mm256_storeu_ps(sc + j, e);
-            sum = _mm256_add_ps(sum, e);
-        }
-        expsum = llmctl_kv2_hsum(sum);
-        inv[qi] = expsum != 0.0f ? 1.0f / expsum : 0.0f;
-    }
-    for (int i = 0; i < hs; i += 32) {
-        __m256i m[4];
-        int full = i + 32 <= hs;
-        for (int c = 0; c < 4; c++) {
-            int lo = i + 8 * c;
-            m[c] = lo + 8 <= hs ? _mm256_set1_epi32(-1) : lo < hs ? tail : _mm256_setzero_si256();
-        }
-        for (j0 = 0; j0 < nmax; j0 += 8) {
-            llmctl_kv_rows(kr, 8, vp, np, v, j0, nmax, hs);
-            for (qi = llmctl_kv_first_seeing(j0, n); qi < nq; qi++) {
-                const float* sc = scratch + (long)qi * row;
-                float* ac = acc + qi * 64;
-                int jend = j0 + 8 < n + qi ? j0 + 8 : n + qi;
-                __m256 a0[4], a1[4];
-#pragma GCC unroll 4
-                for (int c = 0; c < 4; c++) {
-                    a0[c] = j0 ? _mm256_loadu_ps(ac + 8 * c) : _mm256_setzero_ps();
-                    a1[c] = j0 ? _mm256_loadu_ps(ac + 32 + 8 * c) : _mm256_setzero_ps();
-                }
-                for (j = j0; j + 2 <= jend; j += 2) {
-                    const float* r0 = kr[j - j0] + i;
-                    const float* r1 = kr[j - j0 + 1] + i;
-                    __m256 p0 = _mm256_set1_ps(sc[j]), p1 = _mm256_set1_ps(sc[j + 1]);
-                    if (full) {
-#pragma GCC unroll 4
-                        for (int c = 0; c < 4; c++) {
-                            a0[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(r0 + 8 * c), a0[c]);
-                            a1[c] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(r1 + 8 * c), a1[c]);
-                        }
-                    } else {
-#pragma GCC unroll 4
-                        for (int c = 0; c < 4; c++) {
-                            a0[c] = _mm256_fmadd_ps(p0, _mm256_maskload_ps(r0 + 8 * c, m[c]), a0[c]);
-                            a1[c] = _mm256_fmadd_ps(p1, _mm256_maskload_ps(r1 + 8 * c, m[c]), a1[c]);
-                        }
-                    }
-                }
-                if (j < jend) {
-                    const float* r0 = kr[j - j0] + i;
-                    __m256 p0 = _mm256_set1_ps(sc[j]);
-#pragma GCC unroll 4
-                    for (int c = 0; c < 4; c++) a0[c] = _mm256_fmadd_ps(p0, _mm256_maskload_ps(r0 + 8 * c, m[c]), a0[c]);
-                }
-#pragma GCC unroll 4
-                for (int c = 0; c < 4; c++) {
-                    _mm256_storeu_ps(ac + 8 * c, a0[c]);
-                    _mm256_storeu_ps(ac + 32 + 8 * c, a1[c]);
-                }
-            }
-        }
-        for (qi = 0; qi < nq; qi++) {
-            const float* ac = acc + qi * 64;
-            __m256 vinv = _mm256_set1_ps(inv[qi]);
-#pragma GCC unroll 4
-            for (int c = 0; c < 4; c++)
-                _mm256_maskstore_ps(out + qi * out_stride + i + 8 * c, m[c],
-                                    _mm256_mul_ps(_mm256_add_ps(_mm256_loadu_ps(ac + 8 * c),
-                                                                _mm256_loadu_ps(ac + 32 + 8 * c)), vinv));
-        }
+    for (int c = 0; c < 4; c++) {
+        int lo = i + 8 * c;
+        m[c] = lo + 8 <= hs ? _mm256_set1_epi32(-1) : lo < hs ? tail : _mm256_setzero_si256();
     }
 }
+
+/* LLMCTL_KV_ATTEND's PV: one query's value sums over keys j0 .. jend-1, 32 columns from i (16 ymm
+ * registers: eight accumulators), even keys into one accumulator and odd ones into another per 8
+ * columns */
+LLMCTL_KV2_TGT static inline void llmctl_kv2_pv8(float* ac, const float* sc, const float* const* vr, int j0,
+                                                int jend, int i, int hs, __m256i tail)
+{
+    __m256i m[4];
+    __m256 a0[4], a1[4];
+    int j;
+    llmctl_kv2_masks(m, i, hs, tail);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) {
+        a0[c] = j0 ? _mm256_loadu_ps(ac + 8 * c) : _mm256_setzero_ps();
+        a1[c] = j0 ? _mm256_loadu_ps(ac + 32 + 8 * c) : _mm256_setzero_ps();
+    }
+    for (j = j0; j + 2 <= jend; j += 2) {
+        const float* r0 = vr[j - j0] + i;
+        const float* r1 = vr[j - j0 + 1] + i;
+        __m256 p0 = _mm256_set1_ps(sc[j]), p1 = _mm256_set1_ps(sc[j + 1]);
+        if (i + 32 <= hs) {
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) {
+                a0[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(r0 + 8 * c), a0[c]);
+                a1[c] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(r1 + 8 * c), a1[c]);
+            }
+        } else {
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) {
+                a0[c] = _mm256_fmadd_ps(p0, _mm256_maskload_ps(r0 + 8 * c, m[c]), a0[c]);
+                a1[c] = _mm256_fmadd_ps(p1, _mm256_maskload_ps(r1 + 8 * c, m[c]), a1[c]);
+            }
+        }
+    }
+    if (j < jend) {
+        const float* r0 = vr[j - j0] + i;
+        __m256 p0 = _mm256_set1_ps(sc[j]);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) a0[c] = _mm256_fmadd_ps(p0, _mm256_maskload_ps(r0 + 8 * c, m[c]), a0[c]);
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) {
+        _mm256_storeu_ps(ac + 8 * c, a0[c]);
+        _mm256_storeu_ps(ac + 32 + 8 * c, a1[c]);
+    }
+}
+
+/* LLMCTL_KV_ATTEND's PV_OUT: (even + odd) / sum into the 32 columns from i */
+LLMCTL_KV2_TGT static inline void llmctl_kv2_pv_out8(float* o, const float* ac, float inv, int i, int hs,
+                                                    __m256i tail)
+{
+    __m256i m[4];
+    llmctl_kv2_masks(m, i, hs, tail);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++)
+        _mm256_maskstore_ps(o + i + 8 * c, m[c], _mm256_mul_ps(_mm256_add_ps(_mm256_loadu_ps(ac + 8 * c),
+                                                                           _mm256_loadu_ps(ac + 32 + 8 * c)),
+                                                             _mm256_set1_ps(inv)));
+}
+
+/* the lanes of hs's last chunk of 8 */
+LLMCTL_KV2_TGT static inline __m256i llmctl_kv2_tail(int hs)
+{
+    return llmctl_kv2_mask(hs % 8 ? hs % 8 : 8);
+}
+
+LLMCTL_KV_ATTEND(llmctl_kv_attend_avx2, LLMCTL_KV2_TGT, 8, 32, __m256, __m256i, llmctl_kv2_tail,
+                 llmctl_kv2_scores8, llmctl_kv2_pv8, llmctl_kv2_pv_out8, _mm256_set1_ps, _mm256_setzero_ps,
+                 _mm256_loadu_ps, _mm256_storeu_ps, _mm256_max_ps, _mm256_sub_ps, _mm256_add_ps, llmctl_expf8,
+                 llmctl_kv2_hmax, llmctl_kv2_hsum)
 #else   /* no AVX2 copy in this build: never called, as llmctl_kv_avx2_runs() says 0 */
 static int llmctl_kv_avx2_runs(void) { return 0; }
 static void llmctl_kv_attend_avx2(float* out, long out_stride, const float* q, long q_stride, int nq,

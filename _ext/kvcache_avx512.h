@@ -95,6 +95,15 @@ LLMCTL_KV_TGT static inline __m512 llmctl_kv_scores16(const float* q, const floa
                               _mm512_mul_ps(llmctl_kv_reduce16x16(a), _mm512_set1_ps(scale)));
 }
 
+/* the masks of the four chunks of 16 columns from i: whole, hs's tail, or past hs */
+LLMCTL_KV_TGT static inline void llmctl_kv_masks(__mmask16* m, int i, int hs, __mmask16 tail)
+{
+    for (int c = 0; c < 4; c++) {
+        int lo = i + 16 * c;
+        m[c] = lo + 16 <= hs ? (__mmask16)0xFFFF : lo < hs ? tail : (__mmask16)0;
+    }
+}
+
 /* columns i .. i+63 of one query's weighted sum of the values over keys j .. jend-1 (j even), even
  * keys into a0 and odd ones into a1 per 16 columns; vr: the rows of keys j0 ..; LOAD(p, c) loads
  * chunk c of the 64 columns at p */
@@ -118,94 +127,49 @@ LLMCTL_KV_TGT static inline __m512 llmctl_kv_scores16(const float* q, const floa
 #define LLMCTL_KV_LOAD_FULL(r, c) _mm512_loadu_ps((r) + 16 * (c))
 #define LLMCTL_KV_LOAD_MASKED(r, c) _mm512_maskz_loadu_ps(m[c], (r) + 16 * (c))
 
-/* out = softmax(q K^T / sqrt(hs)) V for nq <= LLMCTL_KV_QB queries of one head at consecutive
- * positions: query i (row i of q, q_stride floats apart; of out, out_stride apart) sees n + i keys.
- * Keys/values 0 .. np-1 are rows of kp/vp (a shared prefix: np = 0 when there is none), the rest
- * rows of k/v from their start (key j at row j - np). Each key's score and its place in the sums
- * depend only on j, so where the keys live changes no bit. scratch: llmctl_kv_scratch_floats.
- *
- * Each block of 16 keys is read once for all the queries (from L1 after the first; a query at a
- * time streamed every key from L2 per query), in three passes: the scores and their maxima, the
- * exps and their sums per query, the weighted sums of the values 64 columns at a time, even keys
- * into one accumulator and odd ones into another per 16 columns, then (even + odd) / sum. */
-LLMCTL_KV_TGT static void llmctl_kv_attend_avx512(float* out, long out_stride, const float* q, long q_stride,
-                                                  int nq, const float* kp, const float* vp, int np,
-                                                  const float* k, const float* v, int n, int hs, float scale,
-                                                  float* scratch)
+/* LLMCTL_KV_ATTEND's PV: one query's value sums over keys j0 .. jend-1, 64 columns from i, even
+ * keys into one accumulator and odd ones into another per 16 columns (eight chains) */
+LLMCTL_KV_TGT static inline void llmctl_kv_pv16(float* ac, const float* sc, const float* const* vr, int j0,
+                                               int jend, int i, int hs, __mmask16 tail)
 {
-    const __mmask16 tail = llmctl_kv_tail(hs);
-    const int nmax = n + nq - 1, row = (nmax + 15) / 16 * 16;
-    float* acc = scratch + (long)LLMCTL_KV_QB * row;
-    float inv[LLMCTL_KV_QB];
-    __m512 mx[LLMCTL_KV_QB];
-    const float* kr[16];
-    int j0, j, qi;
-    if (np > nmax) np = nmax;
-    for (qi = 0; qi < nq; qi++) mx[qi] = _mm512_set1_ps(-10000.0f);
-    for (j0 = 0; j0 < nmax; j0 += 16) {
-        llmctl_kv_rows(kr, 16, kp, np, k, j0, nmax, hs);
-        for (qi = llmctl_kv_first_seeing(j0, n); qi < nq; qi++) {
-            int cnt = n + qi - j0 < 16 ? n + qi - j0 : 16;
-            __m512 s = llmctl_kv_scores16(q + qi * q_stride, kr, cnt, hs, scale, tail);
-            _mm512_storeu_ps(scratch + (long)qi * row + j0, s);
-            mx[qi] = _mm512_max_ps(mx[qi], s);
-        }
+    __mmask16 m[4];
+    __m512 a0[4], a1[4];
+    int j = j0;
+    llmctl_kv_masks(m, i, hs, tail);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) {
+        a0[c] = j0 ? _mm512_loadu_ps(ac + 16 * c) : _mm512_setzero_ps();
+        a1[c] = j0 ? _mm512_loadu_ps(ac + 64 + 16 * c) : _mm512_setzero_ps();
     }
-    for (qi = 0; qi < nq; qi++) {
-        float* sc = scratch + (long)qi * row;
-        __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx[qi])), sum = _mm512_setzero_ps();
-        float expsum;
-        for (j = 0; j < n + qi; j += 16) {
-            __m512 e = llmctl_expf16(_mm512_sub_ps(_mm512_loadu_ps(sc + j), m));
-            _mm512_storeu_ps(sc + j, e);
-            sum = _mm512_add_ps(sum, e);
-        }
-        expsum = _mm512_reduce_add_ps(sum);
-        inv[qi] = expsum != 0.0f ? 1.0f / expsum : 0.0f;
+    if (i + 64 <= hs) {   /* whole chunks (GPT-2's heads: hs = 64) */
+        LLMCTL_KV_PV64(LLMCTL_KV_LOAD_FULL)
+    } else {              /* zeros past hs */
+        LLMCTL_KV_PV64(LLMCTL_KV_LOAD_MASKED)
     }
-    for (int i = 0; i < hs; i += 64) {
-        __mmask16 m[4];
-        for (int c = 0; c < 4; c++) {
-            int lo = i + 16 * c;
-            m[c] = lo + 16 <= hs ? (__mmask16)0xFFFF : lo < hs ? tail : (__mmask16)0;
-        }
-        for (j0 = 0; j0 < nmax; j0 += 16) {
-            llmctl_kv_rows(kr, 16, vp, np, v, j0, nmax, hs);
-            const float* const* vr = kr;
-            for (qi = llmctl_kv_first_seeing(j0, n); qi < nq; qi++) {
-                const float* sc = scratch + (long)qi * row;
-                float* ac = acc + qi * 128;
-                int jend = j0 + 16 < n + qi ? j0 + 16 : n + qi;
-                __m512 a0[4], a1[4];
 #pragma GCC unroll 4
-                for (int c = 0; c < 4; c++) {
-                    a0[c] = j0 ? _mm512_loadu_ps(ac + 16 * c) : _mm512_setzero_ps();
-                    a1[c] = j0 ? _mm512_loadu_ps(ac + 64 + 16 * c) : _mm512_setzero_ps();
-                }
-                j = j0;
-                if (i + 64 <= hs) {   /* whole chunks (GPT-2's heads: hs = 64) */
-                    LLMCTL_KV_PV64(LLMCTL_KV_LOAD_FULL)
-                } else {              /* zeros past hs */
-                    LLMCTL_KV_PV64(LLMCTL_KV_LOAD_MASKED)
-                }
-#pragma GCC unroll 4
-                for (int c = 0; c < 4; c++) {
-                    _mm512_storeu_ps(ac + 16 * c, a0[c]);
-                    _mm512_storeu_ps(ac + 64 + 16 * c, a1[c]);
-                }
-            }
-        }
-        for (qi = 0; qi < nq; qi++) {
-            const float* ac = acc + qi * 128;
-            __m512 vinv = _mm512_set1_ps(inv[qi]);
-#pragma GCC unroll 4
-            for (int c = 0; c < 4; c++)
-                _mm512_mask_storeu_ps(out + qi * out_stride + i + 16 * c, m[c],
-                                      _mm512_mul_ps(_mm512_add_ps(_mm512_loadu_ps(ac + 16 * c),
-                                                                  _mm512_loadu_ps(ac + 64 + 16 * c)), vinv));
-        }
+    for (int c = 0; c < 4; c++) {
+        _mm512_storeu_ps(ac + 16 * c, a0[c]);
+        _mm512_storeu_ps(ac + 64 + 16 * c, a1[c]);
     }
 }
+
+/* LLMCTL_KV_ATTEND's PV_OUT: (even + odd) / sum into the 64 columns from i */
+LLMCTL_KV_TGT static inline void llmctl_kv_pv_out16(float* o, const float* ac, float inv, int i, int hs,
+                                                   __mmask16 tail)
+{
+    __mmask16 m[4];
+    llmctl_kv_masks(m, i, hs, tail);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++)
+        _mm512_mask_storeu_ps(o + i + 16 * c, m[c], _mm512_mul_ps(_mm512_add_ps(_mm512_loadu_ps(ac + 16 * c),
+                                                                              _mm512_loadu_ps(ac + 64 + 16 * c)),
+                                                                _mm512_set1_ps(inv)));
+}
+
+LLMCTL_KV_ATTEND(llmctl_kv_attend_avx512, LLMCTL_KV_TGT, 16, 64, __m512, __mmask16, llmctl_kv_tail,
+                 llmctl_kv_scores16, llmctl_kv_pv16, llmctl_kv_pv_out16, _mm512_set1_ps, _mm512_setzero_ps,
+                 _mm512_loadu_ps, _mm512_storeu_ps, _mm512_max_ps, _mm512_sub_ps, _mm512_add_ps, llmctl_expf16,
+                 _mm512_reduce_max_ps, _mm512_reduce_add_ps)
 #else   /* no AVX-512 copy in this build: never called, as llmctl_kv_avx512_runs() says 0 */
 static int llmctl_kv_avx512_runs(void) { return 0; }
 static void llmctl_kv_attend_avx512(float* out, long out_stride, const float* q, long q_stride, int nq,
