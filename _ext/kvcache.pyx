@@ -216,7 +216,7 @@ cdef int attention_cached_forward(float* out, const float* qkv, const float* kca
 # Python wrappers: validate sizes (ValueError), then call the C kernel without the GIL
 
 def isa():
-    """The copy of the per-query kernel attention_cached runs: "baseline", "avx2" or "avx512"."""
+    """The copy of the kernel attention_cached runs: "baseline", "avx2" or "avx512"."""
     return ISAS[_isa]
 
 

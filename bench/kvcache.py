@@ -4,7 +4,7 @@ What it measures (best of --repeat calls, microseconds): `attention_cached` for 
 query per row at 100, 500 and 1000 cached positions, 1 and 2 threads), for a batch of HellaSwag
 endings (40 rows of 20 new positions after 100 cached ones) and for a batch of contexts (12 rows
 of 150 positions from 0); the endings once more reading their 100 positions from a shared prefix
-cache (`prefix=`, where the tree has it). Every copy of the per-query kernel this CPU runs.
+cache (`prefix=`, where the tree has it). Every copy of the kernel this CPU runs.
 With --other DIR (another source tree, extensions built in place, as bench/versions.py takes):
 both trees in child processes alternating --rounds times, and the time ratio this / other per
 case (best, median, paired median).
