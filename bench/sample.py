@@ -4,7 +4,9 @@ What it reports (random-init weights: speed does not depend on their values), fo
 --precision asked, side by side (the same weights and prompt):
   - cached: prefill of the prompt (ms), then decode of --new-tokens one position per step:
     tokens/s and the implied weight-streaming bandwidth (every decode step reads all matmul
-    weights once: ~498 MB for d12 in fp32, half in bf16);
+    weights once: ~498 MB for d12 in fp32, half in bf16), as a share of the machine's read floor
+    measured in the same run (NumPy's max over 256 MB on the same threads), and the tokens/s the
+    weights alone would allow at that floor;
   - full recompute (llm.c's way: the whole sequence through the model for every new token):
     tokens/s over --full-tokens steps from the same prompt (fewer steps: it is slow; its cost
     grows with the sequence length, so at the end of a 288-token sequence it is slower still).
@@ -30,6 +32,26 @@ import sys
 import time
 
 import numpy as np
+
+
+def read_floor_gbs(n_threads, nbytes=256 << 20, reps=6):
+    """This machine's read bandwidth, the floor of a decode step's weight stream: NumPy's max over a
+    fresh nbytes array split into n_threads contiguous parts, one Python thread each (the reduction
+    releases the GIL), best of reps, bytes read / wall time."""
+    import threading
+
+    a = np.ones(nbytes // 4, np.float32)
+    parts = np.array_split(a, n_threads)
+    best = float("inf")
+    for _ in range(reps):
+        ths = [threading.Thread(target=np.max, args=(p,)) for p in parts]
+        t = time.perf_counter()
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join()
+        best = min(best, time.perf_counter() - t)
+    return a.nbytes / best / 1e9
 
 
 def _measure(model, prompt, args):
@@ -124,9 +146,16 @@ def main(argv=None):
         if prec == "bf16":
             runs[-1]["gemm"] = ("native" if matmul.bf16_native() else "emulated on fp32") + \
                 f"; decode GEMV {matmul.gemv_bf16_isa()}"
+    # the ceiling a decode step's weight stream sets: every token reads all matmul weights once
+    floor = read_floor_gbs(args.threads)
+    for r in runs:
+        c = r["cached"]
+        c["weights_tokens_per_s_at_read_floor"] = round(floor / c["weight_GB_per_s"] * c["decode_tokens_per_s"], 1)
+        c["share_of_read_floor"] = round(c["weight_GB_per_s"] / floor, 3)
 
     res = {"model": args.model, "threads": args.threads, "num_parameters": ref.num_parameters,
            "init_s": round(init_s, 2), "prompt_tokens": args.prompt_tokens, "runs": runs,
+           "read_floor_GB_per_s": round(floor, 1),
            "skipped": skipped, "loadavg_1min": round(os.getloadavg()[0], 2)}
     if args.json:
         print(json.dumps(res))
@@ -140,10 +169,13 @@ def main(argv=None):
         print(f"    KV cache : prefill {c['prefill_ms']:.0f} ms, decode {c['new_tokens']} tokens at "
               f"{c['decode_tokens_per_s']:.2f} tokens/s ({c['weight_GB_per_s']:.1f} GB/s of weights), "
               f"overall {c['overall_tokens_per_s']:.2f} tokens/s")
+        print(f"    weights  : {c['share_of_read_floor']:.0%} of the read floor; reading them at the floor "
+              f"alone would allow {c['weights_tokens_per_s_at_read_floor']:.0f} tokens/s")
         if f["new_tokens"]:
             print(f"    full     : {f['new_tokens']} tokens at {f['tokens_per_s']:.3f} tokens/s "
                   f"(sequence {f['positions'][0]}..{f['positions'][1]} positions)")
             print(f"    speedup  : {r['speedup_decode']}x")
+    print(f"  read floor: {floor:.1f} GB/s (NumPy's max over 256 MB on {args.threads} threads)")
     for line in skipped:
         print("  skipped: " + line)
 
