@@ -54,8 +54,9 @@ class Xorshift:
         return (self.random_u32() >> 8) / 16777216.0
 
 
-def sample_token(logits, coin, temperature=1.0, top_k=None, top_p=None):
-    """One token id from logits (V,) float32 with a coin in [0,1).
+def sample_token(logits, coin, temperature=1.0, top_k=None, top_p=None, n_threads=1):
+    """One token id from logits (V,) float32 with a coin in [0,1) (plain sampling's exps on
+    n_threads: the same id for any count).
 
     temperature 1, no top-k/top-p: exactly llm.c's sample_softmax(logits, V, coin).
     Otherwise probabilities = softmax(logits / temperature) restricted to the top_k largest
@@ -73,7 +74,7 @@ def sample_token(logits, coin, temperature=1.0, top_k=None, top_p=None):
         k = 0
     p_top = float(top_p) if top_p is not None else 1.0
     if temperature == 1.0 and k == 0 and p_top >= 1.0:
-        return int(sample_softmax(logits, float(coin)))
+        return int(sample_softmax(logits, float(coin), n_threads))
     z = logits.astype(np.float64)
     z = (z - z.max()) / float(temperature)  # <= 0 everywhere: exp never overflows
     keep = np.arange(V)
@@ -178,7 +179,7 @@ def generate(model, prompt_tokens, max_new_tokens, temperature=1.0, top_k=None, 
         if temperature < GREEDY_BELOW:  # greedy; no coin drawn, as for temperature 0
             tok = int(np.argmax(logits))
         else:
-            tok = sample_token(logits, rng.random_f32(), temperature, top_k, top_p)
+            tok = sample_token(logits, rng.random_f32(), temperature, top_k, top_p, model.n_threads)
         out.append(tok)
         if on_token is not None:
             on_token(tok)

@@ -439,8 +439,15 @@ def test_plain_sampling_is_llmc_sample_softmax():
     # compiled with gcc -O2: the first 20 draws
     logits = (np.array([(i * 37) % 101 for i in range(1000)], np.float32) / np.float32(17.0)) - np.float32(3.0)
     r = Xorshift(42)
-    got = [sample_token(logits, r.random_f32()) for _ in range(20)]
-    assert got == [340, 785, 794, 946, 767, 838, 207, 441, 305, 674, 428, 341, 876, 190, 75, 614, 330, 313, 999, 333]
+    coins = [r.random_f32() for _ in range(20)]
+    want = [340, 785, 794, 946, 767, 838, 207, 441, 305, 674, 428, 341, 876, 190, 75, 614, 330, 313, 999, 333]
+    assert [sample_token(logits, c) for c in coins] == want
+    # the exps on two threads (a chunk each past 4096 ids): the same ids
+    assert [sample_token(logits, c, n_threads=2) for c in coins] == want
+    big = np.random.default_rng(5).normal(0, 3, size=V).astype(np.float32)
+    coins = np.random.default_rng(6).random(200)
+    got = [sample_token(big, c, n_threads=2) for c in coins]
+    assert got == [sample_token(big, c) for c in coins] and len(set(got)) > 100
 
 
 def test_top_k_top_p_temperature_distributions():
