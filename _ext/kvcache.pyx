@@ -32,6 +32,7 @@ from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
 
 from _openmp cimport omp_get_thread_num
+from capi cimport fn_capsule, kv_append_fn, kv_attend_fn
 
 
 # ----------------------------------------------------------------------------------------------
@@ -322,3 +323,10 @@ def attention_cached(float[::1] out, const float[::1] qkv, const float[::1] kcac
                                       B, Tq, C, NH, Tcap, kp, vp, rp, lp, Tp, n_threads)
     if rc != 0:
         raise MemoryError("attention_cached: no memory for the score scratch")
+
+
+def c_api():
+    """The C kernels this module lends others (capi.pxd), on the copy set_isa() put in force:
+    "append" (kvcache_append_forward) and "attend" (attention_cached)."""
+    return {"append": fn_capsule(<void*><kv_append_fn>kvcache_append),
+            "attend": fn_capsule(<void*><kv_attend_fn>attention_cached_forward)}

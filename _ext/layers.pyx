@@ -26,6 +26,7 @@ from libc.stdint cimport uint16_t
 from libc.string cimport memset
 
 from bf16 cimport out_t
+from capi cimport fn_capsule, gelu_bf16_fn, layernorm_bf16_fn, residual_fn
 from kernels cimport check_threads, check_len, check_positive, check_disjoint, col_chunk, eff_threads, imin
 
 cdef enum:
@@ -847,3 +848,18 @@ def softmax_crossentropy_backward_bf16(uint16_t[::1] dlogits, const float[::1] p
     """softmax_crossentropy_backward with dlogits (BT,Vp) written as bf16: the lm-head backward
     GEMMs read it, and no fp32 copy is ever needed (the lm head has no bias)."""
     _checked_softmax_crossentropy_backward(dlogits, probs, targets, dlosses, BT, V, Vp, n_threads)
+
+
+cdef void _layernorm_forward_b16(uint16_t* out, float* mean, float* rstd, float* inp, const float* weight,
+                                 const float* bias, int N, int C, const float* residual,
+                                 int n_threads) noexcept nogil:
+    _layernorm_forward(out, mean, rstd, inp, weight, bias, N, C, residual, n_threads)
+
+
+def c_api():
+    """The C kernels this module lends others (capi.pxd), on the copies set_simd() put in force:
+    "layernorm_bf16" (layernorm_forward_bf16), "gelu_bf16" (gelu_forward_bf16 of bf16 input),
+    "residual" (residual_forward)."""
+    return {"layernorm_bf16": fn_capsule(<void*><layernorm_bf16_fn>_layernorm_forward_b16),
+            "gelu_bf16": fn_capsule(<void*><gelu_bf16_fn>_gelu_forward_b16),
+            "residual": fn_capsule(<void*><residual_fn>_residual_forward)}

@@ -37,6 +37,7 @@ from scipy.linalg.cython_blas cimport sgemm
 
 from _openmp cimport omp_get_thread_num
 from bf16 cimport llmctl_cast_bf16, llmctl_f32_to_bf16, llmctl_widen_bf16, out_t
+from capi cimport fn_capsule, gemv_bf16_fn
 from kernels cimport check_threads, check_len, check_positive, check_disjoint, col_chunk, eff_threads, imin
 
 cdef extern from "rows.h" nogil:
@@ -854,9 +855,9 @@ def set_gemv_rows(int rows):
     return old
 
 
-def gemv_bf16_available():
-    """True when matmul_forward_bf16 runs few-row products on gemv_bf16.h here."""
-    return _gemv_isa != 0
+def gemv_bf16_available(int rows=1):
+    """True when matmul_forward_bf16 runs products of `rows` rows on gemv_bf16.h here."""
+    return _gemv_isa != 0 and 1 <= rows <= _gemv_rows
 
 
 def gemv_bf16_isa():
@@ -1101,3 +1102,9 @@ def matmul_backward_bf16(dinp, float[::1] dweight, dbias, dout, uint16_t[::1] do
         free(wd)
         free(wi)
         free(ww)
+
+
+def c_api():
+    """The C kernels this module lends others (capi.pxd): "gemv_bf16", a few-row bf16 product on
+    the GEMV copy set_gemv_isa() put in force (callers check gemv_bf16_available() first)."""
+    return {"gemv_bf16": fn_capsule(<void*><gemv_bf16_fn>_gemv_bf16)}

@@ -63,5 +63,6 @@ def test_avx512_copies_pass_the_kernel_tests_emulated(emulated_build, tmp_path):
                  r"test_sample::test_attention_cached_kernel_matches_numpy\[avx512-",
                  r"test_sample::test_attention_cached_prefix_gives_the_bits_of_one_cache\[avx512-",
                  r"test_sample::test_attention_cached_query_gives_the_bits_of_itself_alone\[avx512-",
+                 r"test_sample::test_decode_step_in_one_call_gives_the_bits_of_the_layer_loop\[avx512_bf16-",
                  r"test_kernels::test_row_loops_give_identical_bits_in_every_instruction_set\["):
         assert any(re.search(want, n) for n in passed), (want, sorted(n for n in skipped if want.split("::")[0] in n))

@@ -1131,6 +1131,9 @@ def test_bf16_cached_forward_matches_the_training_forward(bf16_ok):
             out[:] = from_bf16(to_bf16(out))
 
     m.ops.attention_forward, m.ops.matmul = fp32_attention, rounding_matmul
+    # the decode step's layers in one call read no patched op: run its layer loop (the same bits,
+    # test_sample.py's test_decode_step_in_one_call_gives_the_bits_of_the_layer_loop)
+    m._decode_layers = lambda x, cache: False
     m.forward(x)
     want = m.logits()[..., :MCFG.vocab_size].astype(np.float64)
     cache = KVCache(MCFG, 2, 20)

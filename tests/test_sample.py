@@ -327,7 +327,13 @@ def test_cached_attention_threads_only_beside_openmp_matmuls(precision, engine, 
             used.append(a[10])    # n_threads
             return kv.attention_cached(*a, **kw)
 
-    m.kernels.kvcache = Recording()
+    class RecordingDecode:      # a bf16 decode step's layers in one call: its attention's threads
+        def decode_layers_bf16(self, *a):
+            used.append(a[13])
+            return dec.decode_layers_bf16(*a)
+
+    dec = m.kernels.decode
+    m.kernels.kvcache, m.kernels.decode = Recording(), RecordingDecode()
     cache = KVCache(m.config, 1, 300)     # B * Tcap * C = 76,800 floats
     m.forward_cached(cache, np.array([[1, 2, 3]], dtype=np.int32))
     m.forward_cached(cache, np.array([[4]], dtype=np.int32))
@@ -406,6 +412,149 @@ def test_block_forward_parts_equals_a_call_per_part(precision, monkeypatch):
         m.block_forward_parts(0, x0, [KVPart(k[:, :, ::2], v, np.zeros(E, np.int32), E * Tx), parts[1]])
     with pytest.raises(ValueError, match="prefix v must be"):
         m.block_forward_parts(0, x0, [parts[0], KVPart(kg, vg, pos, 3 * Tq, prefix=(k, v[..., :8], rows_of, pos, Tx))])
+
+
+def _bf16_model_or_skip(monkeypatch, **kw):
+    """A bf16 model over tiny_cfg(**kw), emulated where this CPU has no native bf16, on 2 threads."""
+    from llmctl._ext import matmul
+    from llmctl.model import GPT2Config
+
+    if not matmul.gemv_bf16_isas():
+        pytest.skip("no copy of the bf16 GEMV runs on this CPU (it needs AVX2, or AVX512_BF16)")
+    if not matmul.bf16_native():
+        monkeypatch.setenv("LLMCTL_BF16_EMULATE", "1")
+    m = GPT2(GPT2Config(**tiny_cfg(**kw)), n_threads=2, precision="bf16")
+    m.params[:] = np.random.default_rng(2).normal(0, 0.1, m.params.size)   # no zero biases, no unit norms
+    m.params_changed()
+    return m
+
+
+def _decode_calls(m):
+    """Record the model's calls of decode.decode_layers_bf16 (-> the list they are appended to)."""
+    calls, dec = [], m.kernels.decode
+
+    class Recording:
+        def decode_layers_bf16(self, *a, **kw):
+            calls.append(a[8])   # B
+            return dec.decode_layers_bf16(*a, **kw)
+
+    m.kernels.decode = Recording()
+    return calls
+
+
+def _decode_run(m, B, steps, one_call):
+    """A prompt (rows of different lengths) then `steps` decode steps -> their hidden states."""
+    rng = np.random.default_rng(B)
+    cache = KVCache(m.config, B, 24)
+    m.forward_cached(cache, rng.integers(0, V, size=(B, 6)).astype(np.int32))
+    cache.lengths[:] = 6 - np.arange(B) % 3       # rows at different positions
+    if not one_call:
+        m._decode_layers = lambda x, c: False     # block_forward's layer loop
+    try:
+        return np.stack([m.forward_cached(cache, rng.integers(0, V, size=(B, 1)).astype(np.int32))
+                         for _ in range(steps)])
+    finally:
+        m.__dict__.pop("_decode_layers", None)
+
+
+@pytest.mark.parametrize("B", [1, 3, 4])
+@pytest.mark.parametrize("gemv_isa", ["avx2", "avx512_bf16"])
+def test_decode_step_in_one_call_gives_the_bits_of_the_layer_loop(B, gemv_isa, monkeypatch):
+    # a bf16 decode step runs every layer in one call into decode.pyx, on the kernels the
+    # Python layer loop calls: the same bits, on each copy of the GEMV, rows at different positions
+    from llmctl._ext import matmul
+
+    m = _bf16_model_or_skip(monkeypatch, maxT=32, L=3, NH=4, C=64)
+    if gemv_isa not in matmul.gemv_bf16_isas():
+        pytest.skip(f"this CPU runs no {gemv_isa} copy of the bf16 GEMV")
+    old = matmul.set_gemv_isa(gemv_isa)
+    try:
+        calls = _decode_calls(m)
+        got = _decode_run(m, B, 5, True)
+        assert calls == [B] * 5
+        want = _decode_run(m, B, 5, False)
+        assert calls == [B] * 5
+    finally:
+        matmul.set_gemv_isa(old)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_decode_step_falls_back_to_the_layer_loop_where_it_does_not_apply(monkeypatch):
+    # more rows than the GEMV takes, a prompt, fp32, and level 3's layers casting their own
+    # weights run the layer loop; level 3 with the weights lent between steps runs in one call
+    from llmctl._ext import matmul
+    from llmctl.model import GPT2Config
+
+    m = _bf16_model_or_skip(monkeypatch, maxT=32, L=2, NH=4, C=64)
+    calls = _decode_calls(m)
+    rows = matmul.set_gemv_rows(4)
+    try:
+        _decode_run(m, 5, 2, True)
+        assert calls == []
+        f = GPT2(GPT2Config(**tiny_cfg(maxT=32, L=2, NH=4, C=64)), n_threads=2)
+        f_calls = _decode_calls(f)
+        _decode_run(f, 1, 2, True)
+        assert f_calls == []
+        m3 = GPT2(m.config, n_threads=2, precision="bf16", recompute=3)
+        m3.params[:] = m.params
+        m3.params_changed()
+        c3 = _decode_calls(m3)
+        got = _decode_run(m3, 2, 3, True)
+        assert c3 == []                           # nothing to lend yet: each layer casts its own
+        np.testing.assert_array_equal(got, _decode_run(m, 2, 3, False))
+        m3.forward(np.ones((8, 32), np.int32))    # a forward that keeps every layer: its fc buffer (B*T >= 3C) is lent
+        got = _decode_run(m3, 2, 3, True)
+        assert c3 == [2, 2, 2] and m3.ops.held is not None
+        np.testing.assert_array_equal(got, _decode_run(m, 2, 3, False))
+    finally:
+        matmul.set_gemv_rows(rows)
+
+
+def test_decode_layers_rejects_bad_arguments(monkeypatch):
+    from llmctl._ext import decode, matmul
+
+    m = _bf16_model_or_skip(monkeypatch, maxT=32, L=2, NH=4, C=64)
+    cache = KVCache(m.config, 2, 8)
+    m._sync_bf16()
+    wbuf, woff = m.ops.layer_weights_in(m.params_bf16)
+    m._decode_layers(np.zeros((2, 64), np.float32), cache)
+    poff = m._param_offs.reshape(-1)
+    x = np.zeros(2 * 64, np.float32)
+    good = dict(x=x, wbuf=wbuf, woff=woff.reshape(-1), params=m.params, poff=poff, kcache=cache.k.reshape(-1),
+                vcache=cache.v.reshape(-1), pos=np.zeros(2, np.int32))
+
+    def call(B=2, C=64, NH=4, Tcap=8, **kw):
+        a = {**good, **kw}
+        decode.decode_layers_bf16(a["x"], a["wbuf"], a["woff"], a["params"], a["poff"], a["kcache"],
+                                  a["vcache"], a["pos"], B, C, NH, Tcap)
+
+    call()
+    with pytest.raises(ValueError, match="x has 64 elements, expected 128"):
+        call(x=x[:64])
+    with pytest.raises(ValueError, match="not 4 per layer"):
+        call(woff=good["woff"][:7])
+    with pytest.raises(ValueError, match="poff has 8 elements, expected 16"):
+        call(poff=poff[:8])
+    bad = good["woff"].copy()
+    bad[5] = wbuf.size - 10
+    with pytest.raises(ValueError, match=r"woff offset .* \(layer 1, tensor 1\)"):
+        call(woff=bad)
+    bad = poff.copy()
+    bad[3] = -1
+    with pytest.raises(ValueError, match=r"poff offset -1 \(layer 0, tensor 3\)"):
+        call(poff=bad)
+    with pytest.raises(ValueError, match="pos\\[1\\] = 8 is outside a cache of Tcap = 8"):
+        call(pos=np.array([0, 8], np.int32))
+    with pytest.raises(ValueError, match="kcache has"):
+        call(kcache=good["kcache"][:-64])
+    with pytest.raises(ValueError, match="not a multiple of NH"):
+        call(NH=5)
+    rows = matmul.set_gemv_rows(1)
+    try:
+        with pytest.raises(ValueError, match="no bf16 GEMV for 2 rows"):
+            call()
+    finally:
+        matmul.set_gemv_rows(rows)
 
 
 def test_cached_forward_refuses_beyond_maxT(tiny):

@@ -91,6 +91,8 @@ LMHEAD_GRAD_ROWS = 1024
 LOGITS_KEEP_BYTES = 256 << 20   # bf16: above this many bytes of fp32 logits, the lm head runs in blocks
 KEEP_GELU_BYTES = 256 << 20     # recompute=None: keep every layer's fch_gelu while it costs at most this
 _MIN_PARALLEL = 1 << 16   # bytes of element-wise work below which a kernel runs on one thread
+# a layer's fp32 parameters a decode step reads (_ext/decode.pyx's poff columns)
+_DECODE_PARAMS = ("ln1w", "ln1b", "qkvb", "attprojb", "ln2w", "ln2b", "fcb", "fcprojb")
 
 
 def _views(buf, offsets):
@@ -254,6 +256,7 @@ class GPT2:
         self._acts = None          # dict of activation buffers, as self.plan says
         self._scratch = None       # one layer of activation gradients (allocated at first backward)
         self._step_bufs = None     # one layer's intermediates of a cached forward (block_forward)
+        self._param_offs = None    # (L, 8) offsets in params of the tensors decode.pyx reads
         self._bwd16 = None         # bf16 training: the backward's scratch (_bwd16_layout)
         self._B = self._T = 0
         self._kept = False         # did the last forward keep every layer's activations?
@@ -596,20 +599,14 @@ class GPT2:
     def _attention_cached(self, part, qkv, atty):
         """One KVPart's attention in a cached forward: its rows' K/V appended to its cache, their
         queries attending to it (and to its prefix)."""
-        C, NH, nt = self.config.channels, self.config.num_heads, self.n_threads
+        C, NH = self.config.channels, self.config.num_heads
         k, v, pos, pre = part.k, part.v, part.pos, part.prefix
         B, Tcap = k.shape[0], k.shape[2]
         T = part.rows // B
         KV = self.kernels.kvcache
         kf, vf = k.reshape(-1), v.reshape(-1)
         qkv, atty = qkv[:part.rows * 3 * C], atty[:part.rows * C]
-        # the cache is read from memory (the matmuls in between evict it): two threads read
-        # it faster once it holds a few hundred KB (d12: a capacity of 86 positions or more).
-        # Not where the one-row matmuls run on NumPy's BLAS (fp32): an OpenMP region between
-        # them leaves its threads spinning against BLAS's (decode 7x slower, measured)
-        span = Tcap + (0 if pre is None else pre[4])
-        small = self.ops.gemv_on_openmp and B * span * C >= _MIN_PARALLEL
-        nta = nt if small or part.rows * span * C >= _MIN_PARALLEL * 16 else 1
+        nta = self._attention_threads(part.rows, B, Tcap + (0 if pre is None else pre[4]))
         # the new K/V: a prompt's (a few MB) copied on the attention's threads, a decode step's
         # few rows on one (a second thread's barrier costs more than the copy)
         KV.kvcache_append_forward(kf, vf, qkv, part.append_pos, B, T, C, NH, Tcap,
@@ -617,6 +614,16 @@ class GPT2:
         if pre is not None:
             pre = (pre[0].reshape(-1), pre[1].reshape(-1)) + pre[2:]
         KV.attention_cached(atty, qkv, kf, vf, pos, B, T, C, NH, Tcap, nta, prefix=pre)
+
+    def _attention_threads(self, rows, B, span):
+        """Threads of a cached attention: `rows` queries of B cache rows, each seeing span positions."""
+        # the cache is read from memory (the matmuls in between evict it): two threads read
+        # it faster once it holds a few hundred KB (d12: a capacity of 86 positions or more).
+        # Not where the one-row matmuls run on NumPy's BLAS (fp32): an OpenMP region between
+        # them leaves its threads spinning against BLAS's (decode 7x slower, measured)
+        C, nt = self.config.channels, self.n_threads
+        small = self.ops.gemv_on_openmp and B * span * C >= _MIN_PARALLEL
+        return nt if small or rows * span * C >= _MIN_PARALLEL * 16 else 1
 
     def forward(self, inputs, targets=None, keep_activations=True, loss_scale=None):
         """Run the model on inputs (B,T). With targets (B,T): per-token losses into self.losses and
@@ -778,10 +785,37 @@ class GPT2:
         if tokens.min() < 0 or tokens.max() >= self.config.vocab_size:
             raise ConfigError(f"token ids must be in [0, {self.config.vocab_size})")
         x = self.embed(tokens, cache.lengths)
-        for l in range(self.config.num_layers):
-            x = self.block_forward(l, x, cache.k[l], cache.v[l], cache.lengths)
+        if Tq > 1 or not self._decode_layers(x, cache):
+            for l in range(self.config.num_layers):
+                x = self.block_forward(l, x, cache.k[l], cache.v[l], cache.lengths)
         cache.lengths += Tq
         return self.final_norm(x).reshape(B, Tq, self.config.channels)
+
+    def _decode_layers(self, x, cache):
+        """A bf16 decode step (one new position for each of a few rows) through every layer in
+        one call into Cython (_ext/decode.pyx), x (B, C) overwritten: the bits of block_forward
+        layer by layer, without its ~10 Python calls per layer. -> False where that does not
+        apply (fp32, rows beyond the bf16 GEMV's, layers casting their own weights at level 3
+        with no loan); block_forward's loop then runs."""
+        B = x.shape[0]
+        if self.precision != "bf16" or not self.kernels.matmul.gemv_bf16_available(B):
+            return False
+        self._sync_bf16()
+        self._lend_weights()
+        wts = self.ops.layer_weights_in(self.params_bf16)
+        if wts is None:
+            return False
+        c = self.config
+        C, L = c.channels, c.num_layers
+        if self._param_offs is None:
+            self._param_offs = np.array([[self._offs[n][0] + l * self._offs[n][1] // L for n in _DECODE_PARAMS]
+                                         for l in range(L)], dtype=np.int64)
+        nt = self.n_threads
+        self.kernels.decode.decode_layers_bf16(x.reshape(-1), wts[0], wts[1].reshape(-1), self.params,
+                                               self._param_offs.reshape(-1), cache.k.reshape(-1),
+                                               cache.v.reshape(-1), cache.lengths, B, C, c.num_heads,
+                                               cache.Tcap, nt, self._attention_threads(B, B, cache.Tcap))
+        return True
 
     # -- backward -------------------------------------------------------------------------------
     def bind_grads(self, buf):

@@ -47,13 +47,13 @@ class Kernels:
 
     def __init__(self):
         try:
-            from llmctl._ext import adamw, attention, convert, kvcache, layers, matmul
+            from llmctl._ext import adamw, attention, convert, decode, kvcache, layers, matmul
         except ImportError as e:
             from llmctl._ext import load_error
 
             raise ConfigError(*load_error(e)) from e
         self.matmul, self.layers, self.attention = matmul, layers, attention
-        self.adamw, self.convert, self.kvcache = adamw, convert, kvcache
+        self.adamw, self.convert, self.kvcache, self.decode = adamw, convert, kvcache, decode
 
 
 class Fp32Ops:
@@ -184,7 +184,7 @@ class Bf16Ops(Fp32Ops):
         """params_bf16: dict name -> the bf16 copy of the weights the matmuls read."""
         super().__init__(k, params, engine)
         self.pb = params_bf16
-        self.lw, self.lw_layer, self.held = None, -1, None
+        self.lw, self.lw_layer, self.held, self.held_buf = None, -1, None, None
         # decode's one-row products run on OpenMP's threads (gemv_bf16.h, oneDNN), or, emulated
         # on fp32 sgemm ("blas") where this CPU has no copy of the GEMV, on the BLAS's own
         self.gemv_on_openmp = (k.matmul.gemv_bf16_available()
@@ -220,12 +220,27 @@ class Bf16Ops(Fp32Ops):
                 layer[n], at = buf[at:at + self.lw[n].size], at + self.lw[n].size
                 self.k.convert.cast_to_bf16(layer[n], self.p[n][l].reshape(-1), nt)
             held.append(layer)
-        self.held = held
+        self.held, self.held_buf = held, buf
         return True
 
     def release(self):
         """The buffer hold() was lent is about to be written: stop reading weights there."""
-        self.held = None
+        self.held = self.held_buf = None
+
+    def layer_weights_in(self, params_bf16):
+        """(buf, offsets) of every layer's matmul weights in one bf16 buffer, as decode.pyx reads
+        them: offsets (L, 4) int64 in elements, the columns LAYER_WEIGHTS; buf the loan of hold()
+        or else params_bf16 (the whole copy). None while the layers cast their own one at a time."""
+        if self.held is not None:
+            buf = self.held_buf
+        elif self.lw is None:
+            buf = params_bf16
+        else:
+            return None
+        base, L = buf.__array_interface__["data"][0], self.p[self.LAYER_WEIGHTS[0]].shape[0]
+        offs = [[(self.weight(n, l).__array_interface__["data"][0] - base) // buf.itemsize
+                 for n in self.LAYER_WEIGHTS] for l in range(L)]
+        return buf, np.array(offs, dtype=np.int64)
 
     def weight(self, name, l):
         if l is None or self.lw is None:
@@ -248,7 +263,7 @@ class Bf16Ops(Fp32Ops):
             self.lw_layer = l
 
     def params_changed(self):
-        self.lw_layer, self.held = -1, None
+        self.lw_layer, self.held, self.held_buf = -1, None, None
 
     def layernorm(self, out, mean, rstd, x, w, b, N, C, nt, residual=None):
         self.k.layers.layernorm_forward_bf16(out, mean, rstd, x, w, b, N, C, nt, residual=residual)
