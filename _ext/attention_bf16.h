@@ -230,10 +230,11 @@ static int attb_path_runs(int path, int bf16_flags)
         return (bf16_flags & 1) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
     if (path == ATTB_AMX) {
         unsigned a, b, c, d;
+        /* the native copy's roundings are AVX512_BF16's (every AMX-BF16 CPU has it) */
 #ifdef LLMCTL_SIMDE_AVX512
-        return (bf16_flags & 2) != 0;               /* the SIMDe test build's tiles (simde_avx512.h) */
+        return (bf16_flags & 3) == 3;               /* the SIMDe test build's tiles (simde_avx512.h) */
 #endif
-        if (!(bf16_flags & 2) || !__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)))
+        if ((bf16_flags & 3) != 3 || !__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)))
             return 0;                               /* AMX-TILE */
         return __builtin_cpu_supports("avx512f") && attb_amx_permitted();
     }
@@ -282,7 +283,7 @@ static ptrdiff_t attb_backward_scratch_bytes(ptrdiff_t T, ptrdiff_t hs)
 #include "attention_bf16_avx512.h"
 #pragma GCC push_options
 #ifndef LLMCTL_SIMDE_AVX512   /* the SIMDe test build (simde_avx512.h) emits no AVX-512 instruction */
-#pragma GCC target("avx512f,avx512bw")
+#pragma GCC target("avx512f,avx512bw,avx512bf16")
 #endif
 #define ATTB_FN(name) attb_##name##_avx512
 #define ATTB_V512 1

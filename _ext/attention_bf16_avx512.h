@@ -5,7 +5,10 @@
  *   - the row sums add two keys per step;
  *   - the forward does not mask the padding rows of a last, partial block of queries (their
  *     scores are finite, as padded q rows are zeros, and their outputs are never written);
- *   - bf16 rounding is attb_rnd's (nearest even, a subnormal result flushed to a signed zero).
+ *   - bf16 rounding is AVX512_BF16's vcvtne2ps2bf16 / vcvtneps2bf16 (nearest even, as attb_rnd,
+ *     but a subnormal input reads as zero) for P and dS;
+ *   - the forward's softmax only reads the scores: the max of the raw ones, then exp(s * scale
+ *     - max) with one rounding (the plain loops scale each score and subtract).
  * So results differ from the emulated path's in the last bits of P and dS, well inside the
  * bounds tests/test_attention_bf16.py derives. The transposes run on 16 x 16 transposes of
  * 32-bit words in registers and the bf16 pair packing on whole words. Included by
@@ -15,22 +18,23 @@
 
 #include "mathf_avx512.h"
 
-#define ATTB_TGT_V __attribute__((target("avx512f,avx512bw")))
-
-/* attb_rnd in 16 lanes: the bf16 in the top half of each 32-bit word (the low half is junk) */
-ATTB_TGT_V static inline __m512i attb_v_rnd(__m512 x)
-{
-    __m512i u = _mm512_castps_si512(x);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-    __mmask16 normal = _mm512_test_epi32_mask(r, _mm512_set1_epi32(0x7F800000));
-    return _mm512_mask_mov_epi32(_mm512_and_si512(r, _mm512_set1_epi32((int)0x80000000u)), normal, r);
-}
+#define ATTB_TGT_V __attribute__((target("avx512f,avx512bw,avx512bf16")))
 
 /* two rounded vectors as 16 words: a's bf16 in the low half, b's in the high half */
 ATTB_TGT_V static inline __m512i attb_v_pair(__m512i a, __m512i b)
 {
     return _mm512_or_si512(_mm512_srli_epi32(a, 16), _mm512_and_si512(b, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* two vectors rounded to bf16 and interleaved: word i = bf16(a[i]) | bf16(b[i]) << 16, by
+   vcvtne2ps2bf16 (nearest even, as attb_rnd; it reads a subnormal input as zero, where attb_rnd
+   rounds it first, which differs only for inputs within half a bf16 ulp below FLT_MIN) and a
+   word permute */
+ATTB_TGT_V static inline __m512i attb_v_pair_ne(__m512 a, __m512 b)
+{
+    static const uint16_t il[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                    8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    return _mm512_permutexvar_epi16(_mm512_loadu_si512((const void*)il), (__m512i)_mm512_cvtne2ps_pbh(b, a));
 }
 
 /* llmctl_f32_to_bf16 in 16 lanes (nearest even, NaN -> 0x7FC0, no flush), in the top halves */
@@ -57,42 +61,45 @@ static inline __mmask16 attb_v_diag_keys(int r, int half)
 }
 
 /* the forward's softmax over the keys 0..nk of one block of query rows: see
-   attention_bf16_body.h's fwd_softmax (padding rows are not masked: their scores are finite) */
+   attention_bf16_body.h's fwd_softmax, but S^T is only read: each row's max is taken over its
+   raw scores (m = scale * max s: the max of the scaled scores, as rounding is monotonic), and
+   P^T = exp(s * scale - m) with one rounding (an FMA), the masked keys of the diagonal block set
+   to 0 after the exp. Padding rows are not masked (their scores are finite). */
 ATTB_TGT_V static void attb_fwd_softmax_avx512(float* ST, ptrdiff_t nk, float* m, float* l, uint16_t* Pp,
                                                float scale, ptrdiff_t nr)
 {
-    const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    const __m512 sc = _mm512_set1_ps(scale);
     const ptrdiff_t d0 = nk - 32;
-    __m512 x0 = ninf, x1 = ninf, l0 = _mm512_setzero_ps(), l1 = _mm512_setzero_ps();
+    __m512 x0 = _mm512_set1_ps(-INFINITY), x1 = x0, l0 = _mm512_setzero_ps(), l1 = l0;
     (void)nr;
     for (ptrdiff_t c = 0; c < d0; c++) {
-        __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(ST + c * 32), sc);
-        __m512 s1 = _mm512_mul_ps(_mm512_loadu_ps(ST + c * 32 + 16), sc);
-        _mm512_storeu_ps(ST + c * 32, s0);
-        _mm512_storeu_ps(ST + c * 32 + 16, s1);
-        x0 = _mm512_max_ps(x0, s0);
-        x1 = _mm512_max_ps(x1, s1);
+        x0 = _mm512_max_ps(x0, _mm512_loadu_ps(ST + c * 32));
+        x1 = _mm512_max_ps(x1, _mm512_loadu_ps(ST + c * 32 + 16));
     }
-    for (int c = 0; c < 32; c++) {          /* the diagonal block */
-        float* s = ST + (d0 + c) * 32;
-        __m512 s0 = _mm512_mask_mov_ps(ninf, attb_v_diag_rows(c, 0), _mm512_mul_ps(_mm512_loadu_ps(s), sc));
-        __m512 s1 = _mm512_mask_mov_ps(ninf, attb_v_diag_rows(c, 1), _mm512_mul_ps(_mm512_loadu_ps(s + 16), sc));
-        _mm512_storeu_ps(s, s0);
-        _mm512_storeu_ps(s + 16, s1);
-        x0 = _mm512_max_ps(x0, s0);
-        x1 = _mm512_max_ps(x1, s1);
+    for (int c = 0; c < 32; c++) {          /* the diagonal block: row r sees keys c <= r */
+        x0 = _mm512_mask_max_ps(x0, attb_v_diag_rows(c, 0), x0, _mm512_loadu_ps(ST + (d0 + c) * 32));
+        x1 = _mm512_mask_max_ps(x1, attb_v_diag_rows(c, 1), x1, _mm512_loadu_ps(ST + (d0 + c) * 32 + 16));
     }
+    x0 = _mm512_mul_ps(x0, sc);
+    x1 = _mm512_mul_ps(x1, sc);
     _mm512_storeu_ps(m, x0);
     _mm512_storeu_ps(m + 16, x1);
     for (ptrdiff_t c = 0; c < nk; c += 2) {
-        __m512 e00 = llmctl_expf16(_mm512_sub_ps(_mm512_loadu_ps(ST + c * 32), x0));
-        __m512 e01 = llmctl_expf16(_mm512_sub_ps(_mm512_loadu_ps(ST + c * 32 + 16), x1));
-        __m512 e10 = llmctl_expf16(_mm512_sub_ps(_mm512_loadu_ps(ST + c * 32 + 32), x0));
-        __m512 e11 = llmctl_expf16(_mm512_sub_ps(_mm512_loadu_ps(ST + c * 32 + 48), x1));
+        const float* s = ST + c * 32;
+        __m512 e00 = llmctl_expf16(_mm512_fmsub_ps(_mm512_loadu_ps(s), sc, x0));
+        __m512 e01 = llmctl_expf16(_mm512_fmsub_ps(_mm512_loadu_ps(s + 16), sc, x1));
+        __m512 e10 = llmctl_expf16(_mm512_fmsub_ps(_mm512_loadu_ps(s + 32), sc, x0));
+        __m512 e11 = llmctl_expf16(_mm512_fmsub_ps(_mm512_loadu_ps(s + 48), sc, x1));
+        if (c >= d0) {
+            e00 = _mm512_maskz_mov_ps(attb_v_diag_rows((int)(c - d0), 0), e00);
+            e01 = _mm512_maskz_mov_ps(attb_v_diag_rows((int)(c - d0), 1), e01);
+            e10 = _mm512_maskz_mov_ps(attb_v_diag_rows((int)(c + 1 - d0), 0), e10);
+            e11 = _mm512_maskz_mov_ps(attb_v_diag_rows((int)(c + 1 - d0), 1), e11);
+        }
         l0 = _mm512_add_ps(l0, _mm512_add_ps(e00, e10));
         l1 = _mm512_add_ps(l1, _mm512_add_ps(e01, e11));
-        _mm512_storeu_si512((void*)(Pp + c * 32), attb_v_pair(attb_v_rnd(e00), attb_v_rnd(e10)));
-        _mm512_storeu_si512((void*)(Pp + c * 32 + 32), attb_v_pair(attb_v_rnd(e01), attb_v_rnd(e11)));
+        _mm512_storeu_si512((void*)(Pp + c * 32), attb_v_pair_ne(e00, e10));
+        _mm512_storeu_si512((void*)(Pp + c * 32 + 32), attb_v_pair_ne(e01, e11));
     }
     _mm512_storeu_ps(l, l0);
     _mm512_storeu_ps(l + 16, l1);
@@ -257,36 +264,40 @@ ATTB_TGT_V static void attb_colsums_avx512(double* part, const float* x, ptrdiff
         for (ptrdiff_t i = 0; i < n; i++) part[d] += (double)x[i * ldx + d];
 }
 
-/* the backward's P and dS of one block: see attention_bf16_body.h's bwd_block */
+/* P and dS of 16 keys (half h) of row r of a block (0 past T), as bwd_block makes them */
+ATTB_TGT_V static inline void attb_v_pds(__m512* P, __m512* dS, const float* S, const float* dP, const float* lb,
+                                         const float* D, ptrdiff_t i0, ptrdiff_t j0, ptrdiff_t T, __m512 sc,
+                                         int r, int h)
+{
+    ptrdiff_t i = i0 + r;
+    if (i >= T) {
+        *P = *dS = _mm512_setzero_ps();
+        return;
+    }
+    __mmask16 k = i0 == j0 ? attb_v_diag_keys(r, h) : (__mmask16)0xFFFF;
+    __m512 s = _mm512_fmsub_ps(_mm512_loadu_ps(S + r * 32 + 16 * h), sc, _mm512_set1_ps(lb[i]));
+    *P = _mm512_maskz_mov_ps(k, llmctl_expf16(s));
+    *dS = _mm512_mul_ps(_mm512_mul_ps(*P, _mm512_sub_ps(_mm512_loadu_ps(dP + r * 32 + 16 * h), _mm512_set1_ps(D[i]))), sc);
+}
+
+/* the backward's P and dS of one block: see attention_bf16_body.h's bwd_block; two rows at a
+   time, rounded to bf16 by vcvtne2ps2bf16 for the paired rows and vcvtneps2bf16 for dS's
+   row-major copy (the same bits) */
 ATTB_TGT_V static void attb_bwd_block_avx512(const float* S, const float* dP, uint16_t* Pb, uint16_t* Pp,
                                              uint16_t* dSb, ptrdiff_t lds, uint16_t* dSp, const float* lb,
                                              const float* D, ptrdiff_t i0, ptrdiff_t j0, ptrdiff_t T, float scale)
 {
     const __m512 sc = _mm512_set1_ps(scale);
-    __m512i p[2][2], q[2][2];
     (void)Pb;
-    for (int r = 0; r < 32; r++) {
-        ptrdiff_t i = i0 + r;
+    for (int r = 0; r < 32; r += 2)
         for (int h = 0; h < 2; h++) {
-            __m512 P, dS;
-            if (i < T) {
-                __mmask16 k = i0 == j0 ? attb_v_diag_keys(r, h) : (__mmask16)0xFFFF;
-                __m512 s = _mm512_fmsub_ps(_mm512_loadu_ps(S + r * 32 + 16 * h), sc, _mm512_set1_ps(lb[i]));
-                P = _mm512_maskz_mov_ps(k, llmctl_expf16(s));
-                dS = _mm512_mul_ps(_mm512_mul_ps(P, _mm512_sub_ps(_mm512_loadu_ps(dP + r * 32 + 16 * h),
-                                                                  _mm512_set1_ps(D[i]))), sc);
-            } else {
-                P = dS = _mm512_setzero_ps();
-            }
-            p[r & 1][h] = attb_v_rnd(P);
-            q[r & 1][h] = attb_v_rnd(dS);
-            _mm256_storeu_si256((__m256i*)(dSb + r * lds + 16 * h), _mm512_cvtepi32_epi16(_mm512_srli_epi32(q[r & 1][h], 16)));
+            __m512 P0, dS0, P1, dS1;
+            attb_v_pds(&P0, &dS0, S, dP, lb, D, i0, j0, T, sc, r, h);
+            attb_v_pds(&P1, &dS1, S, dP, lb, D, i0, j0, T, sc, r + 1, h);
+            _mm256_storeu_si256((__m256i*)(dSb + r * lds + 16 * h), (__m256i)_mm512_cvtneps_pbh(dS0));
+            _mm256_storeu_si256((__m256i*)(dSb + (r + 1) * lds + 16 * h), (__m256i)_mm512_cvtneps_pbh(dS1));
+            _mm512_storeu_si512((void*)(Pp + r * 32 + 32 * h), attb_v_pair_ne(P0, P1));
+            _mm512_storeu_si512((void*)(dSp + r * 32 + 32 * h), attb_v_pair_ne(dS0, dS1));
         }
-        if (r & 1)
-            for (int h = 0; h < 2; h++) {
-                _mm512_storeu_si512((void*)(Pp + (r - 1) * 32 + 32 * h), attb_v_pair(p[0][h], p[1][h]));
-                _mm512_storeu_si512((void*)(dSp + (r - 1) * 32 + 32 * h), attb_v_pair(q[0][h], q[1][h]));
-            }
-    }
 }
 #endif /* LLMCTL_ATTENTION_BF16_AVX512_H */

@@ -17,7 +17,6 @@ __attribute__((target("avx512f"))) static inline __m512 llmctl_expf16(__m512 x)
     __m512 fn = _mm512_sub_ps(t, shift);
     __m512 r = _mm512_fnmadd_ps(fn, _mm512_set1_ps(0.693359375f), xc);
     __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    __m512i e;
     r = _mm512_fnmadd_ps(fn, _mm512_set1_ps(-2.12194440e-4f), r);
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
@@ -25,7 +24,8 @@ __attribute__((target("avx512f"))) static inline __m512 llmctl_expf16(__m512 x)
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-    e = _mm512_slli_epi32(_mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(0x4B400000 - 127)), 23);
-    return _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ), p, _mm512_castsi512_ps(e));
+    /* p * 2^fn by vscalefps: fn is a whole number in [-126, 127], so this is the one rounded
+       product of p and that power of two, as a multiply by it built in the exponent bits was */
+    return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ), p, fn);
 }
 #endif

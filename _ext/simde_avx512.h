@@ -77,6 +77,45 @@ static inline simde__m512 llmctl_simde_dpbf16_ps(simde__m512 src, simde__m512bh 
 }
 #undef _mm512_dpbf16_ps
 #define _mm512_dpbf16_ps(src, a, b) llmctl_simde_dpbf16_ps((src), (a), (b))
+/* vcvtne2ps2bf16 / vcvtneps2bf16 as the Intel SDM defines them (SIMDe 0.8.2 has neither): a zero
+   or subnormal input gives a signed zero, a NaN its top half made quiet, anything else rounds to
+   nearest even */
+static inline uint16_t llmctl_simde_to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7F800000u) == 0) return (uint16_t)((u >> 16) & 0x8000u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+static inline simde__m512bh llmctl_simde_cvtne2ps_pbh(simde__m512 a, simde__m512 b)
+{
+    float x[16], y[16];
+    uint16_t w[32];
+    simde__m512bh r;
+    memcpy(x, &a, 64);
+    memcpy(y, &b, 64);
+    for (int j = 0; j < 16; j++) {
+        w[j] = llmctl_simde_to_bf16(y[j]);        /* b in the low half */
+        w[16 + j] = llmctl_simde_to_bf16(x[j]);
+    }
+    memcpy(&r, w, 64);
+    return r;
+}
+static inline simde__m256bh llmctl_simde_cvtneps_pbh(simde__m512 a)
+{
+    float x[16];
+    uint16_t w[16];
+    simde__m256bh r;
+    memcpy(x, &a, 64);
+    for (int j = 0; j < 16; j++) w[j] = llmctl_simde_to_bf16(x[j]);
+    memcpy(&r, w, 32);
+    return r;
+}
+#undef _mm512_cvtne2ps_pbh
+#define _mm512_cvtne2ps_pbh(a, b) llmctl_simde_cvtne2ps_pbh((a), (b))
+#undef _mm512_cvtneps_pbh
+#define _mm512_cvtneps_pbh(a) llmctl_simde_cvtneps_pbh(a)
 /* masked loads and stores touch only their lanes' memory (SIMDe 0.8.2's mask_storeu_ps writes
    zeros to the other lanes, and its masked loads read all 16): lane i of `size` bytes is copied
    where bit i of k is set; a load's other lanes are zero */
