@@ -19,6 +19,7 @@ What it is not: a quality check (tests/test_sample.py checks cached == full logi
     python bench/sample.py --model d6 --new-tokens 64 --full-tokens 8 --json
     python bench/sample.py --precision fp32,bf16  # both, side by side (bf16: target >= 100 tokens/s)
     python bench/sample.py --precision bf16 --other ../llmctl-before --rounds 6   # this tree / that one
+    python bench/sample.py --precision bf16 --full-tokens 0 --breakdown   # ms a token, kernel by kernel
 
 With --other DIR (a checkout of another commit, extensions built in place, as bench/versions.py
 takes it): this script runs in child processes, one per tree and round, the trees alternating so
@@ -85,6 +86,54 @@ def _measure(model, prompt, args):
     }
 
 
+def decode_breakdown(model, prompt, n):
+    """Where a decode token's time goes: `n` cached decode steps with every call into a compiled
+    kernel module (model.kernels, and the sampler) timed -> (ms a token by function, ms a token in
+    total, ms a token outside those calls: Python and the rest). The timers add a little to each call."""
+    import types
+
+    from llmctl import sample as S
+    from llmctl._ext import sampler
+
+    spent = {}
+
+    def timed(name, f):
+        def call(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return f(*a, **kw)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t
+        return call
+
+    saved = dict(vars(model.kernels))
+    old_softmax = sampler.sample_softmax
+    try:
+        for attr, mod in saved.items():
+            if isinstance(mod, types.ModuleType):
+                proxy = types.SimpleNamespace(**{k: getattr(mod, k) for k in dir(mod) if not k.startswith("__")})
+                for k, v in vars(proxy).items():
+                    if callable(v) and not isinstance(v, type):
+                        setattr(proxy, k, timed(f"{attr}.{k}", v))
+                setattr(model.kernels, attr, proxy)
+        sampler.sample_softmax = timed("sampler.sample_softmax", old_softmax)
+        stamps = []
+
+        def stamp(tok):
+            if not stamps:        # the prompt's forward and the first token: not decode steps
+                spent.clear()
+            stamps.append(time.perf_counter())
+
+        S.generate(model, prompt, n + 1, seed=1337, stop_at_eot=False, on_token=stamp)
+    finally:
+        vars(model.kernels).update(saved)
+        sampler.sample_softmax = old_softmax
+    steps = len(stamps) - 1
+    per = {k: v / steps * 1e3 for k, v in sorted(spent.items(), key=lambda kv: -kv[1])}
+    total = (stamps[-1] - stamps[0]) / steps * 1e3
+    return per, total, total - sum(per.values())
+
+
 def paired(args):
     """--other: this tree against that one, child processes alternating, decode tokens/s each."""
     from versions import alternate, compare   # bench/versions.py: both trees built, alternating runs
@@ -122,6 +171,8 @@ def main(argv=None):
     ap.add_argument("--other", help="source tree of another version (extensions built in place): both "
                     "trees' decode, alternating child processes")
     ap.add_argument("--rounds", type=int, default=4, help="with --other: alternations of the two trees")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time every kernel call of --new-tokens more decode steps: ms a token each")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.other:
@@ -143,6 +194,10 @@ def main(argv=None):
             model.params[:] = ref.params
             model.params_changed()
         runs.append(_measure(model, prompt, args))
+        if args.breakdown:
+            per, total, rest = decode_breakdown(model, prompt, args.new_tokens)
+            runs[-1]["breakdown_ms_per_token"] = {"total": round(total, 3), "outside_kernels": round(rest, 3),
+                                                  "calls": {k: round(v, 3) for k, v in per.items()}}
         if prec == "bf16":
             runs[-1]["gemm"] = ("native" if matmul.bf16_native() else "emulated on fp32") + \
                 f"; decode GEMV {matmul.gemv_bf16_isa()}"
@@ -175,6 +230,11 @@ def main(argv=None):
             print(f"    full     : {f['new_tokens']} tokens at {f['tokens_per_s']:.3f} tokens/s "
                   f"(sequence {f['positions'][0]}..{f['positions'][1]} positions)")
             print(f"    speedup  : {r['speedup_decode']}x")
+        if "breakdown_ms_per_token" in r:
+            b = r["breakdown_ms_per_token"]
+            print(f"    a token  : {b['total']:.2f} ms with its kernel calls timed: " +
+                  ", ".join(f"{k} {v:.3f}" for k, v in b["calls"].items()) +
+                  f"; outside them (Python and the rest) {b['outside_kernels']:.3f}")
     print(f"  read floor: {floor:.1f} GB/s (NumPy's max over 256 MB on {args.threads} threads)")
     for line in skipped:
         print("  skipped: " + line)
