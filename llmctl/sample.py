@@ -171,7 +171,8 @@ def generate(model, prompt_tokens, max_new_tokens, temperature=1.0, top_k=None, 
     if use_cache:
         cache = KVCache(cfg, 1, len(prompt) + n)
         h = model.forward_cached(cache, np.array([prompt], dtype=np.int32))
-        logits = model.logits_from_hidden(h[0, -1])
+        lbuf = np.empty(cfg.vocab_size, np.float32)   # each token's logits, read before the next are made
+        logits = model.logits_from_hidden(h[0, -1], lbuf)
     else:
         seq = list(prompt)
         logits = _full_forward_last_logits(model, seq, cfg.vocab_size)
@@ -187,7 +188,7 @@ def generate(model, prompt_tokens, max_new_tokens, temperature=1.0, top_k=None, 
             break
         if use_cache:
             h = model.forward_cached(cache, np.array([[tok]], dtype=np.int32))
-            logits = model.logits_from_hidden(h[0, -1])
+            logits = model.logits_from_hidden(h[0, -1], lbuf)
         else:
             seq.append(tok)
             logits = _full_forward_last_logits(model, seq, cfg.vocab_size)

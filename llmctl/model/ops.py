@@ -185,6 +185,7 @@ class Bf16Ops(Fp32Ops):
         super().__init__(k, params, engine)
         self.pb = params_bf16
         self.lw, self.lw_layer, self.held, self.held_buf = None, -1, None, None
+        self._lw_offs = None   # (buffer key, offsets): layer_weights_in's last answer
         # decode's one-row products run on OpenMP's threads (gemv_bf16.h, oneDNN), or, emulated
         # on fp32 sgemm ("blas") where this CPU has no copy of the GEMV, on the BLAS's own
         self.gemv_on_openmp = (k.matmul.gemv_bf16_available()
@@ -237,10 +238,15 @@ class Bf16Ops(Fp32Ops):
             buf = params_bf16
         else:
             return None
-        base, L = buf.__array_interface__["data"][0], self.p[self.LAYER_WEIGHTS[0]].shape[0]
-        offs = [[(self.weight(n, l).__array_interface__["data"][0] - base) // buf.itemsize
-                 for n in self.LAYER_WEIGHTS] for l in range(L)]
-        return buf, np.array(offs, dtype=np.int64)
+        base = buf.__array_interface__["data"][0]
+        # a decode step asks every token: the layout only depends on which buffer it is
+        key = (base, buf.size, self.held is not None)
+        if self._lw_offs is None or self._lw_offs[0] != key:
+            L = self.p[self.LAYER_WEIGHTS[0]].shape[0]
+            offs = [[(self.weight(n, l).__array_interface__["data"][0] - base) // buf.itemsize
+                     for n in self.LAYER_WEIGHTS] for l in range(L)]
+            self._lw_offs = (key, np.array(offs, dtype=np.int64))
+        return buf, self._lw_offs[1]
 
     def weight(self, name, l):
         if l is None or self.lw is None:
