@@ -167,6 +167,10 @@ def generate(model, prompt_tokens, max_new_tokens, temperature=1.0, top_k=None, 
         raise ConfigError(msg, hint="lower -n or shorten the prompt")
     check_sampling(temperature, top_k, top_p)
     rng = rng if rng is not None else Xorshift(seed)
+    # the sampler's exps on the model's OpenMP threads only where its decode products run on them
+    # too: between BLAS calls (fp32's one-row products) an OpenMP region leaves its threads
+    # spinning against BLAS's (fp32 decoding ran at half speed)
+    nt = model.n_threads if model.ops.gemv_on_openmp else 1
     out = []
     if use_cache:
         cache = KVCache(cfg, 1, len(prompt) + n)
@@ -180,7 +184,7 @@ def generate(model, prompt_tokens, max_new_tokens, temperature=1.0, top_k=None, 
         if temperature < GREEDY_BELOW:  # greedy; no coin drawn, as for temperature 0
             tok = int(np.argmax(logits))
         else:
-            tok = sample_token(logits, rng.random_f32(), temperature, top_k, top_p, model.n_threads)
+            tok = sample_token(logits, rng.random_f32(), temperature, top_k, top_p, nt)
         out.append(tok)
         if on_token is not None:
             on_token(tok)

@@ -340,6 +340,14 @@ def test_cached_attention_threads_only_beside_openmp_matmuls(precision, engine, 
     # bf16's few-row products run on the GEMV (OpenMP) wherever a copy of it runs, whatever the engine
     want = 2 if precision == "bf16" and (engine != "blas" or matmul.gemv_bf16_available()) else 1
     assert used == [want, want]
+    # and so does the sampler's exp pass
+    from llmctl._ext import sampler
+
+    sampled = []
+    softmax = sampler.sample_softmax
+    monkeypatch.setattr(sampler, "sample_softmax", lambda lg, c, nt=1: sampled.append(nt) or softmax(lg, c, nt))
+    generate(m, [1, 2, 3], 3, stop_at_eot=False)
+    assert sampled == [want] * 3
 
 
 def test_block_forward_and_logits_write_into_a_given_buffer(tiny):
