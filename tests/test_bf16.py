@@ -1261,19 +1261,28 @@ def test_cli_sample_bf16_on_avx2_decodes_on_the_gemv(monkeypatch, capsys):
     monkeypatch.delenv("LLMCTL_BF16_EMULATE", raising=False)
     with pytest.raises(ConfigError, match="--precision bf16 is not available"):   # the library: still refused
         GPT2(GPT2Config.from_descriptor("d6"), precision="bf16")
-    rows, real = [], matmul.matmul_forward_bf16
+    from llmctl._ext import decode
+
+    rows, steps, real, real_step = [], [], matmul.matmul_forward_bf16, decode.decode_layers_bf16
 
     def counting(out, inp, weight, bias, BT, *a, **kw):
         rows.append(BT)
         return real(out, inp, weight, bias, BT, *a, **kw)
 
+    def counting_step(*a):
+        steps.append(a[8])    # B: the step's layers in one call, their products on the GEMV
+        return real_step(*a)
+
     monkeypatch.setattr(matmul, "matmul_forward_bf16", counting)
+    monkeypatch.setattr(decode, "decode_layers_bf16", counting_step)
     with pytest.raises(SystemExit) as e:
         main(["sample", "-e", "d6", "--precision", "bf16", "-n", "6", "--seed", "7", "--json"])
     assert e.value.code == 0
     got = json.loads(capsys.readouterr().out.splitlines()[-1])["tokens"]
-    assert len(got) == 6 and max(rows) == 1 and len(rows) == 6 * (4 * 6 + 1)   # 6 layers and the lm head
+    # the one-token prompt and 5 decode steps: their layers in one call each, the lm head's row apart
+    assert len(got) == 6 and steps == [1] * 6 and rows == [1] * 6
     monkeypatch.setattr(matmul, "matmul_forward_bf16", real)
+    monkeypatch.setattr(decode, "decode_layers_bf16", real_step)
     m = GPT2.from_descriptor("d6", precision="bf16", bf16_emulate=True)
     assert m.ops.gemv_on_openmp
     for isa in ("off", None):   # the same samples with the GEMV and with the emulated GEMM
