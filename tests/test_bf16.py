@@ -653,6 +653,35 @@ def test_gelu_bf16_kernels_read_bf16_input_as_its_exact_widening(BT, OC):
         np.testing.assert_array_equal(a, b)
 
 
+def test_gelu_backward_bf16_rounds_ties_to_even_in_every_copy():
+    # gelu'(0) = 0.5 exactly, so with x = 0 each gradient is dy / 2 with dy's mantissa: every
+    # rounding case of the bf16 store (the ties of both parities, one ulp either side of them,
+    # NaN, infinities, signed zeros) lands in the 16-lane loops and in their tails
+    lows = np.array([0x8000, 0x7FFF, 0x8001, 0x0000, 0xFFFF], np.uint32)
+    mant = np.array([0x3F800000, 0x3F810000, 0xBF820000, 0x40FF0000, 0xC07F0000], np.uint32)
+    bits = (mant[:, None] | lows[None, :]).reshape(-1)
+    special = np.concatenate([np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 3e38], np.float32).view(np.uint32),
+                              np.array([0x7FFFFFFF, 0xFFC0FFFF, 0x7F80FFFF], np.uint32)])   # NaN payloads
+    BT, OC = 3, 16 * 4 + 5
+    dy = np.resize(np.concatenate([bits, special]), BT * OC).astype(np.uint32).view(np.float32)
+    dy = np.roll(dy, 7).copy()
+    x = np.zeros(BT * OC, np.uint16)
+    with np.errstate(invalid="ignore"):   # the signalling NaN, and inf - inf in a column's sum
+        g = (dy * np.float32(0.5)) + np.float32(0.0)
+        want_db = g.reshape(BT, OC).astype(np.float64).sum(0).astype(np.float32)
+    want = to_bf16(g)
+    old = layers.simd()
+    try:
+        for isa in layers.ISAS[:layers.ISAS.index(old) + 1]:
+            layers.set_simd(isa)
+            got, db = np.full(BT * OC, 0x1234, np.uint16), np.zeros(OC, np.float32)
+            layers.gelu_backward_bf16(got, db, x, dy, BT, OC, 1)
+            np.testing.assert_array_equal(got, want, err_msg=isa)
+            np.testing.assert_array_equal(db, want_db, err_msg=isa)
+    finally:
+        layers.set_simd(old)
+
+
 @pytest.mark.parametrize("BT, OC", [(37, 131), (3, 2048 + 40)])   # ragged; two column chunks
 def test_gelu_backward_bf16_reads_bf16_dout_as_its_exact_widening(BT, OC):
     # the bf16 model's fcproj backward GEMM writes d(gelu) in bf16: every copy of the loop (each
