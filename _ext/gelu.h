@@ -94,17 +94,21 @@ static float llmctl_gelu_tab_k = 0.0f;   /* the k they were built for; 0: not bu
 #define LLMCTL_GELU_TAB_KERNELS(SUFFIX, ATTR)                                                   \
     LLMCTL_GELU_TAB_FWD(SUFFIX, ATTR)                                                          \
     LLMCTL_GELU_BWD_TAB_COLS(llmctl_gelu_bwd_tab_cols_##SUFFIX, ATTR, float,                     \
-                             llmctl_gelu_grad_tab_vec_##SUFFIX, LLMCTL_DY_F32)                     \
+                             llmctl_gelu_grad_tab_vec_##SUFFIX, LLMCTL_DY_F32,                     \
+                             llmctl_gelu_fwd_tab_##SUFFIX)                                         \
     LLMCTL_GELU_BWD_TAB_COLS(llmctl_gelu_bwd_tab_cols16_##SUFFIX, ATTR, uint16_t,                \
-                             llmctl_gelu_grad_tab16_vec_##SUFFIX, llmctl_bf16_to_f32)
+                             llmctl_gelu_grad_tab16_vec_##SUFFIX, llmctl_bf16_to_f32,              \
+                             llmctl_gelu_fwd_tab_##SUFFIX)
 
 /* The gradient pass from the tables over columns 0..n of BT rows (LLMCTL_GELU_BWD_COLS_ROW's
    operations); dy fp32, or bf16 (DT uint16_t: the fcproj backward GEMM's rounded output, widened
-   exactly, then the same operations) */
+   exactly, then the same operations). out may be dy itself (each element is read before it is
+   written). y not NULL: also GELU(x) into y's rows (FWD, the forward's bits), for a backward
+   that recomputes the GELU: one pass over x where two made it twice. */
 #define LLMCTL_DY_F32(v) (v)
-#define LLMCTL_GELU_BWD_TAB_COLS(NAME, ATTR, DT, VEC, WIDEN)                                     \
-    ATTR static void NAME(uint16_t* out, double* acc, const uint16_t* x, const DT* dy, ptrdiff_t BT, \
-                          ptrdiff_t OC, ptrdiff_t n) {                                         \
+#define LLMCTL_GELU_BWD_TAB_COLS(NAME, ATTR, DT, VEC, WIDEN, FWD)                                \
+    ATTR static void NAME(uint16_t* out, uint16_t* y, double* acc, const uint16_t* x, const DT* dy, \
+                          ptrdiff_t BT, ptrdiff_t OC, ptrdiff_t n) {                           \
         float g[LLMCTL_GELU_COLS];                                                             \
         for (ptrdiff_t bt = 0; bt < BT; bt++) {                                                \
             const uint16_t* xr = x + bt * OC;                                                  \
@@ -116,6 +120,7 @@ static float llmctl_gelu_tab_k = 0.0f;   /* the k they were built for; 0: not bu
                 acc[i] += (double)g[i];                                                        \
                 orow[i] = llmctl_f32_to_bf16(g[i]);                                            \
             }                                                                                  \
+            if (y) FWD(y + bt * OC, xr, n);                                                    \
         }                                                                                      \
     }
 
@@ -225,10 +230,10 @@ LLMCTL_GELU_TAB_FWD(avx512, LLMCTL_AVX512_ATTR)
    each row (1.7x the memory floor at d12 T=1024). Each thread reads its own columns of every
    row, pieces OC apart that the hardware prefetcher does not chain: the rows two ahead are
    prefetched. The same operations per element, in the same order per column: the same bits.
-   The bf16 rounding is llmctl_f32_to_bf16's, in 16 lanes. */
+   The bf16 rounding is llmctl_f32_to_bf16's, in 16 lanes. y: as LLMCTL_GELU_BWD_TAB_COLS. */
 #define LLMCTL_GELU_BWD_TAB_COLS_V16(NAME, DT, LOADDY, WIDEN)                                     \
-    LLMCTL_AVX512_ATTR static void NAME(uint16_t* out, double* acc, const uint16_t* x, const DT* dy, \
-                                        ptrdiff_t BT, ptrdiff_t OC, ptrdiff_t n) {             \
+    LLMCTL_AVX512_ATTR static void NAME(uint16_t* out, uint16_t* y, double* acc, const uint16_t* x, \
+                                        const DT* dy, ptrdiff_t BT, ptrdiff_t OC, ptrdiff_t n) { \
         const ptrdiff_t nv = n - n % 16;                                                       \
         const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);            \
         const __m512i absm = _mm512_set1_epi32(0x7FFFFFFF), inf = _mm512_set1_epi32(0x7F800000); \
@@ -260,6 +265,7 @@ LLMCTL_GELU_TAB_FWD(avx512, LLMCTL_AVX512_ATTR)
                 acc[i] += (double)gi;                                                          \
                 orow[i] = llmctl_f32_to_bf16(gi);                                              \
             }                                                                                  \
+            if (y) llmctl_gelu_fwd_tab_avx512(y + bt * OC, xr, n);                             \
         }                                                                                      \
     }
 LLMCTL_GELU_BWD_TAB_COLS_V16(llmctl_gelu_bwd_tab_cols_avx512, float, _mm512_loadu_ps, LLMCTL_DY_F32)
@@ -303,12 +309,12 @@ static inline void llmctl_gelu_bwd_bf16_cols(uint16_t* out, double* acc, const f
 static inline void llmctl_gelu_fwd_tab(uint16_t* out, const uint16_t* x, ptrdiff_t n) {
     LLMCTL_ROWS_DISPATCH(llmctl_gelu_fwd_tab, out, x, n);
 }
-static inline void llmctl_gelu_bwd_tab_cols(uint16_t* out, double* acc, const uint16_t* x, const float* dy,
-                                            ptrdiff_t BT, ptrdiff_t OC, ptrdiff_t n) {
-    LLMCTL_ROWS_DISPATCH(llmctl_gelu_bwd_tab_cols, out, acc, x, dy, BT, OC, n);
+static inline void llmctl_gelu_bwd_tab_cols(uint16_t* out, uint16_t* y, double* acc, const uint16_t* x,
+                                            const float* dy, ptrdiff_t BT, ptrdiff_t OC, ptrdiff_t n) {
+    LLMCTL_ROWS_DISPATCH(llmctl_gelu_bwd_tab_cols, out, y, acc, x, dy, BT, OC, n);
 }
-static inline void llmctl_gelu_bwd_tab_cols16(uint16_t* out, double* acc, const uint16_t* x, const uint16_t* dy,
-                                              ptrdiff_t BT, ptrdiff_t OC, ptrdiff_t n) {
-    LLMCTL_ROWS_DISPATCH(llmctl_gelu_bwd_tab_cols16, out, acc, x, dy, BT, OC, n);
+static inline void llmctl_gelu_bwd_tab_cols16(uint16_t* out, uint16_t* y, double* acc, const uint16_t* x,
+                                              const uint16_t* dy, ptrdiff_t BT, ptrdiff_t OC, ptrdiff_t n) {
+    LLMCTL_ROWS_DISPATCH(llmctl_gelu_bwd_tab_cols16, out, y, acc, x, dy, BT, OC, n);
 }
 #endif

@@ -46,10 +46,10 @@ cdef extern from "gelu.h" nogil:
                                    Py_ssize_t BT, Py_ssize_t OC, Py_ssize_t n, float k)
     void llmctl_gelu_tables(float k)
     void llmctl_gelu_fwd_tab(uint16_t* out, const uint16_t* x, Py_ssize_t n)
-    void llmctl_gelu_bwd_tab_cols(uint16_t* out, double* acc, const uint16_t* x, const float* dy,
+    void llmctl_gelu_bwd_tab_cols(uint16_t* out, uint16_t* y, double* acc, const uint16_t* x, const float* dy,
                                   Py_ssize_t BT, Py_ssize_t OC, Py_ssize_t n)
-    void llmctl_gelu_bwd_tab_cols16(uint16_t* out, double* acc, const uint16_t* x, const uint16_t* dy,
-                                    Py_ssize_t BT, Py_ssize_t OC, Py_ssize_t n)
+    void llmctl_gelu_bwd_tab_cols16(uint16_t* out, uint16_t* y, double* acc, const uint16_t* x,
+                                    const uint16_t* dy, Py_ssize_t BT, Py_ssize_t OC, Py_ssize_t n)
     enum: LLMCTL_GELU_COLS
 
 cdef extern from "rows.h" nogil:
@@ -656,30 +656,33 @@ ctypedef fused gdy_t:
     uint16_t
 
 
-cdef void _gelu_bwd_bf16_cols(uint16_t* dinp, float* dbias, const gin_t* inp, const gdy_t* dout,
-                              Py_ssize_t BT, int OC, int o0, int w) noexcept nogil:
-    # columns o0..o0+w (w <= LLMCTL_GELU_COLS) of every row; acc on this task's own stack
+cdef void _gelu_bwd_bf16_cols(uint16_t* dinp, uint16_t* gelu, float* dbias, const gin_t* inp,
+                              const gdy_t* dout, Py_ssize_t BT, int OC, int o0, int w) noexcept nogil:
+    # columns o0..o0+w (w <= LLMCTL_GELU_COLS) of every row; acc on this task's own stack;
+    # gelu not NULL (bf16 inp only): GELU(inp) written too
     cdef double acc[LLMCTL_GELU_COLS]
     cdef int o, n = imin(w, OC - o0)
     memset(acc, 0, sizeof(acc))
     if gin_t is float and gdy_t is float:
         llmctl_gelu_bwd_bf16_cols(dinp + o0, acc, inp + o0, dout + o0, BT, OC, n, GELU_SCALE)
     elif gin_t is uint16_t and gdy_t is float:
-        llmctl_gelu_bwd_tab_cols(dinp + o0, acc, inp + o0, dout + o0, BT, OC, n)
+        llmctl_gelu_bwd_tab_cols(dinp + o0, NULL if gelu == NULL else gelu + o0, acc, inp + o0, dout + o0,
+                                 BT, OC, n)
     elif gin_t is uint16_t and gdy_t is uint16_t:
-        llmctl_gelu_bwd_tab_cols16(dinp + o0, acc, inp + o0, dout + o0, BT, OC, n)
+        llmctl_gelu_bwd_tab_cols16(dinp + o0, NULL if gelu == NULL else gelu + o0, acc, inp + o0, dout + o0,
+                                   BT, OC, n)
     if dbias != NULL:
         for o in range(n):
             dbias[o0 + o] += <float>acc[o]
 
 
-cdef void _gelu_backward_bf16(uint16_t* dinp, float* dbias, const gin_t* inp, const gdy_t* dout,
-                              Py_ssize_t BT, int OC, int n_threads) noexcept nogil:
+cdef void _gelu_backward_bf16(uint16_t* dinp, uint16_t* gelu, float* dbias, const gin_t* inp,
+                              const gdy_t* dout, Py_ssize_t BT, int OC, int n_threads) noexcept nogil:
     # wide chunks of columns (col_chunk): the bits do not depend on the thread count
     cdef int w = col_chunk(OC, n_threads, LLMCTL_GELU_COLS)
     cdef int ch
     for ch in prange((OC + w - 1) // w, schedule='static', num_threads=n_threads):
-        _gelu_bwd_bf16_cols(dinp, dbias, inp, dout, BT, OC, ch * w, w)
+        _gelu_bwd_bf16_cols(dinp, gelu, dbias, inp, dout, BT, OC, ch * w, w)
 
 
 def gelu_backward_bf16(uint16_t[::1] dinp, dbias, const gin_t[::1] inp, const gdy_t[::1] dout,
@@ -708,7 +711,32 @@ def gelu_backward_bf16(uint16_t[::1] dinp, dbias, const gin_t[::1] inp, const gd
         raise TypeError("gelu_backward_bf16: a bf16 (uint16) dout needs a bf16 inp")
     n_threads = eff_threads(n_threads, N, _grain)
     with nogil:
-        _gelu_backward_bf16(&dinp[0], db_ptr, &inp[0], &dout[0], BT, OC, n_threads)
+        _gelu_backward_bf16(&dinp[0], NULL, db_ptr, &inp[0], &dout[0], BT, OC, n_threads)
+
+
+def gelu_forward_backward_bf16(uint16_t[::1] out, uint16_t[::1] dinout, dbias, const uint16_t[::1] inp,
+                               long BT, int OC, int n_threads=1):
+    """A bf16 backward that recomputes the GELU, in one pass over inp (bf16, BT x OC): out =
+    gelu_forward_bf16(inp) (the fcproj weight gradient's input), and dinout, the bf16 d(out) on
+    entry, = gelu_backward_bf16's d(inp) on return, in place, with dbias (OC, or None) += its
+    column sums: the bits of those two kernels. out, dinout and inp must not overlap."""
+    cdef float[::1] db
+    cdef float* db_ptr = NULL
+    check_threads(n_threads)
+    check_positive("BT", BT)
+    check_positive("OC", OC)
+    cdef Py_ssize_t N = BT * OC
+    _check_three_of_n(N, n_threads, "out", out.shape[0], "dinout", dinout.shape[0], "inp", inp.shape[0])
+    check_disjoint("out", <float*>&out[0], (N + 1) // 2, "dinout", <float*>&dinout[0], (N + 1) // 2)
+    check_disjoint("out", <float*>&out[0], (N + 1) // 2, "inp", <const float*>&inp[0], (N + 1) // 2)
+    check_disjoint("dinout", <float*>&dinout[0], (N + 1) // 2, "inp", <const float*>&inp[0], (N + 1) // 2)
+    if dbias is not None:
+        db = dbias
+        check_len("dbias", db.shape[0], OC)
+        db_ptr = &db[0]
+    n_threads = eff_threads(n_threads, N, _grain)
+    with nogil:
+        _gelu_backward_bf16(&dinout[0], &out[0], db_ptr, &inp[0], &dinout[0], BT, OC, n_threads)
 
 
 def residual_forward(float[::1] out, const float[::1] inp1, const float[::1] inp2, long N, int n_threads=1):

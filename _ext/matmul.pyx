@@ -757,8 +757,9 @@ cdef void _backward_widened(float* dinp, float* dweight, const uint16_t* dout, f
             sgemm(&tn, &tn, &C, &BT, &ob, &one, wbuf, &C, wdout, &ob, &beta, dinp, &C)
             beta = one
         # column-major: dW^T[:, blk] (C,ob) += inp^T (C,BT) @ dout[:, blk] (BT,ob)
-        sgemm(&tn, &tt, &C, &ob, &BT, &one, <float*>winp, &C, wdout, &ob, &wbeta,
-              dweight + <Py_ssize_t>o0 * C, &C)
+        if dweight != NULL:
+            sgemm(&tn, &tt, &C, &ob, &BT, &one, <float*>winp, &C, wdout, &ob, &wbeta,
+                  dweight + <Py_ssize_t>o0 * C, &C)
         o0 = o0 + ob
 
 
@@ -989,7 +990,7 @@ def _matmul_forward_bf16_f32(float[::1] out, const uint16_t[::1] inp, const uint
         free(wweight)
 
 
-def matmul_backward_bf16(dinp, float[::1] dweight, dbias, dout, uint16_t[::1] dout_bf16,
+def matmul_backward_bf16(dinp, dweight, dbias, dout, uint16_t[::1] dout_bf16,
                          const uint16_t[::1] inp, const uint16_t[::1] weight,
                          int BT, int C, int OC, int n_threads=1, engine=None, bint accumulate=True,
                          bint dweight_accumulate=True):
@@ -1007,9 +1008,13 @@ def matmul_backward_bf16(dinp, float[::1] dweight, dbias, dout, uint16_t[::1] do
     dinp may be uint16 (with accumulate=False): dout @ weight rounded to bf16 (nearest even, the
     bits cast_to_bf16 gives the fp32 result of the same engine; oneDNN's primitive writes it so
     itself, the other engines round an fp32 result), for a gradient that only feeds kernels
-    reading it in bf16 (the GELU's backward, the attention's), at half the bytes."""
+    reading it in bf16 (the GELU's backward, the attention's), at half the bytes.
+
+    dweight may be None: dinp (and dbias) only, for a backward that needs dinp before the weight
+    gradient's input exists (bf16's fused GELU recompute); a later call makes dweight."""
     cdef int which = _bf16_engine_id(engine)
-    cdef float[::1] dinp_mv, dbias_mv
+    cdef float[::1] dinp_mv, dbias_mv, dw_mv
+    cdef float* dw_ptr = NULL
     cdef const float[::1] dout_mv
     cdef float* dinp_ptr = NULL
     cdef float* dbias_ptr = NULL
@@ -1021,13 +1026,18 @@ def matmul_backward_bf16(dinp, float[::1] dweight, dbias, dout, uint16_t[::1] do
     cdef float wbeta = 1.0 if dweight_accumulate else 0.0
     cdef uint16_t[::1] dinp16
     cdef float[::1] tmp
+    if dweight is not None:
+        dw_mv = dweight
+        check_len("dweight", dw_mv.shape[0], <Py_ssize_t>OC * C)
+        dw_ptr = &dw_mv[0]
     if getattr(dinp, "dtype", None) == "uint16":
         if accumulate:
             raise ValueError("a bf16 (uint16) dinp is written, not accumulated: pass accumulate=False")
         dinp16 = dinp
         check_len("dinp", dinp16.shape[0], <Py_ssize_t>BT * C)
-        check_disjoint("dinp", <float*>&dinp16[0], <Py_ssize_t>BT * C // 2, "dweight", &dweight[0],
-                       <Py_ssize_t>OC * C)
+        if dw_ptr != NULL:
+            check_disjoint("dinp", <float*>&dinp16[0], (<Py_ssize_t>BT * C + 1) // 2, "dweight", dw_ptr,
+                           <Py_ssize_t>OC * C)
         if which == DNNL:
             matmul_backward_bf16(None, dweight, dbias, dout, dout_bf16, inp, weight, BT, C, OC, n_threads, engine,
                                  dweight_accumulate=dweight_accumulate)
@@ -1043,12 +1053,12 @@ def matmul_backward_bf16(dinp, float[::1] dweight, dbias, dout, uint16_t[::1] do
             _convert(&dinp16[0], &tmp[0], <Py_ssize_t>BT * C, n_threads)
         return
     _check_sizes("dout_bf16", dout_bf16.shape[0], inp.shape[0], weight.shape[0], BT, C, OC, n_threads)
-    check_len("dweight", dweight.shape[0], <Py_ssize_t>OC * C)
     if dinp is not None:
         dinp_mv = dinp
         check_len("dinp", dinp_mv.shape[0], <Py_ssize_t>BT * C)
         dinp_ptr = &dinp_mv[0]
-        check_disjoint("dinp", dinp_ptr, <Py_ssize_t>BT * C, "dweight", &dweight[0], <Py_ssize_t>OC * C)
+        if dw_ptr != NULL:
+            check_disjoint("dinp", dinp_ptr, <Py_ssize_t>BT * C, "dweight", dw_ptr, <Py_ssize_t>OC * C)
     if dbias is not None:
         if dout is None:
             raise ValueError("dbias needs the fp32 dout (pass dout, or dbias=None)")
@@ -1071,12 +1081,12 @@ def matmul_backward_bf16(dinp, float[::1] dweight, dbias, dout, uint16_t[::1] do
             elif dinp_ptr != NULL:
                 st = llmctl_dnnl_gemm_bf16(b'N', b'N', BT, C, OC, &dout_bf16[0], OC, &weight[0], C,
                                            dbeta, dinp_ptr, C, n_threads)
-            if st == 0 and BT <= _prim_dw_rows:
+            if st == 0 and dw_ptr != NULL and BT <= _prim_dw_rows:
                 st = llmctl_dnnl_matmul_bf16(b'T', b'N', OC, C, BT, &dout_bf16[0], OC, &inp[0], C,
-                                             NULL, wbeta, &dweight[0], C, n_threads)
-            elif st == 0:
+                                             NULL, wbeta, dw_ptr, C, n_threads)
+            elif st == 0 and dw_ptr != NULL:
                 st = llmctl_dnnl_gemm_bf16(b'T', b'N', OC, C, BT, &dout_bf16[0], OC, &inp[0], C,
-                                           wbeta, &dweight[0], C, n_threads)
+                                           wbeta, dw_ptr, C, n_threads)
         _check_dnnl(st, "matmul_backward_bf16")
         return
     if which == DNNL_GEMM:
@@ -1084,9 +1094,9 @@ def matmul_backward_bf16(dinp, float[::1] dweight, dbias, dout, uint16_t[::1] do
             if dinp_ptr != NULL:
                 st = llmctl_dnnl_gemm_bf16(b'N', b'N', BT, C, OC, &dout_bf16[0], OC, &weight[0], C,
                                            dbeta, dinp_ptr, C, n_threads)
-            if st == 0:
+            if st == 0 and dw_ptr != NULL:
                 st = llmctl_dnnl_gemm_bf16(b'T', b'N', OC, C, BT, &dout_bf16[0], OC, &inp[0], C,
-                                           wbeta, &dweight[0], C, n_threads)
+                                           wbeta, dw_ptr, C, n_threads)
         _check_dnnl(st, "matmul_backward_bf16")
         return
     try:
@@ -1096,7 +1106,7 @@ def matmul_backward_bf16(dinp, float[::1] dweight, dbias, dout, uint16_t[::1] do
         if ww == NULL or wd == NULL:
             raise MemoryError("matmul_backward_bf16: cannot allocate the widening buffers")
         with nogil:
-            _backward_widened(dinp_ptr, &dweight[0], &dout_bf16[0], wd, wi, &weight[0], ww, BT, C, OC,
+            _backward_widened(dinp_ptr, dw_ptr, &dout_bf16[0], wd, wi, &weight[0], ww, BT, C, OC,
                               dbeta, wbeta, n_threads)
     finally:
         free(wd)

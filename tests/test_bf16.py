@@ -653,6 +653,43 @@ def test_gelu_bf16_kernels_read_bf16_input_as_its_exact_widening(BT, OC):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("BT, OC", [(37, 131), (3, 2048 + 40), (64, 3072)])   # ragged; two column chunks
+def test_gelu_forward_backward_bf16_is_the_two_kernels_in_one_pass(BT, OC):
+    # a backward that recomputes the GELU: GELU(fch) and d(fch) (over d(gelu), in place) with
+    # fc's bias gradient, the bits of gelu_forward_bf16 and gelu_backward_bf16, in every copy
+    rng = np.random.default_rng(BT + OC)
+    xb, dyb = to_bf16(_f32(rng, BT * OC, scale=3.0)), to_bf16(_f32(rng, BT * OC))
+    xb[:3] = [0x7FC0, 0xFF80, 0x0001][:xb.size]      # NaN, -inf, a subnormal
+    dyb[1::7] = 0x8000                               # -0.0
+    want_y, want_d, want_db = np.empty_like(xb), np.empty_like(xb), _f32(rng, OC)
+    db0 = want_db.copy()
+    layers.gelu_forward_bf16(want_y, xb, xb.size, 2)
+    layers.gelu_backward_bf16(want_d, want_db, xb, dyb, BT, OC, 2)
+    old = layers.simd()
+    try:
+        for isa in layers.ISAS[:layers.ISAS.index(old) + 1]:
+            layers.set_simd(isa)
+            for nt in (1, 2):
+                y, d, db = np.full_like(xb, 0x1234), dyb.copy(), db0.copy()
+                layers.gelu_forward_backward_bf16(y, d, db, xb, BT, OC, nt)
+                np.testing.assert_array_equal(y, want_y, err_msg=isa)
+                np.testing.assert_array_equal(d, want_d, err_msg=isa)
+                np.testing.assert_array_equal(db, want_db, err_msg=isa)
+    finally:
+        layers.set_simd(old)
+    d = dyb.copy()
+    layers.gelu_forward_backward_bf16(y, d, None, xb, BT, OC, 2)   # no bias: the same d(fch)
+    np.testing.assert_array_equal(d, want_d)
+    buf = np.zeros(3 * BT * OC, np.uint16)
+    with pytest.raises(ValueError, match="overlap|share"):
+        layers.gelu_forward_backward_bf16(buf[:BT * OC], buf[BT * OC - 1:2 * BT * OC - 1], None,
+                                          buf[2 * BT * OC:], BT, OC, 2)
+    with pytest.raises(ValueError, match="overlap|share"):
+        layers.gelu_forward_backward_bf16(y, d, None, d, BT, OC, 2)
+    with pytest.raises(ValueError, match="dbias has 2 elements"):
+        layers.gelu_forward_backward_bf16(y, d, np.zeros(2, np.float32), xb, BT, OC, 2)
+
+
 def test_gelu_backward_bf16_rounds_ties_to_even_in_every_copy():
     # gelu'(0) = 0.5 exactly, so with x = 0 each gradient is dy / 2 with dy's mantissa: every
     # rounding case of the bf16 store (the ties of both parities, one ulp either side of them,

@@ -360,7 +360,9 @@ class GPT2:
         if self.plan is not None:
             BT, nl = max(BT, self.plan.rows), max(nl, self.plan.layers)
         if self.recompute is None:   # level 1 costs nothing where the backward's GELU pass makes it again
-            free_gelu = self.ops.gelu_forward_backward is not None
+            # (fp32's, which replaces a zero fill and a pass; bf16's fused pass writes GELU(fch)
+            # once more than level 0, whose backward reads the kept one)
+            free_gelu = self.precision == "fp32"
             level = 2 if c.num_layers * BT * 4 * c.channels * 4 > KEEP_GELU_BYTES else int(free_gelu)
             # bf16, once the fc activations (L*BT*4C in bf16) can hold the layers' bf16 weights
             # (12*L*C^2): drop that copy and residual2 too. The training step pays a weight cast
@@ -1002,20 +1004,21 @@ class GPT2:
         if self.plan.recompute >= 2:
             o.layernorm(a.ln1, a.ln1_mean, a.ln1_rstd, a.x, p["ln1w"][l], p["ln1b"][l], BT, C, nt)
         # out = x2 + fcproj(gelu(fc(ln2(x2)))); the activation gradients are written (accumulate=False)
+        dgelu = o.act_grad(dbig, 4 * n)
         if fuse:   # d(gelu) first, d(fch) over it in place with the GELU, then fcproj's d(weight)
-            o.matmul_backward(dbig, None, None if cast else gb("fcprojw"), None if cast else dres, d16, a.gelu,
+            o.matmul_backward(dgelu, None, None if cast else gb("fcprojw"), None if cast else dres, d16, a.gelu,
                               "fcprojw", l, BT, 4 * C, C, nt, accumulate=False)
-            dfch, dbfc = o.gelu_forward_backward(a.gelu, dbig, gb("fcw"), a.fch, BT, 4 * C, nt)
+            dfch, dbfc, fc_mm = o.gelu_forward_backward(a.gelu, dgelu, gb("fcw"), a.fch, d16, BT, 4 * C, nt)
             o.matmul_backward(None, gW("fcprojw"), None, None if cast else dres, d16, a.gelu, "fcprojw", l, BT,
                               4 * C, C, nt, dweight_accumulate=self._written("fcprojw"))
         else:
-            dgelu = o.act_grad(dbig, 4 * n)
             o.matmul_backward(dgelu, gW("fcprojw"), None if cast else gb("fcprojw"), None if cast else dres, d16,
                               a.gelu, "fcprojw", l, BT, 4 * C, C, nt, accumulate=False,
                               dweight_accumulate=self._written("fcprojw"))
             # fp32: d(fch) over the gelu buffer, free now; bf16: straight into d16 with fc's dbias
             dfch, dbfc = o.gelu_backward(a.gelu, d16, gb("fcw"), a.fch, dgelu, BT, 4 * C, nt)
-        o.matmul_backward(dsmall, gW("fcw"), dbfc, dfch, d16, a.ln2, "fcw", l, BT, C, 4 * C, nt, accumulate=False,
+            fc_mm = d16
+        o.matmul_backward(dsmall, gW("fcw"), dbfc, dfch, fc_mm, a.ln2, "fcw", l, BT, C, 4 * C, nt, accumulate=False,
                           dweight_accumulate=self._written("fcw"))
         # d(x2) = d(out) + the LN2 branch, accumulated in place
         cast = o.layernorm_backward(dres, g["ln2w"][l], g["ln2b"][l], dsmall, a.x2, p["ln2w"][l],

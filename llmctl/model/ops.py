@@ -22,8 +22,9 @@ changes the computation:
                      backward reads it (bf16: a bf16 array, the GEMM rounds it as they would)
   gelu_backward      d(fch) as the fc layer's matmul_backward reads it (bf16: rounded, with the
                      fc bias gradient summed in the same pass)
-  gelu_forward_backward   fp32 only (bf16: None): a backward that recomputes the GELU does it
-                     in gelu_backward's pass over fch
+  gelu_forward_backward   a backward that recomputes the GELU does it in gelu_backward's pass
+                     over fch, d(fch) written over d(gelu) in place (-> as gelu_backward, and
+                     the buffer the fc layer's matmul_backward then reads as dout_mm)
   logits_dtype       the lm head's logits as the training forward holds them (bf16: the GEMM
                      rounds them, as autocast's lm head; the KV-cached forward's stay fp32)
   loss_forward       the losses of a block of logits (fp32: probs over them in place; bf16:
@@ -135,11 +136,11 @@ class Fp32Ops:
         self.k.layers.gelu_backward(free, x, dy, N * OC, nt)
         return free, db
 
-    def gelu_forward_backward(self, out, dy, db, x, N, OC, nt):
-        """-> (dout, dbias) as gelu_backward, from one pass over x that also writes GELU(x) into out
-        (gelu's bits) and d(fch) over dy in place (gelu_backward's)."""
+    def gelu_forward_backward(self, out, dy, db, x, dout_mm, N, OC, nt):
+        """-> (dout, dbias, dout_mm) as gelu_backward, from one pass over x that also writes GELU(x)
+        into out (gelu's bits) and d(fch) over dy in place (gelu_backward's)."""
         self.k.layers.gelu_forward_backward(out, dy, x, N * OC, nt)
-        return dy, db
+        return dy, db, dout_mm
 
     def attention_forward(self, out, lse, qkv, B, T, C, NH, nt):
         self.k.attention.attention_forward(out, lse, qkv, B, T, C, NH, nt)
@@ -313,10 +314,13 @@ class Bf16Ops(Fp32Ops):
         self.k.layers.gelu_backward_bf16(dout_mm[:N * OC], db, x, dy, N, OC, nt)
         return None, None
 
-    # The recomputed GELU stays a pass of its own: with bf16 fch both passes read 256 KiB tables
-    # (gelu.h), and one pass reading both measured no faster on 2 threads of a Zen 3 (512 KiB L2),
-    # 8 % slower on one
-    gelu_forward_backward = None
+    def gelu_forward_backward(self, out, dy, db, x, dout_mm, N, OC, nt):
+        """-> (None, None, dy): GELU(x) into out and d(fch) in bf16 over dy (the bf16 d(gelu)) in
+        place, its bias gradient summed into db, in one pass over x (layers.gelu_forward_backward_bf16:
+        gelu's and gelu_backward's bits). dout_mm is not written: the fcproj weight gradient, made
+        after this, still reads its dout there."""
+        self.k.layers.gelu_forward_backward_bf16(out, dy[:N * OC], db, x, N, OC, nt)
+        return None, None, dy[:N * OC]
 
     def attention_forward(self, out, lse, qkv, B, T, C, NH, nt):
         self.k.attention.attention_forward_bf16(out, lse, qkv, B, T, C, NH, nt)
