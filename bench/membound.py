@@ -104,6 +104,11 @@ def kernels(BT, nt, repeated=False):
     h_out, h16 = np.empty(n4, np.float32), np.empty(n4, np.uint16)
     hb, gb = np.empty(n4, np.uint16), np.zeros(4 * C, np.float32)   # bf16 fch, fc's dbias
     convert.cast_to_bf16(hb, h, nt)
+    # the bf16 backward's fused recompute: d(gelu) in bf16, overwritten in place (over hfb's
+    # inputs, as the fp32 one above, when repeated), and the GELU's output
+    db16, y16, hfb16 = np.empty(n4, np.uint16), np.empty(n4, np.uint16), np.empty(n4, np.uint16)
+    convert.cast_to_bf16(db16, dh, nt)
+    convert.cast_to_bf16(hfb16, hfb, nt)
     logits = f(nv)
     probs = np.empty(nv, np.float32)
     d16 = np.empty(nv, np.uint16)
@@ -127,6 +132,8 @@ def kernels(BT, nt, repeated=False):
         ("gelu_forward_bf16 (bf16 in)", 4 * n4, lambda: layers.gelu_forward_bf16(h16, hb, n4, nt)),
         ("gelu_backward_bf16 (bf16 in, dbias)", 8 * n4,
          lambda: layers.gelu_backward_bf16(h16, gb, hb, dh, BT, 4 * C, nt)),
+        ("gelu_forward_backward_bf16 (1 pass)", 8 * n4,
+         lambda: layers.gelu_forward_backward_bf16(y16, db16, gb, hfb16, BT, 4 * C, nt)),
         ("residual_forward", 12 * n, lambda: layers.residual_forward(out, x, dout, n, nt)),
         ("softmax_crossentropy_forward", 8 * nv,
          lambda: layers.softmax_crossentropy_forward(losses, probs, logits, tg, BT, V, Vp, nt)),
