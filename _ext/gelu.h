@@ -230,7 +230,8 @@ LLMCTL_GELU_TAB_FWD(avx512, LLMCTL_AVX512_ATTR)
    each row (1.7x the memory floor at d12 T=1024). Each thread reads its own columns of every
    row, pieces OC apart that the hardware prefetcher does not chain: the rows two ahead are
    prefetched. The same operations per element, in the same order per column: the same bits.
-   The bf16 rounding is llmctl_f32_to_bf16's, in 16 lanes. y: as LLMCTL_GELU_BWD_TAB_COLS. */
+   The bf16 rounding is llmctl_f32_to_bf16's, in 16 lanes; the NaN test compares |u| as signed
+   (it is below 2^31), which SIMDe also defines. y: as LLMCTL_GELU_BWD_TAB_COLS. */
 #define LLMCTL_GELU_BWD_TAB_COLS_V16(NAME, DT, LOADDY, WIDEN)                                     \
     LLMCTL_AVX512_ATTR static void NAME(uint16_t* out, uint16_t* y, double* acc, const uint16_t* x, \
                                         const DT* dy, ptrdiff_t BT, ptrdiff_t OC, ptrdiff_t n) { \
@@ -256,7 +257,7 @@ LLMCTL_GELU_TAB_FWD(avx512, LLMCTL_AVX512_ATTR)
                 _mm512_storeu_pd(acc + i + 8, _mm512_add_pd(_mm512_loadu_pd(acc + i + 8), _mm512_cvtps_pd(ghi))); \
                 __m512i u = _mm512_castps_si512(g);                                            \
                 __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(u, 16), one))); \
-                __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, absm), inf);       \
+                __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, absm), inf);       \
                 r = _mm512_mask_mov_epi32(_mm512_srli_epi32(r, 16), nan, qnan);                \
                 _mm256_storeu_si256((__m256i*)(orow + i), _mm512_cvtepi32_epi16(r));           \
             }                                                                                  \
