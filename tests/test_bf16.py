@@ -828,7 +828,7 @@ def test_softmax_crossentropy_forward_backward_bf16_is_the_two_calls(n_threads, 
 def test_softmax_crossentropy_reads_bf16_logits_as_their_exact_widening(BT, V, Vp):
     # the bf16 lm head's logits are bf16: the fused loss kernel on them gives the bits of the
     # float32 call on their widening, in every copy of the loop (each ISA this CPU runs); and
-    # without dlogits, the losses alone
+    # without dlogits, the losses alone; and with the dlogits written over the logits
     rng = np.random.default_rng(BT)
     lg16 = to_bf16(_f32(rng, BT * Vp, scale=4.0))
     lg16[3] = lg16.max()                      # ties for the row max
@@ -847,6 +847,12 @@ def test_softmax_crossentropy_reads_bf16_logits_as_their_exact_widening(BT, V, V
             only = np.full(BT, np.nan, np.float32)
             layers.softmax_crossentropy_forward_backward_bf16(only, None, lg16, targets, None, BT, V, Vp, 2)
             np.testing.assert_array_equal(only, want_l, err_msg=isa)
+            # in place, as the bf16 training lm head calls it: the dlogits over the logits they
+            # come from (each row is read whole before it is written)
+            inplace, got_l = lg16.copy(), np.full(BT, np.nan, np.float32)
+            layers.softmax_crossentropy_forward_backward_bf16(got_l, inplace, inplace, targets, dl, BT, V, Vp, 2)
+            np.testing.assert_array_equal(got_l, want_l, err_msg=isa)
+            np.testing.assert_array_equal(inplace, want_d, err_msg=isa)
     finally:
         layers.set_simd(old)
     x = from_bf16(lg16).reshape(BT, Vp)[:, :V].astype(np.float64)
@@ -1170,6 +1176,37 @@ def test_lmhead_gradient_made_in_the_forward_is_the_backwards(bf16_ok, monkeypat
         m.forward(x, loss_scale=1.0)
     with raises_error(ValueError, names=["loss_scale", "keep_activations=True"], hint=False):
         m.forward(x, y, keep_activations=False, loss_scale=1.0)
+
+
+@pytest.mark.parametrize("fwd_scale", [None, 0.5])
+def test_bf16_training_lmhead_makes_its_logits_in_the_staging_rows(bf16_ok, monkeypatch, fwd_scale):
+    # a bf16 training plan's blocked lm head multiplies LMHEAD_GRAD_ROWS rows at a time into its
+    # dlogits staging (where the dlogits then overwrite them), not LMHEAD_ROWS at a time into the
+    # logits buffer: one pass over wte's bf16 copy per staged block (d12 B=4 T=1024: 4, not 32).
+    # A forward, the backward that remakes its logits and a forward with loss_scale make the same
+    # blocks, so the same bits (test_lmhead_gradient_made_in_the_forward_is_the_backwards)
+    import llmctl.model.gpt2 as gpt2
+
+    monkeypatch.setattr(gpt2, "LOGITS_KEEP_BYTES", 1024)
+    monkeypatch.setattr(gpt2, "LMHEAD_ROWS", 64)
+    monkeypatch.setattr(gpt2, "LMHEAD_GRAD_ROWS", 100)
+    x, y = _data(B=3, T=64, seed=5)          # 192 rows: staged blocks of 100 and 92
+    m = _init("bf16")
+    calls, matmul_ = [], m.ops.matmul
+
+    def spy(out, inp, name, l, bias, BT, C, OC, nt, **kw):
+        if name == "wte":
+            calls.append((BT, np.shares_memory(out, m._staging())))
+        return matmul_(out, inp, name, l, bias, BT, C, OC, nt, **kw)
+
+    m.ops.matmul = spy
+    m.zero_grad()
+    loss = m.forward(x, y, loss_scale=fwd_scale)
+    assert m.plan.logits_rows == 64 and np.isfinite(loss)
+    assert calls == [(100, True), (92, True)]
+    m.backward(loss_scale=0.5)
+    assert calls == [(100, True), (92, True)] * (1 if fwd_scale else 2)
+    assert np.isfinite(m.grads).all() and np.any(m.g["wte"])
 
 
 def test_bf16_cached_forward_matches_the_training_forward(bf16_ok):

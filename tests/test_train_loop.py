@@ -177,7 +177,9 @@ def test_bf16_training_makes_the_blocked_lm_heads_gradient_in_its_forward(data, 
 
     monkeypatch.setattr(matmul, "matmul_forward_bf16", counting)
     train(cfg_for(data, tmp_path / "blocked", **kw))
-    assert max(rows) == 32 and sum(rows) == 3 * 2 * 4 * 32   # steps x micro-steps x B x T, once
+    # in blocks of the dlogits staging's 64 rows (not LMHEAD_ROWS: a training plan's lm head makes
+    # its logits in the staging), each row once: steps x micro-steps x B x T
+    assert max(rows) == 64 and sum(rows) == 3 * 2 * 4 * 32
     a = [r["train_loss"] for r in metrics(tmp_path / "held") if "train_loss" in r]
     b = [r["train_loss"] for r in metrics(tmp_path / "blocked") if "train_loss" in r]
     assert len(a) == len(b) == 3

@@ -83,7 +83,9 @@ def init_llmc_(p, cfg, seed=INIT_SEED, libm=None, n_threads=1):
         release_libm_memo()
 
 
-LMHEAD_ROWS = 256   # bf16, large B*T: rows of logits the lm head and the loss compute at a time
+# bf16, large B*T: rows of logits the lm head and the loss compute at a time; a training plan
+# makes them LMHEAD_GRAD_ROWS at a time instead, in its dlogits staging (one pass over wte per block)
+LMHEAD_ROWS = 256
 # bf16: rows of dlogits staged (103 MB of bf16 at d12, not B*T*Vp) before the lm head's backward
 # GEMMs run on them: d(wte) += dlogits^T @ lnf rewrites all of d(wte) (154 MB fp32) per call, so
 # fewer, taller calls (d12 B=4 T=1024: 4 of 1024 rows, 600 -> 420 ms, instead of 16 of 256)
@@ -491,20 +493,27 @@ class GPT2:
         return SimpleNamespace(x=x.reshape(-1), out=_out_buffer(out, n, "rows x C"), lse=None, **views)
 
     def _lmhead_blocks(self, BT, tg, losses):
-        """-> (r0, nr, buf) for row blocks of plan.logits_rows, each block's logits computed then
-        into buf (_lmhead_block), and with losses their softmax (buf then holds the probs) and
-        losses written into losses[r0:r0+nr]."""
-        R = self.plan.logits_rows
+        """-> (r0, nr, buf) for row blocks of plan.logits_rows (a bf16 training plan's: of its
+        staging rows, in them, as _lmhead_grad makes them), each block's logits computed then into
+        buf (_lmhead_block), and with losses their softmax (buf then holds the probs) and losses
+        written into losses[r0:r0+nr]."""
+        d16 = self._staging()
+        R = self.plan.logits_rows if d16 is None else d16.size // self.config.padded_vocab_size
         for r0 in range(0, BT, R):
             nr = min(BT - r0, R)
-            yield r0, nr, self._lmhead_block(r0, nr, tg, None if losses is None else losses[r0:r0 + nr])
+            yield r0, nr, self._lmhead_block(r0, nr, tg, None if losses is None else losses[r0:r0 + nr], d16)
 
-    def _lmhead_block(self, r0, nr, tg, losses):
-        """logits rows r0..r0+nr in the logits buffer, then (losses given) their softmax (probs)
-        and losses."""
+    def _staging(self):
+        """A bf16 training plan's staging rows of the lm head's dlogits (LMHEAD_GRAD_ROWS x Vp),
+        where its row blocks' logits are made too; else None."""
+        return None if self._bwd16 is None else self._ensure_scratch()["dlogits16"]
+
+    def _lmhead_block(self, r0, nr, tg, losses, buf=None):
+        """logits rows r0..r0+nr in buf (default: the logits buffer), then (losses given) their
+        softmax (probs) and losses."""
         c = self.config
         C, V, Vp = c.channels, c.vocab_size, c.padded_vocab_size
-        buf = self._acts["logits"][:nr * Vp]
+        buf = (self._acts["logits"] if buf is None else buf)[:nr * Vp]
         self.ops.matmul(buf, self._acts["lnf"][r0 * C:(r0 + nr) * C], "wte", None, None, nr, C, Vp, self.n_threads)
         if losses is not None:
             self.ops.loss_forward(losses, buf, tg[r0:r0 + nr], nr, V, Vp, self.n_threads)
@@ -676,7 +685,7 @@ class GPT2:
                 for _ in self._lmhead_blocks(BT, tgf, losses):
                     pass
             else:   # each block's softmax and loss made together with its dlogits
-                self._lmhead_grad(BT, loss_scale, self._lmhead_blocks(BT, tgf, None), losses)
+                self._lmhead_grad(BT, loss_scale, None, losses)
             self._buf_state = "train"
             self._lmhead_grad_scale = loss_scale
             return float(losses.astype(np.float64).mean())
@@ -904,7 +913,7 @@ class GPT2:
         """dlnf (the scratch's dsmall, B*T*C) = d(loss_scale * mean loss)/d(lnf), and the lm head's
         d(wte) accumulated, from `blocks`: (r0, nr, probs) in row order, or with `losses` (BT)
         (r0, nr, logits) whose softmax and losses are made here first, row by row with their
-        dlogits. bf16: each block's dlogits are written straight in bf16 into the staging rows of
+        dlogits; blocks None (bf16, with `losses`): the logits made here, in the staging rows. bf16: each block's dlogits are written straight in bf16 into the staging rows of
         the scratch, and the GEMMs run each time those are full; fp32: in place over the probs
         (one block of every row)."""
         self.grads_known_zero = False
@@ -922,6 +931,16 @@ class GPT2:
                                      lnf[s0 * C:s1 * C], "wte", None, s1 - s0, C, Vp, nt, accumulate=False,
                                      dweight_accumulate=self._written("wte"))
 
+        if blocks is None:   # bf16, the lm head in blocks: each staging's worth of logits made in
+            # the staging rows, their losses and dlogits over them (each row is read whole before
+            # it is written) and the GEMMs run: one pass over wte's bf16 copy per G rows
+            for r0 in range(0, BT, G):
+                nr, rows = min(G, BT - r0), slice(r0, min(BT, r0 + G))
+                blk = d16[:nr * Vp]
+                self.ops.matmul(blk, lnf[r0 * C:(r0 + nr) * C], "wte", None, None, nr, C, Vp, nt)
+                self.ops.loss_forward_backward(losses[rows], blk, blk, tg[rows], dlosses[rows], nr, V, Vp, nt)
+                gemms(r0, r0 + nr, None)
+            return dlnf
         s0, dout = 0, None   # the first staged row; fp32's dlogits
         for r0, nr, probs in blocks:
             if r0 + nr - s0 > G:
@@ -973,7 +992,7 @@ class GPT2:
         # the logits again (the same GEMM on the same inputs: the same bits), and their losses unused
         junk = np.empty(BT, np.float32)
         if self.plan.logits_rows < BT:
-            return self._lmhead_grad(BT, loss_scale, self._lmhead_blocks(BT, None, None), junk)
+            return self._lmhead_grad(BT, loss_scale, None, junk)
         self.ops.matmul(self._acts["logits"][:BT * Vp], self._acts["lnf"][:BT * C], "wte", None, None,
                         BT, C, Vp, self.n_threads)
         return self._lmhead_grad(BT, loss_scale, self._held_blocks(BT), junk)
