@@ -10,6 +10,7 @@ fp32 value and write it as bf16 must give exactly to_bf16(their fp32 kernel's ou
 The "dnnl" bf16 engine runs only on CPUs with AVX512_BF16 or AMX; "blas" (fp32 sgemm on the
 widened operands) everywhere, so both are tested where they exist.
 """
+import contextlib
 import json
 
 import numpy as np
@@ -653,6 +654,17 @@ def test_gelu_bf16_kernels_read_bf16_input_as_its_exact_widening(BT, OC):
         np.testing.assert_array_equal(a, b)
 
 
+@contextlib.contextmanager
+def _row_isas():
+    """The copies of layers.pyx's row loops this CPU runs (layers.ISAS up to the active one), for
+    the caller to set in turn with layers.set_simd; the active one is set again on leaving."""
+    old = layers.simd()
+    try:
+        yield layers.ISAS[:layers.ISAS.index(old) + 1]
+    finally:
+        layers.set_simd(old)
+
+
 @pytest.mark.parametrize("BT, OC", [(37, 131), (3, 2048 + 40), (64, 3072)])   # ragged; two column chunks
 def test_gelu_forward_backward_bf16_is_the_two_kernels_in_one_pass(BT, OC):
     # a backward that recomputes the GELU: GELU(fch) and d(fch) (over d(gelu), in place) with
@@ -665,9 +677,8 @@ def test_gelu_forward_backward_bf16_is_the_two_kernels_in_one_pass(BT, OC):
     db0 = want_db.copy()
     layers.gelu_forward_bf16(want_y, xb, xb.size, 2)
     layers.gelu_backward_bf16(want_d, want_db, xb, dyb, BT, OC, 2)
-    old = layers.simd()
-    try:
-        for isa in layers.ISAS[:layers.ISAS.index(old) + 1]:
+    with _row_isas() as isas:
+        for isa in isas:
             layers.set_simd(isa)
             for nt in (1, 2):
                 y, d, db = np.full_like(xb, 0x1234), dyb.copy(), db0.copy()
@@ -675,8 +686,6 @@ def test_gelu_forward_backward_bf16_is_the_two_kernels_in_one_pass(BT, OC):
                 np.testing.assert_array_equal(y, want_y, err_msg=isa)
                 np.testing.assert_array_equal(d, want_d, err_msg=isa)
                 np.testing.assert_array_equal(db, want_db, err_msg=isa)
-    finally:
-        layers.set_simd(old)
     d = dyb.copy()
     layers.gelu_forward_backward_bf16(y, d, None, xb, BT, OC, 2)   # no bias: the same d(fch)
     np.testing.assert_array_equal(d, want_d)
@@ -707,16 +716,13 @@ def test_gelu_backward_bf16_rounds_ties_to_even_in_every_copy():
         g = (dy * np.float32(0.5)) + np.float32(0.0)
         want_db = g.reshape(BT, OC).astype(np.float64).sum(0).astype(np.float32)
     want = to_bf16(g)
-    old = layers.simd()
-    try:
-        for isa in layers.ISAS[:layers.ISAS.index(old) + 1]:
+    with _row_isas() as isas:
+        for isa in isas:
             layers.set_simd(isa)
             got, db = np.full(BT * OC, 0x1234, np.uint16), np.zeros(OC, np.float32)
             layers.gelu_backward_bf16(got, db, x, dy, BT, OC, 1)
             np.testing.assert_array_equal(got, want, err_msg=isa)
             np.testing.assert_array_equal(db, want_db, err_msg=isa)
-    finally:
-        layers.set_simd(old)
 
 
 @pytest.mark.parametrize("BT, OC", [(37, 131), (3, 2048 + 40)])   # ragged; two column chunks
@@ -728,16 +734,13 @@ def test_gelu_backward_bf16_reads_bf16_dout_as_its_exact_widening(BT, OC):
     dyb[1::7] = 0x8000                                   # -0.0
     want16, want_db = np.empty(BT * OC, np.uint16), np.zeros(OC, np.float32)
     layers.gelu_backward_bf16(want16, want_db, xb, from_bf16(dyb), BT, OC, 2)
-    old = layers.simd()
-    try:
-        for isa in layers.ISAS[:layers.ISAS.index(old) + 1]:
+    with _row_isas() as isas:
+        for isa in isas:
             layers.set_simd(isa)
             got16, got_db = np.full(BT * OC, 0xFFFF, np.uint16), np.zeros(OC, np.float32)
             layers.gelu_backward_bf16(got16, got_db, xb, dyb, BT, OC, 2)
             np.testing.assert_array_equal(got16, want16, err_msg=isa)
             np.testing.assert_array_equal(got_db, want_db, err_msg=isa)
-    finally:
-        layers.set_simd(old)
     assert np.any(want_db != 0)
     with pytest.raises(TypeError, match="bf16 inp"):
         layers.gelu_backward_bf16(got16, None, from_bf16(xb), dyb, BT, OC, 2)
@@ -836,9 +839,8 @@ def test_softmax_crossentropy_reads_bf16_logits_as_their_exact_widening(BT, V, V
     dl = _f32(rng, BT)
     want_l, want_d = np.empty(BT, np.float32), np.empty(BT * Vp, np.uint16)
     layers.softmax_crossentropy_forward_backward_bf16(want_l, want_d, from_bf16(lg16), targets, dl, BT, V, Vp, 2)
-    old = layers.simd()
-    try:
-        for isa in layers.ISAS[:layers.ISAS.index(old) + 1]:
+    with _row_isas() as isas:
+        for isa in isas:
             layers.set_simd(isa)
             got_l, got_d = np.full(BT, np.nan, np.float32), np.full(BT * Vp, 0xFFFF, np.uint16)
             layers.softmax_crossentropy_forward_backward_bf16(got_l, got_d, lg16, targets, dl, BT, V, Vp, 2)
@@ -853,8 +855,6 @@ def test_softmax_crossentropy_reads_bf16_logits_as_their_exact_widening(BT, V, V
             layers.softmax_crossentropy_forward_backward_bf16(got_l, inplace, inplace, targets, dl, BT, V, Vp, 2)
             np.testing.assert_array_equal(got_l, want_l, err_msg=isa)
             np.testing.assert_array_equal(inplace, want_d, err_msg=isa)
-    finally:
-        layers.set_simd(old)
     x = from_bf16(lg16).reshape(BT, Vp)[:, :V].astype(np.float64)
     ref = np.log(np.exp(x - x.max(1, keepdims=True)).sum(1)) + x.max(1) - x[np.arange(BT), targets]
     np.testing.assert_allclose(want_l, ref, rtol=1e-5)
@@ -878,17 +878,14 @@ def test_layernorm_backward_bf16_is_one_pass_of_the_fp32_kernels(N, C):
     want16 = np.empty(N * C, np.uint16)
     convert.cast_to_bf16(want16, want, 1)
     runs = []
-    old = layers.simd()
-    try:
-        for isa in layers.ISAS[:layers.ISAS.index(old) + 1]:
+    with _row_isas() as isas:
+        for isa in isas:
             layers.set_simd(isa)
             for nt in (1, 2, 3):
                 d, dw, db, dn = d0.copy(), dw0.copy(), db0.copy(), dn0.copy()
                 d16 = np.full(N * C, 0xFFFF, np.uint16)
                 layers.layernorm_backward_bf16(d, dw, db, dy, x, w, mean, rstd, N, C, nt, dinp16=d16, dbias_next=dn)
                 runs.append((d, dw, db, dn, d16))
-    finally:
-        layers.set_simd(old)
     for r in runs:
         for a, b in zip(r, runs[0]):
             np.testing.assert_array_equal(a, b)
