@@ -913,9 +913,10 @@ class GPT2:
         """dlnf (the scratch's dsmall, B*T*C) = d(loss_scale * mean loss)/d(lnf), and the lm head's
         d(wte) accumulated, from `blocks`: (r0, nr, probs) in row order, or with `losses` (BT)
         (r0, nr, logits) whose softmax and losses are made here first, row by row with their
-        dlogits; blocks None (bf16, with `losses`): the logits made here, in the staging rows. bf16: each block's dlogits are written straight in bf16 into the staging rows of
-        the scratch, and the GEMMs run each time those are full; fp32: in place over the probs
-        (one block of every row)."""
+        dlogits; blocks None (bf16, with `losses`): the logits made here, in the staging rows.
+        bf16: each block's dlogits are written straight in bf16 into the staging rows of the
+        scratch, and the GEMMs run each time those are full; fp32: in place over the probs (one
+        block of every row)."""
         self.grads_known_zero = False
         self._begin_grads()
         C, V, Vp, nt = self.config.channels, self.config.vocab_size, self.config.padded_vocab_size, self.n_threads
@@ -936,8 +937,7 @@ class GPT2:
             # it is written) and the GEMMs run: one pass over wte's bf16 copy per G rows
             for r0 in range(0, BT, G):
                 nr, rows = min(G, BT - r0), slice(r0, min(BT, r0 + G))
-                blk = d16[:nr * Vp]
-                self.ops.matmul(blk, lnf[r0 * C:(r0 + nr) * C], "wte", None, None, nr, C, Vp, nt)
+                blk = self._lmhead_block(r0, nr, tg, None, d16)
                 self.ops.loss_forward_backward(losses[rows], blk, blk, tg[rows], dlosses[rows], nr, V, Vp, nt)
                 gemms(r0, r0 + nr, None)
             return dlnf
