@@ -685,6 +685,25 @@ cdef void _gelu_backward_bf16(uint16_t* dinp, uint16_t* gelu, float* dbias, cons
         _gelu_bwd_bf16_cols(dinp, gelu, dbias, inp, dout, BT, OC, ch * w, w)
 
 
+cdef Py_ssize_t _gelu_bf16_size(long BT, int OC, int n_threads) except -1:
+    """BT * OC, once the bf16 GELU kernels' shape and thread count are checked."""
+    check_threads(n_threads)
+    check_positive("BT", BT)
+    check_positive("OC", OC)
+    return BT * OC
+
+
+cdef float* _bias_ptr(dbias, int OC) except? NULL:
+    """dbias's first float (a float32 vector of OC, checked), or NULL for None. The pointer is
+    into the caller's array, which outlives the kernel call."""
+    cdef float[::1] db
+    if dbias is None:
+        return NULL
+    db = dbias
+    check_len("dbias", db.shape[0], OC)
+    return &db[0]
+
+
 def gelu_backward_bf16(uint16_t[::1] dinp, dbias, const gin_t[::1] inp, const gdy_t[::1] dout,
                        long BT, int OC, int n_threads=1):
     """The fc layer's gradient for its bf16 backward GEMMs in one pass: dinp (BT,OC) =
@@ -694,19 +713,11 @@ def gelu_backward_bf16(uint16_t[::1] dinp, dbias, const gin_t[::1] inp, const gd
     float32, or uint16 (bf16, widened exactly). dout: float32, or with a bf16 inp also uint16 (the
     bf16 gradient matmul_backward_bf16 writes into a uint16 dinp, widened exactly). Feed dinp to
     matmul_backward_bf16 as dout_bf16 with dout=None, dbias=None."""
-    cdef float[::1] db
-    cdef float* db_ptr = NULL
-    check_threads(n_threads)
-    check_positive("BT", BT)
-    check_positive("OC", OC)
-    cdef Py_ssize_t N = BT * OC
+    cdef Py_ssize_t N = _gelu_bf16_size(BT, OC, n_threads)
     check_len("dinp", dinp.shape[0], N)
     check_len("inp", inp.shape[0], N)
     check_len("dout", dout.shape[0], N)
-    if dbias is not None:
-        db = dbias
-        check_len("dbias", db.shape[0], OC)
-        db_ptr = &db[0]
+    cdef float* db_ptr = _bias_ptr(dbias, OC)
     if gin_t is float and gdy_t is uint16_t:
         raise TypeError("gelu_backward_bf16: a bf16 (uint16) dout needs a bf16 inp")
     n_threads = eff_threads(n_threads, N, _grain)
@@ -720,20 +731,12 @@ def gelu_forward_backward_bf16(uint16_t[::1] out, uint16_t[::1] dinout, dbias, c
     gelu_forward_bf16(inp) (the fcproj weight gradient's input), and dinout, the bf16 d(out) on
     entry, = gelu_backward_bf16's d(inp) on return, in place, with dbias (OC, or None) += its
     column sums: the bits of those two kernels. out, dinout and inp must not overlap."""
-    cdef float[::1] db
-    cdef float* db_ptr = NULL
-    check_threads(n_threads)
-    check_positive("BT", BT)
-    check_positive("OC", OC)
-    cdef Py_ssize_t N = BT * OC
+    cdef Py_ssize_t N = _gelu_bf16_size(BT, OC, n_threads)
     _check_three_of_n(N, n_threads, "out", out.shape[0], "dinout", dinout.shape[0], "inp", inp.shape[0])
     check_disjoint("out", <float*>&out[0], (N + 1) // 2, "dinout", <float*>&dinout[0], (N + 1) // 2)
     check_disjoint("out", <float*>&out[0], (N + 1) // 2, "inp", <const float*>&inp[0], (N + 1) // 2)
     check_disjoint("dinout", <float*>&dinout[0], (N + 1) // 2, "inp", <const float*>&inp[0], (N + 1) // 2)
-    if dbias is not None:
-        db = dbias
-        check_len("dbias", db.shape[0], OC)
-        db_ptr = &db[0]
+    cdef float* db_ptr = _bias_ptr(dbias, OC)
     n_threads = eff_threads(n_threads, N, _grain)
     with nogil:
         _gelu_backward_bf16(&dinout[0], &out[0], db_ptr, &inp[0], &dinout[0], BT, OC, n_threads)

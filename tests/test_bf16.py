@@ -699,6 +699,32 @@ def test_gelu_forward_backward_bf16_is_the_two_kernels_in_one_pass(BT, OC):
         layers.gelu_forward_backward_bf16(y, d, np.zeros(2, np.float32), xb, BT, OC, 2)
 
 
+def _gelu_backward_bf16_every_copy(want16, want_db, x, dy, BT, OC, n_threads):
+    """gelu_backward_bf16 in each copy of its loop this CPU runs gives want16 and want_db,
+    whatever dinp held before (it is written, not accumulated)."""
+    with _row_isas() as isas:
+        for isa in isas:
+            layers.set_simd(isa)
+            got16, got_db = np.full(BT * OC, 0x1234, np.uint16), np.zeros(OC, np.float32)
+            layers.gelu_backward_bf16(got16, got_db, x, dy, BT, OC, n_threads)
+            np.testing.assert_array_equal(got16, want16, err_msg=isa)
+            np.testing.assert_array_equal(got_db, want_db, err_msg=isa)
+
+
+@pytest.mark.parametrize("kernel", ["gelu_backward_bf16", "gelu_forward_backward_bf16"])
+def test_gelu_bf16_kernels_check_their_shapes_and_dbias(kernel):
+    BT, OC = 2, 3
+    z = lambda n=BT * OC: np.zeros(n, np.uint16)   # noqa: E731
+    call = {"gelu_backward_bf16": lambda db, bt: layers.gelu_backward_bf16(z(), db, z(), z(), bt, OC, 1),
+            "gelu_forward_backward_bf16": lambda db, bt: layers.gelu_forward_backward_bf16(z(), z(), db, z(), bt, OC, 1)}[kernel]
+    call(None, BT)
+    call(np.zeros(OC, np.float32), BT)
+    with pytest.raises(ValueError, match="dbias has 4 elements, expected 3"):
+        call(np.zeros(OC + 1, np.float32), BT)
+    with pytest.raises(ValueError, match="BT"):
+        call(None, 0)
+
+
 def test_gelu_backward_bf16_rounds_ties_to_even_in_every_copy():
     # gelu'(0) = 0.5 exactly, so with x = 0 each gradient is dy / 2 with dy's mantissa: every
     # rounding case of the bf16 store (the ties of both parities, one ulp either side of them,
@@ -715,14 +741,7 @@ def test_gelu_backward_bf16_rounds_ties_to_even_in_every_copy():
     with np.errstate(invalid="ignore"):   # the signalling NaN, and inf - inf in a column's sum
         g = (dy * np.float32(0.5)) + np.float32(0.0)
         want_db = g.reshape(BT, OC).astype(np.float64).sum(0).astype(np.float32)
-    want = to_bf16(g)
-    with _row_isas() as isas:
-        for isa in isas:
-            layers.set_simd(isa)
-            got, db = np.full(BT * OC, 0x1234, np.uint16), np.zeros(OC, np.float32)
-            layers.gelu_backward_bf16(got, db, x, dy, BT, OC, 1)
-            np.testing.assert_array_equal(got, want, err_msg=isa)
-            np.testing.assert_array_equal(db, want_db, err_msg=isa)
+    _gelu_backward_bf16_every_copy(to_bf16(g), want_db, x, dy, BT, OC, 1)
 
 
 @pytest.mark.parametrize("BT, OC", [(37, 131), (3, 2048 + 40)])   # ragged; two column chunks
@@ -734,16 +753,10 @@ def test_gelu_backward_bf16_reads_bf16_dout_as_its_exact_widening(BT, OC):
     dyb[1::7] = 0x8000                                   # -0.0
     want16, want_db = np.empty(BT * OC, np.uint16), np.zeros(OC, np.float32)
     layers.gelu_backward_bf16(want16, want_db, xb, from_bf16(dyb), BT, OC, 2)
-    with _row_isas() as isas:
-        for isa in isas:
-            layers.set_simd(isa)
-            got16, got_db = np.full(BT * OC, 0xFFFF, np.uint16), np.zeros(OC, np.float32)
-            layers.gelu_backward_bf16(got16, got_db, xb, dyb, BT, OC, 2)
-            np.testing.assert_array_equal(got16, want16, err_msg=isa)
-            np.testing.assert_array_equal(got_db, want_db, err_msg=isa)
+    _gelu_backward_bf16_every_copy(want16, want_db, xb, dyb, BT, OC, 2)
     assert np.any(want_db != 0)
     with pytest.raises(TypeError, match="bf16 inp"):
-        layers.gelu_backward_bf16(got16, None, from_bf16(xb), dyb, BT, OC, 2)
+        layers.gelu_backward_bf16(want16.copy(), None, from_bf16(xb), dyb, BT, OC, 2)
 
 
 @pytest.mark.parametrize("engine", BF16_ENGINES)
