@@ -9,6 +9,9 @@ What it measures, in one run (2 threads by default; best of --repeat calls each)
   step's matmuls take if every call runs at its hot rate, and that rate overall;
 - the fp32 GEMM roof as bench/step.py samples it beside each step (d12's forward shapes at B*T=256
   and at --rows, the lm head at <= 1024 rows, the best of them), before and after the shapes.
+With --split, the forward is also timed with its rows left to oneDNN's own threading
+(matmul.set_forward_split_rows(0)), alternating call blocks with llmctl's cut into one block a
+thread, and the time ratio split / oneDNN's is printed per layer (the same bits either way).
 So it answers where a step's matmul time goes: bench/step.py prints the rate its matmuls ran at
 inside the step ("matmuls: ... GFLOP/s"); if that equals the hot rate here, the step loses
 nothing around its GEMMs, and the hot rate / roof is the most MFU its matmuls allow.
@@ -17,6 +20,7 @@ It is not a correctness test (tests/test_kernels.py is), and not the bf16 engine
 
     python bench/matmul_shapes.py                   # 4096 rows, 2 threads
     python bench/matmul_shapes.py --rows 256 --repeat 10 --json
+    python bench/matmul_shapes.py --rows 1024 --split   # the forward's row split against oneDNN's threading
 """
 import argparse
 import json
@@ -37,7 +41,21 @@ SHAPES = (("qkv", 768, 2304), ("attproj", 768, 768), ("fc", 768, 3072), ("fcproj
           ("lmhead", 768, 50304))
 
 
-def measure(rows, n, repeat):
+def split_ratio(fwd, repeat, rounds=3):
+    """(seconds with the row split, seconds with oneDNN's threading): best of rounds alternating."""
+    best = [float("inf"), float("inf")]
+    old = matmul.set_forward_split_rows(0)
+    try:
+        for _ in range(rounds):
+            for i, rows in enumerate((old, 0)):
+                matmul.set_forward_split_rows(rows)
+                best[i] = min(best[i], best_time(fwd, repeat))
+    finally:
+        matmul.set_forward_split_rows(old)
+    return best
+
+
+def measure(rows, n, repeat, split=False):
     rng = np.random.default_rng(0)
     out = []
     for name, C, OC in SHAPES:
@@ -54,6 +72,9 @@ def measure(rows, n, repeat):
             "dbias": 0.0 if db is None else best_time(
                 lambda: matmul.matmul_backward(None, None, db, y, inp, w, rows, C, OC, n), repeat),
         }
+        if split:
+            t["forward"], t["forward_onednn_threads"] = split_ratio(
+                lambda: matmul.matmul_forward(y, inp, w, bias, rows, C, OC, n), repeat)
         flops = 2.0 * rows * C * OC
         out.append({"layer": name, "C": C, "OC": OC, "calls_per_step": 1 if name == "lmhead" else L,
                     "seconds": t, "gflops": {k: flops / v / 1e9 for k, v in t.items() if k != "dbias"},
@@ -66,11 +87,13 @@ def main(argv=None):
     ap.add_argument("--rows", type=int, default=4096, help="B*T rows (default 4096: d12 B=4 T=1024)")
     ap.add_argument("--threads", type=int, default=2, help="threads (default 2)")
     ap.add_argument("--repeat", type=int, default=3, help="timed calls per product, best kept (default 3)")
+    ap.add_argument("--split", action="store_true",
+                    help="also time the forward with oneDNN threading its rows itself, alternating")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     a = ap.parse_args(argv)
     n = TH.configure_threads(a.threads)
     roof_before = adjacent_roof_gflops(n, "fp32", a.rows)
-    shapes = measure(a.rows, n, a.repeat)
+    shapes = measure(a.rows, n, a.repeat, a.split)
     roof_after = adjacent_roof_gflops(n, "fp32", a.rows)
     roof = max(roof_before, roof_after)
     step_s = {k: sum(s["seconds"][k] * s["calls_per_step"] for s in shapes)
@@ -86,11 +109,14 @@ def main(argv=None):
         return
     print(f"threads {n}; fp32 engine {res['engine']}; {a.rows} rows; best of {a.repeat} calls each; "
           f"roof (as bench/step.py samples it) {roof_before:.1f} before, {roof_after:.1f} after")
-    print(f"{'layer':8s} {'C x OC':>12s} {'forward':>8s} {'dinp':>8s} {'dweight':>8s}  GFLOP/s; {'dbias ms':>8s}")
+    extra = f"  {'fwd oneDNN':>10s} {'split/oneDNN':>12s}" if a.split else ""
+    print(f"{'layer':8s} {'C x OC':>12s} {'forward':>8s} {'dinp':>8s} {'dweight':>8s}  GFLOP/s; {'dbias ms':>8s}{extra}")
     for s in shapes:
-        g = s["gflops"]
+        g, t = s["gflops"], s["seconds"]
+        extra = (f"  {g['forward_onednn_threads']:10.1f} {t['forward'] / t['forward_onednn_threads']:11.3f}x"
+                 if a.split else "")
         print(f"{s['layer']:8s} {s['C']:>5d} x {s['OC']:<5d} {g['forward']:8.1f} {g['dinp']:8.1f} {g['dweight']:8.1f}"
-              f"           {s['seconds']['dbias'] * 1e3:8.2f}")
+              f"           {t['dbias'] * 1e3:8.2f}{extra}")
     print(f"one step's matmuls at these rates (layers x{L}, lm head x1): forward {step_s['forward'] * 1e3:.0f} ms, "
           f"backward {(step_s['dinp'] + step_s['dweight'] + step_s['dbias']) * 1e3:.0f} ms (dbias "
           f"{step_s['dbias'] * 1e3:.0f}); {step_flops / 1e12:.2f} TFLOP at {res['step_gflops']:.1f} GFLOP/s = "

@@ -159,6 +159,35 @@ def test_matmul_bit_identical_when_repeated(engine, n_threads):
         assert np.array_equal(a, b2)
 
 
+@pytest.mark.skipif("dnnl" not in matmul.get_engines(), reason="built without oneDNN")
+@pytest.mark.parametrize("shape", [(128, 300, 70), (261, 96, 33), (200, 3072, 40), (130, 24, 20)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_matmul_dnnl_forward_split_rows_gives_the_bits_of_one_call(shape, with_bias):
+    # the fp32 forward cuts its rows into a block a thread (64 rows or more each), each block a
+    # single-threaded sgemm: every output row must be the bits of one single-threaded call over
+    # all the rows, whatever the thread count and however the rows fall into blocks
+    BT, C, OC = shape
+    rng = np.random.default_rng(BT + C + OC)
+    inp, w, b = _f32(rng, BT * C), _f32(rng, OC * C), _f32(rng, OC)
+    bias = b if with_bias else None
+
+    def forward(n):
+        out = np.full(BT * OC, np.nan, np.float32)
+        matmul.matmul_forward(out, inp, w, bias, BT, C, OC, n_threads=n, engine="dnnl")
+        return out.tobytes()
+
+    old = matmul.set_forward_split_rows(1 << 20)
+    try:
+        one = forward(1)
+        for n in (2, 3):
+            assert forward(n) == one, f"{n} threads"
+        matmul.set_forward_split_rows(0)   # never split: oneDNN's own threading, the same rows
+        np.testing.assert_array_equal(np.frombuffer(forward(2), np.float32), np.frombuffer(one, np.float32))
+    finally:
+        matmul.set_forward_split_rows(old)
+    assert old == 1024
+
+
 def test_matmul_tiled_is_thread_count_independent():
     # each output element is summed over K in order by one thread, whatever the team size
     BT, C, OC = 19, 300, 45
