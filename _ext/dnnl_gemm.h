@@ -113,6 +113,39 @@ static inline int llmctl_dnnl_sgemm(char ta, char tb, int64_t M, int64_t N, int6
     return st;
 }
 
+/* C (M,N) = [bias (N) +] A (M,K) @ B (N,K)^T, the fp32 forward, with the rows cut into one even
+ * block a thread and each block one single-threaded dnnl_sgemm: on 2 Zen 4 cores oneDNN's own
+ * 2-thread call ran d12's products at 136-201 GFLOP/s from 256 to 1280 rows, the blocks at
+ * 172-219 (docs/performance.md). oneDNN gives an output row the same bits in any call of 16 rows
+ * or more (matmul.pyx gives each block at least 64), so a row has the bits of one
+ * single-threaded call over all the rows. The caller's OpenMP thread count stays n_threads. */
+static inline int llmctl_dnnl_sgemm_rows(int64_t M, int64_t N, int64_t K, const float* A,
+        const float* B, const float* bias, float* C, int n_threads) {
+    sigset_t old;
+    int bad = 0;
+    const float beta = bias ? 1.0f : 0.0f;
+    LLMCTL_DNNL_THREADS(n_threads);
+    llmctl_block_signals(&old, n_threads);   /* this thread's, and once each pool thread's */
+#ifdef _OPENMP
+    #pragma omp parallel num_threads(n_threads) reduction(+ : bad)
+#endif
+    {
+#ifdef _OPENMP
+        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        omp_set_num_threads(1);   /* this block's sgemm: one thread (this region's ICV only) */
+#else
+        const int64_t t = 0, nt = 1;
+#endif
+        const int64_t r0 = t * M / nt, nr = (t + 1) * M / nt - r0;
+        float* c = C + r0 * N;
+        if (bias)
+            for (int64_t r = 0; r < nr; r++) memcpy(c + r * N, bias, (size_t)N * sizeof(float));
+        bad += dnnl_sgemm('N', 'T', nr, N, K, 1.0f, A + r0 * K, K, B, K, beta, c, N) != dnnl_success;
+    }
+    llmctl_restore_signals(&old);
+    return bad ? -1 : 0;
+}
+
 static inline int llmctl_dnnl_gemm_bf16(char ta, char tb, int64_t M, int64_t N, int64_t K,
         const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float beta, float* C,
         int64_t ldc, int n_threads) {
@@ -283,6 +316,8 @@ static inline void llmctl_dnnl_version(int* v) {
 static inline int llmctl_dnnl_sgemm(char ta, char tb, int64_t M, int64_t N, int64_t K,
         const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
         int64_t ldc, int n_threads) { return -1; }
+static inline int llmctl_dnnl_sgemm_rows(int64_t M, int64_t N, int64_t K, const float* A,
+        const float* B, const float* bias, float* C, int n_threads) { return -1; }
 static inline int llmctl_dnnl_gemm_bf16(char ta, char tb, int64_t M, int64_t N, int64_t K,
         const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float beta, float* C,
         int64_t ldc, int n_threads) { return -1; }

@@ -61,6 +61,8 @@ cdef extern from "dnnl_gemm.h" nogil:
     int llmctl_dnnl_sgemm(char ta, char tb, int64_t M, int64_t N, int64_t K, const float* A,
                           int64_t lda, const float* B, int64_t ldb, float beta, float* C,
                           int64_t ldc, int n_threads)
+    int llmctl_dnnl_sgemm_rows(int64_t M, int64_t N, int64_t K, const float* A, const float* B,
+                               const float* bias, float* C, int n_threads)
     int llmctl_dnnl_gemm_bf16(char ta, char tb, int64_t M, int64_t N, int64_t K, const uint16_t* A,
                               int64_t lda, const uint16_t* B, int64_t ldb, float beta, float* C,
                               int64_t ldc, int n_threads)
@@ -146,6 +148,8 @@ def set_forward_split_rows(int rows):
     rows when there are at least 64 and at most this many rows a thread (default 1024; 0: never,
     oneDNN threads every call itself). Returns the old value."""
     global _split_rows_per_thread
+    if rows < 0:
+        raise ValueError(f"set_forward_split_rows: rows must be >= 0, got {rows}")
     old = _split_rows_per_thread
     _split_rows_per_thread = rows
     return old
@@ -334,31 +338,13 @@ cdef int _matmul_forward_dnnl(float* out, const float* inp, const float* weight,
                               int BT, int C, int OC, int n_threads) noexcept nogil:
     # out (BT,OC) = inp (BT,C) @ weight (OC,C)^T [+ bias (OC)]
     cdef float beta = 0.0
-    if n_threads > 1 and SPLIT_MIN_ROWS * n_threads <= BT <= _split_rows_per_thread * n_threads:
-        return _matmul_forward_dnnl_rows(out, inp, weight, bias, BT, C, OC, n_threads)
+    if n_threads > 1 and SPLIT_MIN_ROWS * n_threads <= BT <= <Py_ssize_t>_split_rows_per_thread * n_threads:
+        # one single-threaded sgemm a thread on an even block of the rows (dnnl_gemm.h: why)
+        return llmctl_dnnl_sgemm_rows(BT, OC, C, inp, weight, bias, out, n_threads)
     if bias != NULL:
         _fill_bias_rows(out, bias, BT, OC, n_threads)
         beta = 1.0
     return llmctl_dnnl_sgemm(b'N', b'T', BT, OC, C, inp, C, weight, C, beta, out, OC, n_threads)
-
-
-cdef int _matmul_forward_dnnl_rows(float* out, const float* inp, const float* weight, const float* bias,
-                                   int BT, int C, int OC, int n_threads) noexcept nogil:
-    # The rows cut into one even block a thread, each block one single-threaded sgemm. oneDNN's own
-    # 2-thread call ran d12's products at 136-201 GFLOP/s from 256 to 1280 rows (fcproj, K=3072,
-    # the slowest) where the blocks run at 172-219 (docs/performance.md). A row's bits are those of
-    # a single-threaded call over all the rows: oneDNN's sgemm gives a row the same bits in any
-    # call of 16 rows or more (below 16 it takes another path), and each block has SPLIT_MIN_ROWS.
-    cdef int t, r0, nr, bad = 0
-    cdef float beta = 0.0 if bias == NULL else 1.0
-    for t in prange(n_threads, schedule='static', num_threads=n_threads):
-        r0 = <int>(<Py_ssize_t>t * BT // n_threads)
-        nr = <int>(<Py_ssize_t>(t + 1) * BT // n_threads) - r0
-        if bias != NULL:
-            _fill_bias_rows(out + <Py_ssize_t>r0 * OC, bias, nr, OC, 1)
-        bad += llmctl_dnnl_sgemm(b'N', b'T', nr, OC, C, inp + <Py_ssize_t>r0 * C, C, weight, C, beta,
-                                 out + <Py_ssize_t>r0 * OC, OC, 1) != 0
-    return -1 if bad else 0
 
 
 cdef int _matmul_backward_dnnl(float* dinp, float* dweight, float* dbias, const float* dout,

@@ -186,6 +186,8 @@ def test_matmul_dnnl_forward_split_rows_gives_the_bits_of_one_call(shape, with_b
     finally:
         matmul.set_forward_split_rows(old)
     assert old == 1024
+    with pytest.raises(ValueError, match="rows must be >= 0"):
+        matmul.set_forward_split_rows(-1)
 
 
 def test_matmul_tiled_is_thread_count_independent():
@@ -272,12 +274,14 @@ def test_matmul_dnnl_runs_on_n_threads():
 
     if not buildinfo.openmp_enabled():
         pytest.skip("serial build")
-    BT, C, OC = 8, 8, 8
-    x = np.ones(BT * C, np.float32)
-    out = np.empty(BT * OC, np.float32)
-    for n in (1, 2, 1):
-        matmul.matmul_forward(out, x, x, None, BT, C, OC, n_threads=n, engine="dnnl")
-        assert buildinfo.openmp_max_threads() == n
+    C = OC = 8
+    x = np.ones(256 * C, np.float32)
+    out = np.empty(256 * OC, np.float32)
+    for BT in (8, 256):   # 256 rows on 2 threads: the forward's single-threaded call a block of rows
+        for n in (1, 2, 1, 2):
+            matmul.matmul_forward(out[:BT * OC], x[:BT * C], x[:OC * C], None, BT, C, OC, n_threads=n,
+                                  engine="dnnl")
+            assert buildinfo.openmp_max_threads() == n
 
 
 @pytest.mark.skipif("dnnl" not in matmul.get_engines(), reason="built without oneDNN")
