@@ -11,7 +11,9 @@ What it measures, in one run (2 threads by default; best of --repeat calls each)
   and at --rows, the lm head at <= 1024 rows, the best of them), before and after the shapes.
 With --split, the forward is also timed with its rows left to oneDNN's own threading
 (matmul.set_forward_split_rows(0)), alternating call blocks with llmctl's cut into one block a
-thread, and the time ratio split / oneDNN's is printed per layer (the same bits either way).
+thread (forced at any --rows, beyond the default limit of 1024 a thread too), and the time ratio
+split / oneDNN's is printed per layer (the same bits either way); the "forward" column and the
+step's sum stay the default path's.
 So it answers where a step's matmul time goes: bench/step.py prints the rate its matmuls ran at
 inside the step ("matmuls: ... GFLOP/s"); if that equals the hot rate here, the step loses
 nothing around its GEMMs, and the hot rate / roof is the most MFU its matmuls allow.
@@ -42,12 +44,13 @@ SHAPES = (("qkv", 768, 2304), ("attproj", 768, 768), ("fc", 768, 3072), ("fcproj
 
 
 def split_ratio(fwd, repeat, rounds=3):
-    """(seconds with the row split, seconds with oneDNN's threading): best of rounds alternating."""
+    """(seconds with the row split, whatever the default limit, seconds with oneDNN's threading):
+    best of rounds alternating."""
     best = [float("inf"), float("inf")]
     old = matmul.set_forward_split_rows(0)
     try:
         for _ in range(rounds):
-            for i, rows in enumerate((old, 0)):
+            for i, rows in enumerate((1 << 20, 0)):   # split at any row count from 64 a thread; never
                 matmul.set_forward_split_rows(rows)
                 best[i] = min(best[i], best_time(fwd, repeat))
     finally:
@@ -73,7 +76,7 @@ def measure(rows, n, repeat, split=False):
                 lambda: matmul.matmul_backward(None, None, db, y, inp, w, rows, C, OC, n), repeat),
         }
         if split:
-            t["forward"], t["forward_onednn_threads"] = split_ratio(
+            t["forward_split"], t["forward_onednn_threads"] = split_ratio(
                 lambda: matmul.matmul_forward(y, inp, w, bias, rows, C, OC, n), repeat)
         flops = 2.0 * rows * C * OC
         out.append({"layer": name, "C": C, "OC": OC, "calls_per_step": 1 if name == "lmhead" else L,
@@ -109,12 +112,12 @@ def main(argv=None):
         return
     print(f"threads {n}; fp32 engine {res['engine']}; {a.rows} rows; best of {a.repeat} calls each; "
           f"roof (as bench/step.py samples it) {roof_before:.1f} before, {roof_after:.1f} after")
-    extra = f"  {'fwd oneDNN':>10s} {'split/oneDNN':>12s}" if a.split else ""
+    extra = f"  {'fwd split':>9s} {'fwd oneDNN':>10s} {'split/oneDNN':>12s}" if a.split else ""
     print(f"{'layer':8s} {'C x OC':>12s} {'forward':>8s} {'dinp':>8s} {'dweight':>8s}  GFLOP/s; {'dbias ms':>8s}{extra}")
     for s in shapes:
         g, t = s["gflops"], s["seconds"]
-        extra = (f"  {g['forward_onednn_threads']:10.1f} {t['forward'] / t['forward_onednn_threads']:11.3f}x"
-                 if a.split else "")
+        extra = (f"  {g['forward_split']:9.1f} {g['forward_onednn_threads']:10.1f} "
+                 f"{t['forward_split'] / t['forward_onednn_threads']:11.3f}x" if a.split else "")
         print(f"{s['layer']:8s} {s['C']:>5d} x {s['OC']:<5d} {g['forward']:8.1f} {g['dinp']:8.1f} {g['dweight']:8.1f}"
               f"           {t['dbias'] * 1e3:8.2f}{extra}")
     print(f"one step's matmuls at these rates (layers x{L}, lm head x1): forward {step_s['forward'] * 1e3:.0f} ms, "
