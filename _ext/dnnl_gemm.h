@@ -116,9 +116,15 @@ static inline int llmctl_dnnl_sgemm(char ta, char tb, int64_t M, int64_t N, int6
 /* C (M,N) = [bias (N) +] A (M,K) @ B (N,K)^T, the fp32 forward, with the rows cut into one even
  * block a thread and each block one single-threaded dnnl_sgemm: on 2 Zen 4 cores oneDNN's own
  * 2-thread call ran d12's products at 136-201 GFLOP/s from 256 to 1280 rows, the blocks at
- * 172-219 (docs/performance.md). oneDNN gives an output row the same bits in any call of 16 rows
- * or more (matmul.pyx gives each block at least 64), so a row has the bits of one
- * single-threaded call over all the rows. The caller's OpenMP thread count stays n_threads. */
+ * 172-219 (docs/performance.md). oneDNN's AVX-512 sgemm gives an output row the same bits in any
+ * call of 16 rows or more (matmul.pyx gives each block at least 64), so a row has the bits of
+ * one single-threaded call over all the rows. Its AVX2 sgemm does not (a row's bits depend on the
+ * call's row count), so matmul.pyx splits only where llmctl_dnnl_split_rows_exact() says so.
+ * The caller's OpenMP thread count stays n_threads. */
+static inline int llmctl_dnnl_split_rows_exact(void) {
+    return (dnnl_get_effective_cpu_isa() & dnnl_cpu_isa_avx512_core) == dnnl_cpu_isa_avx512_core;
+}
+
 static inline int llmctl_dnnl_sgemm_rows(int64_t M, int64_t N, int64_t K, const float* A,
         const float* B, const float* bias, float* C, int n_threads) {
     sigset_t old;
@@ -318,6 +324,7 @@ static inline int llmctl_dnnl_sgemm(char ta, char tb, int64_t M, int64_t N, int6
         int64_t ldc, int n_threads) { return -1; }
 static inline int llmctl_dnnl_sgemm_rows(int64_t M, int64_t N, int64_t K, const float* A,
         const float* B, const float* bias, float* C, int n_threads) { return -1; }
+static inline int llmctl_dnnl_split_rows_exact(void) { return 0; }
 static inline int llmctl_dnnl_gemm_bf16(char ta, char tb, int64_t M, int64_t N, int64_t K,
         const uint16_t* A, int64_t lda, const uint16_t* B, int64_t ldb, float beta, float* C,
         int64_t ldc, int n_threads) { return -1; }

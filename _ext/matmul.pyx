@@ -63,6 +63,7 @@ cdef extern from "dnnl_gemm.h" nogil:
                           int64_t ldc, int n_threads)
     int llmctl_dnnl_sgemm_rows(int64_t M, int64_t N, int64_t K, const float* A, const float* B,
                                const float* bias, float* C, int n_threads)
+    int llmctl_dnnl_split_rows_exact()
     int llmctl_dnnl_gemm_bf16(char ta, char tb, int64_t M, int64_t N, int64_t K, const uint16_t* A,
                               int64_t lda, const uint16_t* B, int64_t ldb, float beta, float* C,
                               int64_t ldc, int n_threads)
@@ -141,12 +142,28 @@ cdef enum:
 # the oneDNN fp32 forward cuts its rows over the threads itself up to this many rows a thread
 # (measured on 2 threads: a gain up to 1280 rows, level from 1536; 0: never)
 cdef int _split_rows_per_thread = 1024
+# only where oneDNN's sgemm gives a row the same bits in any call of 16 rows or more: its AVX-512
+# kernels (asked of oneDNN at first use, after ONEDNN_MAX_CPU_ISA; dnnl_gemm.h)
+cdef int _split_exact = -1
+
+
+cdef inline bint _split_allowed() noexcept nogil:
+    global _split_exact
+    if _split_exact < 0:
+        _split_exact = llmctl_dnnl_split_rows_exact()
+    return _split_exact == 1
+
+
+def forward_split_available():
+    """Whether the oneDNN fp32 forward may cut its rows over the threads (set_forward_split_rows):
+    where oneDNN runs its AVX-512 sgemm, whose row bits do not depend on the rows around them."""
+    return dnnl_built() and _split_allowed()
 
 
 def set_forward_split_rows(int rows):
     """The oneDNN fp32 forward runs one single-threaded sgemm a thread on an even block of its
     rows when there are at least 64 and at most this many rows a thread (default 1024; 0: never,
-    oneDNN threads every call itself). Returns the old value."""
+    oneDNN threads every call itself), where forward_split_available(). Returns the old value."""
     global _split_rows_per_thread
     if rows < 0:
         raise ValueError(f"set_forward_split_rows: rows must be >= 0, got {rows}")
@@ -338,7 +355,8 @@ cdef int _matmul_forward_dnnl(float* out, const float* inp, const float* weight,
                               int BT, int C, int OC, int n_threads) noexcept nogil:
     # out (BT,OC) = inp (BT,C) @ weight (OC,C)^T [+ bias (OC)]
     cdef float beta = 0.0
-    if n_threads > 1 and SPLIT_MIN_ROWS * n_threads <= BT <= <Py_ssize_t>_split_rows_per_thread * n_threads:
+    if (n_threads > 1 and SPLIT_MIN_ROWS * n_threads <= BT <= <Py_ssize_t>_split_rows_per_thread * n_threads
+            and _split_allowed()):
         # one single-threaded sgemm a thread on an even block of the rows (dnnl_gemm.h: why)
         return llmctl_dnnl_sgemm_rows(BT, OC, C, inp, weight, bias, out, n_threads)
     if bias != NULL:
