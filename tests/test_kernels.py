@@ -192,6 +192,18 @@ def test_matmul_dnnl_forward_split_rows_gives_the_bits_of_one_call(shape, with_b
         matmul.set_forward_split_rows(-1)
 
 
+@pytest.mark.skipif("dnnl" not in matmul.get_engines(), reason="built without oneDNN")
+def test_matmul_dnnl_forward_split_rows_off_with_onednn_avx2_kernels():
+    # oneDNN's AVX2 sgemm gives a row bits that depend on the call's row count: with its ISA
+    # capped at AVX2 (as on an AVX2-only CPU) the forward must not split, whatever the CPU
+    code = ("import numpy as np; from llmctl._ext import matmul as m; "
+            "print(m.forward_split_available())")
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
 def test_matmul_tiled_is_thread_count_independent():
     # each output element is summed over K in order by one thread, whatever the team size
     BT, C, OC = 19, 300, 45
