@@ -268,6 +268,17 @@ cdef void _layernorm_backward_fused(float* dinp, float* dweight, float* dbias, c
             dnext[c] += <float>sn
 
 
+cdef float* _optional_floats(buf, str name, Py_ssize_t n) except? NULL:
+    """buf's first float (a float32 vector of n, checked), or NULL for None. The pointer is into
+    the caller's array, which outlives the kernel call."""
+    cdef float[::1] mv
+    if buf is None:
+        return NULL
+    mv = buf
+    check_len(name, mv.shape[0], n)
+    return &mv[0]
+
+
 def layernorm_backward_bf16(float[::1] dinp, float[::1] dweight, float[::1] dbias, const float[::1] dout,
                             const float[::1] inp, const float[::1] weight, const float[::1] mean,
                             const float[::1] rstd, int N, int C, int n_threads=1, dinp16=None, dbias_next=None):
@@ -281,7 +292,6 @@ def layernorm_backward_bf16(float[::1] dinp, float[::1] dweight, float[::1] dbia
     matmul_backward_bf16 would otherwise make in a pass of its own."""
     global _lnparts, _lnparts_size, _lnparts_busy
     cdef uint16_t[::1] d16
-    cdef float[::1] dn
     cdef uint16_t* d16p = NULL
     cdef float* dnp = NULL
     cdef double* part
@@ -293,10 +303,7 @@ def layernorm_backward_bf16(float[::1] dinp, float[::1] dweight, float[::1] dbia
         d16 = dinp16
         check_len("dinp16", d16.shape[0], <Py_ssize_t>N * C)
         d16p = &d16[0]
-        if dbias_next is not None:
-            dn = dbias_next
-            check_len("dbias_next", dn.shape[0], C)
-            dnp = &dn[0]
+        dnp = _optional_floats(dbias_next, "dbias_next", C)
     cdef Py_ssize_t need = ((N + LN_FUSED_ROWS - 1) // LN_FUSED_ROWS) * (3 if d16p != NULL else 2) * C
     if _lnparts_busy:
         part, own = <double*>malloc(<size_t>need * sizeof(double)), True
@@ -693,17 +700,6 @@ cdef Py_ssize_t _gelu_bf16_size(long BT, int OC, int n_threads) except -1:
     return BT * OC
 
 
-cdef float* _bias_ptr(dbias, int OC) except? NULL:
-    """dbias's first float (a float32 vector of OC, checked), or NULL for None. The pointer is
-    into the caller's array, which outlives the kernel call."""
-    cdef float[::1] db
-    if dbias is None:
-        return NULL
-    db = dbias
-    check_len("dbias", db.shape[0], OC)
-    return &db[0]
-
-
 def gelu_backward_bf16(uint16_t[::1] dinp, dbias, const gin_t[::1] inp, const gdy_t[::1] dout,
                        long BT, int OC, int n_threads=1):
     """The fc layer's gradient for its bf16 backward GEMMs in one pass: dinp (BT,OC) =
@@ -717,7 +713,7 @@ def gelu_backward_bf16(uint16_t[::1] dinp, dbias, const gin_t[::1] inp, const gd
     check_len("dinp", dinp.shape[0], N)
     check_len("inp", inp.shape[0], N)
     check_len("dout", dout.shape[0], N)
-    cdef float* db_ptr = _bias_ptr(dbias, OC)
+    cdef float* db_ptr = _optional_floats(dbias, "dbias", OC)
     if gin_t is float and gdy_t is uint16_t:
         raise TypeError("gelu_backward_bf16: a bf16 (uint16) dout needs a bf16 inp")
     n_threads = eff_threads(n_threads, N, _grain)
@@ -736,7 +732,7 @@ def gelu_forward_backward_bf16(uint16_t[::1] out, uint16_t[::1] dinout, dbias, c
     check_disjoint("out", <float*>&out[0], (N + 1) // 2, "dinout", <float*>&dinout[0], (N + 1) // 2)
     check_disjoint("out", <float*>&out[0], (N + 1) // 2, "inp", <const float*>&inp[0], (N + 1) // 2)
     check_disjoint("dinout", <float*>&dinout[0], (N + 1) // 2, "inp", <const float*>&inp[0], (N + 1) // 2)
-    cdef float* db_ptr = _bias_ptr(dbias, OC)
+    cdef float* db_ptr = _optional_floats(dbias, "dbias", OC)
     n_threads = eff_threads(n_threads, N, _grain)
     with nogil:
         _gelu_backward_bf16(&dinout[0], &out[0], db_ptr, &inp[0], &dinout[0], BT, OC, n_threads)

@@ -914,6 +914,9 @@ def test_layernorm_backward_bf16_is_one_pass_of_the_fp32_kernels(N, C):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="dinp16"):
         layers.layernorm_backward_bf16(d2, dw2, db2, dy, x, w, mean, rstd, N, C, 2, dbias_next=dn)
+    with pytest.raises(ValueError, match=f"dbias_next has {C + 1} elements, expected {C}"):
+        layers.layernorm_backward_bf16(d2, dw2, db2, dy, x, w, mean, rstd, N, C, 2,
+                                       dinp16=np.empty(N * C, np.uint16), dbias_next=np.zeros(C + 1, np.float32))
 
 
 @pytest.mark.parametrize("N", [1, 1000, 70001])   # 70001: three AdamW chunks, ragged
