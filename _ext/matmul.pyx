@@ -143,21 +143,14 @@ cdef enum:
 # (measured on 2 threads: a gain up to 1280 rows, level from 1536; 0: never)
 cdef int _split_rows_per_thread = 1024
 # only where oneDNN's sgemm gives a row the same bits in any call of 16 rows or more: its AVX-512
-# kernels (asked of oneDNN at first use, after ONEDNN_MAX_CPU_ISA; dnnl_gemm.h)
-cdef int _split_exact = -1
-
-
-cdef inline bint _split_allowed() noexcept nogil:
-    global _split_exact
-    if _split_exact < 0:
-        _split_exact = llmctl_dnnl_split_rows_exact()
-    return _split_exact == 1
+# kernels (oneDNN's effective ISA, after ONEDNN_MAX_CPU_ISA; dnnl_gemm.h; 0 without oneDNN)
+cdef bint _split_exact = llmctl_dnnl_split_rows_exact()
 
 
 def forward_split_available():
     """Whether the oneDNN fp32 forward may cut its rows over the threads (set_forward_split_rows):
     where oneDNN runs its AVX-512 sgemm, whose row bits do not depend on the rows around them."""
-    return dnnl_built() and _split_allowed()
+    return _split_exact
 
 
 def set_forward_split_rows(int rows):
@@ -356,7 +349,7 @@ cdef int _matmul_forward_dnnl(float* out, const float* inp, const float* weight,
     # out (BT,OC) = inp (BT,C) @ weight (OC,C)^T [+ bias (OC)]
     cdef float beta = 0.0
     if (n_threads > 1 and SPLIT_MIN_ROWS * n_threads <= BT <= <Py_ssize_t>_split_rows_per_thread * n_threads
-            and _split_allowed()):
+            and _split_exact):
         # one single-threaded sgemm a thread on an even block of the rows (dnnl_gemm.h: why)
         return llmctl_dnnl_sgemm_rows(BT, OC, C, inp, weight, bias, out, n_threads)
     if bias != NULL:
