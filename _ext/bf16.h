@@ -3,8 +3,8 @@
  * bf16 is the top half of an IEEE float32 (1 sign, 8 exponent, 7 mantissa bits), stored as
  * uint16_t. Widening is exact (shift left 16). Narrowing rounds to nearest, ties to even, as
  * PyTorch's `.to(torch.bfloat16)` (c10::round_to_nearest_even) does: add 0x7FFF plus the
- * lowest kept bit, keep the top half; a NaN becomes the quiet NaN 0x7FC0. Written with integer
- * masks only, so gcc vectorises loops that call it and every vector width gives the same bits.
+ * lowest kept bit, keep the top half; a NaN becomes the quiet NaN 0x7FC0. Written in integer
+ * operations only, so gcc vectorises loops that call it and every vector width gives the same bits.
  */
 #ifndef LLMCTL_BF16_H
 #define LLMCTL_BF16_H
@@ -16,8 +16,9 @@ static inline uint16_t llmctl_f32_to_bf16(float x) {
     uint32_t u;
     memcpy(&u, &x, 4);
     uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    uint32_t is_nan = -(uint32_t)((u & 0x7FFFFFFFu) > 0x7F800000u);   /* all ones for a NaN */
-    return (uint16_t)((rounded & ~is_nan) | (0x7FC0u & is_nan));
+    /* a select, not and/or masks: gcc then blends once in 32-bit lanes and narrows once, where
+       the masks were narrowed one by one (1.5x the time of a loop that rounds) */
+    return (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)0x7FC0u : (uint16_t)rounded;
 }
 
 static inline float llmctl_bf16_to_f32(uint16_t h) {
