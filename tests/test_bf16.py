@@ -49,8 +49,8 @@ def to_bf16(x):
     hi = lo + 1                                     # next bf16 away from zero
     mag = lambda h: np.where((h & 0x7FFF) == 0x7F80, 2.0 ** 128,   # round to inf as if unbounded
                              np.abs((((h & 0x7FFF) << 16).astype(np.uint32)).view(np.float32).astype(np.float64)))
-    ax = np.abs(x.astype(np.float64))
-    with np.errstate(invalid="ignore"):   # NaN inputs: replaced below
+    with np.errstate(invalid="ignore"):   # NaN inputs (signalling ones warn as they widen): replaced below
+        ax = np.abs(x.astype(np.float64))
         d_lo, d_hi = ax - mag(lo), mag(hi) - ax
     pick_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (lo % 2 == 1))
     out = np.where(pick_hi, hi, lo).astype(np.uint16)
@@ -79,14 +79,24 @@ def test_cast_rounds_to_nearest_even_like_torch():
     # exact ties: bf16 values plus half an ulp (0x8000 in the dropped bits), both parities
     base = rng.integers(0, 0x7F00, 2000).astype(np.uint32) << 16
     x = np.concatenate([x, (base | 0x8000).view(np.float32), (base | 0x18000).view(np.float32)])
+    # NaNs of every sign and payload (quiet and signalling) all become the one quiet NaN
+    nans = np.array([0x7F800001, 0x7FBFFFFF, 0x7FC00000, 0x7FFFFFFF, 0xFF800001, 0xFFC12345], np.uint32)
+    x = np.concatenate([x, nans.view(np.float32)])
     got = np.empty(x.size, np.uint16)
-    for n in (1, 2):
-        convert.cast_to_bf16(got, x, n)
-        np.testing.assert_array_equal(got, to_bf16(x))
-    # the cases torch documents: ties to even, NaN to the quiet NaN, overflow of the max to inf
     t = np.array([1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, np.nan, 3.4028235e38], np.float32)
-    convert.cast_to_bf16(got[:4], t)
-    assert list(got[:4]) == [0x3F80, 0x3F82, 0x7FC0, 0x7F80]
+    try:
+        for level in range(convert.set_isa(-1) + 1):   # every copy this CPU runs (rows.h's)
+            assert convert.set_isa(level) == level
+            for n in (1, 2):
+                got[:] = 0
+                convert.cast_to_bf16(got, x, n)
+                np.testing.assert_array_equal(got, to_bf16(x), err_msg=f"copy {level}, {n} thread(s)")
+            assert set(got[-nans.size:].tolist()) == {0x7FC0}
+            # the cases torch documents: ties to even, NaN to the quiet NaN, overflow of the max to inf
+            convert.cast_to_bf16(got[:4], t)
+            assert list(got[:4]) == [0x3F80, 0x3F82, 0x7FC0, 0x7F80]
+    finally:
+        convert.set_isa(-1)
 
 
 def test_widen_is_exact_and_inverts_the_cast():
