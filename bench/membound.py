@@ -93,7 +93,7 @@ def kernels(BT, nt, repeated=False):
     x, dout, dres, out = f(n), f(n), f(n), np.empty(n, np.float32)
     out16 = np.empty(n, np.uint16)
     w, bias = f(C), f(C)
-    dw, db = np.zeros(C, np.float32), np.zeros(C, np.float32)
+    dw, db, dbn = np.zeros(C, np.float32), np.zeros(C, np.float32), np.zeros(C, np.float32)
     mean, rstd = np.empty(BT, np.float32), np.empty(BT, np.float32)
     layers.layernorm_forward(out, mean, rstd, x, w, bias, BT, C, nt)
     h, dh, dh_in, dfb = f(n4), f(n4), np.zeros(n4, np.float32), f(n4)
@@ -121,6 +121,11 @@ def kernels(BT, nt, repeated=False):
          lambda: layers.layernorm_forward_bf16(out16, mean, rstd, x, w, bias, BT, C, nt)),
         ("layernorm_backward", 16 * n,
          lambda: layers.layernorm_backward(dres, dw, db, dout, x, w, mean, rstd, BT, C, nt)),
+        # the bf16 backward's one pass: dinp += (read and written), its bf16 copy for the next
+        # GEMM and that GEMM's bias gradient, dweight and dbias
+        ("layernorm_backward_bf16 (+ bf16 dinp)", 18 * n,
+         lambda: layers.layernorm_backward_bf16(dres, dw, db, dout, x, w, mean, rstd, BT, C, nt,
+                                                dinp16=out16, dbias_next=dbn)),
         ("gelu_forward", 8 * n4, lambda: layers.gelu_forward(h_out, h, n4, nt)),
         ("gelu_forward_bf16", 6 * n4, lambda: layers.gelu_forward_bf16(h16, h, n4, nt)),
         ("gelu_backward", 16 * n4, lambda: layers.gelu_backward(dh_in, h, dh, n4, nt)),
