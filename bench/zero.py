@@ -104,9 +104,11 @@ def main():
     ap.add_argument("--rounds", type=int, default=2, help="runs of each -r level (default 2)")
     ap.add_argument("--alt-steps", type=int, default=3,
                     help="steps of each -r level alternating in this process (default 3)")
-    ap.add_argument("--only", choices=("zero", "recompute", "medium"),
-                    help="run one part; medium (not in the default run: minutes per step) is "
-                         "`-e d24` (GPT-2 medium's shape, 355M) at -b 4 -t 1024, 2 steps")
+    ap.add_argument("--only", choices=("zero", "recompute", "medium", "large"),
+                    help="run one part; medium and large (not in the default run: minutes per step) "
+                         "are `-e d24` (GPT-2 medium's shape, 355M) at -b 4 -t 1024 and `-e d36` "
+                         "(GPT-2 large's, 774M) at -b 1 -t 1024 in fp32 and, where bf16 is native, "
+                         "-b 4 in bf16, 2 steps each")
     a = ap.parse_args()
     d = a.dir = tempfile.mkdtemp(prefix="llmctl-bench-zero-")
     from llmctl.formats import write_datafile
@@ -127,7 +129,14 @@ def main():
     if a.only in (None, "recompute"):
         recompute_part(a, base, rows)
     if a.only == "medium":
-        medium_part(a, base, rows)
+        big_part(a, base, rows, "medium", "d24", "GPT-2 medium, 355M", "4x1024")
+    if a.only == "large":
+        big_part(a, base, rows, "large fp32", "d36", "GPT-2 large, 774M", "1x1024")
+        from llmctl._ext import matmul
+        if matmul.bf16_native():
+            big_part(a, base, rows, "large bf16", "d36", "GPT-2 large, 774M", "4x1024", "bf16")
+        else:
+            print("\n# d36 in bf16: not run (this CPU does not multiply bf16 natively)")
     print("\n" + json.dumps(rows))
     shutil.rmtree(d, ignore_errors=True)
 
@@ -203,17 +212,18 @@ def alternating_steps(a, levels):
     return ms
 
 
-def medium_part(a, base, rows):
-    """GPT-2 medium's shape (llm.c's d24 random init: the memory and time of fine-tuning the
-    pretrained gpt2-medium, whose download this bench avoids) at B=4, T=1024, 2 steps."""
-    a.model = "d24"
-    print(f"\n# d24 (GPT-2 medium, 355M), one process, --threads {a.threads}, B x T = 4x1024, 2 steps")
-    args = base("medium", "4x1024", "--threads", str(a.threads))
+def big_part(a, base, rows, key, desc, what, bt, precision="fp32"):
+    """One of GPT-2's larger shapes (llm.c's random init of it: the memory and time of fine-tuning
+    the pretrained model, whose download this bench avoids), 2 steps at the default -r."""
+    a.model = desc
+    print(f"\n# {desc} ({what}), one process, --threads {a.threads}, {precision}, B x T = {bt}, 2 steps")
+    out = key.replace(" ", "-")
+    args = base(out, bt, "--threads", str(a.threads), "--precision", precision)
     args[args.index("-x") + 1] = "2"
     peaks, _ = run(args, 1)
-    rec = records(os.path.join(a.dir, "medium"))
+    rec = records(os.path.join(a.dir, out))
     row = {"ms": [x["ms"] for x in rec], "peak_rss_gib": round(max(peaks.values()) / 2**30, 3)}
-    rows["medium"] = row
+    rows[key] = row
     print(f"ms/step {', '.join(f'{x:.0f}' for x in row['ms'])}; peak RSS {row['peak_rss_gib']:.2f} GiB")
 
 
