@@ -18,6 +18,7 @@ measurement.
 
     python bench/zero.py                          # d12; -z: B=1 T=256; -r: B=4 T=512
     python bench/zero.py --model d6 --only zero
+    python bench/zero.py --only large             # GPT-2 large's shape: minutes, ~16 GiB
 """
 import argparse
 import json
