@@ -1,5 +1,6 @@
-"""A Hugging Face Hub that cannot be reached, on 127.0.0.1 only, for the tests of what llmctl
-does online (HF_HUB_OFFLINE unset) on a machine without network (conftest's `dead_hub`)."""
+"""Hugging Face Hubs on 127.0.0.1 only, for the tests of what llmctl does online (HF_HUB_OFFLINE
+unset) on a machine without network: one that cannot be reached (conftest's `dead_hub`), and one
+that answers every request "not found" as the Hub does (NotFoundHub)."""
 
 
 class DeadHub:
@@ -39,3 +40,38 @@ class DeadHub:
 
     def heads(self):
         return [r for r in self.requests if r.startswith("HEAD ")]
+
+
+class NotFoundHub:
+    """An HF_ENDPOINT on 127.0.0.1 that answers every request 404 with the Hub's X-Error-Code
+    header ("RepoNotFound", "RevisionNotFound" or "EntryNotFound"), from which huggingface_hub's
+    own hf_raise_for_status picks its exception; records the request lines."""
+
+    def __init__(self, code):
+        import http.server
+        import threading
+
+        hub = self
+        self.code, self.requests = code, []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self):
+                hub.requests.append(self.requestline)
+                self.send_response(404)
+                self.send_header("X-Error-Code", hub.code)
+                self.send_header("X-Error-Message", f"{hub.code} (127.0.0.1 test hub)")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            do_HEAD = do_GET = _answer
+
+            def log_message(self, *args):
+                pass
+
+        self.srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.srv.server_address[1]}"
+        threading.Thread(target=self.srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    def close(self):
+        self.srv.shutdown()
+        self.srv.server_close()

@@ -605,6 +605,33 @@ def test_unreachable_hub_and_no_cache_is_one_error_at_once_naming_the_repo(dead_
     assert not (tmp_path / "c").exists()
 
 
+@pytest.mark.parametrize("code, spec, want", [
+    ("RepoNotFound", "hf:someone/no-such-gpt2", "someone/no-such-gpt2: no such model on the Hugging Face Hub"),
+    ("RevisionNotFound", "gpt2@v9", "openai-community/gpt2: no revision 'v9' on the Hugging Face Hub"),
+    ("EntryNotFound", "hf:someone/not-a-model", "someone/not-a-model: the repo has no config.json")])
+def test_a_hub_that_answers_not_found_is_one_error_naming_what(code, spec, want, tmp_path):
+    # the real huggingface_hub, online, against a Hub that answers as the Hub does for a mistyped
+    # repo, revision or a repo without a config: one error line and its hint, no traceback, no
+    # retries, nothing converted
+    from deadhub import NotFoundHub
+
+    hub = NotFoundHub(code)
+    try:
+        env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+        env.update(OMP_NUM_THREADS="1", HF_HOME=str(tmp_path / "empty"), HF_ENDPOINT=hub.url,
+                   LLMCTL_CACHE=str(tmp_path / "c"))
+        r = subprocess.run([sys.executable, "-m", "llmctl", "sample", "-e", spec, "-n", "2", "--threads", "1"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        hub.close()
+    assert_cli_error(r.stderr, 1, r.returncode, names=[want])
+    assert r.stdout == "" and "Retrying" not in r.stderr
+    # the file llmctl reads first, asked for once to see the Hub answers and once to download it
+    heads = [q for q in hub.requests if q.startswith("HEAD ")]
+    assert 1 <= len(heads) <= 2 and all("/resolve/" in q and "/config.json " in q for q in heads), hub.requests
+    assert not (tmp_path / "c").exists()
+
+
 def test_unreachable_hub_with_a_complete_cache_uses_the_cache(tiny, hub, dead_hub, tmp_path):
     from huggingface_hub import scan_cache_dir
 
