@@ -9,6 +9,8 @@ What it is:
 - `ignore_in_child()`: a rank or pool worker leaves Ctrl-C to its parent, which stops it.
 - `deliver_stop()`: a coordinated stop that arrived over a channel (the launcher's) is handed to
   the StopRequest of this process as if Ctrl-C had been pressed here.
+- `held()`: a block a Ctrl-C must not split (a file renamed into place and the record that says
+  so): a SIGINT inside it is delivered, to whatever handler was there, when the block ends.
 - `say(text)`: the one "Interrupted: ..." line on stderr; EXIT_CODE (130, 128 + SIGINT) is the
   exit code of every interrupted command.
 
@@ -91,6 +93,22 @@ def deliver_stop():
         signal.raise_signal(signal.SIGINT)
         return True
     return False
+
+
+@contextlib.contextmanager
+def held():
+    """See the module doc. Off the main thread, where no handler can be set, it holds nothing."""
+    if not _on_main_thread():
+        yield
+        return
+    caught = []
+    prev = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, prev)
+        if caught:
+            signal.raise_signal(signal.SIGINT)
 
 
 def say(text, lead=False):

@@ -42,3 +42,20 @@ def test_the_interrupted_line_and_exit_code(capsys):
     interrupt.say("nothing was written.", lead=True)  # stderr is not a terminal here: no lead
     assert capsys.readouterr().err == "Interrupted: nothing was written.\n"
     assert interrupt.EXIT_CODE == 128 + signal.SIGINT
+
+
+def test_a_ctrl_c_inside_a_held_block_arrives_when_the_block_ends():
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with interrupt.held():
+            signal.raise_signal(signal.SIGINT)
+            done.append("rest of the block")
+    assert done == ["rest of the block"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with interrupt.StopRequest() as stop:  # the handler that was there gets it, not a bare raise
+        with interrupt.held():
+            signal.raise_signal(signal.SIGINT)
+            assert not stop.requested
+        assert stop.requested and stop.count == 1
+    with interrupt.held():
+        pass  # nothing pressed: nothing delivered

@@ -8,6 +8,7 @@ encoding with tiktoken's own loader from the local BPE files, and pack headers w
 import http.server
 import json
 import os
+import signal
 import struct
 import sys
 import threading
@@ -565,6 +566,23 @@ def test_interrupted_write_leaves_no_bin(tmp_path, stories, monkeypatch):
     names = sorted(os.listdir(tmp_path / "k"))
     assert names and not no_partial_files(tmp_path / "k")
     assert all(len(read_shard(tmp_path / "k" / n)) == 500 for n in names)
+
+
+def test_ctrl_c_just_after_a_shard_is_renamed_still_names_that_shard(tmp_path, stories, monkeypatch):
+    text, _, _ = stories
+    real_replace = os.replace
+    renamed = []
+
+    def replace_then_ctrl_c(a, b):
+        real_replace(a, b)
+        renamed.append(os.path.basename(b))
+        signal.raise_signal(signal.SIGINT)  # between the rename and the writer's record of it
+
+    monkeypatch.setattr(os, "replace", replace_then_ctrl_c)
+    with pytest.raises(writer_mod.ShardsInterrupted) as e:
+        writer_mod.write_sharded(iter([text * 5]), tmp_path / "k", lambda s, i: f"k_{s}_{i:06d}.bin", 500)
+    assert renamed == ["k_val_000000.bin"] and sorted(os.listdir(tmp_path / "k")) == renamed
+    assert "kept 1 complete shard(s): k_val_000000.bin" in e.value.kept
 
 
 def test_cli_text_json(tmp_path, stories, capsys):

@@ -203,11 +203,13 @@ class ShardWriter:
 
     def _flush(self):
         from llmctl.formats import write_datafile
+        from llmctl.interrupt import held
 
         split = "val" if self.index == 0 else "train"
         path = os.path.join(self.out_dir, self.name_fn(split, self.index))
-        write_datafile(path, self.buf[:self.count], kind=self.kind)
-        self.written.append({"path": path, "split": split, "tokens": int(self.count)})
+        with held():  # a Ctrl-C after the rename must still find the shard in `written`
+            write_datafile(path, self.buf[:self.count], kind=self.kind)
+            self.written.append({"path": path, "split": split, "tokens": int(self.count)})
         self.index += 1
         self.count = 0
         cap = self._capacity()
