@@ -191,6 +191,71 @@ def test_recompute_auto_level_3_in_bf16_and_weights_lent_between_steps(monkeypat
     assert m.ops.held is None
 
 
+class _CountingConvert:
+    """The model's convert module, counting the casts whose source is one of `params`."""
+
+    def __init__(self, real, params):
+        self.real, self.params, self.casts = real, params, 0
+
+    def cast_to_bf16(self, dst, src, nt):
+        self.casts += np.shares_memory(src, self.params)
+        return self.real.cast_to_bf16(dst, src, nt)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_level_3_backward_reads_the_weights_its_forward_parked_in_spent_gradients(micro, monkeypatch):
+    # bf16 -r 3 as the trainer runs it (zero_grad(lazy=True), forward(loss_scale=), backward,
+    # update(zero_grads=True)): the forward casts layer l >= 1's weights into layer l-1's spent
+    # weight-gradient rows, the backward reads them there and casts none; bit for bit -r 2. A
+    # second micro-step (live gradients), or a plain zero_grad() between forward and backward
+    # (zeroed gradients), casts each layer's weights again in the backward, as before.
+    from llmctl._ext import matmul
+
+    if not matmul.bf16_native():
+        monkeypatch.setenv("LLMCTL_BF16_EMULATE", "1")
+    cfg = GPT2Config(max_seq_len=16, vocab_size=100, padded_vocab_size=128, num_layers=3, num_heads=4,
+                     channels=32)
+    m = GPT2(cfg, n_threads=1, precision="bf16", recompute=3)
+    base = GPT2(cfg, n_threads=1, precision="bf16", recompute=2)
+    base.params[:] = R.params_to_flat(R.random_params(cfg, 5, 0.1), cfg)
+    m.params[:] = base.params
+    for x in (m, base):
+        x.params_changed()
+    count = m.kernels.convert = _CountingConvert(m.kernels.convert, m.params)
+    batches = [_batch(2, 9, seed=20 + k) for k in range(micro)]
+    ctx = _batch(1, 5, seed=30)[0]
+    for step in (1, 2, 3):
+        casts = []
+        for x in (m, base):
+            x.zero_grad(lazy=True)
+            x.losses_seen = []
+            for k, (ids, tg) in enumerate(batches):
+                x.losses_seen.append(x.forward(ids, tg, loss_scale=1.0 / micro))
+                if step == 2:   # a cached forward in between reads the parked weights too
+                    x.between = x.forward_cached(KVCache(cfg, 1, 8), ctx)
+                if step == 3 and k == 0:
+                    x.zero_grad()
+                before = count.casts
+                x.backward(loss_scale=1.0 / micro)
+                casts.append(count.casts - before)
+            x.grads_seen = x.grads.copy()
+            x.after = x.forward_cached(KVCache(cfg, 1, 8), ctx)   # the rows hold gradients again
+            x.update(1e-3, 0.9, 0.95, 1e-8, 0.1, 1.0, step, zero_grads=True)
+        assert m.losses_seen == base.losses_seen
+        assert m.grads_seen.tobytes() == base.grads_seen.tobytes()
+        assert m.params.tobytes() == base.params.tobytes()
+        assert m.after.tobytes() == base.after.tobytes()
+        if step == 2:
+            assert m.between.tobytes() == base.between.tobytes()
+        L = cfg.num_layers
+        # the layer buffer holds layer L-1 after an unparked forward, layer 0 after a parked one
+        want = [4 * L if step == 3 else 0] + [4 * (L - 1)] * (micro - 1)
+        assert casts[:micro] == want, (step, casts)
+
+
 def test_recompute_level_checked():
     with pytest.raises(ConfigError, match="recompute must be"):
         GPT2(CFG, n_threads=1, recompute=4)

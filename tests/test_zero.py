@@ -355,7 +355,8 @@ def test_ring_reduce_scatter_with_a_lost_member_is_a_clear_error():
 
 def test_recompute_levels_train_the_same_bits(run_dir):
     """-r 2 (llm.c's GELU + layernorms) and -r 3 (llmctl's: also the attention residual) train
-    the same losses and weights as -r 0 (every level and both precisions: tests/test_model.py's
+    the same losses and weights as -r 0 (and bf16 -r 3 as bf16 -r 2 with two ranks and two
+    micro-steps) (every level and both precisions: tests/test_model.py's
     test_recompute_modes_agree); -r 4 is one error."""
     d = run_dir
     for lvl in ("0", "2", "3"):
@@ -364,5 +365,14 @@ def test_recompute_levels_train_the_same_bits(run_dir):
     for lvl in ("2", "3"):
         assert train_losses(d / f"r{lvl}") == train_losses(d / "r0")
         assert (d / f"r{lvl}/model_00000003.bin").read_bytes() == (d / "r0/model_00000003.bin").read_bytes()
+    # bf16 -r 3 parks each layer's weights in spent gradient rows between its forward and backward
+    # (GPT2.forward): two ranks over shm, two micro-steps a step (only the first parks)
+    env = bf16_env()
+    for lvl in ("2", "3"):
+        r = _cli(_args(d, f"bf16-r{lvl}", "--precision", "bf16", "-r", lvl, "--nproc", "2",
+                       "-d", str(2 * 2 * B * T)), env=env)
+        assert r.returncode == 0, r.stderr
+    assert train_losses(d / "bf16-r3") == train_losses(d / "bf16-r2")
+    assert (d / "bf16-r3/model_00000004.bin").read_bytes() == (d / "bf16-r2/model_00000004.bin").read_bytes()
     bad = _cli(_args(d, "r4", "-r", "4"))
     assert bad.returncode == 2 and "recompute (-r) must be 0, 1, 2 or 3" in bad.stderr and "Hint:" in bad.stderr

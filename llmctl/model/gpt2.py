@@ -662,6 +662,10 @@ class GPT2:
                              "and keep_activations=True")
         self._lmhead_grad_scale = None
         self.ops.release()   # the fc buffer may hold the weights a cached forward read (_lend_weights)
+        if keep and tg is not None and self.grads_spent:
+            self.ops.park(self.g)   # level 3: the backward reads the layers' weights where this casts them
+        else:
+            self.ops.unpark()
         self._sync_bf16()
         self._ensure_acts(BT, L if keep else 1)
         a, p = self._acts, self.p
@@ -841,6 +845,7 @@ class GPT2:
             raise ValueError(f"bind_grads needs a writable 1-D C-contiguous float32 array of "
                              f"{self.num_parameters} (num_parameters), got {got}")
         self._fill_spent()
+        self.ops.unpark()
         if b is not self.grads:
             b[:] = self.grads
         self.grads = b
@@ -860,6 +865,7 @@ class GPT2:
         spent, with no pass over them: the next forward(loss_scale=)/backward() overwrites them,
         with the bits of adding into zeros, and until then they read as junk (update() and
         grad_norm() fill them first). fp32 fills (llm.c's kernels accumulate)."""
+        self.ops.unpark()   # weights a forward parked in spent gradients are cast again by backward()
         if lazy and self.ops.first_write and not self.grads_known_zero:
             self.grads_spent = True
         elif not self.grads_known_zero:
@@ -872,6 +878,7 @@ class GPT2:
     def _fill_spent(self):
         """Spent grads read by something other than a backward: the zeros they stand for."""
         if self.grads_spent:
+            self.ops.unpark()
             self.kernels.layers.zero_fill(self.grads, self.n_threads)
             self.grads_spent, self._overwrite, self.grads_known_zero = False, set(), True
 
@@ -908,6 +915,7 @@ class GPT2:
             cast = self._block_backward(l, self._layer_acts(l, BT, True), B, T, cast)
         Ly.encoder_backward(g["wte"].reshape(-1), g["wpe"].reshape(-1), dres, self._ids.reshape(-1), B, T, C, nt)
         self._overwrite = set()
+        self.ops.unpark()
 
     def _lmhead_grad(self, BT, loss_scale, blocks, losses=None):
         """dlnf (the scratch's dsmall, B*T*C) = d(loss_scale * mean loss)/d(lnf), and the lm head's

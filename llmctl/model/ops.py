@@ -86,6 +86,12 @@ class Fp32Ops:
     def release(self):
         pass
 
+    def park(self, grads):
+        return False
+
+    def unpark(self):
+        pass
+
     def params_changed(self):
         pass
 
@@ -186,6 +192,7 @@ class Bf16Ops(Fp32Ops):
         super().__init__(k, params, engine)
         self.pb = params_bf16
         self.lw, self.lw_layer, self.held, self.held_buf = None, -1, None, None
+        self.slots, self.parked = None, set()   # park()'s gradient rows, the layers cast there
         self._lw_offs = None   # (buffer key, offsets): layer_weights_in's last answer
         # decode's one-row products run on OpenMP's threads (gemv_bf16.h, oneDNN), or, emulated
         # on fp32 sgemm ("blas") where this CPU has no copy of the GEMV, on the BLAS's own
@@ -196,13 +203,14 @@ class Bf16Ops(Fp32Ops):
         """From now on params_bf16 (dict name -> bf16 copy) holds wte (the lm head's) and wpe only, and
         each layer's weights are cast from the fp32 parameters into one layer's buffer as the layer
         runs (cast_layer), forward and backward (recompute level 3: less memory, a cast pass per
-        layer run)."""
+        layer run; the backward's are saved where the gradients are spent: park)."""
         self.pb = params_bf16
         if self.lw is None:
             sizes = [self.p[n][0].size for n in self.LAYER_WEIGHTS]
             buf, off = np.zeros(sum(sizes), np.uint16), np.cumsum([0] + sizes)
             self.lw = {n: buf[off[i]:off[i + 1]] for i, n in enumerate(self.LAYER_WEIGHTS)}
         self.lw_layer = -1
+        self.unpark()
 
     def hold(self, buf, nt):
         """Layer weights: cast every layer's into buf (uint16, its contents dead until release())
@@ -229,6 +237,23 @@ class Bf16Ops(Fp32Ops):
         """The buffer hold() was lent is about to be written: stop reading weights there."""
         self.held = self.held_buf = None
 
+    def park(self, grads):
+        """For the training forward about to run, whose backward overwrites every layer's weight
+        gradients (spent gradients): layer l >= 1 casts its weights into layer l-1's gradient rows
+        (grads: name -> (L, ...) fp32 views), half their bytes, instead of the layer buffer, which
+        keeps layer 0's. Those rows are junk until layer l-1's backward writes them, which comes
+        after layer l's backward has read its weights there, so the backward casts nothing.
+        -> whether it parks (only with the layers casting their own weights, none lent)."""
+        self.unpark()
+        if self.lw is None or self.held is not None:
+            return False
+        self.slots = {n: grads[n] for n in self.LAYER_WEIGHTS}
+        return True
+
+    def unpark(self):
+        """The gradient rows park() used are written or read as gradients from now on."""
+        self.slots, self.parked = None, set()
+
     def layer_weights_in(self, params_bf16):
         """(buf, offsets) of every layer's matmul weights in one bf16 buffer, as decode.pyx reads
         them: offsets (L, 4) int64 in elements, the columns LAYER_WEIGHTS; buf the loan of hold()
@@ -254,6 +279,8 @@ class Bf16Ops(Fp32Ops):
             return (self.pb[name] if l is None else self.pb[name][l]).reshape(-1)
         if self.held is not None:
             return self.held[l][name]
+        if l in self.parked:
+            return self._slot(name, l)
         if self.lw_layer != l:
             raise RuntimeError(f"bf16 weights of layer {l} requested, the layer buffer holds layer "
                                f"{self.lw_layer}: call cast_layer({l}) first")
@@ -263,14 +290,24 @@ class Bf16Ops(Fp32Ops):
         """Layer l's weights cast to bf16 into the layer buffer (the same rounding as AdamW's
         copy), unless it holds them already (the last layer of a forward is the first of the
         backward) or every layer's are held."""
-        if self.lw is not None and self.held is None and self.lw_layer != l:
+        if self.lw is None or self.held is not None or l in self.parked:
+            return
+        if self.slots is not None and l > 0:
+            for n in self.LAYER_WEIGHTS:
+                self.k.convert.cast_to_bf16(self._slot(n, l), self.p[n][l].reshape(-1), nt)
+            self.parked.add(l)
+        elif self.lw_layer != l:
             self.lw_layer = -1
             for n in self.LAYER_WEIGHTS:
                 self.k.convert.cast_to_bf16(self.lw[n], self.p[n][l].reshape(-1), nt)
             self.lw_layer = l
 
+    def _slot(self, name, l):
+        return self.slots[name][l - 1].reshape(-1).view(np.uint16)[:self.lw[name].size]
+
     def params_changed(self):
         self.lw_layer, self.held, self.held_buf = -1, None, None
+        self.unpark()
 
     def layernorm(self, out, mean, rstd, x, w, b, N, C, nt, residual=None):
         self.k.layers.layernorm_forward_bf16(out, mean, rstd, x, w, b, N, C, nt, residual=residual)
