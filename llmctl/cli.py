@@ -875,8 +875,8 @@ def _sample_printers(prompt, num_samples, tty, json_out):
             sys.stdout.write(escape_controls(prompt) if tty else prompt)
 
     def on_sample_end(i, result):
-        if json_out:
-            print(json.dumps(result))
+        if json_out:   # one write: a Ctrl-C cannot fall between a sample's line and its newline
+            sys.stdout.write(json.dumps(result) + "\n")
         else:
             sys.stdout.write("\n")
         sys.stdout.flush()

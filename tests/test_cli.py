@@ -67,6 +67,7 @@ def test_ctrl_c_during_sample_json_says_the_lines_printed_are_whole_samples(tmp_
     code, out, err = _interrupt(p)
     assert code == 130, err
     lines = [first.decode()] + out.splitlines()
+    assert out == "" or out.endswith("\n")   # every line ends where a reader of lines sees it
     assert all(len(json.loads(ln)["tokens"]) <= 2 for ln in lines if ln.strip())
     assert "Interrupted: each JSON line above is a complete sample" in err and "Traceback" not in err
     assert "the text above" not in err
