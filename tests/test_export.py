@@ -208,6 +208,27 @@ def test_force_replaces_an_earlier_export(ckpt, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["hf"]
 
 
+def test_ctrl_c_between_the_renames_of_force_loses_neither_export(ckpt, tmp_path, monkeypatch):
+    import signal
+
+    out = tmp_path / "hf"
+    export_checkpoint(ckpt[0], out)
+    (out / "config.json").write_text("{}")
+    real_replace = os.replace
+
+    def replace_then_ctrl_c(a, b):
+        real_replace(a, b)
+        if Path(a) == out.resolve():   # the earlier export moved aside, the new one not yet in
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(os, "replace", replace_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt) as e:
+        export_checkpoint(ckpt[0], out, force=True)
+    assert json.loads((out / "config.json").read_text())["n_layer"] == 2
+    assert sorted(os.listdir(tmp_path)) == ["hf"]
+    assert e.value.kept == f"the export was complete: {out}"
+
+
 def test_failed_write_leaves_no_out_dir(ckpt, tmp_path, monkeypatch):
     import llmctl.tokenizer as tokenizer_mod
 

@@ -21,6 +21,7 @@ from llmctl.errors import DataError, FormatError, LlmctlError, missing_dependenc
 from llmctl.constants import GPT2_EOT, GPT2_VOCAB_SIZE
 from llmctl.formats import read_checkpoint_params
 from llmctl.hf.convert import config_from_header, hf_tensors
+from llmctl.interrupt import held
 
 EOT_TEXT = "<|endoftext|>"
 MODEL_FILES = ("config.json", "model.safetensors", "generation_config.json")
@@ -128,6 +129,7 @@ def export_checkpoint(checkpoint, out_dir, force=False):
     _check_out_dir(out, force)
     parent = out.resolve().parent
     tmp = parent / f".{out.name}.tmp-{os.getpid()}"
+    placed = False
     try:
         parent.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
@@ -147,10 +149,14 @@ def export_checkpoint(checkpoint, out_dir, force=False):
         mode = stat.S_IMODE(os.stat(tmp / "config.json").st_mode)
         for name in os.listdir(tmp):
             os.chmod(tmp / name, mode)
-        _move_into_place(tmp, out, parent)
+        with held():   # a Ctrl-C between the renames would leave an earlier export hidden
+            _move_into_place(tmp, out, parent)
+            placed = True
     except BaseException as e:
         with contextlib.suppress(OSError):
             shutil.rmtree(tmp)
+        if placed and isinstance(e, KeyboardInterrupt):   # held() delivered it after the renames
+            e.kept = f"the export was complete: {out}"
         if isinstance(e, OSError):
             raise DataError(f"{out}: cannot write the export: {e.strerror or e}",
                             "check that the directory is writable and the disk has room") from None
