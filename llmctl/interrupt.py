@@ -97,8 +97,9 @@ def deliver_stop():
 
 @contextlib.contextmanager
 def held():
-    """See the module doc. Off the main thread, where no handler can be set, it holds nothing."""
-    if not _on_main_thread():
+    """See the module doc. Off the main thread, where no handler can be set, or where SIGINT's
+    handler was not installed from Python (it could not be put back), it holds nothing."""
+    if not _on_main_thread() or signal.getsignal(signal.SIGINT) is None:
         yield
         return
     caught = []
