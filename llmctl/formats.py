@@ -850,6 +850,12 @@ def read_state_file(path, num_parameters=None):
                      shard_indices=shard_indices, intra_shard_indices=intra, mt_state=mt_state)
 
 
+def read_state_header(path):
+    """The checked header of a state file, nothing past it: (num_processes, process_rank,
+    use_master_weights, should_shuffle, step)."""
+    return _check_state_header(path, _read_header(path, "state file")[0])
+
+
 def _check_state_header(path, h):
     """The state header's fields that must hold; -> (nproc, rank, master, shuffle, step)."""
     if h[0] != STATE_MAGIC:
@@ -937,7 +943,8 @@ def _find_shuffled_tail(path, u, end, k):
                 return j // k, ns, nsamp, j, js
     _fail(path, "cannot locate the shuffled dataloader state (shard and sample index arrays) "
                 "in the file: truncated or corrupt?",
-          "pass num_parameters to read_state_file to check the layout exactly")
+          "with the model_NNNNNNNN.bin of the same step beside it, `llmctl inspect-bin` says where "
+          "it breaks; resume from an earlier step's checkpoint and state, or start over")
 
 
 # ---------------------------------------------------------------------------------------------

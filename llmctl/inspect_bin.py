@@ -187,10 +187,17 @@ def _sibling_model(path):
 
 
 def _inspect_state(path, res, num_parameters):
-    s = F.read_state_file(path, num_parameters)
+    P, model = _sibling_model(path) if num_parameters is None else (None, None)
+    try:
+        s = F.read_state_file(path, num_parameters)
+    except LlmctlError:
+        if P is None or F.read_state_header(path)[0] != 1:
+            raise
+        # a shuffled state the search from the end could not place: the layout of the model's P
+        # parameters holds, or says where it breaks (a ZeRO-1 rank's shard: P unknown here)
+        s = F.read_state_file(path, P)
     if num_parameters is None:
         # the file size alone defines the count; cross-check it against the checkpoint of the same step
-        P, model = _sibling_model(path)
         if P is not None:
             res["model_file"] = model
             ok = {P} | ({P // s.num_processes} if P % s.num_processes == 0 else set())  # ZeRO-1 shards

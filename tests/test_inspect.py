@@ -137,6 +137,26 @@ def test_state_file_checked_against_sibling_model(tmp_path, valid_files):
         "expected 2,784 bytes of optimizer state for 348 parameters, found 2,776"
 
 
+def test_damaged_shuffled_state_is_placed_by_its_sibling_model(tmp_path, valid_files):
+    # a shuffled state's index arrays are searched for from the end of the file; when the search
+    # fails, the model_ of the same step gives the exact layout and so the exact reason
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    state = open(valid_files["state"], "rb").read()
+    (d / "state_00000040_00000.bin").write_bytes(state[:-3000])
+    r = inspect_file(d / "state_00000040_00000.bin")
+    assert not r["valid"] and r["problem"].startswith("cannot locate the shuffled dataloader state")
+    assert "model_NNNNNNNN.bin of the same step" in r["hint"]
+    (d / "model_00000040.bin").write_bytes(open(valid_files["checkpoint"], "rb").read())
+    r = inspect_file(d / "state_00000040_00000.bin")
+    assert not r["valid"]
+    need = F.HEADER_BYTES + 3 * 4 * 348 + 16 + F.MT19937_STATE_BYTES   # m, v, master; two counts; the RNG
+    assert r["problem"] == (f"expected at least {need:,} bytes for 348 parameters and a "
+                            f"shuffled dataloader state, found {len(state) - 3000:,}: file truncated?")
+    (d / "state_00000040_00000.bin").write_bytes(state)   # whole again: valid
+    assert inspect_file(d / "state_00000040_00000.bin")["valid"]
+
+
 def test_decode_uses_gpt2_tokenizer(tmp_path):
     tok = tkz.get_tokenizer()
     ids = [tok.eot] + tok.encode_ordinary("First Citizen:\nBefore we proceed any further, hear me speak.")
