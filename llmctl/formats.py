@@ -943,8 +943,8 @@ def _find_shuffled_tail(path, u, end, k):
                 return j // k, ns, nsamp, j, js
     _fail(path, "cannot locate the shuffled dataloader state (shard and sample index arrays) "
                 "in the file: truncated or corrupt?",
-          "with the model_NNNNNNNN.bin of the same step beside it, `llmctl inspect-bin` says where "
-          "it breaks; resume from an earlier step's checkpoint and state, or start over")
+          "with the model_NNNNNNNN.bin of the same step beside it, `llmctl inspect-bin` says where a "
+          "single-process run's state breaks; resume from an earlier step's checkpoint and state, or start over")
 
 
 # ---------------------------------------------------------------------------------------------
