@@ -19,7 +19,7 @@ import re
 
 import pytest
 from conftest import require
-from variant_build import build, child_python, run_kernel_tests
+from variant_build import ISA_EXTS, build, child_python, run_kernel_tests
 
 
 def _skip_reason():
@@ -40,9 +40,9 @@ def emulated_build(tmp_path_factory):
     why = _skip_reason()
     if why:
         pytest.skip(why)
-    # every extension: the AVX-512 copies sit in most of them (rows.h alone in four), and
-    # buildinfo says which build this is
-    return build(tmp_path_factory.mktemp("simde"), {"LLMCTL_SIMDE_AVX512": "1"})
+    # every extension with AVX-512 copies (rows.h alone is in four), and buildinfo, which says
+    # which build this is
+    return build(tmp_path_factory.mktemp("simde"), {"LLMCTL_SIMDE_AVX512": "1"}, exts=ISA_EXTS)
 
 
 @pytest.mark.slow

@@ -6,12 +6,12 @@ is in the "default" result class, so it must give test_attention.py's pinned "de
 bit-level contract of attention_kernels.h, checked where the vector sets are not compiled at all.
 """
 import pytest
-from variant_build import build, child_python, run_kernel_tests
+from variant_build import ISA_EXTS, build, child_python, run_kernel_tests
 
 
 @pytest.fixture(scope="module")
 def portable_build(tmp_path_factory):
-    return build(tmp_path_factory.mktemp("portable"), {"LLMCTL_PORTABLE": "1"})
+    return build(tmp_path_factory.mktemp("portable"), {"LLMCTL_PORTABLE": "1"}, exts=ISA_EXTS)
 
 
 @pytest.mark.slow
