@@ -55,9 +55,12 @@ def env_for(ext_dir):
 def run_kernel_tests(ext_dir, xml, tests=KERNEL_TESTS, timeout=1200):
     """pytest on `tests` in a child that loads the build in ext_dir -> (the child's CompletedProcess,
     the ids that passed, the ids that were skipped), ids as "module::test[params]"."""
+    # run from xml's directory, not the checkout: `python -m` puts its directory first on sys.path,
+    # and the checkout's llmctl has no modules beside a non-editable install's (the ones the
+    # build left out come from the installed llmctl)
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}",
                         "--rootdir", str(REPO)] + [str(REPO / "tests" / t) for t in tests],
-                       capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env_for(ext_dir))
+                       capture_output=True, text=True, timeout=timeout, cwd=xml.parent, env=env_for(ext_dir))
     passed, skipped = set(), set()
     if xml.exists():
         for case in ET.parse(xml).getroot().iter("testcase"):
