@@ -12,8 +12,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 # the extensions with a copy of their kernels per instruction set (or a portable C one); the
-# others (decode, randinit, reduce, sampler, shards, tokens) compile to the same code in every
-# variant but the serial one, and a child of a build without them imports the installed ones
+# others (decode, randinit, reduce, sampler, shards, tokens) have no code that the portable or
+# SIMDe switches select, and a child of a build without them imports the installed ones
 ISA_EXTS = "adamw,attention,buildinfo,convert,kvcache,layers,matmul"
 # the kernel tests that are parametrised over instruction sets or read the build's copies
 KERNEL_TESTS = ["test_attention.py", "test_attention_bf16.py", "test_kernels.py", "test_bf16.py", "test_sample.py"]
