@@ -178,6 +178,9 @@ def onednn_build_args(openmp):
     return [("LLMCTL_DNNL_BUILD", "0")], [], []
 
 
+SHARED_UTILITY = "llmctl._ext._cyutility"
+
+
 def _build_jobs():
     value = os.environ.get("LLMCTL_BUILD_JOBS", "").strip()
     if not value:
@@ -262,6 +265,10 @@ def main():
             )
         )
 
+    # Cython's utility code (typed memoryviews above all) in one module the others import: each
+    # module's C is then a third of its size, and the build compiles it once instead of 13 times
+    extensions.append(Extension(SHARED_UTILITY, [os.path.join("_ext", "_cyutility.c")], include_dirs=["_ext"] + simde,
+                                extra_compile_args=compile_args, extra_link_args=link_args))
     jobs = _build_jobs()
     setup(
         ext_modules=cythonize(
@@ -269,6 +276,7 @@ def main():
             compiler_directives=directives,
             include_path=["_ext"],
             nthreads=jobs if jobs > 1 else 0,
+            shared_utility_qualified_name=SHARED_UTILITY,
         ),
         cmdclass={"build_ext": BuildExt},
     )

@@ -109,7 +109,7 @@ def test_build_under_fail_no_openmp_has_a_working_openmp(tmp_path):
     shutil.copy2(REPO / "setup.py", src / "setup.py")
     shutil.copytree(REPO / "_ext", src / "_ext", ignore=shutil.ignore_patterns("*.so", "build"))
     build = tmp_path / "build"
-    env = dict(os.environ, LLMCTL_FAIL_NO_OPENMP="1", LLMCTL_EXTS="buildinfo")
+    env = dict(os.environ, LLMCTL_FAIL_NO_OPENMP="1", LLMCTL_EXTS="buildinfo", LLMCTL_QUICK="1")
     env.pop("LLMCTL_NO_OPENMP", None)
     r = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "-b", str(build),
                         "-t", str(tmp_path / "tmp")], cwd=src, env=env, capture_output=True,

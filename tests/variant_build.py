@@ -40,8 +40,10 @@ def build(root, switches, exts=None, timeout=900):
                        cwd=src, env=env, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, r.stderr[-3000:]
     ext_dir = out / "llmctl" / "_ext"
-    want = len(exts.split(",")) if exts else len(list((REPO / "_ext").glob("*.pyx")))
+    # and Cython's shared utility module, which every module imports (setup.py's SHARED_UTILITY)
+    want = 1 + (len(exts.split(",")) if exts else len(list((REPO / "_ext").glob("*.pyx"))))
     assert len(list(ext_dir.glob("*.so"))) == want, list(ext_dir.iterdir())
+    assert len(list(ext_dir.glob("_cyutility.*"))) == 1, list(ext_dir.iterdir())
     return ext_dir
 
 
