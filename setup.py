@@ -267,7 +267,8 @@ def main():
 
     # Cython's utility code (typed memoryviews above all) in one module the others import: each
     # module's C is then a third of its size, and the build compiles it once instead of 13 times
-    extensions.append(Extension(SHARED_UTILITY, [os.path.join("_ext", "_cyutility.c")], include_dirs=["_ext"] + simde,
+    extensions.append(Extension(SHARED_UTILITY, [os.path.join("_ext", "_cyutility.c")],
+                                include_dirs=["_ext"] + simde,
                                 extra_compile_args=compile_args, extra_link_args=link_args))
     jobs = _build_jobs()
     setup(
