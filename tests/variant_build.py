@@ -19,17 +19,18 @@ ISA_EXTS = "adamw,attention,buildinfo,convert,kvcache,layers,matmul"
 KERNEL_TESTS = ["test_attention.py", "test_attention_bf16.py", "test_kernels.py", "test_bf16.py", "test_sample.py"]
 
 
-def build(root, switches, exts=None, timeout=900):
-    """Build the extensions (all, or the comma-separated `exts`) under root with the environment
-    variables `switches` set -> the directory of the built llmctl._ext modules.
+def build(root, switches, exts=None, timeout=900, source=REPO):
+    """Build the extensions (all, or the comma-separated `exts`) of the tree `source` (this
+    checkout, or an unpacked sdist) under root with the environment variables `switches` set ->
+    the directory of the built llmctl._ext modules.
 
     At -O1 (LLMCTL_QUICK): these builds serve tests, and compile in half the time. The tree's
     Cython-generated .c files come along with their times, so cythonize regenerates only those
     older than their .pyx or its dependencies: the switches here act on the C compiler only."""
     src = root / "src"
     src.mkdir()
-    shutil.copy2(REPO / "setup.py", src / "setup.py")
-    shutil.copytree(REPO / "_ext", src / "_ext", ignore=shutil.ignore_patterns("*.so", "build"))
+    shutil.copy2(source / "setup.py", src / "setup.py")
+    shutil.copytree(source / "_ext", src / "_ext", ignore=shutil.ignore_patterns("*.so", "build"))
     out, tmp = root / "build", root / "tmp"
     env = {k: v for k, v in os.environ.items() if k != "LLMCTL_EXTS"}
     env["LLMCTL_QUICK"] = "1"
@@ -41,7 +42,7 @@ def build(root, switches, exts=None, timeout=900):
     assert r.returncode == 0, r.stderr[-3000:]
     ext_dir = out / "llmctl" / "_ext"
     # and Cython's shared utility module, which every module imports (setup.py's SHARED_UTILITY)
-    want = 1 + (len(exts.split(",")) if exts else len(list((REPO / "_ext").glob("*.pyx"))))
+    want = 1 + (len(exts.split(",")) if exts else len(list((source / "_ext").glob("*.pyx"))))
     assert len(list(ext_dir.glob("*.so"))) == want, list(ext_dir.iterdir())
     assert len(list(ext_dir.glob("_cyutility.*"))) == 1, list(ext_dir.iterdir())
     return ext_dir
